@@ -1,0 +1,29 @@
+# Every target creates its own virtualenv from pinned versions; nothing else is needed
+# beyond Python 3.11+ and a C compiler (for the simulated NVML library).
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+
+.PHONY: venv demo test lint bench clean
+
+$(VENV)/.installed: pyproject.toml requirements/lock.txt
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --disable-pip-version-check -c requirements/lock.txt -e '.[test]'
+	touch $@
+
+venv: $(VENV)/.installed
+
+demo: venv
+	$(PY) -m scripts.demo
+
+lint: venv
+	$(PY) -m ruff check .
+
+test: venv lint
+	$(PY) -m pytest
+
+bench: venv
+	$(PY) -m bench.run_all
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis .gpufence-cache
