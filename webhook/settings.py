@@ -1,0 +1,95 @@
+"""Typed inputs of the pure mutation core.
+
+``InjectionSettings`` is everything the operator configures with flags (built by ``webhook.cli``);
+``NamespaceInfo`` is what the core needs to know of the pod's namespace (served by
+``webhook.namespaces`` from a watch cache, or a fixed answer outside a cluster). Neither does I/O.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Protocol
+
+from enforcer.config import (
+    DEFAULT_GRACE_PERIOD_SECONDS,
+    DEFAULT_HOST_PROC_MOUNT,
+    DEFAULT_METRICS_PORT,
+    DEFAULT_POLL_INTERVAL_SECONDS,
+)
+
+INJECTION_LABEL = "gpufence.io/injection"
+INJECTION_ENABLED = "enabled"
+POD_OPT_OUT_LABEL = "gpufence.io/inject"
+MIRROR_POD_ANNOTATION = "kubernetes.io/config.mirror"
+
+ANNOTATION_PREFIX = "gpufence.io/"
+ANNOTATION_MEMORY = "gpufence.io/memory"
+ANNOTATION_COMPUTE = "gpufence.io/compute"
+ANNOTATION_MODE = "gpufence.io/mode"
+ANNOTATION_GRACE_PERIOD = "gpufence.io/grace-period"
+ANNOTATION_STATUS = "gpufence.io/status"
+NAMESPACE_DEFAULT_MEMORY = "gpufence.io/default-memory"
+NAMESPACE_DEFAULT_COMPUTE = "gpufence.io/default-compute"
+
+SIDECAR_NAME = "gpufence-enforcer"
+DEFAULT_SIDECAR_IMAGE = "ghcr.io/gpufence/gpufence:0.1.0"
+DEFAULT_GPU_RESOURCE = "nvidia.com/gpu"
+
+
+@dataclass(frozen=True)
+class NamespaceInfo:
+    name: str
+    labels: MappingProxyType[str, str] | dict[str, str] = field(default_factory=dict)
+    annotations: MappingProxyType[str, str] | dict[str, str] = field(default_factory=dict)
+
+    @property
+    def opted_in(self) -> bool:
+        return self.labels.get(INJECTION_LABEL) == INJECTION_ENABLED
+
+
+class NamespaceLookup(Protocol):
+    """Answers from memory (a watch cache); never an API call per admission."""
+
+    def get(self, name: str) -> NamespaceInfo | None:
+        """The namespace, or None when it is not (yet) known."""
+        ...
+
+
+class AllNamespacesOptedIn:
+    """Used outside a cluster: every namespace is opted in and has no defaults."""
+
+    def get(self, name: str) -> NamespaceInfo | None:
+        return NamespaceInfo(name=name, labels={INJECTION_LABEL: INJECTION_ENABLED})
+
+
+@dataclass(frozen=True)
+class InjectionSettings:
+    """Operator configuration of the injection (one field per webhook flag)."""
+
+    sidecar_image: str = DEFAULT_SIDECAR_IMAGE
+    sidecar_image_pull_policy: str = "IfNotPresent"
+    # Resource names that make a container a GPU container (limits or requests).
+    gpu_resource_names: tuple[str, ...] = (DEFAULT_GPU_RESOURCE,)
+    # Native sidecar (initContainers[0], restartPolicy Always; Kubernetes >= 1.29) or a plain container.
+    native_sidecar: bool = True
+    metrics_port: int = DEFAULT_METRICS_PORT
+    sidecar_cpu_request: str = "10m"
+    sidecar_memory_request: str = "48Mi"
+    sidecar_memory_limit: str = "128Mi"
+    # Webhook-level fallbacks when neither the pod nor its namespace sets a share.
+    default_memory: str | None = None
+    default_compute: str | None = None
+    default_grace_period_seconds: float = DEFAULT_GRACE_PERIOD_SECONDS
+    poll_interval_seconds: float = DEFAULT_POLL_INTERVAL_SECONDS
+    # NVML access for the sidecar through the NVIDIA container toolkit, without a GPU slot.
+    nvidia_visible_devices: str = "all"
+    nvidia_driver_capabilities: str = "utility"
+    # Legacy drivers report host PIDs: mount the host's /proc read-only in the sidecar.
+    mount_host_proc: bool = False
+    host_proc_mount_path: str = DEFAULT_HOST_PROC_MOUNT
+    # CUDA MPS per-client limits derived from the shares.
+    mps_limits: bool = False
+    # LD_PRELOAD in-process limiter (HAMi-core's libvgpu.so), mounted from the node.
+    preload_library_host_path: str | None = None
+    preload_library_mount_dir: str = "/usr/local/gpufence/preload"
