@@ -39,7 +39,12 @@ class KeyPair:
 
 def service_dns_names(service: str, namespace: str, extra: tuple[str, ...] = ()) -> list[str]:
     """The names the API server may use to reach ``service`` in ``namespace``, plus any extras."""
-    names = [service, f"{service}.{namespace}", f"{service}.{namespace}.svc", f"{service}.{namespace}.svc.cluster.local"]
+    names = [
+        service,
+        f"{service}.{namespace}",
+        f"{service}.{namespace}.svc",
+        f"{service}.{namespace}.svc.cluster.local",
+    ]
     for name in extra:
         if name not in names:
             names.append(name)
