@@ -42,12 +42,16 @@ ENV_POD_NAMESPACE = "GPUFENCE_POD_NAMESPACE"
 ENV_POD_UID = "GPUFENCE_POD_UID"
 ENV_METRICS_PORT = "GPUFENCE_METRICS_PORT"
 ENV_HOST_PROC = "GPUFENCE_HOST_PROC"
+ENV_STATE_DIR = "GPUFENCE_STATE_DIR"
 
 DEFAULT_GRACE_PERIOD_SECONDS = 10.0
 DEFAULT_POLL_INTERVAL_SECONDS = 0.5
 DEFAULT_METRICS_PORT = 9401
 # Where the webhook mounts the host's /proc when the legacy-driver flag is on.
 DEFAULT_HOST_PROC_MOUNT = "/host/proc"
+# An emptyDir the webhook mounts so the enforcer can remember which processes it stopped
+# (the root filesystem is read-only); a restarted enforcer continues them first.
+DEFAULT_STATE_DIR = "/var/run/gpufence"
 
 MAX_GRACE_PERIOD_SECONDS = 3600.0
 MIN_POLL_INTERVAL_SECONDS = 0.05
