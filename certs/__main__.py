@@ -1,0 +1,7 @@
+"""``python -m certs`` == ``gpufence-certs``."""
+
+import sys
+
+from certs.cli import main
+
+sys.exit(main())
