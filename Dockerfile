@@ -1,0 +1,57 @@
+# syntax=docker/dockerfile:1
+# One image for the three programs: gpufence-webhook (Deployment), gpufence-enforcer (the sidecar
+# the webhook injects into GPU pods) and gpufence-certs (certificate Job/CronJob).
+#
+#   docker build -t ghcr.io/gpufence/gpufence:0.1.0 .
+#
+# The build stage makes a wheel of this project and installs it, with only its runtime
+# dependencies pinned by requirements/lock.txt (constraints, so the test extra is never
+# installed), into a virtualenv at /opt/gpufence. The final stage copies that virtualenv onto a
+# fresh python:3.11-slim: no pip, no compiler, no build dependencies. Both stages use the same base
+# image so the virtualenv's interpreter symlink resolves.
+ARG PYTHON_IMAGE=python:3.11-slim
+
+FROM ${PYTHON_IMAGE} AS build
+ENV PIP_DISABLE_PIP_VERSION_CHECK=1 \
+    PIP_NO_CACHE_DIR=1 \
+    PIP_ROOT_USER_ACTION=ignore
+WORKDIR /src
+COPY requirements/lock.txt requirements/lock.txt
+COPY pyproject.toml README.md ./
+COPY webhook/ webhook/
+COPY enforcer/ enforcer/
+COPY certs/ certs/
+COPY simnvml/ simnvml/
+COPY scripts/ scripts/
+RUN python -m pip wheel --no-deps --wheel-dir /dist . \
+ && python -m venv /opt/gpufence \
+ && /opt/gpufence/bin/pip install -c requirements/lock.txt /dist/gpufence-*.whl \
+ && for script in gpufence-webhook gpufence-enforcer gpufence-certs; do \
+        test -x "/opt/gpufence/bin/$script" || { echo "missing console script $script" >&2; exit 1; }; \
+    done \
+ && /opt/gpufence/bin/pip uninstall --yes pip setuptools \
+ && /opt/gpufence/bin/python -m compileall -q /opt/gpufence/lib
+
+FROM ${PYTHON_IMAGE}
+LABEL org.opencontainers.image.title="gpufence" \
+      org.opencontainers.image.description="GPU sharing with isolation on Kubernetes: admission webhook, enforcer sidecar, certificate tool" \
+      org.opencontainers.image.source="https://github.com/gpufence/gpufence" \
+      org.opencontainers.image.licenses="Apache-2.0"
+COPY --from=build /opt/gpufence /opt/gpufence
+# Root filesystems are mounted read-only in the manifests: no .pyc writes, unbuffered JSON logs.
+ENV PATH=/opt/gpufence/bin:$PATH \
+    PYTHONDONTWRITEBYTECODE=1 \
+    PYTHONUNBUFFERED=1
+# Non-root by default (uid/gid 65532, the conventional "nonroot"). The webhook Deployment and the
+# certificate Jobs also set runAsUser 65532 themselves.
+# The enforcer sidecar is different: the webhook does not set runAsUser on it, so it runs as the
+# pod's user (pod-level securityContext.runAsUser) when the pod sets one, and as this uid
+# otherwise. Signalling another container's processes and reading their /proc/<pid>/environ needs
+# the same uid as those processes or effective CAP_KILL/CAP_SYS_PTRACE, and Kubernetes gives added
+# capabilities to a non-root process only in its bounding set, not its effective set. So with a
+# workload running as another uid (root, say) the sidecar cannot enforce; see docs/install.md,
+# "Which user the sidecar runs as".
+USER 65532:65532
+WORKDIR /tmp
+# No ENTRYPOINT: each manifest names its program (command: ["gpufence-webhook"], ...).
+CMD ["gpufence-webhook", "--help"]

@@ -1,0 +1,303 @@
+"""The guard ValidatingAdmissionPolicy (k8s/base/guard-policy.yaml), evaluated with cel-python.
+
+The policy's CEL is written in the subset that both Kubernetes (1.30) and cel-python 0.5 support:
+``has()``, ``exists``, ternaries, ``in`` on maps and lists, string concatenation. No optional
+syntax (``.?``/``orValue``, a parse error in celpy) and no Kubernetes library functions (e.g.
+``join``, undeclared in celpy). What celpy cannot tell us (Kubernetes' type checker and CEL cost
+estimate) is listed in docs/install.md, "What is not checked".
+
+The admission flow is simulated as the API server runs it: the policy's namespaceSelector and
+objectSelector (label selectors, evaluated here in Python), then the matchConditions, then the
+variables in order, then the validations.
+"""
+
+from __future__ import annotations
+
+import base64
+import copy
+import json
+from pathlib import Path
+from typing import Any
+
+import celpy
+import pytest
+import yaml
+from celpy import celtypes
+
+from webhook.settings import (
+    DEFAULT_GPU_RESOURCE,
+    INJECTION_ENABLED,
+    INJECTION_LABEL,
+    MIRROR_POD_ANNOTATION,
+    POD_OPT_OUT_LABEL,
+    SIDECAR_NAME,
+)
+
+ROOT = Path(__file__).resolve().parents[1]
+POLICY_FILE = ROOT / "k8s" / "base" / "guard-policy.yaml"
+WEBHOOK_CONFIG_FILE = ROOT / "k8s" / "base" / "mutatingwebhookconfiguration.yaml"
+
+_ENV = celpy.Environment()
+
+
+def _docs(path: Path) -> list[dict[str, Any]]:
+    return [d for d in yaml.safe_load_all(path.read_text()) if d]
+
+
+def _policy() -> dict[str, Any]:
+    (policy,) = [d for d in _docs(POLICY_FILE) if d["kind"] == "ValidatingAdmissionPolicy"]
+    return policy
+
+
+POLICY = _policy()
+
+
+def _compile(expression: str) -> celpy.Runner:
+    return _ENV.program(_ENV.compile(expression))
+
+
+class Guard:
+    """A compiled copy of the policy; ``gpu_resource_names`` replaces the admin's variable."""
+
+    def __init__(self, policy: dict[str, Any], gpu_resource_names: list[str] | None = None) -> None:
+        spec = policy["spec"]
+        self.spec = spec
+        self.match_conditions = [(m["name"], _compile(m["expression"])) for m in spec.get("matchConditions", [])]
+        self.variables = []
+        for v in spec.get("variables", []):
+            expression = v["expression"]
+            if v["name"] == "gpuResourceNames" and gpu_resource_names is not None:
+                expression = json.dumps(gpu_resource_names)
+            self.variables.append((v["name"], _compile(expression)))
+        self.validations = [
+            (_compile(v["expression"]), _compile(v["messageExpression"]) if "messageExpression" in v else None, v)
+            for v in spec["validations"]
+        ]
+
+    def selected(self, namespace_labels: dict[str, str], pod: dict[str, Any]) -> bool:
+        constraints = self.spec["matchConstraints"]
+        return _selector_matches(constraints.get("namespaceSelector", {}), namespace_labels) and _selector_matches(
+            constraints.get("objectSelector", {}), pod.get("metadata", {}).get("labels", {})
+        )
+
+    def admit(self, pod: dict[str, Any], namespace: str = "team-a", namespace_labels: dict[str, str] | None = None):
+        """(allowed, message): the outcome for a pod CREATE in ``namespace``."""
+        if namespace_labels is None:
+            namespace_labels = {INJECTION_LABEL: INJECTION_ENABLED}
+        namespace_labels = {**namespace_labels, "kubernetes.io/metadata.name": namespace}
+        if not self.selected(namespace_labels, pod):
+            return True, "not selected"
+        activation: dict[str, Any] = {"object": celpy.json_to_cel(pod)}
+        for name, program in self.match_conditions:
+            if not _boolean(program.evaluate(activation), f"matchCondition {name}"):
+                return True, f"matchCondition {name} is false"
+        variables: dict[str, Any] = {}
+        for name, program in self.variables:
+            activation["variables"] = celtypes.MapType({celtypes.StringType(k): v for k, v in variables.items()})
+            value = program.evaluate(activation)
+            assert not isinstance(value, celpy.CELEvalError), f"variable {name}: {value}"
+            variables[name] = value
+        activation["variables"] = celtypes.MapType({celtypes.StringType(k): v for k, v in variables.items()})
+        for program, message_program, validation in self.validations:
+            if not _boolean(program.evaluate(activation), validation["expression"]):
+                if message_program is None:
+                    return False, validation["message"]
+                message = message_program.evaluate(activation)
+                assert isinstance(message, str), f"messageExpression gave {message!r}"  # StringType subclasses str
+                return False, str(message)
+        return True, "allowed"
+
+
+def _boolean(value: Any, what: str) -> bool:
+    assert not isinstance(value, celpy.CELEvalError), f"{what}: evaluation error {value}"
+    assert isinstance(value, celtypes.BoolType), f"{what}: not a bool: {value!r}"
+    return bool(value)
+
+
+def _selector_matches(selector: dict[str, Any], labels: dict[str, str]) -> bool:
+    """Kubernetes label-selector semantics (matchLabels AND matchExpressions)."""
+    for key, value in selector.get("matchLabels", {}).items():
+        if labels.get(key) != value:
+            return False
+    for expression in selector.get("matchExpressions", []):
+        key, operator, values = expression["key"], expression["operator"], expression.get("values", [])
+        if operator == "In" and labels.get(key) not in values:
+            return False
+        if operator == "NotIn" and key in labels and labels[key] in values:
+            return False
+        if operator == "Exists" and key not in labels:
+            return False
+        if operator == "DoesNotExist" and key in labels:
+            return False
+    return True
+
+
+GUARD = Guard(POLICY)
+
+
+def pod(
+    *,
+    gpu_in: str | None = "limits",
+    init_gpu: bool = False,
+    sidecar: str | None = None,
+    share: bool | None = None,
+    labels: dict[str, str] | None = None,
+    annotations: dict[str, str] | None = None,
+    resource: str = DEFAULT_GPU_RESOURCE,
+) -> dict[str, Any]:
+    """A pod as the API server passes it to validation (only the fields the policy reads)."""
+    main: dict[str, Any] = {"name": "train", "image": "cuda:12"}
+    if gpu_in:
+        main["resources"] = {gpu_in: {resource: "1", "memory": "1Gi"}}
+    spec: dict[str, Any] = {"containers": [main]}
+    if init_gpu:
+        spec["initContainers"] = [
+            {"name": "warmup", "image": "cuda:12", "resources": {"limits": {resource: "1"}}},
+        ]
+    enforcer = {"name": SIDECAR_NAME, "image": "ghcr.io/gpufence/gpufence:0.1.0"}
+    if sidecar == "native":
+        spec.setdefault("initContainers", []).insert(0, {**enforcer, "restartPolicy": "Always"})
+    elif sidecar == "container":
+        spec["containers"].append(enforcer)
+    if share is not None:
+        spec["shareProcessNamespace"] = share
+    metadata: dict[str, Any] = {"generateName": "job-", "namespace": "team-a"}
+    if labels:
+        metadata["labels"] = labels
+    if annotations:
+        metadata["annotations"] = annotations
+    return {"apiVersion": "v1", "kind": "Pod", "metadata": metadata, "spec": spec}
+
+
+def test_gpu_pod_without_sidecar_is_denied_with_a_clear_message() -> None:
+    allowed, message = GUARD.admit(pod())
+    assert not allowed
+    assert "gpufence-enforcer" in message and "shareProcessNamespace" in message
+    assert "webhook" in message
+
+
+@pytest.mark.parametrize("placement", ["native", "container"])
+def test_gpu_pod_with_sidecar_and_shared_pid_namespace_is_allowed(placement: str) -> None:
+    assert GUARD.admit(pod(sidecar=placement, share=True)) == (True, "allowed")
+
+
+@pytest.mark.parametrize("share", [None, False])
+def test_sidecar_without_shared_pid_namespace_is_denied(share: bool | None) -> None:
+    allowed, message = GUARD.admit(pod(sidecar="native", share=share))
+    assert not allowed
+    assert "shareProcessNamespace" in message and "has no gpufence-enforcer" not in message
+
+
+def test_shared_pid_namespace_without_sidecar_is_denied() -> None:
+    allowed, message = GUARD.admit(pod(share=True))
+    assert not allowed
+    assert "has no gpufence-enforcer sidecar" in message and "shareProcessNamespace" not in message.split(".")[0]
+
+
+def test_gpu_in_requests_only_is_checked() -> None:
+    assert not GUARD.admit(pod(gpu_in="requests"))[0]
+
+
+def test_gpu_in_init_container_only_is_checked() -> None:
+    assert not GUARD.admit(pod(gpu_in=None, init_gpu=True))[0]
+    assert GUARD.admit(pod(gpu_in=None, init_gpu=True, sidecar="native", share=True))[0]
+
+
+def test_non_gpu_pod_is_allowed() -> None:
+    assert GUARD.admit(pod(gpu_in=None)) == (True, "allowed")
+
+
+@pytest.mark.parametrize(
+    "spec",
+    [
+        {"containers": [{"name": "app", "image": "busybox"}]},  # no resources, no initContainers
+        {"containers": [{"name": "app", "image": "busybox", "resources": {}}]},
+        {"containers": [{"name": "app", "image": "busybox", "resources": {"limits": {}, "requests": {}}}]},
+        {"containers": [{"name": "app", "image": "busybox"}], "initContainers": []},
+    ],
+)
+def test_absent_fields_do_not_cause_evaluation_errors(spec: dict[str, Any]) -> None:
+    assert GUARD.admit({"metadata": {"name": "p"}, "spec": spec}) == (True, "allowed")
+
+
+def test_opted_out_pod_is_not_selected() -> None:
+    assert GUARD.admit(pod(labels={POD_OPT_OUT_LABEL: "false"})) == (True, "not selected")
+    # Any other value of the label does not opt out (same as the webhook's objectSelector).
+    assert not GUARD.admit(pod(labels={POD_OPT_OUT_LABEL: "true"}))[0]
+
+
+def test_mirror_pods_are_excluded_by_a_match_condition() -> None:
+    allowed, why = GUARD.admit(pod(annotations={MIRROR_POD_ANNOTATION: "abc"}))
+    assert allowed and why.startswith("matchCondition")
+    assert not GUARD.admit(pod(annotations={"example.com/other": "x"}))[0]
+
+
+@pytest.mark.parametrize(
+    ("namespace", "labels"),
+    [
+        ("team-b", {}),
+        ("team-b", {INJECTION_LABEL: "disabled"}),
+        ("gpufence", {INJECTION_LABEL: INJECTION_ENABLED}),
+        ("kube-system", {INJECTION_LABEL: INJECTION_ENABLED}),
+        ("kube-node-lease", {INJECTION_LABEL: INJECTION_ENABLED}),
+    ],
+)
+def test_namespaces_not_opted_in_or_excluded_are_not_selected(namespace: str, labels: dict[str, str]) -> None:
+    assert GUARD.admit(pod(), namespace=namespace, namespace_labels=labels) == (True, "not selected")
+
+
+def test_gpu_resource_names_are_an_admin_variable() -> None:
+    (default,) = [v for v in POLICY["spec"]["variables"] if v["name"] == "gpuResourceNames"]
+    assert json.loads(default["expression"].replace("'", '"')) == [DEFAULT_GPU_RESOURCE]
+    assert GUARD.admit(pod(resource="amd.com/gpu"))[0]
+    widened = Guard(POLICY, gpu_resource_names=[DEFAULT_GPU_RESOURCE, "amd.com/gpu"])
+    assert not widened.admit(pod(resource="amd.com/gpu"))[0]
+
+
+def test_policy_scope_matches_the_webhook_configuration() -> None:
+    """The guard must select exactly the pods the webhook is asked to mutate."""
+    (config,) = [d for d in _docs(WEBHOOK_CONFIG_FILE) if d["kind"] == "MutatingWebhookConfiguration"]
+    (webhook,) = config["webhooks"]
+    constraints = POLICY["spec"]["matchConstraints"]
+    assert constraints["namespaceSelector"] == webhook["namespaceSelector"]
+    assert constraints["objectSelector"] == webhook["objectSelector"]
+    assert constraints["resourceRules"] == webhook["rules"]
+    assert POLICY["spec"]["failurePolicy"] == "Fail"
+    (binding,) = [d for d in _docs(POLICY_FILE) if d["kind"] == "ValidatingAdmissionPolicyBinding"]
+    assert binding["spec"]["policyName"] == POLICY["metadata"]["name"]
+    assert binding["spec"]["validationActions"] == ["Deny"]
+
+
+def test_a_pod_mutated_by_the_webhook_passes_the_guard() -> None:
+    """Contract between webhook/admission.py and the policy: mutation output satisfies the guard."""
+    admission = pytest.importorskip("webhook.admission", reason="webhook.admission is not importable yet")
+    jsonpatch = pytest.importorskip("jsonpatch")
+    from webhook.settings import AllNamespacesOptedIn, InjectionSettings
+
+    original = pod()
+    original["metadata"]["annotations"] = {"gpufence.io/memory": "4Gi"}
+    payload = {
+        "apiVersion": "admission.k8s.io/v1",
+        "kind": "AdmissionReview",
+        "request": {
+            "uid": "0b0c7c1e-0000-4000-8000-000000000001",
+            "kind": {"group": "", "version": "v1", "kind": "Pod"},
+            "resource": {"group": "", "version": "v1", "resource": "pods"},
+            "requestKind": {"group": "", "version": "v1", "kind": "Pod"},
+            "requestResource": {"group": "", "version": "v1", "resource": "pods"},
+            "namespace": "team-a",
+            "operation": "CREATE",
+            "userInfo": {"username": "alice"},
+            "object": copy.deepcopy(original),
+            "oldObject": None,
+            "dryRun": False,
+        },
+    }
+    for settings in (InjectionSettings(), InjectionSettings(native_sidecar=False)):
+        result = admission.review(copy.deepcopy(payload), settings, AllNamespacesOptedIn())
+        response = result.review["response"]
+        assert response["allowed"] is True
+        assert result.outcome == "mutated", result.outcome
+        patch = json.loads(base64.b64decode(response["patch"]))
+        mutated = jsonpatch.apply_patch(copy.deepcopy(original), patch)
+        assert GUARD.admit(mutated) == (True, "allowed")

@@ -1,0 +1,230 @@
+"""AdmissionReview in, AdmissionReview out: the webhook's decision as a total pure function.
+
+``review`` raises only ``InvalidReview`` (the envelope is not an ``admission.k8s.io/v1``
+AdmissionReview with a request uid: HTTP 400). Any other input, however malformed its
+``request.object``, yields a well-formed AdmissionReview: allowed (maybe with a JSON Patch and
+warnings) or denied with ``status.code`` 400 and a message for the user.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from webhook.mutate import MutationError, container_requests_gpu, desired_pod, diff
+from webhook.settings import (
+    MIRROR_POD_ANNOTATION,
+    POD_OPT_OUT_LABEL,
+    SIDECAR_NAME,
+    InjectionSettings,
+    NamespaceLookup,
+)
+from webhook.shares import ShareError, quote, resolve_shares
+
+API_VERSION = "admission.k8s.io/v1"
+KIND = "AdmissionReview"
+MAX_WARNINGS = 16
+MAX_WARNING_LENGTH = 256  # the API server may truncate longer warnings
+
+OUTCOME_MUTATED = "mutated"
+OUTCOME_UNCHANGED = "unchanged"
+OUTCOME_DENIED = "denied"
+OUTCOME_SKIPPED = "skipped"
+
+
+class InvalidReview(ValueError):
+    """The body is not an AdmissionReview request; the message is safe to send to the client (HTTP 400)."""
+
+
+@dataclass(frozen=True)
+class ReviewResult:
+    review: dict[str, Any]  # the AdmissionReview to answer with
+    outcome: str  # "mutated" | "unchanged" | "denied" | "skipped"
+
+
+class _Denied(Exception):
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.message = message
+
+
+def review(payload: Any, settings: InjectionSettings, namespaces: NamespaceLookup) -> ReviewResult:
+    request = _request(payload)
+    uid = request["uid"]
+    warnings: list[str] = []
+    try:
+        outcome, patch = _decide(request, settings, namespaces, warnings)
+    except _Denied as denied:
+        return _result(uid, OUTCOME_DENIED, warnings, denied=denied.message)
+    except RecursionError:
+        return _result(uid, OUTCOME_DENIED, warnings, denied="the pod is nested too deeply to be reviewed")
+    return _result(uid, outcome, warnings, patch=patch)
+
+
+def _request(payload: Any) -> dict[str, Any]:
+    if not isinstance(payload, dict):
+        raise InvalidReview("the body must be a JSON object (an AdmissionReview)")
+    if payload.get("apiVersion") != API_VERSION:
+        raise InvalidReview(f"apiVersion must be {API_VERSION}")
+    if payload.get("kind") != KIND:
+        raise InvalidReview(f"kind must be {KIND}")
+    request = payload.get("request")
+    if not isinstance(request, dict):
+        raise InvalidReview("the AdmissionReview has no request")
+    if not isinstance(request.get("uid"), str):
+        raise InvalidReview("request.uid must be a string")
+    return request
+
+
+def _result(
+    uid: str, outcome: str, warnings: list[str], *, patch: list[dict[str, Any]] | None = None, denied: str | None = None
+) -> ReviewResult:
+    response: dict[str, Any] = {"uid": uid, "allowed": denied is None}
+    if denied is not None:
+        response["status"] = {"code": 400, "reason": "BadRequest", "message": denied}
+    elif patch:
+        response["patchType"] = "JSONPatch"
+        response["patch"] = base64.b64encode(json.dumps(patch, separators=(",", ":")).encode()).decode("ascii")
+    if warnings:
+        shown = [w if len(w) <= MAX_WARNING_LENGTH else w[: MAX_WARNING_LENGTH - 3] + "..." for w in warnings]
+        response["warnings"] = list(dict.fromkeys(shown))[:MAX_WARNINGS]
+    return ReviewResult(review={"apiVersion": API_VERSION, "kind": KIND, "response": response}, outcome=outcome)
+
+
+def _dict(value: Any) -> dict[str, Any]:
+    return value if isinstance(value, dict) else {}
+
+
+def _is_pod_request(request: dict[str, Any]) -> bool:
+    if request.get("subResource"):
+        return False  # pods/ephemeralcontainers, pods/binding... are not pod creations
+    kind = request.get("kind")
+    if isinstance(kind, dict):
+        return kind.get("group", "") == "" and kind.get("version") == "v1" and kind.get("kind") == "Pod"
+    resource = request.get("resource")
+    if isinstance(resource, dict):
+        return (
+            resource.get("group", "") == "" and resource.get("version") == "v1" and resource.get("resource") == "pods"
+        )
+    return False
+
+
+def _decide(
+    request: dict[str, Any], settings: InjectionSettings, namespaces: NamespaceLookup, warnings: list[str]
+) -> tuple[str, list[dict[str, Any]] | None]:
+    if not _is_pod_request(request) or request.get("operation") != "CREATE":
+        return OUTCOME_SKIPPED, None
+    pod = request.get("object")
+    if not isinstance(pod, dict):
+        raise _Denied("request.object must be a Pod object")
+    metadata = _dict(pod.get("metadata"))
+
+    namespace = request.get("namespace")
+    if not isinstance(namespace, str) or not namespace:
+        namespace = metadata.get("namespace")
+    namespace_annotations: dict[str, Any] = {}
+    info = namespaces.get(namespace) if isinstance(namespace, str) and namespace else None
+    if info is None:
+        # The API server's namespaceSelector already let only opted-in namespaces through.
+        warnings.append(
+            f"gpufence: namespace {quote(namespace or '')} is not in the webhook's cache yet, so its "
+            "default shares (if any) were not applied"
+        )
+    elif not info.opted_in:
+        return OUTCOME_SKIPPED, None
+    else:
+        namespace_annotations = dict(info.annotations)
+
+    labels = _dict(metadata.get("labels"))
+    annotations = _dict(metadata.get("annotations"))
+    if labels.get(POD_OPT_OUT_LABEL) == "false" or MIRROR_POD_ANNOTATION in annotations:
+        return OUTCOME_SKIPPED, None
+
+    spec = _dict(pod.get("spec"))
+    gpu_names: list[str] = []
+    for key in ("initContainers", "containers"):
+        containers = spec.get(key)
+        if isinstance(containers, list):
+            gpu_names.extend(
+                c.get("name") for c in containers if container_requests_gpu(c, settings.gpu_resource_names)
+            )
+    if not gpu_names:
+        return OUTCOME_SKIPPED, None
+
+    all_names = _check_shape(pod)
+    if SIDECAR_NAME in gpu_names:
+        raise _Denied(f"the container name {SIDECAR_NAME} is reserved by gpufence; rename the container")
+    try:
+        plan = resolve_shares(annotations, namespace_annotations, settings, gpu_names, all_names)
+        warnings.extend(plan.warnings)
+        new_pod, mutation_warnings = desired_pod(pod, plan, settings)
+    except (ShareError, MutationError) as exc:
+        raise _Denied(str(exc)) from None
+    warnings.extend(mutation_warnings)
+    patch = diff(pod, new_pod)
+    return (OUTCOME_MUTATED if patch else OUTCOME_UNCHANGED), patch
+
+
+def _check_shape(pod: dict[str, Any]) -> list[str]:
+    """Deny a GPU pod whose fields the injection reads or writes have the wrong JSON types.
+
+    The API server decodes pods into typed objects before admission, so this only matters for
+    hand-made requests; it keeps ``desired_pod`` free of type checks. Returns all container names.
+    """
+
+    def bad(where: str, what: str) -> _Denied:
+        return _Denied(f"the pod is malformed: {where} must be {what}")
+
+    def optional(parent: dict[str, Any], key: str, kind: type, where: str, what: str) -> Any:
+        value = parent.get(key)
+        if value is not None and not isinstance(value, kind):
+            raise bad(where, what)
+        return value
+
+    metadata = optional(pod, "metadata", dict, "metadata", "an object") or {}
+    for key in ("annotations", "labels"):
+        values = optional(metadata, key, dict, f"metadata.{key}", "an object") or {}
+        for name, value in values.items():
+            if not isinstance(value, str):
+                raise bad(f"metadata.{key}[{quote(name)}]", "a string")
+    spec = pod.get("spec")
+    if not isinstance(spec, dict):
+        raise bad("spec", "an object")
+    share = spec.get("shareProcessNamespace")
+    if share is not None and not isinstance(share, bool):
+        raise bad("spec.shareProcessNamespace", "a boolean")
+    volumes = optional(spec, "volumes", list, "spec.volumes", "a list") or []
+    for i, volume in enumerate(volumes):
+        if not isinstance(volume, dict):
+            raise bad(f"spec.volumes[{i}]", "an object")
+    names: list[str] = []
+    for key in ("initContainers", "containers"):
+        containers = optional(spec, key, list, f"spec.{key}", "a list") or []
+        for i, container in enumerate(containers):
+            where = f"spec.{key}[{i}]"
+            if not isinstance(container, dict):
+                raise bad(where, "an object")
+            name = container.get("name")
+            if not isinstance(name, str) or not name:
+                raise bad(f"{where}.name", "a non-empty string")
+            names.append(name)
+            env = optional(container, "env", list, f"{where}.env", "a list") or []
+            for j, entry in enumerate(env):
+                if not isinstance(entry, dict) or not isinstance(entry.get("name"), str):
+                    raise bad(f"{where}.env[{j}]", "an object with a string name")
+                value = entry.get("value")
+                if value is not None and not isinstance(value, str):
+                    raise bad(f"{where}.env[{j}].value", "a string")
+            mounts = optional(container, "volumeMounts", list, f"{where}.volumeMounts", "a list") or []
+            for j, mount in enumerate(mounts):
+                if not isinstance(mount, dict):
+                    raise bad(f"{where}.volumeMounts[{j}]", "an object")
+            optional(container, "ports", list, f"{where}.ports", "a list")
+    seen: set[str] = set()
+    for name in names:
+        if name in seen:
+            raise _Denied(f"the pod is malformed: container name {quote(name)} is used more than once")
+        seen.add(name)
+    return names

@@ -1,0 +1,466 @@
+"""The desired pod, computed from the pod as submitted, and the JSON Patch between them (pure).
+
+``desired_pod`` is idempotent by construction: every field it writes is either fully determined
+by the settings and the share plan (the sidecar, the volumes, the status annotation, the enforcer
+config) or added only when absent (the GPU containers' environment), so ``desired_pod`` of its
+own output changes nothing and ``diff`` yields no operation on reinvocation.
+
+The API server applies defaults to the patched pod before a reinvocation, so every object the
+webhook owns spells out the values defaulting would add (probe timings, ``protocol: TCP``,
+``fieldRef.apiVersion``, ``terminationMessagePath``, ``hostPath.type``...); otherwise the second
+pass would see a "different" sidecar and patch again.
+
+Copy-on-write: the desired pod shares every untouched subtree with the input (no deep copy), which
+keeps a review cheap and lets ``diff`` skip shared subtrees by identity.
+"""
+
+from __future__ import annotations
+
+import json
+import posixpath
+import re
+from importlib import metadata
+from typing import Any
+
+from enforcer.config import (
+    DEFAULT_STATE_DIR,
+    ENV_CONFIG,
+    ENV_CONTAINER,
+    ENV_HOST_PROC,
+    ENV_MEMORY_LIMIT,
+    ENV_METRICS_PORT,
+    ENV_POD_NAME,
+    ENV_POD_NAMESPACE,
+    ENV_POD_UID,
+    ENV_STATE_DIR,
+    ContainerShare,
+    EnforcerConfig,
+)
+from webhook.quantity import is_positive_quantity, mebibytes_floor
+from webhook.settings import ANNOTATION_STATUS, SIDECAR_NAME, InjectionSettings
+from webhook.shares import SharePlan, quote
+
+try:
+    GPUFENCE_VERSION = metadata.version("gpufence")
+except metadata.PackageNotFoundError:  # pragma: no cover - running from a bare checkout
+    GPUFENCE_VERSION = "unknown"
+
+# Kubernetes limits port names to 15 characters (IANA_SVC_NAME), so not "gpufence-metrics" (16).
+SIDECAR_PORT_NAME = "gpufence-metric"
+STATE_VOLUME = "gpufence-state"
+HOST_PROC_VOLUME = "gpufence-host-proc"
+PRELOAD_VOLUME = "gpufence-preload"
+DEFAULT_PRELOAD_LIBRARY = "libvgpu.so"
+
+ENV_TF_ALLOW_GROWTH = "TF_FORCE_GPU_ALLOW_GROWTH"
+ENV_XLA_PREALLOCATE = "XLA_PYTHON_CLIENT_PREALLOCATE"
+ENV_MPS_MEM_LIMIT = "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"
+ENV_MPS_THREADS = "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"
+ENV_HAMI_MEMORY = "CUDA_DEVICE_MEMORY_LIMIT"
+ENV_HAMI_SM = "CUDA_DEVICE_SM_LIMIT"
+ENV_LD_PRELOAD = "LD_PRELOAD"
+# Variables whose user-set value the webhook keeps but reports when it differs from the share.
+_LIMIT_VARIABLES = frozenset({ENV_MEMORY_LIMIT, ENV_MPS_MEM_LIMIT, ENV_MPS_THREADS, ENV_HAMI_MEMORY, ENV_HAMI_SM})
+_RESERVED_VOLUMES = (STATE_VOLUME, HOST_PROC_VOLUME, PRELOAD_VOLUME)
+
+
+class MutationError(ValueError):
+    """The pod cannot be injected as it is; the message is for the user (a denial)."""
+
+
+# --- reading a pod ----------------------------------------------------------------------------
+
+
+def container_requests_gpu(container: Any, resource_names: tuple[str, ...]) -> bool:
+    """Whether a container asks for a positive amount of one of the GPU resources (tolerant of garbage)."""
+    if not isinstance(container, dict):
+        return False
+    resources = container.get("resources")
+    if not isinstance(resources, dict):
+        return False
+    for section in ("limits", "requests"):
+        amounts = resources.get(section)
+        if isinstance(amounts, dict):
+            for name in resource_names:
+                if name in amounts and is_positive_quantity(amounts[name]):
+                    return True
+    return False
+
+
+def preload_library_path(settings: InjectionSettings) -> str | None:
+    """Where GPU containers see the preload library, or None when the flag is off.
+
+    ``preload_library_host_path`` names the library *file* on the node (e.g.
+    ``/usr/local/vgpu/libvgpu.so``). It is mounted as a hostPath of ``type: File`` at
+    ``<preload_library_mount_dir>/<file name>``: a node without the library then fails the pod at
+    start instead of silently running it without the in-process limiter (the dynamic loader only
+    warns about a missing ``LD_PRELOAD`` entry).
+    """
+    host_path = settings.preload_library_host_path
+    if not host_path:
+        return None
+    name = posixpath.basename(host_path.rstrip("/")) or DEFAULT_PRELOAD_LIBRARY
+    return posixpath.join(settings.preload_library_mount_dir, name)
+
+
+# --- what the webhook adds --------------------------------------------------------------------
+
+
+def enforcer_config(plan: SharePlan, settings: InjectionSettings) -> EnforcerConfig:
+    return EnforcerConfig(
+        containers=dict(plan.containers),
+        mode=plan.mode,
+        grace_period_seconds=plan.grace_period_seconds,
+        poll_interval_seconds=settings.poll_interval_seconds,
+    )
+
+
+def status_annotation(plan: SharePlan) -> str:
+    return json.dumps(
+        {
+            "containers": [name for name, _ in plan.containers],
+            "mode": plan.mode.value,
+            "sidecar": SIDECAR_NAME,
+            "version": GPUFENCE_VERSION,
+        },
+        separators=(",", ":"),
+        sort_keys=True,
+    )
+
+
+def _field_env(name: str, field_path: str) -> dict[str, Any]:
+    return {"name": name, "valueFrom": {"fieldRef": {"apiVersion": "v1", "fieldPath": field_path}}}
+
+
+def _probe(path: str, port: int) -> dict[str, Any]:
+    return {
+        "httpGet": {"path": path, "port": port, "scheme": "HTTP"},
+        "periodSeconds": 10,
+        "timeoutSeconds": 1,
+        "successThreshold": 1,
+        "failureThreshold": 3,
+    }
+
+
+def build_sidecar(plan: SharePlan, settings: InjectionSettings) -> dict[str, Any]:
+    port = settings.metrics_port
+    env = [
+        {"name": ENV_CONFIG, "value": enforcer_config(plan, settings).to_json()},
+        _field_env(ENV_POD_NAME, "metadata.name"),
+        _field_env(ENV_POD_NAMESPACE, "metadata.namespace"),
+        _field_env(ENV_POD_UID, "metadata.uid"),
+        {"name": ENV_METRICS_PORT, "value": str(port)},
+        {"name": ENV_STATE_DIR, "value": DEFAULT_STATE_DIR},
+        {"name": "NVIDIA_VISIBLE_DEVICES", "value": settings.nvidia_visible_devices},
+        {"name": "NVIDIA_DRIVER_CAPABILITIES", "value": settings.nvidia_driver_capabilities},
+    ]
+    mounts: list[dict[str, Any]] = [{"name": STATE_VOLUME, "mountPath": DEFAULT_STATE_DIR}]
+    if settings.mount_host_proc:
+        env.append({"name": ENV_HOST_PROC, "value": settings.host_proc_mount_path})
+        mounts.append({"name": HOST_PROC_VOLUME, "mountPath": settings.host_proc_mount_path, "readOnly": True})
+    sidecar: dict[str, Any] = {
+        "name": SIDECAR_NAME,
+        "image": settings.sidecar_image,
+        "imagePullPolicy": settings.sidecar_image_pull_policy,
+        "command": ["gpufence-enforcer"],
+    }
+    if settings.native_sidecar:
+        sidecar["restartPolicy"] = "Always"
+    sidecar.update(
+        {
+            "env": env,
+            "ports": [{"containerPort": port, "name": SIDECAR_PORT_NAME, "protocol": "TCP"}],
+            "resources": {
+                "requests": {"cpu": settings.sidecar_cpu_request, "memory": settings.sidecar_memory_request},
+                "limits": {"memory": settings.sidecar_memory_limit},
+            },
+            "livenessProbe": _probe("/healthz", port),
+            "readinessProbe": _probe("/readyz", port),
+            # KILL: signal the other containers' processes; SYS_PTRACE: read /proc/<pid>/environ of
+            # processes running as another UID. No runAsUser: the pod's own user is inherited.
+            "securityContext": {
+                "allowPrivilegeEscalation": False,
+                "readOnlyRootFilesystem": True,
+                "capabilities": {"drop": ["ALL"], "add": ["KILL", "SYS_PTRACE"]},
+            },
+            "volumeMounts": mounts,
+            "terminationMessagePath": "/dev/termination-log",
+            "terminationMessagePolicy": "FallbackToLogsOnError",
+        }
+    )
+    return sidecar
+
+
+def pod_volumes(settings: InjectionSettings) -> list[dict[str, Any]]:
+    volumes: list[dict[str, Any]] = [{"name": STATE_VOLUME, "emptyDir": {}}]
+    if settings.mount_host_proc:
+        volumes.append({"name": HOST_PROC_VOLUME, "hostPath": {"path": "/proc", "type": "Directory"}})
+    if settings.preload_library_host_path:
+        volumes.append(
+            {"name": PRELOAD_VOLUME, "hostPath": {"path": settings.preload_library_host_path, "type": "File"}}
+        )
+    return volumes
+
+
+# --- the desired pod --------------------------------------------------------------------------
+
+
+def desired_pod(pod: dict[str, Any], plan: SharePlan, settings: InjectionSettings) -> tuple[dict[str, Any], list[str]]:
+    """The injected pod (sharing untouched subtrees with ``pod``) and warnings; raises MutationError.
+
+    The pod's shape must have been checked (``admission._check_shape``): dicts and lists where
+    this function reads them.
+    """
+    warnings: list[str] = []
+    shares = dict(plan.containers)
+    spec = dict(pod["spec"])
+    new_pod = dict(pod)
+    new_pod["spec"] = spec
+
+    metadata_ = dict(pod.get("metadata") or {})
+    annotations = dict(metadata_.get("annotations") or {})
+    annotations[ANNOTATION_STATUS] = status_annotation(plan)
+    metadata_["annotations"] = annotations
+    new_pod["metadata"] = metadata_
+
+    if spec.get("hostPID") is True:
+        raise MutationError(
+            "gpufence needs spec.shareProcessNamespace, which Kubernetes does not allow together with "
+            'spec.hostPID: true; remove hostPID, or label the pod gpufence.io/inject="false" to opt it out'
+        )
+    if spec.get("shareProcessNamespace") is False:
+        raise MutationError(
+            "spec.shareProcessNamespace: false conflicts with gpufence, whose enforcer must see the GPU "
+            "containers' processes; remove the field (gpufence sets it to true), or label the pod "
+            'gpufence.io/inject="false" to opt it out'
+        )
+    spec["shareProcessNamespace"] = True
+
+    library = preload_library_path(settings)
+    port = settings.metrics_port
+    for key in ("initContainers", "containers"):
+        containers = spec.get(key)
+        if not containers:
+            continue
+        updated = []
+        for container in containers:
+            if container.get("name") == SIDECAR_NAME:
+                continue  # ours (reinvocation, or a copied pod): rebuilt below at its place
+            for declared in container.get("ports") or ():
+                if isinstance(declared, dict) and declared.get("containerPort") == port:
+                    warnings.append(
+                        f"container {quote(container['name'])} declares port {port}, which the gpufence "
+                        "enforcer uses for its metrics in the same network namespace"
+                    )
+            share = shares.get(container["name"])
+            if share is not None:
+                container = _gpu_container(container, share, settings, library, warnings)
+            updated.append(container)
+        spec[key] = updated
+
+    sidecar = build_sidecar(plan, settings)
+    if settings.native_sidecar:
+        spec["initContainers"] = [sidecar, *(spec.get("initContainers") or ())]
+    else:
+        spec["containers"] = [*(spec.get("containers") or ()), sidecar]
+        if spec.get("restartPolicy") in ("Never", "OnFailure"):
+            warnings.append(
+                "the gpufence enforcer runs as a regular container (native sidecars are disabled), so this "
+                "pod keeps running after its other containers finish (a Job would not complete)"
+            )
+        for container in spec.get("initContainers") or ():
+            if container["name"] in shares:
+                warnings.append(
+                    f"init container {quote(container['name'])} requests a GPU but runs before the enforcer "
+                    "starts (native sidecars are disabled), so its share is not enforced"
+                )
+
+    volumes = list(spec.get("volumes") or ())
+    existing = {v["name"]: v for v in volumes if isinstance(v.get("name"), str)}
+    for volume in pod_volumes(settings):
+        present = existing.get(volume["name"])
+        if present is None:
+            volumes.append(volume)
+        elif present != volume:
+            raise MutationError(f"volume name {quote(volume['name'])} is reserved by gpufence; rename the pod's volume")
+    spec["volumes"] = volumes
+    return new_pod, warnings
+
+
+def _gpu_container(
+    container: dict[str, Any],
+    share: ContainerShare,
+    settings: InjectionSettings,
+    library: str | None,
+    warnings: list[str],
+) -> dict[str, Any]:
+    name = container["name"]
+    env = list(container.get("env") or ())
+    index = {entry["name"]: i for i, entry in enumerate(env)}  # the last duplicate is the effective one
+    changed = False
+
+    def add(var: str, value: str) -> None:
+        nonlocal changed
+        if var in index:
+            entry = env[index[var]]
+            if var in _LIMIT_VARIABLES and entry.get("value") != value:
+                warnings.append(
+                    f"container {quote(name)} sets {var} itself; gpufence keeps it instead of {quote(value)}"
+                )
+            return
+        env.append({"name": var, "value": value})
+        index[var] = len(env) - 1
+        changed = True
+
+    if ENV_CONTAINER in index:
+        entry = env[index[ENV_CONTAINER]]
+        if entry.get("value") != name or "valueFrom" in entry:
+            # The enforcer attributes processes to containers by this variable: a wrong value would
+            # charge this container's GPU use to another one.
+            raise MutationError(
+                f"container {quote(name)} sets {ENV_CONTAINER}={quote(entry.get('value', ''))}; gpufence sets "
+                f"it to the container's name to attribute GPU use, so remove it or set it to {quote(name)}"
+            )
+    add(ENV_CONTAINER, name)
+    memory = share.memory
+    if memory is not None:
+        add(ENV_MEMORY_LIMIT, memory.describe())
+    add(ENV_TF_ALLOW_GROWTH, "true")
+    add(ENV_XLA_PREALLOCATE, "false")
+    compute = None if share.compute_percent is None else max(1, int(share.compute_percent))
+
+    if settings.mps_limits:
+        if memory is not None:
+            mib = mebibytes_floor(memory.bytes) if memory.bytes is not None else 0
+            if memory.bytes is None:
+                warnings.append(
+                    f"container {quote(name)}: MPS needs an absolute memory limit, so the percentage share "
+                    f"{memory.describe()} is enforced by the gpufence enforcer only"
+                )
+            elif mib < 1:
+                warnings.append(f"container {quote(name)}: the memory share is below 1Mi, too small for MPS")
+            else:
+                add(ENV_MPS_MEM_LIMIT, f"0={mib}M")
+        if compute is not None:
+            add(ENV_MPS_THREADS, str(compute))
+
+    if library is not None:
+        if memory is not None:
+            if memory.bytes is None:
+                warnings.append(
+                    f"container {quote(name)}: the preload limiter needs an absolute memory limit, so the "
+                    f"percentage share {memory.describe()} is enforced by the gpufence enforcer only"
+                )
+            elif mebibytes_floor(memory.bytes) < 1:
+                warnings.append(
+                    f"container {quote(name)}: the memory share is below 1Mi, too small for the preload limiter"
+                )
+            else:
+                add(ENV_HAMI_MEMORY, f"{mebibytes_floor(memory.bytes)}m")
+        if compute is not None:
+            add(ENV_HAMI_SM, str(compute))
+        if ENV_LD_PRELOAD not in index:
+            add(ENV_LD_PRELOAD, library)
+        else:
+            i = index[ENV_LD_PRELOAD]
+            entry = env[i]
+            if "valueFrom" in entry:
+                warnings.append(
+                    f"container {quote(name)} takes LD_PRELOAD from valueFrom, so gpufence cannot append "
+                    f"{library} and the in-process limiter is not loaded"
+                )
+            else:
+                value = entry.get("value") or ""
+                if library not in re.split(r"[: ]", value):
+                    env[i] = {**entry, "value": f"{value}:{library}" if value else library}
+                    changed = True
+        mounts = list(container.get("volumeMounts") or ())
+        wanted = {"name": PRELOAD_VOLUME, "mountPath": library, "readOnly": True}
+        clash = [m for m in mounts if m.get("name") == PRELOAD_VOLUME or m.get("mountPath") == library]
+        if not clash:
+            mounts.append(wanted)
+            container = {**container, "volumeMounts": mounts}
+        elif clash != [wanted]:
+            raise MutationError(
+                f"container {quote(name)} already mounts volume {PRELOAD_VOLUME} or path {library}, "
+                "both reserved by gpufence"
+            )
+
+    if changed:
+        container = {**container, "env": env}
+    return container
+
+
+# --- JSON Patch ----------------------------------------------------------------------------
+
+
+def escape(token: str) -> str:
+    """An RFC 6901 reference token."""
+    return token.replace("~", "~0").replace("/", "~1")
+
+
+def diff(old: Any, new: Any, path: str = "") -> list[dict[str, Any]]:
+    """RFC 6902 operations turning ``old`` into ``new``; minimal for the shapes ``desired_pod`` makes.
+
+    Recursion follows ``new`` only where it differs from ``old`` (shared subtrees are skipped by
+    identity), so its depth is bounded by the webhook's own objects, not by the user's.
+    """
+    ops: list[dict[str, Any]] = []
+    _diff(old, new, path, ops)
+    return ops
+
+
+def _diff(old: Any, new: Any, path: str, ops: list[dict[str, Any]]) -> None:
+    if old is new:
+        return
+    if isinstance(old, dict) and isinstance(new, dict):
+        for key in old:
+            if key not in new:
+                ops.append({"op": "remove", "path": f"{path}/{escape(key)}"})
+        for key, value in new.items():
+            child = f"{path}/{escape(key)}"
+            if key in old:
+                _diff(old[key], value, child, ops)
+            else:
+                ops.append({"op": "add", "path": child, "value": value})
+        return
+    if isinstance(old, list) and isinstance(new, list):
+        _diff_list(old, new, path, ops)
+        return
+    if type(old) is not type(new) or old != new:
+        ops.append({"op": "replace", "path": path, "value": new})
+
+
+def _names(items: list[Any]) -> list[str] | None:
+    names = []
+    for item in items:
+        if not isinstance(item, dict) or not isinstance(item.get("name"), str):
+            return None
+        names.append(item["name"])
+    return names if len(set(names)) == len(names) else None
+
+
+def _diff_list(old: list[Any], new: list[Any], path: str, ops: list[dict[str, Any]]) -> None:
+    old_names, new_names = _names(old), _names(new)
+    if old_names is not None and new_names is not None:
+        # Align named entries (containers, env, volumes): removals, then insertions and updates.
+        new_set, old_set = set(new_names), set(old_names)
+        kept = [n for n in old_names if n in new_set]
+        if kept == [n for n in new_names if n in old_set]:
+            for i in range(len(old) - 1, -1, -1):
+                if old_names[i] not in new_set:
+                    ops.append({"op": "remove", "path": f"{path}/{i}"})
+            by_name = dict(zip(old_names, old, strict=True))
+            for i, (name, item) in enumerate(zip(new_names, new, strict=True)):
+                if name in old_set:
+                    _diff(by_name[name], item, f"{path}/{i}", ops)
+                else:
+                    ops.append({"op": "add", "path": f"{path}/{i}", "value": item})
+            return
+    # Positional: update the common part in place, then append or trim the tail.
+    for i, (a, b) in enumerate(zip(old, new, strict=False)):
+        _diff(a, b, f"{path}/{i}", ops)
+    for i in range(len(old), len(new)):
+        ops.append({"op": "add", "path": f"{path}/{i}", "value": new[i]})
+    for i in range(len(old) - 1, len(new) - 1, -1):
+        ops.append({"op": "remove", "path": f"{path}/{i}"})
