@@ -23,6 +23,7 @@ import base64
 import contextlib
 import json
 import os
+import queue
 import signal
 import ssl
 import subprocess
@@ -32,6 +33,7 @@ import threading
 import time
 import urllib.request
 from collections import deque
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
@@ -107,29 +109,41 @@ def start_webhook(cert: Path, key: Path, procs: list[subprocess.Popen[str]]) -> 
         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
     )
     procs.append(proc)
-    for record in json_lines(proc.stderr, deadline=time.monotonic() + STARTUP_TIMEOUT):
+    for record in JsonLines(proc.stderr).until(time.monotonic() + STARTUP_TIMEOUT):
         if record.get("message") == "serving" or record.get("event") == "serving":
             return int(record["port"])
     raise RuntimeError("the webhook did not start; run `python -m webhook --help` to check the environment")
 
 
-def json_lines(stream: IO[str] | None, deadline: float) -> Any:
-    """Yields the JSON objects a child writes, one per line, until the deadline."""
-    assert stream is not None
-    while time.monotonic() < deadline:
-        line = stream.readline()
-        if not line:
-            return
-        with contextlib.suppress(json.JSONDecodeError):
-            record = json.loads(line)
-            if isinstance(record, dict):
-                yield record
+class JsonLines:
+    """The JSON objects a child writes, one per line, read by a thread so a quiet child never
+    blocks the demo past a deadline (and a chatty one never blocks on a full pipe)."""
 
+    def __init__(self, stream: IO[str] | None) -> None:
+        assert stream is not None
+        self._lines: queue.Queue[str | None] = queue.Queue()
+        self._ended = False
 
-def drain(stream: IO[str] | None) -> None:
-    """Keeps reading a child's pipe so it never blocks on a full buffer."""
-    if stream is not None:
-        threading.Thread(target=lambda: [None for _ in stream], daemon=True).start()
+        def read() -> None:
+            for line in stream:
+                self._lines.put(line)
+            self._lines.put(None)
+
+        threading.Thread(target=read, daemon=True).start()
+
+    def until(self, deadline: float) -> Iterator[dict[str, Any]]:
+        while not self._ended and (remaining := deadline - time.monotonic()) > 0:
+            try:
+                line = self._lines.get(timeout=remaining)
+            except queue.Empty:
+                return
+            if line is None:
+                self._ended = True
+                return
+            with contextlib.suppress(json.JSONDecodeError):
+                record = json.loads(line)
+                if isinstance(record, dict):
+                    yield record
 
 
 def post_review(port: int, ca_file: Path, pod: dict[str, Any], uid: str) -> dict[str, Any]:
@@ -302,25 +316,23 @@ def run_enforcer(config: dict[str, Any], injected_env: dict[str, dict[str, str]]
     t0 = time.monotonic()
     driver = threading.Thread(target=simulate_gpu, daemon=True)
     driver.start()
+    records = JsonLines(enforcer.stdout)
     try:
-        for record in json_lines(enforcer.stdout, deadline=t0 + RUN_SECONDS):
-            line = describe(record, t0)
-            if line:
+        for record in records.until(t0 + RUN_SECONDS):
+            if line := describe(record, t0):
                 say(line)
     finally:
         stop.set()
         driver.join()
         enforcer.send_signal(signal.SIGTERM)
+        for record in records.until(time.monotonic() + 10):
+            if line := describe(record, t0):
+                say(line)
         try:
-            rest, _ = enforcer.communicate(timeout=10)
+            enforcer.wait(timeout=10)
         except subprocess.TimeoutExpired:
             enforcer.kill()
-            rest, _ = enforcer.communicate()
-        for line in rest.splitlines():
-            with contextlib.suppress(json.JSONDecodeError):
-                shown = describe(json.loads(line), t0)
-                if shown:
-                    say(shown)
+            enforcer.wait()
     return workloads
 
 
@@ -379,7 +391,6 @@ def main() -> int:
 
             heading("2/4 webhook")
             port = start_webhook(cert_file, key_file, procs)
-            drain(procs[-1].stderr)
             say(f"python -m webhook is serving https://localhost:{port}/mutate (TLS >= 1.2)")
 
             heading("3/4 admission review of a GPU pod")

@@ -1,0 +1,291 @@
+"""``gpufence-webhook``: flags (Kubernetes-style names, each also an env var), JSON logs, lifecycle.
+
+Every flag ``--some-flag`` can be given as ``GPUFENCE_WEBHOOK_SOME_FLAG``; the flag wins. A bad value,
+from either place, exits 2 with a message naming it. Repeatable flags take a comma-separated env value.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime as dt
+import json
+import logging
+import os
+import re
+import signal
+import ssl
+import sys
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from enforcer.config import MAX_GRACE_PERIOD_SECONDS, MAX_POLL_INTERVAL_SECONDS, MIN_POLL_INTERVAL_SECONDS
+from webhook.settings import DEFAULT_GPU_RESOURCE, InjectionSettings
+from webhook.tls import DEFAULT_RELOAD_INTERVAL_SECONDS
+
+ENV_PREFIX = "GPUFENCE_WEBHOOK_"
+_defaults = InjectionSettings()
+
+
+# --- value converters: raise ValueError with a short reason -------------------------------------
+def port(text: str) -> int:
+    if not text.strip().isdigit():
+        raise ValueError("not a port number")
+    value = int(text)
+    if not 0 <= value <= 65535:
+        raise ValueError("must be between 0 and 65535")
+    return value
+
+
+def boolean(text: str) -> bool:
+    lowered = text.strip().lower()
+    if lowered in ("true", "1", "yes"):
+        return True
+    if lowered in ("false", "0", "no"):
+        return False
+    raise ValueError('use "true" or "false"')
+
+
+_DURATION_RE = re.compile(r"(?P<num>[0-9]+(?:\.[0-9]*)?|\.[0-9]+)(?P<unit>ms|s|m|h)?", re.ASCII)
+_UNIT_SECONDS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, None: 1.0}
+
+
+def duration(low: float, high: float) -> Callable[[str], float]:
+    """Seconds as "2.5", "500ms", "10s" or "1m", within [low, high]."""
+
+    def convert(text: str) -> float:
+        match = _DURATION_RE.fullmatch(text.strip()) if len(text) <= 32 else None
+        if match is None:
+            raise ValueError('use seconds such as "10", "500ms", "10s" or "1m"')
+        seconds = float(match["num"]) * _UNIT_SECONDS[match["unit"]]
+        if not low <= seconds <= high:
+            raise ValueError(f"must be between {low:g}s and {high:g}s")
+        return seconds
+
+    convert.__name__ = "duration"
+    return convert
+
+
+def choice(*allowed: str) -> Callable[[str], str]:
+    def convert(text: str) -> str:
+        if text not in allowed:
+            raise ValueError("use one of " + ", ".join(allowed))
+        return text
+
+    convert.__name__ = "choice"
+    return convert
+
+
+def non_empty(text: str) -> str:
+    if not text.strip():
+        raise ValueError("must not be empty")
+    return text
+
+
+def memory_share(text: str) -> str:
+    from webhook.shares import parse_memory_share  # the core's own parser: the same rules as annotations
+
+    parse_memory_share(text)
+    return text
+
+
+def compute_share(text: str) -> str:
+    from webhook.shares import parse_compute_share
+
+    parse_compute_share(text)
+    return text
+
+
+# --- the flag table ---------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Flag:
+    name: str  # without the leading dashes
+    convert: Callable[[str], Any]
+    default: Any
+    help: str
+    repeat: bool = False
+
+    @property
+    def dest(self) -> str:
+        return self.name.replace("-", "_")
+
+    @property
+    def env(self) -> str:
+        return ENV_PREFIX + self.dest.upper()
+
+
+FLAGS: tuple[Flag, ...] = (
+    # The server.
+    Flag("port", port, 8443, "HTTPS port to serve on (0 picks a free one)"),
+    Flag("bind-address", non_empty, "0.0.0.0", "address to listen on"),
+    Flag("tls-cert-file", non_empty, None, "serving certificate (PEM), reloaded when it changes"),
+    Flag("tls-private-key-file", non_empty, None, "private key of the serving certificate (PEM)"),
+    Flag("cert-reload-interval", duration(0.01, 3600), DEFAULT_RELOAD_INTERVAL_SECONDS,
+         "how often to check the certificate files for a change"),
+    Flag("kubeconfig", non_empty, None,
+         "kubeconfig for the namespace watch (default: in-cluster, then ~/.kube/config; "
+         "neither: all namespaces opted in)"),
+    Flag("log-level", choice("debug", "info", "warning", "error"), "info", "log level"),
+    # InjectionSettings, one flag per field.
+    Flag("sidecar-image", non_empty, _defaults.sidecar_image, "enforcer sidecar image"),
+    Flag("sidecar-image-pull-policy", choice("Always", "IfNotPresent", "Never"), _defaults.sidecar_image_pull_policy,
+         "imagePullPolicy of the sidecar"),
+    Flag("gpu-resource-name", non_empty, None,
+         f"extended resource that makes a container a GPU container (repeatable; default {DEFAULT_GPU_RESOURCE})",
+         repeat=True),
+    Flag("sidecar-mode", choice("native", "container"), "native" if _defaults.native_sidecar else "container",
+         "native sidecar (init container with restartPolicy Always, Kubernetes >= 1.29) or a plain container"),
+    Flag("metrics-port", port, _defaults.metrics_port, "port of the sidecar's /metrics"),
+    Flag("sidecar-cpu-request", non_empty, _defaults.sidecar_cpu_request, "CPU request of the sidecar"),
+    Flag("sidecar-memory-request", non_empty, _defaults.sidecar_memory_request, "memory request of the sidecar"),
+    Flag("sidecar-memory-limit", non_empty, _defaults.sidecar_memory_limit, "memory limit of the sidecar"),
+    Flag("default-memory", memory_share, _defaults.default_memory,
+         'memory share when neither pod nor namespace sets one ("8Gi" or "25%")'),
+    Flag("default-compute", compute_share, _defaults.default_compute,
+         'compute share when neither pod nor namespace sets one ("50" or "50%")'),
+    Flag("default-grace-period", duration(0, MAX_GRACE_PERIOD_SECONDS), _defaults.default_grace_period_seconds,
+         "SIGTERM to SIGKILL delay for a container over its memory share"),
+    Flag("poll-interval", duration(MIN_POLL_INTERVAL_SECONDS, MAX_POLL_INTERVAL_SECONDS),
+         _defaults.poll_interval_seconds, "how often the enforcer polls NVML"),
+    Flag("nvidia-visible-devices", non_empty, _defaults.nvidia_visible_devices,
+         "NVIDIA_VISIBLE_DEVICES of the sidecar"),
+    Flag("nvidia-driver-capabilities", non_empty, _defaults.nvidia_driver_capabilities,
+         "NVIDIA_DRIVER_CAPABILITIES of the sidecar"),
+    Flag("mount-host-proc", boolean, _defaults.mount_host_proc,
+         "mount the host's /proc read-only in the sidecar (drivers that report host PIDs)"),
+    Flag("host-proc-mount-path", non_empty, _defaults.host_proc_mount_path, "where the host's /proc is mounted"),
+    Flag("mps-limits", boolean, _defaults.mps_limits, "set CUDA MPS per-client limits from the shares"),
+    Flag("preload-library", non_empty, _defaults.preload_library_host_path,
+         "host path of an LD_PRELOAD GPU limiter (e.g. HAMi-core libvgpu.so) to inject"),
+    Flag("preload-library-mount-dir", non_empty, _defaults.preload_library_mount_dir,
+         "where the preload library's directory is mounted in GPU containers"),
+)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="gpufence-webhook",
+                                     description="gpufence mutating admission webhook (HTTPS only).")
+    for flag in FLAGS:
+        kwargs: dict[str, Any] = {"dest": flag.dest, "default": None, "metavar": "VALUE",
+                                  # argparse %-formats help texts
+                                  "help": f"{flag.help} [env {flag.env}; default {flag.default}]".replace("%", "%%")}
+        if flag.convert is boolean:
+            # --mount-host-proc alone means true; --mount-host-proc=false is accepted too.
+            kwargs.update(nargs="?", const="true", metavar="BOOL")
+        parser.add_argument(f"--{flag.name}", action="append" if flag.repeat else "store", **kwargs)
+    return parser
+
+
+def _convert(parser: argparse.ArgumentParser, flag: Flag, text: str, source: str) -> Any:
+    try:
+        return flag.convert(text)
+    except ValueError as exc:
+        parser.error(f"{source} {text!r}: {exc}")
+
+
+def parse_args(argv: Sequence[str] | None = None, environ: dict[str, str] | None = None) -> argparse.Namespace:
+    """Flags, then ``GPUFENCE_WEBHOOK_*`` env vars, then defaults; exits 2 on a bad value."""
+    environ = dict(os.environ if environ is None else environ)
+    parser = build_parser()
+    raw = parser.parse_args(argv)
+    values = {}
+    for flag in FLAGS:
+        given = getattr(raw, flag.dest)
+        if given is not None:
+            texts, source = (given if flag.repeat else [given]), f"--{flag.name}"
+        elif environ.get(flag.env, "") != "":
+            env_value = environ[flag.env]
+            texts = [t.strip() for t in env_value.split(",")] if flag.repeat else [env_value]
+            source = flag.env
+        else:
+            values[flag.dest] = flag.default
+            continue
+        converted = [_convert(parser, flag, t, source) for t in texts]
+        values[flag.dest] = tuple(converted) if flag.repeat else converted[0]
+    args = argparse.Namespace(**values)
+    for required in ("tls_cert_file", "tls_private_key_file"):
+        if getattr(args, required) is None:
+            flag = next(f for f in FLAGS if f.dest == required)
+            parser.error(f"--{flag.name} (or {flag.env}) is required")
+    return args
+
+
+def settings_from_args(args: argparse.Namespace) -> InjectionSettings:
+    return InjectionSettings(
+        sidecar_image=args.sidecar_image,
+        sidecar_image_pull_policy=args.sidecar_image_pull_policy,
+        gpu_resource_names=args.gpu_resource_name or (DEFAULT_GPU_RESOURCE,),
+        native_sidecar=args.sidecar_mode == "native",
+        metrics_port=args.metrics_port,
+        sidecar_cpu_request=args.sidecar_cpu_request,
+        sidecar_memory_request=args.sidecar_memory_request,
+        sidecar_memory_limit=args.sidecar_memory_limit,
+        default_memory=args.default_memory,
+        default_compute=args.default_compute,
+        default_grace_period_seconds=args.default_grace_period,
+        poll_interval_seconds=args.poll_interval,
+        nvidia_visible_devices=args.nvidia_visible_devices,
+        nvidia_driver_capabilities=args.nvidia_driver_capabilities,
+        mount_host_proc=args.mount_host_proc,
+        host_proc_mount_path=args.host_proc_mount_path,
+        mps_limits=args.mps_limits,
+        preload_library_host_path=args.preload_library,
+        preload_library_mount_dir=args.preload_library_mount_dir,
+    )
+
+
+# --- logging -----------------------------------------------------------------------------------------
+_RECORD_FIELDS = frozenset(vars(logging.LogRecord("", 0, "", 0, "", None, None))) | {"message", "asctime", "taskName"}
+
+
+class JsonFormatter(logging.Formatter):
+    """One JSON object per line: time, level, logger, message, any ``extra`` fields, exception."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        entry: dict[str, Any] = {
+            "time": dt.datetime.fromtimestamp(record.created, dt.UTC).isoformat(timespec="milliseconds"),
+            "level": record.levelname.lower(),
+            "logger": record.name,
+            "message": record.getMessage(),
+        }
+        entry.update({k: v for k, v in vars(record).items() if k not in _RECORD_FIELDS})
+        if record.exc_info:
+            entry["exception"] = self.formatException(record.exc_info)
+        return json.dumps(entry, default=str)
+
+
+def setup_logging(level: str) -> None:
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(JsonFormatter())
+    logging.basicConfig(level=level.upper(), handlers=[handler], force=True)
+
+
+# --- main --------------------------------------------------------------------------------------------
+async def run(args: argparse.Namespace) -> None:
+    from webhook.namespaces import load_namespace_lookup
+    from webhook.server import serve
+    from webhook.tls import CertReloader
+
+    reloader = CertReloader(args.tls_cert_file, args.tls_private_key_file, interval=args.cert_reload_interval)
+    namespaces = load_namespace_lookup(args.kubeconfig)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)  # graceful: stop accepting, finish in-flight requests
+    await serve(settings_from_args(args), namespaces, reloader, stop, host=args.bind_address, port=args.port)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    setup_logging(args.log_level)
+    log = logging.getLogger("webhook")
+    try:
+        asyncio.run(run(args))
+    except (OSError, ssl.SSLError, ValueError) as exc:  # unreadable cert, bad key, port in use: no traceback
+        log.critical("cannot start", extra={"error": f"{type(exc).__name__}: {exc}"})
+        return 1
+    except Exception as exc:
+        log.critical("cannot start", exc_info=exc)
+        return 1
+    return 0
