@@ -1,0 +1,501 @@
+"""NVML behind one small wrapper: the enforcer's only view of the GPU driver.
+
+Modelled on nvitop's ``libnvml.py``: the real ``pynvml`` loads the library and provides init,
+handles and error types; this module decides which NVML errors are tolerable, turns them into
+values plus :class:`NvmlErrorEvent` records, and keeps the per-poll path cheap.
+
+Error policy of :meth:`NvmlClient.sample`:
+
+* Per device or per process (``NOT_SUPPORTED``, ``NO_PERMISSION``, ``GPU_IS_LOST``, ``UNKNOWN``,
+  a process that vanished between calls, ...): never raised. The value becomes ``None`` / empty and
+  an :class:`NvmlErrorEvent` is reported in ``NvmlSample.errors``. ``GPU_IS_LOST`` (or a handle
+  that cannot be re-acquired) marks the device ``lost`` for this round; its handle is dropped and
+  re-acquired on a later round.
+* ``NOT_FOUND`` from ``nvmlDeviceGetProcessUtilization`` means "no sample newer than the last one"
+  (an idle GPU, or two polls within the driver's sampling period): ``sm_util_by_pid == {}``, no event.
+* NVML as a whole not answering (``UNINITIALIZED``, ``DRIVER_NOT_LOADED``, ``LIBRARY_NOT_FOUND``,
+  ``LIB_RM_VERSION_MISMATCH``): :class:`NvmlUnavailable`. Call ``close()`` and ``open()`` to retry.
+
+Cost: handles, UUIDs and total memory are cached after ``open()`` (re-queried after errors); a
+sample makes three NVML calls per device (compute processes, graphics processes, utilisation)
+into buffers reused between polls (grown on ``NVML_ERROR_INSUFFICIENT_SIZE``), decoded with
+``struct.iter_unpack`` instead of pynvml's per-element ctypes objects.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import operator
+import os
+import re
+import struct
+import threading
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Any
+
+import pynvml
+
+__all__ = [
+    "DeviceSample",
+    "GpuProcess",
+    "NvmlClient",
+    "NvmlErrorEvent",
+    "NvmlSample",
+    "NvmlUnavailable",
+]
+
+NVML_VALUE_NOT_AVAILABLE = 0xFFFFFFFFFFFFFFFF
+_SONAME = "libnvidia-ml.so.1"
+
+
+class NvmlUnavailable(Exception):
+    """NVML cannot be used: library missing, driver not loaded, init failed, or NVML stopped answering."""
+
+
+@dataclass(frozen=True, slots=True)
+class GpuProcess:
+    pid: int
+    device_index: int
+    device_uuid: str
+    used_memory_bytes: int | None  # None: NVML_VALUE_NOT_AVAILABLE or not supported
+
+
+@dataclass(frozen=True, slots=True)
+class NvmlErrorEvent:
+    function: str  # e.g. "nvmlDeviceGetProcessUtilization" (without the _vN suffix)
+    error: str  # e.g. "NOT_SUPPORTED", "GPU_IS_LOST"
+    device_index: int | None
+
+
+@dataclass(frozen=True)
+class DeviceSample:
+    index: int
+    uuid: str
+    total_memory_bytes: int | None
+    processes: tuple[GpuProcess, ...]  # compute + graphics, merged by pid (a pid in both lists once)
+    sm_util_by_pid: Mapping[int, int]  # newest SM% per pid since the previous sample; {} if unsupported/no samples
+    lost: bool = False  # device fell off the bus this round: skip it, keep going
+
+
+@dataclass(frozen=True)
+class NvmlSample:
+    devices: tuple[DeviceSample, ...]
+    errors: tuple[NvmlErrorEvent, ...] = field(default=())  # tolerated errors this round
+
+
+# -- NVML error codes -----------------------------------------------------------------------------
+
+_SUCCESS = pynvml.NVML_SUCCESS
+_INSUFFICIENT_SIZE = pynvml.NVML_ERROR_INSUFFICIENT_SIZE
+_NOT_FOUND = pynvml.NVML_ERROR_NOT_FOUND
+_NOT_SUPPORTED = pynvml.NVML_ERROR_NOT_SUPPORTED
+_GPU_IS_LOST = pynvml.NVML_ERROR_GPU_IS_LOST
+_FUNCTION_NOT_FOUND = pynvml.NVML_ERROR_FUNCTION_NOT_FOUND
+# The whole library stopped answering: no device can be sampled until a fresh init.
+_FATAL = frozenset(
+    {
+        pynvml.NVML_ERROR_UNINITIALIZED,
+        pynvml.NVML_ERROR_DRIVER_NOT_LOADED,
+        pynvml.NVML_ERROR_LIBRARY_NOT_FOUND,
+        pynvml.NVML_ERROR_LIB_RM_VERSION_MISMATCH,
+    }
+)
+# The device is gone for this round (drop the handle, re-acquire later).
+_DEVICE_GONE = frozenset({_GPU_IS_LOST, getattr(pynvml, "NVML_ERROR_GPU_NOT_FOUND", 28)})
+
+_ERROR_NAMES: dict[int, str] = {
+    value: name.removeprefix("NVML_ERROR_")
+    for name, value in vars(pynvml).items()
+    if name.startswith("NVML_ERROR_") and isinstance(value, int)
+}
+
+
+def error_name(code: int) -> str:
+    """``"NOT_SUPPORTED"`` for ``NVML_ERROR_NOT_SUPPORTED``; ``"ERROR_<n>"`` for codes pynvml does not know."""
+    return _ERROR_NAMES.get(code, f"ERROR_{code}")
+
+
+def _base_name(function: str) -> str:
+    """Metric-stable function names: ``nvmlDeviceGetComputeRunningProcesses_v3`` -> without ``_v3``."""
+    return re.sub(r"_v\d+$", "", function)
+
+
+class _NvmlCallError(Exception):
+    def __init__(self, function: str, code: int) -> None:
+        super().__init__(function, code)
+        self.function = function
+        self.code = code
+
+
+# -- raw buffers ----------------------------------------------------------------------------------
+
+# Native layouts (ctypes/C alignment): nvmlProcessInfo_v2_t/_v3_t, nvmlProcessInfo_v1_t,
+# nvmlProcessUtilizationSample_t.
+# Only the fields the enforcer uses are decoded (pid, usedGpuMemory / pid, timeStamp, smUtil).
+_PROC_V2 = struct.Struct("@IQ8x")
+_PROC_V1 = struct.Struct("@IQ")
+_UTIL = struct.Struct("@IQI12x")
+assert ctypes.sizeof(pynvml.c_nvmlProcessInfo_v3_t) == _PROC_V2.size
+assert ctypes.sizeof(pynvml.c_nvmlProcessUtilizationSample_t) == _UTIL.size
+
+
+class _Buffer:
+    """A reusable C array of fixed-size records, grown on demand."""
+
+    __slots__ = ("capacity", "raw", "record")
+
+    def __init__(self, record: struct.Struct, capacity: int = 64) -> None:
+        self.record = record
+        self.capacity = 0
+        self.raw: ctypes.Array[ctypes.c_char] = ctypes.create_string_buffer(0)
+        self.grow(capacity)
+
+    def grow(self, capacity: int) -> None:
+        if capacity > self.capacity:
+            self.capacity = capacity
+            self.raw = ctypes.create_string_buffer(capacity * self.record.size)
+
+    def records(self, count: int) -> Any:
+        return self.record.iter_unpack(self.raw.raw[: count * self.record.size])
+
+
+@dataclass
+class _Device:
+    index: int
+    handle: Any = None  # pynvml c_nvmlDevice_t; None until acquired or after the device was lost
+    uuid: str = ""
+    total_memory_bytes: int | None = None
+    total_settled: bool = False  # total known, or NOT_SUPPORTED (do not ask every round)
+    last_seen_us: int = 0  # lastSeenTimeStamp for nvmlDeviceGetProcessUtilization
+    compute: _Buffer = field(default_factory=lambda: _Buffer(_PROC_V2))
+    graphics: _Buffer = field(default_factory=lambda: _Buffer(_PROC_V2))
+    util: _Buffer = field(default_factory=lambda: _Buffer(_UTIL))
+    records: dict[int, GpuProcess] = field(default_factory=dict)  # last round's, by pid
+
+
+_EMPTY: Mapping[int, int] = MappingProxyType({})
+_by_timestamp = operator.itemgetter(1)
+
+
+class NvmlClient:
+    """One NVML session: ``open()``, ``sample()`` per poll, ``close()``. Thread-safe.
+
+    ``library_path`` names a specific ``libnvidia-ml.so.1`` (``--simulate`` and in-process tests use
+    the simulated one). pynvml always loads the library with ``dlopen("libnvidia-ml.so.1")``, by
+    soname; there is no parameter for a path. The trick: ``open()`` first loads the given file with
+    ``ctypes.CDLL(path, mode=RTLD_GLOBAL)``. The file's DT_SONAME is ``libnvidia-ml.so.1``, and the
+    dynamic loader answers a later ``dlopen`` of a bare name with an already-loaded object whose
+    soname matches, so pynvml gets the same library without ``LD_LIBRARY_PATH``. This only works if
+    nothing in the process loaded another ``libnvidia-ml.so.1`` first (pynvml keeps its library for
+    the life of the process); ``open()`` checks that and raises :class:`NvmlUnavailable` otherwise.
+    In one process, every client must therefore use the same library file (tests: one build per
+    session, e.g. ``simnvml.build_library()`` with the default cache directory).
+    """
+
+    def __init__(self, library_path: str | os.PathLike[str] | None = None) -> None:
+        self._library_path = os.fspath(library_path) if library_path is not None else None
+        self._lock = threading.Lock()
+        self._open = False
+        self._driver_version: str | None = None
+        self._devices: list[_Device] = []
+        self._pending: list[NvmlErrorEvent] = []
+        self._fn_compute: Callable[..., int] | None = None
+        self._fn_graphics: Callable[..., int] | None = None
+        self._fn_util: Callable[..., int] | None = None
+        self._proc_record = _PROC_V2
+        self._proc_names = ("nvmlDeviceGetComputeRunningProcesses", "nvmlDeviceGetGraphicsRunningProcesses")
+
+    # -- lifecycle -------------------------------------------------------------------------------
+
+    def open(self) -> None:
+        """Loads and initialises NVML and caches the devices; raises NvmlUnavailable with the reason."""
+        with self._lock:
+            if self._open:
+                return
+            preloaded = self._preload()
+            try:
+                pynvml.nvmlInit()
+            except pynvml.NVMLError as exc:
+                raise NvmlUnavailable(_init_message(exc.value, self._library_path)) from None
+            try:
+                self._check_same_library(preloaded)
+                self._resolve_functions()
+                try:
+                    self._driver_version = _text(pynvml.nvmlSystemGetDriverVersion())
+                except pynvml.NVMLError:
+                    self._driver_version = None
+                try:
+                    count = pynvml.nvmlDeviceGetCount()
+                except pynvml.NVMLError as exc:
+                    raise NvmlUnavailable(f"NVML answered nvmlInit but not nvmlDeviceGetCount: {exc}") from None
+                self._devices = [_Device(index) for index in range(count)]
+                self._pending = []
+                for device in self._devices:
+                    try:
+                        self._acquire(device, self._pending)
+                    except _NvmlCallError as err:
+                        if err.code in _FATAL:
+                            raise NvmlUnavailable(_fatal_message(err)) from None
+                        event = NvmlErrorEvent(_base_name(err.function), error_name(err.code), device.index)
+                        self._pending.append(event)
+            except BaseException:
+                _shutdown_quietly()
+                raise
+            self._open = True
+
+    def close(self) -> None:
+        """Ends the NVML session (the library stays loaded: pynvml never unloads it)."""
+        with self._lock:
+            if not self._open:
+                return
+            self._open = False
+            self._devices = []
+            self._pending = []
+            _shutdown_quietly()
+
+    def __enter__(self) -> NvmlClient:
+        self.open()
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    @property
+    def driver_version(self) -> str | None:
+        return self._driver_version
+
+    # -- polling ---------------------------------------------------------------------------------
+
+    def sample(self) -> NvmlSample:
+        """Every device's processes, memory and SM utilisation now; tolerated errors as events."""
+        with self._lock:
+            if not self._open:
+                raise NvmlUnavailable("NVML is not open: call NvmlClient.open() first")
+            errors = self._pending
+            self._pending = []
+            samples = []
+            try:
+                for device in self._devices:
+                    samples.append(self._sample_device(device, errors))
+            except _NvmlCallError as err:  # only fatal codes get here
+                raise NvmlUnavailable(_fatal_message(err)) from None
+            return NvmlSample(devices=tuple(samples), errors=tuple(errors))
+
+    def _sample_device(self, device: _Device, errors: list[NvmlErrorEvent]) -> DeviceSample:
+        index = device.index
+        listed: list[tuple[int, int | None]] = []
+        try:
+            if device.handle is None:
+                self._acquire(device, errors)
+            elif not device.total_settled:
+                self._query_total(device, errors)
+            for buf, fn, name in (
+                (device.compute, self._fn_compute, self._proc_names[0]),
+                (device.graphics, self._fn_graphics, self._proc_names[1]),
+            ):
+                try:
+                    listed += self._processes(device, buf, fn, name)
+                except _NvmlCallError as err:
+                    if err.code in _FATAL or err.code in _DEVICE_GONE:
+                        raise
+                    errors.append(NvmlErrorEvent(_base_name(err.function), error_name(err.code), index))
+        except _NvmlCallError as err:
+            if err.code in _FATAL:
+                raise
+            # The device is gone (or its handle could not be acquired): skip it this round.
+            errors.append(NvmlErrorEvent(_base_name(err.function), error_name(err.code), index))
+            device.handle = None  # re-acquire (and re-read the uuid) next round
+            return DeviceSample(index, device.uuid, device.total_memory_bytes, (), _EMPTY, lost=True)
+
+        uuid = device.uuid
+        used_by_pid: dict[int, int | None] = {}
+        for pid, used in listed:
+            if pid in used_by_pid:
+                # One process in both lists has one allocation: keep the larger known value.
+                previous = used_by_pid[pid]
+                if previous is not None and (used is None or used <= previous):
+                    continue
+            used_by_pid[pid] = used
+        # Reuse last round's (immutable) records where nothing changed: most processes, most polls.
+        previous_records = device.records
+        records: dict[int, GpuProcess] = {}
+        for pid, used in used_by_pid.items():
+            record = previous_records.get(pid)
+            if record is None or record.used_memory_bytes != used or record.device_uuid != uuid:
+                record = GpuProcess(pid, index, uuid, used)
+            records[pid] = record
+        device.records = records
+        processes = tuple(records.values())
+        return DeviceSample(index, uuid, device.total_memory_bytes, processes, self._util(device, errors))
+
+    # -- NVML calls ------------------------------------------------------------------------------
+
+    def _acquire(self, device: _Device, errors: list[NvmlErrorEvent]) -> None:
+        """Handle, UUID and total memory of a device (at open, and after it was lost)."""
+        try:
+            handle = pynvml.nvmlDeviceGetHandleByIndex(device.index)
+        except pynvml.NVMLError as exc:
+            raise _NvmlCallError("nvmlDeviceGetHandleByIndex", exc.value) from None
+        try:
+            uuid = _text(pynvml.nvmlDeviceGetUUID(handle))
+        except pynvml.NVMLError as exc:
+            raise _NvmlCallError("nvmlDeviceGetUUID", exc.value) from None
+        if uuid != device.uuid:
+            device.last_seen_us = 0
+        device.handle, device.uuid = handle, uuid
+        device.total_settled = False
+        self._query_total(device, errors)
+
+    def _query_total(self, device: _Device, errors: list[NvmlErrorEvent]) -> None:
+        try:
+            device.total_memory_bytes = int(pynvml.nvmlDeviceGetMemoryInfo(device.handle).total)
+            device.total_settled = True
+        except pynvml.NVMLError as exc:
+            if exc.value in _FATAL or exc.value in _DEVICE_GONE:
+                raise _NvmlCallError("nvmlDeviceGetMemoryInfo", exc.value) from None
+            # Tolerated: total unknown. NOT_SUPPORTED will not change; other errors are retried.
+            device.total_settled = exc.value == _NOT_SUPPORTED
+            errors.append(NvmlErrorEvent("nvmlDeviceGetMemoryInfo", error_name(exc.value), device.index))
+
+    def _processes(
+        self, device: _Device, buf: _Buffer, fn: Callable[..., int] | None, name: str
+    ) -> list[tuple[int, int | None]]:
+        """(pid, used bytes or None) from one running-processes list; raises _NvmlCallError."""
+        if fn is None:
+            raise _NvmlCallError(name, _FUNCTION_NOT_FOUND)
+        if buf.record is not self._proc_record:
+            buf.record = self._proc_record
+            buf.capacity = 0
+            buf.grow(64)
+        count = ctypes.c_uint(buf.capacity)
+        ret = fn(device.handle, ctypes.byref(count), buf.raw)
+        for _ in range(4):  # the list may grow between the calls
+            if ret != _INSUFFICIENT_SIZE:
+                break
+            buf.grow(count.value * 2 + 8)
+            count.value = buf.capacity
+            ret = fn(device.handle, ctypes.byref(count), buf.raw)
+        if ret != _SUCCESS:
+            raise _NvmlCallError(name, ret)
+        return [
+            (record[0], None if record[1] == NVML_VALUE_NOT_AVAILABLE else record[1])
+            for record in buf.records(count.value)
+        ]
+
+    def _util(self, device: _Device, errors: list[NvmlErrorEvent]) -> Mapping[int, int]:
+        """Newest SM% per pid since the previous call; {} (with an event unless NOT_FOUND) otherwise."""
+        fn = self._fn_util
+        if fn is None:
+            return _EMPTY
+        buf = device.util
+        count = ctypes.c_uint(buf.capacity)
+        last_seen = ctypes.c_ulonglong(device.last_seen_us)
+        ret = fn(device.handle, buf.raw, ctypes.byref(count), last_seen)
+        for _ in range(4):
+            if ret != _INSUFFICIENT_SIZE:
+                break
+            buf.grow(count.value * 2 + 8)
+            count.value = buf.capacity
+            ret = fn(device.handle, buf.raw, ctypes.byref(count), last_seen)
+        if ret == _NOT_FOUND:
+            return _EMPTY
+        if ret != _SUCCESS:
+            if ret in _FATAL:
+                raise _NvmlCallError("nvmlDeviceGetProcessUtilization", ret)
+            errors.append(NvmlErrorEvent("nvmlDeviceGetProcessUtilization", error_name(ret), device.index))
+            return _EMPTY
+        last = device.last_seen_us
+        fresh = sorted((r for r in buf.records(count.value) if r[1] > last and r[0]), key=_by_timestamp)
+        if not fresh:
+            return _EMPTY
+        device.last_seen_us = fresh[-1][1]
+        # Oldest first, so each pid ends up with its newest sample.
+        return {pid: sm_util for pid, _ts, sm_util in fresh}
+
+    def _resolve_functions(self) -> None:
+        """The newest process-list symbols this driver has (v3, else v2 with the same layout, else v1)."""
+
+        def first(*names: str) -> tuple[Callable[..., int] | None, str]:
+            for name in names:
+                try:
+                    return pynvml._nvmlGetFunctionPointer(name), name
+                except pynvml.NVMLError:
+                    continue
+            return None, names[0]
+
+        compute, compute_name = first(
+            "nvmlDeviceGetComputeRunningProcesses_v3",
+            "nvmlDeviceGetComputeRunningProcesses_v2",
+            "nvmlDeviceGetComputeRunningProcesses",
+        )
+        graphics, graphics_name = first(
+            "nvmlDeviceGetGraphicsRunningProcesses_v3",
+            "nvmlDeviceGetGraphicsRunningProcesses_v2",
+            "nvmlDeviceGetGraphicsRunningProcesses",
+        )
+        # Both lists must use one record layout; v1 (no suffix) is nvmlProcessInfo_v1_t.
+        v1 = not compute_name.endswith(("_v2", "_v3")) or not graphics_name.endswith(("_v2", "_v3"))
+        if v1:
+            compute, _ = first("nvmlDeviceGetComputeRunningProcesses")
+            graphics, _ = first("nvmlDeviceGetGraphicsRunningProcesses")
+        self._proc_record = _PROC_V1 if v1 else _PROC_V2
+        self._fn_compute, self._fn_graphics = compute, graphics
+        self._fn_util, _ = first("nvmlDeviceGetProcessUtilization")
+
+    # -- loading ---------------------------------------------------------------------------------
+
+    def _preload(self) -> ctypes.CDLL | None:
+        path = self._library_path
+        if path is None:
+            return None
+        if not os.path.exists(path):
+            raise NvmlUnavailable(f"NVML library {path} does not exist")
+        try:
+            return ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)
+        except OSError as exc:
+            raise NvmlUnavailable(f"cannot load the NVML library {path}: {exc}") from None
+
+    def _check_same_library(self, preloaded: ctypes.CDLL | None) -> None:
+        if preloaded is None:
+            return
+        loaded = pynvml.nvmlLib
+        mine = ctypes.cast(preloaded.nvmlShutdown, ctypes.c_void_p).value
+        theirs = ctypes.cast(loaded.nvmlShutdown, ctypes.c_void_p).value if loaded is not None else None
+        if mine != theirs:
+            raise NvmlUnavailable(
+                f"pynvml already uses another {_SONAME} in this process, so {self._library_path} cannot take "
+                "effect: pynvml loads NVML once per process; use one library file per process"
+            )
+
+
+def _text(value: str | bytes) -> str:
+    return value.decode() if isinstance(value, bytes) else value
+
+
+def _shutdown_quietly() -> None:
+    with contextlib.suppress(pynvml.NVMLError):
+        pynvml.nvmlShutdown()
+
+
+def _init_message(code: int, library_path: str | None) -> str:
+    where = library_path or _SONAME
+    if code == pynvml.NVML_ERROR_LIBRARY_NOT_FOUND:
+        return (
+            f"NVML library {_SONAME} not found: no NVIDIA driver on this host, or it is not mounted into "
+            "this container (the NVIDIA container toolkit mounts it when NVIDIA_DRIVER_CAPABILITIES "
+            "includes 'utility'); for a simulated GPU use --simulate"
+        )
+    if code == pynvml.NVML_ERROR_DRIVER_NOT_LOADED:
+        return f"NVIDIA driver not loaded (nvmlInit via {where} returned NVML_ERROR_DRIVER_NOT_LOADED)"
+    if code == pynvml.NVML_ERROR_NO_PERMISSION:
+        return f"no permission to use NVML (nvmlInit via {where} returned NVML_ERROR_NO_PERMISSION)"
+    if code == pynvml.NVML_ERROR_LIB_RM_VERSION_MISMATCH:
+        return f"NVML library {where} does not match the loaded kernel driver (driver upgraded? reboot or reload it)"
+    return f"nvmlInit via {where} failed: NVML_ERROR_{error_name(code)}"
+
+
+def _fatal_message(err: _NvmlCallError) -> str:
+    return f"NVML stopped answering: {err.function} returned NVML_ERROR_{error_name(err.code)}"
