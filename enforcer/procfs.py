@@ -1,0 +1,187 @@
+"""Facts about a process, read from a proc root.
+
+Every reader here tolerates the process vanishing mid-read (it can exit, or its PID can be reused,
+at any instant): the answer is then None, never an exception. Reads use ``os.open``/``os.read``
+rather than ``open()`` because they sit on the enforcer's per-tick path and the buffered-file
+machinery costs more than the read itself.
+
+Identity of a process is ``(pid, start_time_ticks)``: field 22 of ``/proc/<pid>/stat`` is the
+start time in clock ticks since boot, which a reused PID cannot repeat (the kernel would have to
+start two processes in the same tick with the same PID). ``read_facts`` reads the start time
+before and after the other files, so a ``ProcFacts`` never mixes two processes' files.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+from enforcer.config import ENV_CONTAINER
+
+NVIDIA_DEVICE_PREFIX_DEFAULT = "/dev/nvidia"
+# Tests and the local demo have no GPU: the workloads open a temp file named like
+# <tmp>/dev/nvidia0 and the enforcer is told that prefix through this variable.
+ENV_NVIDIA_DEVICE_PREFIX = "GPUFENCE_NVIDIA_DEVICE_PREFIX"
+
+_CONTAINER_KEY = ENV_CONTAINER.encode() + b"="
+# /proc/<pid>/stat and status fit in one page; environ and cgroup are read to EOF.
+_SMALL_READ = 4096
+
+
+@dataclass(frozen=True)
+class ProcFacts:
+    pid: int
+    start_time_ticks: int  # field 22 of /proc/<pid>/stat: identity of the process for PID-reuse checks
+    container: str | None  # GPUFENCE_CONTAINER from /proc/<pid>/environ; None if absent/unreadable
+    cgroup: str | None  # /proc/<pid>/cgroup content (cross-check)
+    holds_nvidia_device: bool  # some /proc/<pid>/fd/* links to a path starting with the device prefix
+
+
+@dataclass(frozen=True)
+class ProcStat:
+    """The two fields of /proc/<pid>/stat the enforcer needs, from one read."""
+
+    ppid: int
+    start_time_ticks: int
+
+
+def default_device_prefix() -> str:
+    """The device prefix: ``GPUFENCE_NVIDIA_DEVICE_PREFIX`` if set and non-empty, else ``/dev/nvidia``."""
+    return os.environ.get(ENV_NVIDIA_DEVICE_PREFIX) or NVIDIA_DEVICE_PREFIX_DEFAULT
+
+
+def read_stat(pid: int | str, proc_root: str = "/proc") -> ProcStat | None:
+    """Parent PID and start time, or None if the process is gone or the file is malformed."""
+    data = _read_small(f"{proc_root}/{pid}/stat")
+    if data is None:
+        return None
+    # Field 2 (comm) is parenthesised and may itself contain spaces and ')': split after the
+    # LAST ')'. What follows starts at field 3, so field N is at index N - 3.
+    fields = data.rpartition(b")")[2].split()
+    try:
+        return ProcStat(ppid=int(fields[1]), start_time_ticks=int(fields[19]))
+    except (IndexError, ValueError):
+        return None
+
+
+def read_start_time(pid: int, proc_root: str = "/proc") -> int | None:
+    stat = read_stat(pid, proc_root) if pid > 0 else None
+    return stat.start_time_ticks if stat is not None else None
+
+
+def read_nspid(pid: int, proc_root: str) -> tuple[int, ...] | None:
+    """The NSpid line of /proc/<pid>/status, outermost namespace first (None before Linux 4.1)."""
+    data = _read_small(f"{proc_root}/{pid}/status", size=16384)
+    if data is None:
+        return None
+    for line in data.splitlines():
+        if line.startswith(b"NSpid:"):
+            try:
+                pids = tuple(int(part) for part in line[len(b"NSpid:") :].split())
+            except ValueError:
+                return None
+            return pids or None
+    return None
+
+
+def pidns_inode(pid: int | str, proc_root: str) -> int | None:
+    """Inode of the PID namespace of a process (``"self"`` allowed); None if gone or not permitted."""
+    try:
+        return os.stat(f"{proc_root}/{pid}/ns/pid").st_ino
+    except OSError:
+        return None
+
+
+def holds_device(pid: int, proc_root: str, device_prefix: str) -> bool:
+    """Whether some open descriptor of the process links to a path starting with ``device_prefix``.
+
+    Unreadable (gone, or no ptrace permission) reads as False: a process we cannot inspect is
+    not accepted as ours.
+    """
+    fd_dir = f"{proc_root}/{pid}/fd"
+    try:
+        names = os.listdir(fd_dir)
+    except OSError:
+        return False
+    for name in names:
+        try:
+            target = os.readlink(f"{fd_dir}/{name}")
+        except OSError:  # closed between listdir and readlink
+            continue
+        if target.startswith(device_prefix):
+            return True
+    return False
+
+
+def read_facts(pid: int, proc_root: str = "/proc", device_prefix: str | None = None) -> ProcFacts | None:
+    """All facts about one process, or None if it vanished (or its PID was reused) during the read.
+
+    ``device_prefix`` None means ``default_device_prefix()`` (the environment, read now).
+    """
+    if pid <= 0:
+        return None
+    prefix = device_prefix if device_prefix is not None else default_device_prefix()
+    start = read_start_time(pid, proc_root)
+    if start is None:
+        return None
+    base = f"{proc_root}/{pid}"
+    container = _container_from_environ(_read_all(f"{base}/environ"))
+    cgroup_bytes = _read_all(f"{base}/cgroup")
+    holds = holds_device(pid, proc_root, prefix)
+    # Re-read the identity: if the process exited (or the PID now names another process) while
+    # we read, the files above may describe a different process or none.
+    if read_start_time(pid, proc_root) != start:
+        return None
+    return ProcFacts(
+        pid=pid,
+        start_time_ticks=start,
+        container=container,
+        cgroup=cgroup_bytes.decode("utf-8", "replace").strip() if cgroup_bytes is not None else None,
+        holds_nvidia_device=holds,
+    )
+
+
+def _container_from_environ(environ: bytes | None) -> str | None:
+    """GPUFENCE_CONTAINER's value, the first occurrence as getenv() would see it.
+
+    An empty, non-UTF-8 or missing value is None: such a process cannot be attributed.
+    """
+    if not environ:
+        return None
+    for entry in environ.split(b"\0"):
+        if entry.startswith(_CONTAINER_KEY):
+            try:
+                value = entry[len(_CONTAINER_KEY) :].decode("utf-8")
+            except UnicodeDecodeError:
+                return None
+            return value or None
+    return None
+
+
+def _read_small(path: str, size: int = _SMALL_READ) -> bytes | None:
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:
+        return None
+    try:
+        return os.read(fd, size)
+    except OSError:  # ESRCH: exited between open and read
+        return None
+    finally:
+        os.close(fd)
+
+
+def _read_all(path: str) -> bytes | None:
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:
+        return None
+    try:
+        chunks = []
+        while chunk := os.read(fd, 65536):
+            chunks.append(chunk)
+        return b"".join(chunks)
+    except OSError:  # ESRCH/EACCES mid-read: treat as unreadable
+        return None
+    finally:
+        os.close(fd)

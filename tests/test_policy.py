@@ -1,0 +1,318 @@
+"""enforcer.policy: table tests of the memory decisions and the compute duty-cycle math."""
+
+from __future__ import annotations
+
+import pytest
+
+from enforcer.attribution import Attribution, PodProcess
+from enforcer.config import ContainerShare, EnforcerConfig, MemoryShare, Mode
+from enforcer.policy import (
+    START_MARGIN,
+    ComputeTracker,
+    ContainerDeviceUsage,
+    TerminateOrder,
+    container_sm_utilization,
+    memory_orders,
+    usage_by_container,
+)
+
+GiB = 1 << 30
+
+
+def proc(
+    pid: int,
+    container: str | None = "train",
+    used: int | None = 0,
+    *,
+    device: int = 0,
+    sm: int | None = None,
+    start: int | None = None,
+) -> PodProcess:
+    return PodProcess(
+        pid=pid,
+        nvml_pid=pid,
+        start_time_ticks=start if start is not None else 1000 + pid,
+        container=container,
+        device_index=device,
+        device_uuid=f"GPU-{device}",
+        used_memory_bytes=used,
+        sm_util=sm,
+    )
+
+
+def config(**shares: ContainerShare) -> EnforcerConfig:
+    return EnforcerConfig(containers=shares)
+
+
+def memory(*, bytes_: int | None = None, percent: float | None = None) -> ContainerShare:
+    return ContainerShare(memory=MemoryShare(bytes=bytes_, percent=percent))
+
+
+def orders_for(
+    processes: list[PodProcess], cfg: EnforcerConfig, totals: dict[int, int | None] | None = None
+) -> tuple[TerminateOrder, ...]:
+    usages = usage_by_container(Attribution(tuple(processes), ()), cfg, totals or {0: 16 * GiB, 1: 16 * GiB})
+    return memory_orders(usages)
+
+
+def victim_pids(orders: tuple[TerminateOrder, ...]) -> list[list[int]]:
+    return [[v.pid for v in order.victims] for order in orders]
+
+
+# -- memory ----------------------------------------------------------------------------------------
+
+TRAIN_8G = config(train=memory(bytes_=8 * GiB))
+
+
+@pytest.mark.parametrize(
+    ("used", "expected_victims"),
+    [
+        pytest.param([3, 3], [], id="under share"),
+        pytest.param([5, 3], [], id="exactly at share"),
+        pytest.param([5, 4, 3, 1], [[10]], id="largest alone is enough"),
+        pytest.param([1, 3, 4, 5], [[13]], id="order of listing does not matter"),
+        pytest.param([4, 4, 4, 4], [[13, 12]], id="equal sizes: newest first, just enough"),
+        pytest.param([9], [[10]], id="single process over"),
+        pytest.param([5, 0, 0, 4], [[10]], id="zero-byte processes are never needed"),
+    ],
+)
+def test_memory_victims(used: list[int], expected_victims: list[list[int]]) -> None:
+    processes = [proc(10 + i, used=n * GiB) for i, n in enumerate(used)]
+    assert victim_pids(orders_for(processes, TRAIN_8G)) == expected_victims
+
+
+def test_victims_are_just_enough_for_a_deep_excess() -> None:
+    processes = [proc(1, used=5 * GiB), proc(2, used=4 * GiB), proc(3, used=3 * GiB), proc(4, used=1 * GiB)]
+    (order,) = orders_for(processes, config(train=memory(bytes_=3 * GiB)))
+    # 13 -> 8 -> 4 -> 1 GiB: three victims, and the last (1 GiB) stays.
+    assert [v.pid for v in order.victims] == [1, 2, 3]
+    assert (order.container, order.device_index, order.device_uuid) == ("train", 0, "GPU-0")
+    assert (order.used_bytes, order.limit_bytes) == (13 * GiB, 3 * GiB)
+
+
+def test_usage_sums_per_container_and_device() -> None:
+    processes = [
+        proc(1, "train", 2 * GiB),
+        proc(2, "eval", 1 * GiB),
+        proc(3, "train", 3 * GiB),
+        proc(1, "train", 7 * GiB, device=1),
+    ]
+    usages = usage_by_container(Attribution(tuple(processes), ()), TRAIN_8G, {0: 16 * GiB, 1: 16 * GiB})
+    summary = [(u.device_index, u.container, u.used_bytes, u.limit_bytes, [p.pid for p in u.processes]) for u in usages]
+    assert summary == [
+        (0, "eval", 1 * GiB, None, [2]),  # not in the config: nothing to enforce
+        (0, "train", 5 * GiB, 8 * GiB, [1, 3]),
+        (1, "train", 7 * GiB, 8 * GiB, [1]),
+    ]
+
+
+def test_percent_share_uses_each_devices_total() -> None:
+    cfg = config(eval=memory(percent=25))
+    processes = [proc(1, "eval", 5 * GiB), proc(2, "eval", 5 * GiB, device=1)]
+    usages = usage_by_container(Attribution(tuple(processes), ()), cfg, {0: 16 * GiB, 1: 40 * GiB})
+    assert [u.limit_bytes for u in usages] == [4 * GiB, 10 * GiB]
+    # Over on the 16 GiB device only.
+    assert [(o.device_index, [v.pid for v in o.victims]) for o in memory_orders(usages)] == [(0, [1])]
+
+
+@pytest.mark.parametrize("totals", [{0: None}, {}, {0: 0}], ids=["total None", "total missing", "total 0"])
+def test_percent_share_with_unknown_total_is_no_limit(totals: dict[int, int | None]) -> None:
+    processes = [proc(1, "eval", 100 * GiB)]
+    usages = usage_by_container(Attribution(tuple(processes), ()), config(eval=memory(percent=10)), totals)
+    assert [u.limit_bytes for u in usages] == [None]
+    assert memory_orders(usages) == ()
+
+
+def test_byte_share_does_not_need_the_total() -> None:
+    assert victim_pids(orders_for([proc(1, used=9 * GiB)], TRAIN_8G, {0: None})) == [[1]]
+
+
+def test_multi_device_usage_is_per_device() -> None:
+    # 6 GiB on each of two devices: 12 GiB in all, but under the 8 GiB share on each device.
+    processes = [proc(1, used=6 * GiB), proc(2, used=6 * GiB, device=1)]
+    assert orders_for(processes, TRAIN_8G) == ()
+    processes.append(proc(3, used=3 * GiB, device=1))
+    (order,) = orders_for(processes, TRAIN_8G)
+    assert (order.device_index, order.device_uuid, [v.pid for v in order.victims]) == (1, "GPU-1", [2])
+
+
+def test_unknown_used_memory_counts_zero_is_flagged_and_never_a_victim() -> None:
+    processes = [proc(1, used=None), proc(2, used=6 * GiB), proc(3, used=3 * GiB)]
+    usages = usage_by_container(Attribution(tuple(processes), ()), TRAIN_8G, {0: 16 * GiB})
+    (usage,) = usages
+    assert (usage.used_bytes, usage.unknown_usage) == (9 * GiB, True)
+    assert victim_pids(memory_orders(usages)) == [[2]]
+    # Only unknowns: nothing counted, nothing to kill.
+    (only_unknown,) = usage_by_container(Attribution((proc(1, used=None),), ()), TRAIN_8G, {0: 16 * GiB})
+    assert (only_unknown.used_bytes, only_unknown.unknown_usage) == (0, True)
+    assert memory_orders([only_unknown]) == ()
+
+
+def test_unattributed_processes_are_never_counted_or_victims() -> None:
+    processes = [proc(1, None, 50 * GiB), proc(2, "train", 9 * GiB)]
+    usages = usage_by_container(Attribution(tuple(processes), ()), TRAIN_8G, {0: 16 * GiB})
+    assert [(u.container, u.used_bytes) for u in usages] == [("train", 9 * GiB)]
+    assert victim_pids(memory_orders(usages)) == [[2]]
+
+
+def test_a_hand_built_usage_cannot_make_strangers_victims() -> None:
+    # memory_orders re-checks every process: unattributed, another container's, another device's.
+    strangers = (proc(1, None, 10 * GiB), proc(2, "eval", 10 * GiB), proc(3, "train", 10 * GiB, device=1))
+    usage = ContainerDeviceUsage(
+        container="train",
+        device_index=0,
+        device_uuid="GPU-0",
+        used_bytes=35 * GiB,
+        limit_bytes=8 * GiB,
+        processes=(*strangers, proc(4, "train", 5 * GiB)),
+    )
+    assert victim_pids(memory_orders([usage])) == [[4]]
+
+
+def test_containers_without_a_memory_share_are_never_killed() -> None:
+    cfg = config(train=ContainerShare(compute_percent=50))
+    assert orders_for([proc(1, used=15 * GiB)], cfg) == ()
+
+
+def test_orders_for_several_containers_at_once() -> None:
+    cfg = config(train=memory(bytes_=8 * GiB), eval=memory(bytes_=2 * GiB), idle=memory(bytes_=1 * GiB))
+    processes = [proc(1, "train", 9 * GiB), proc(2, "eval", 1 * GiB), proc(3, "eval", 2 * GiB), proc(4, "idle", GiB)]
+    assert [(o.container, [v.pid for v in o.victims]) for o in orders_for(processes, cfg)] == [
+        ("eval", [3]),
+        ("train", [1]),
+    ]
+
+
+# -- compute ---------------------------------------------------------------------------------------
+
+TRAIN_HALF = config(train=ContainerShare(compute_percent=50))
+
+
+def at(*processes: PodProcess) -> Attribution:
+    return Attribution(tuple(processes), ())
+
+
+def run(
+    tracker: ComputeTracker, cfg: EnforcerConfig, demands: list[int], *, start: float = 0.0, step: float = 0.5
+) -> dict[str, float]:
+    """Simulate ``train`` wanting the given SM percentages, one poll every ``step`` seconds.
+
+    Enforced, a job allowed to run a fraction f of the time measures demand·f (stopped time shows
+    0); audited, nothing is stopped. Returns the last plan.
+    """
+    plan: dict[str, float] = {}
+    for i, demand in enumerate(demands):
+        now = start + i * step
+        in_force = plan.get("train", 1.0) if cfg.mode is Mode.ENFORCE else 1.0
+        tracker.observe(now, at(proc(1, sm=round(demand * in_force))), cfg)
+        plan = dict(tracker.plan(now, cfg))
+    return plan
+
+
+def test_compute_under_share_is_not_throttled() -> None:
+    assert run(ComputeTracker(), TRAIN_HALF, [40] * 10) == {}
+
+
+def test_compute_over_share_gets_share_over_demand() -> None:
+    assert run(ComputeTracker(), TRAIN_HALF, [90] * 3) == {"train": pytest.approx(0.5 / 0.9)}
+
+
+def test_compute_needs_a_full_period_before_throttling() -> None:
+    tracker = ComputeTracker(period_seconds=1.0)
+    assert run(tracker, TRAIN_HALF, [100, 100]) == {}  # 0.5 s of data: a burst, not yet a pattern
+    assert run(tracker, TRAIN_HALF, [100], start=1.0) == {"train": pytest.approx(0.5)}
+
+
+def test_compute_start_needs_the_margin() -> None:
+    inside = round(50 * (1 + START_MARGIN)) - 1  # 54 %: over the share, inside the margin
+    assert run(ComputeTracker(), TRAIN_HALF, [inside] * 10) == {}
+    assert run(ComputeTracker(), TRAIN_HALF, [inside + 2] * 10) == {"train": pytest.approx(50 / (inside + 2), abs=0.01)}
+
+
+def test_compute_demand_is_measured_use_over_run_fraction() -> None:
+    tracker = ComputeTracker(window_seconds=5.0)
+    # Throttled at f, a steady 90 % job measures 90·f %: the estimate stays 90 %, and so does the plan
+    # (were demand taken as the measured use, the plan would swing back to 1 and flap).
+    assert run(tracker, TRAIN_HALF, [90] * 30) == {"train": pytest.approx(0.5 / 0.9, abs=0.01)}
+    assert tracker.demand("train") == pytest.approx(0.9, abs=0.01)
+
+
+def test_compute_plan_follows_a_changing_demand() -> None:
+    tracker = ComputeTracker(window_seconds=2.0)
+    assert run(tracker, TRAIN_HALF, [100] * 10) == {"train": pytest.approx(0.5)}
+    assert run(tracker, TRAIN_HALF, [80] * 10, start=5.0) == {"train": pytest.approx(0.625, abs=0.01)}
+
+
+def test_compute_hysteresis_keeps_a_throttle_inside_the_band_and_ends_it_at_the_share() -> None:
+    tracker = ComputeTracker(window_seconds=2.0)
+    assert run(tracker, TRAIN_HALF, [100] * 5) == {"train": pytest.approx(0.5)}
+    # Demand drops to 52 %: inside the band (share < demand <= share·(1+margin)): still throttled, f near 1.
+    plan = run(tracker, TRAIN_HALF, [52] * 10, start=2.5)
+    assert plan == {"train": pytest.approx(50 / 52, abs=0.01)}
+    # Demand at or under the share: the throttle ends...
+    assert run(tracker, TRAIN_HALF, [48] * 10, start=7.5) == {}
+    # ...and the same 52 % that kept it throttled does not start it again.
+    assert run(tracker, TRAIN_HALF, [52] * 10, start=12.5) == {}
+
+
+def test_compute_fraction_is_clamped_to_the_minimum() -> None:
+    cfg = config(train=ContainerShare(compute_percent=1))
+    assert run(ComputeTracker(min_run_fraction=0.05), cfg, [100] * 3) == {"train": 0.05}
+
+
+def test_compute_full_share_never_throttles() -> None:
+    cfg = config(train=ContainerShare(compute_percent=100))
+    assert run(ComputeTracker(), cfg, [100] * 10) == {}
+
+
+def test_compute_audit_mode_assumes_nothing_was_stopped() -> None:
+    audit = EnforcerConfig(containers=TRAIN_HALF.containers, mode=Mode.AUDIT)
+    tracker = ComputeTracker()
+    # The job is never really stopped, so it keeps measuring 90 %: the plan must stay at share/0.9
+    # rather than spiral down as if the 90 % had been measured while running a fraction of the time.
+    assert run(tracker, audit, [90] * 20) == {"train": pytest.approx(0.5 / 0.9)}
+
+
+def test_compute_throttle_ends_when_observations_stop() -> None:
+    tracker = ComputeTracker(window_seconds=5.0)
+    assert run(tracker, TRAIN_HALF, [100] * 3)  # observed at 0, 0.5 and 1 s
+    assert tracker.plan(5.9, TRAIN_HALF) == {"train": pytest.approx(0.5)}  # the window still holds t=1
+    assert tracker.plan(6.1, TRAIN_HALF) == {}  # all of it expired: never throttle on no data
+    assert tracker.demand("train") is None
+
+
+def test_compute_share_removed_from_config_ends_the_throttle() -> None:
+    tracker = ComputeTracker()
+    assert run(tracker, TRAIN_HALF, [100] * 3)
+    assert tracker.plan(1.5, config(train=memory(bytes_=GiB))) == {}
+    assert tracker.plan(1.5, config()) == {}
+
+
+def test_container_without_gpu_processes_measures_zero() -> None:
+    tracker = ComputeTracker(window_seconds=2.0)
+    assert run(tracker, TRAIN_HALF, [100] * 3)
+    for i in range(6):
+        tracker.observe(1.5 + i * 0.5, at(), TRAIN_HALF)  # the job exited
+    assert tracker.plan(4.0, TRAIN_HALF) == {}
+
+
+def test_container_sm_utilization_aggregation() -> None:
+    attribution = at(
+        proc(1, "train", sm=30),
+        proc(2, "train", sm=50),
+        proc(3, "train", sm=20, device=1),
+        proc(4, "eval", sm=80),
+        proc(5, "eval", sm=70),  # 150 % on one device is impossible: capped
+        proc(6, "other", sm=None),  # no sample since NVML's last one: it did not run
+        proc(7, None, sm=100),  # unattributed: nobody's
+    )
+    assert container_sm_utilization(attribution) == {"train": 0.8, "eval": 1.0, "other": 0.0}
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [{"window_seconds": 0}, {"period_seconds": -1}, {"min_run_fraction": 0}, {"min_run_fraction": 1}],
+)
+def test_compute_tracker_rejects_nonsense(kwargs: dict[str, float]) -> None:
+    with pytest.raises(ValueError):
+        ComputeTracker(**kwargs)
