@@ -1,0 +1,106 @@
+"""HTTP endpoints of the enforcer: ``/metrics``, ``/healthz``, ``/readyz`` (aiohttp).
+
+* ``/healthz`` — 200 while the process serves HTTP (liveness: NVML trouble must not get the
+  sidecar restarted in a loop; the poll loop retries by itself).
+* ``/readyz`` — 200 once NVML answered and the last successful poll is fresher than three poll
+  intervals, else 503 with the reason.
+* ``/metrics`` — the enforcer's own Prometheus registry.
+
+Handlers only read a few fields of :class:`Health` (a tiny thread-safe record the poll loop
+updates), so they never wait on NVML.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass
+
+from aiohttp import web
+
+from enforcer.metrics import EnforcerMetrics
+
+READY_STALENESS_INTERVALS = 3
+
+
+@dataclass
+class _Snapshot:
+    nvml_up: bool
+    last_success: float | None
+    interval: float
+
+
+class Health:
+    def __init__(self, interval: float, clock=time.monotonic) -> None:
+        self._lock = threading.Lock()
+        self._clock = clock
+        self._nvml_up = False
+        self._last_success: float | None = None
+        self._interval = interval
+
+    def set_interval(self, interval: float) -> None:
+        with self._lock:
+            self._interval = interval
+
+    def nvml(self, up: bool) -> None:
+        with self._lock:
+            self._nvml_up = up
+
+    def poll_succeeded(self) -> None:
+        with self._lock:
+            self._last_success = self._clock()
+
+    def readiness(self) -> tuple[bool, str]:
+        with self._lock:
+            snap = _Snapshot(self._nvml_up, self._last_success, self._interval)
+        if not snap.nvml_up:
+            return False, "NVML is not available"
+        if snap.last_success is None:
+            return False, "no successful poll yet"
+        age = self._clock() - snap.last_success
+        limit = READY_STALENESS_INTERVALS * snap.interval
+        if age > limit:
+            return False, f"last successful poll {age:.2f}s ago (limit {limit:.2f}s)"
+        return True, "ok"
+
+
+METRICS_KEY = web.AppKey("metrics", EnforcerMetrics)
+HEALTH_KEY = web.AppKey("health", Health)
+
+
+async def _metrics(request: web.Request) -> web.Response:
+    body, content_type = request.app[METRICS_KEY].render()
+    return web.Response(body=body, headers={"Content-Type": content_type})
+
+
+async def _healthz(request: web.Request) -> web.Response:
+    return web.Response(text="ok\n")
+
+
+async def _readyz(request: web.Request) -> web.Response:
+    ready, reason = request.app[HEALTH_KEY].readiness()
+    return web.Response(text=reason + "\n", status=200 if ready else 503)
+
+
+def make_app(metrics: EnforcerMetrics, health: Health) -> web.Application:
+    app = web.Application()
+    app[METRICS_KEY] = metrics
+    app[HEALTH_KEY] = health
+    app.router.add_get("/metrics", _metrics)
+    app.router.add_get("/healthz", _healthz)
+    app.router.add_get("/readyz", _readyz)
+    return app
+
+
+async def start_server(app: web.Application, host: str, port: int) -> tuple[web.AppRunner, int]:
+    """Start serving; returns the runner (for cleanup) and the bound port (useful with port 0)."""
+    runner = web.AppRunner(app, access_log=None, handle_signals=False)
+    await runner.setup()
+    site = web.TCPSite(runner, host, port)
+    await site.start()
+    bound = port
+    for addr in runner.addresses:
+        if isinstance(addr, tuple) and len(addr) >= 2:
+            bound = int(addr[1])
+            break
+    return runner, bound

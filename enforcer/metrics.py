@@ -1,0 +1,136 @@
+"""Prometheus metrics of the enforcer, on a registry of its own (docs/architecture.md, "Metrics").
+
+Label names are joinable with DCGM-exporter: ``namespace``, ``pod``, ``container``, ``UUID``,
+``gpu`` (the device index as a string). Per-container gauges are replaced wholesale each poll
+(``set_container_usage``) so a container or device that disappears does not leave a stale series.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+ACTIONS = ("sigterm", "sigkill", "throttle_start", "throttle_stop", "audit")
+RESOURCES = ("memory", "compute")
+
+
+@dataclass(frozen=True)
+class UsageSample:
+    """One (container, device) row for the per-device gauges."""
+
+    container: str
+    uuid: str
+    gpu: int
+    used_bytes: int
+    limit_bytes: int | None
+    sm_utilization: float | None  # 0-1, None when the driver does not report it
+
+
+class EnforcerMetrics:
+    def __init__(self, namespace: str, pod: str) -> None:
+        self.namespace = namespace
+        self.pod = pod
+        self.registry = CollectorRegistry(auto_describe=True)
+        device_labels = ("namespace", "pod", "container", "UUID", "gpu")
+        container_labels = ("namespace", "pod", "container")
+        r = self.registry
+        self.memory_used = Gauge(
+            "gpufence_container_gpu_memory_used_bytes",
+            "GPU memory used by the container's processes on the device",
+            device_labels, registry=r,
+        )
+        self.memory_limit = Gauge(
+            "gpufence_container_gpu_memory_limit_bytes",
+            "The container's GPU memory share on the device",
+            device_labels, registry=r,
+        )
+        self.sm_utilization = Gauge(
+            "gpufence_container_sm_utilization_ratio",
+            "SM utilisation of the container's processes on the device (0-1)",
+            device_labels, registry=r,
+        )
+        self.compute_share = Gauge(
+            "gpufence_container_compute_share_ratio",
+            "The container's compute share (0-1)",
+            container_labels, registry=r,
+        )
+        self.throttled = Gauge(
+            "gpufence_container_throttled",
+            "1 while the container is duty-cycled with SIGSTOP/SIGCONT",
+            container_labels, registry=r,
+        )
+        self.actions = Counter(
+            "gpufence_enforcement_actions_total",
+            "Enforcement actions taken (or, in audit mode, that would have been taken)",
+            (*container_labels, "action", "resource"), registry=r,
+        )
+        self.poll_duration = Histogram(
+            "gpufence_poll_duration_seconds",
+            "Duration of one poll: NVML sample, attribution, policy and actions",
+            buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0),
+            registry=r,
+        )
+        self.last_successful_poll = Gauge(
+            "gpufence_last_successful_poll_timestamp_seconds",
+            "Unix time of the last poll that sampled NVML successfully",
+            registry=r,
+        )
+        self.nvml_up = Gauge("gpufence_nvml_up", "1 while NVML is initialised and answering", registry=r)
+        self.nvml_errors = Counter(
+            "gpufence_nvml_errors_total", "NVML calls that failed", ("function", "error"), registry=r,
+        )
+        self.poll_errors = Counter(
+            "gpufence_poll_errors_total", "Polls that failed with an unexpected exception", registry=r,
+        )
+        self.nvml_up.set(0)
+        self._device_series: set[tuple[str, str, str]] = set()
+
+    # -- helpers -----------------------------------------------------------------------------
+
+    def action(self, container: str, action: str, resource: str) -> None:
+        self.actions.labels(self.namespace, self.pod, container, action, resource).inc()
+
+    def nvml_error(self, function: str, error: str) -> None:
+        self.nvml_errors.labels(function, error).inc()
+
+    def set_compute_shares(self, shares: dict[str, float | None]) -> None:
+        self.compute_share.clear()
+        for container, share in shares.items():
+            if share is not None:
+                self.compute_share.labels(self.namespace, self.pod, container).set(share)
+
+    def set_throttled(self, container: str, on: bool) -> None:
+        self.throttled.labels(self.namespace, self.pod, container).set(1 if on else 0)
+
+    def set_container_usage(self, rows: Iterable[UsageSample]) -> None:
+        seen: set[tuple[str, str, str]] = set()
+        for row in rows:
+            key = (row.container, row.uuid, str(row.gpu))
+            seen.add(key)
+            labels = (self.namespace, self.pod, *key)
+            self.memory_used.labels(*labels).set(row.used_bytes)
+            if row.limit_bytes is not None:
+                self.memory_limit.labels(*labels).set(row.limit_bytes)
+            else:
+                _remove(self.memory_limit, labels)
+            if row.sm_utilization is not None:
+                self.sm_utilization.labels(*labels).set(row.sm_utilization)
+            else:
+                _remove(self.sm_utilization, labels)
+        for key in self._device_series - seen:
+            labels = (self.namespace, self.pod, *key)
+            for gauge in (self.memory_used, self.memory_limit, self.sm_utilization):
+                _remove(gauge, labels)
+        self._device_series = seen
+
+    def render(self) -> tuple[bytes, str]:
+        return generate_latest(self.registry), CONTENT_TYPE_LATEST
+
+
+def _remove(gauge: Gauge, labels: tuple[str, ...]) -> None:
+    with contextlib.suppress(KeyError):
+        gauge.remove(*labels)

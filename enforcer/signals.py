@@ -1,0 +1,237 @@
+"""The one door every signal of the enforcer goes through.
+
+``SafeSignaller.send`` is the only place in the enforcer that calls ``kill``. It refuses, and logs
+the refusal, unless all of these hold:
+
+* the target is a PID of the enforcer's own namespace greater than 1, not the enforcer itself and
+  not one of its ancestors (read at construction and re-read before every signal);
+* the target is attributed to a container of this pod: its (pid, start time) is in the set the
+  poll loop handed over with :meth:`authorize` (the latest attribution, attributed processes only);
+  the follow-up signals SIGKILL (after our SIGTERM) and SIGCONT (after our SIGSTOP, or for an entry
+  of the stopped-state file) are also allowed for processes that have since left the attribution;
+* the process still exists with the same start time (field 22 of ``/proc/<pid>/stat``), read right
+  before the kill. With ``pidfd_open`` (Linux >= 5.3) the pidfd is opened *first*, then the start
+  time is checked, then the signal goes through the pidfd: a PID recycled after the check cannot
+  receive it. Without pidfds, ``os.kill`` follows the check (a window of microseconds).
+
+A process that vanished (``ProcessLookupError``, no ``/proc`` entry, a zombie) is a normal outcome,
+not an error. Every decision is logged: SIGTERM/SIGKILL at info, SIGSTOP/SIGCONT (the duty cycle
+sends many) at debug; refused and failed signals at warning.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import threading
+from collections.abc import Iterable
+from dataclasses import dataclass
+from enum import StrEnum
+from typing import Any
+
+from enforcer.logs import DecisionLog
+
+
+@dataclass(frozen=True)
+class SignalTarget:
+    pid: int
+    start_time_ticks: int
+    container: str | None
+
+    @property
+    def key(self) -> tuple[int, int]:
+        return (self.pid, self.start_time_ticks)
+
+    @classmethod
+    def of(cls, process: Any) -> SignalTarget:
+        """From an ``attribution.PodProcess`` (anything with pid, start_time_ticks, container)."""
+        return cls(process.pid, process.start_time_ticks, process.container)
+
+
+class Outcome(StrEnum):
+    SENT = "sent"
+    GONE = "gone"          # no such process (exited, or a zombie): nothing to do
+    REUSED = "reused"      # the PID now belongs to another process: not signalled
+    REFUSED = "refused"    # not a process this enforcer may signal
+    FAILED = "failed"      # kill() failed otherwise (EPERM ...)
+    DRY_RUN = "dry_run"
+
+
+SIGNAL_NAMES = {
+    signal.SIGTERM: "sigterm",
+    signal.SIGKILL: "sigkill",
+    signal.SIGSTOP: "sigstop",
+    signal.SIGCONT: "sigcont",
+}
+_FOLLOW_UPS = {signal.SIGKILL: signal.SIGTERM, signal.SIGCONT: signal.SIGSTOP}
+
+
+def read_stat(pid: int, proc_root: str = "/proc") -> tuple[str, int, int] | None:
+    """(state, ppid, start time ticks) of a process from one read of its stat file; None if gone."""
+    try:
+        with open(f"{proc_root}/{pid}/stat", "rb") as f:
+            data = f.read()
+    except OSError:
+        return None
+    # comm (field 2) may contain spaces and parentheses: split after the last ')'.
+    end = data.rfind(b")")
+    if end < 0:
+        return None
+    fields = data[end + 2 :].split()
+    try:
+        return fields[0].decode(), int(fields[1]), int(fields[19])
+    except (IndexError, ValueError):
+        return None
+
+
+def ancestors(pid: int, proc_root: str = "/proc") -> set[int]:
+    """The PIDs of ``pid``'s parent chain (visible in this namespace)."""
+    chain: set[int] = set()
+    current = pid
+    for _ in range(4096):
+        stat = read_stat(current, proc_root)
+        if stat is None:
+            break
+        ppid = stat[1]
+        if ppid <= 0 or ppid in chain:
+            break
+        chain.add(ppid)
+        current = ppid
+    return chain
+
+
+class SafeSignaller:
+    def __init__(
+        self,
+        log: DecisionLog,
+        *,
+        proc_root: str = "/proc",
+        own_pid: int | None = None,
+        dry_run: bool = False,
+    ) -> None:
+        self._log = log
+        self._proc_root = proc_root
+        self._own_pid = own_pid if own_pid is not None else os.getpid()
+        self._protected = {self._own_pid} | ancestors(self._own_pid, proc_root)
+        self._dry_run = dry_run
+        self._lock = threading.Lock()
+        self._authorized: dict[tuple[int, int], str] = {}
+        # key -> the signal we sent that allows a follow-up (SIGTERM -> SIGKILL, SIGSTOP -> SIGCONT)
+        self._follow_up: dict[tuple[int, int], set[int]] = {}
+        self._use_pidfd = hasattr(os, "pidfd_open") and hasattr(signal, "pidfd_send_signal")
+
+    # -- authority -----------------------------------------------------------------------------
+
+    def authorize(self, targets: Iterable[SignalTarget]) -> None:
+        """Replace the set of this pod's attributed processes (call once per poll)."""
+        authorized = {t.key: t.container for t in targets if t.container is not None and t.pid > 1}
+        with self._lock:
+            self._authorized = authorized
+            # Forget follow-up rights of processes that no longer exist.
+            for key in list(self._follow_up):
+                stat = read_stat(key[0], self._proc_root)
+                if stat is None or stat[2] != key[1] or stat[0] in ("Z", "X"):
+                    del self._follow_up[key]
+
+    def adopt_stopped(self, target: SignalTarget) -> None:
+        """Allow SIGCONT for a process a previous enforcer recorded as stopped."""
+        with self._lock:
+            self._follow_up.setdefault(target.key, set()).add(signal.SIGSTOP)
+
+    def is_authorized(self, target: SignalTarget) -> bool:
+        with self._lock:
+            return target.key in self._authorized
+
+    # -- the door ------------------------------------------------------------------------------
+
+    def send(self, target: SignalTarget, sig: int, *, reason: str, **fields: Any) -> Outcome:
+        name = SIGNAL_NAMES.get(sig, f"signal_{int(sig)}")
+        why = self._refusal(target, sig)
+        if why is not None:
+            self._log.warning(
+                name, outcome=Outcome.REFUSED, why=why, reason=reason,
+                pid=target.pid, container=target.container, **fields,
+            )
+            return Outcome.REFUSED
+        outcome, detail = self._deliver(target, sig)
+        with self._lock:
+            if outcome is Outcome.SENT and sig in (signal.SIGTERM, signal.SIGSTOP):
+                self._follow_up.setdefault(target.key, set()).add(sig)
+            elif outcome in (Outcome.GONE, Outcome.REUSED) or sig == signal.SIGKILL:
+                self._follow_up.pop(target.key, None)
+            elif outcome is Outcome.SENT and sig == signal.SIGCONT:
+                rights = self._follow_up.get(target.key)
+                if rights is not None:
+                    rights.discard(signal.SIGSTOP)
+                    if not rights:
+                        del self._follow_up[target.key]
+        if outcome is Outcome.FAILED:
+            level = "warning"
+        elif sig in (signal.SIGSTOP, signal.SIGCONT):
+            level = "debug"  # the duty cycle sends several a second
+        else:
+            level = "info"
+        self._log.emit(
+            name, level=level, outcome=outcome, reason=reason, detail=detail,
+            pid=target.pid, container=target.container, **fields,
+        )
+        return outcome
+
+    def _refusal(self, target: SignalTarget, sig: int) -> str | None:
+        if target.pid <= 1:
+            return "pid <= 1"
+        if target.container is None:
+            return "process not attributed to a container"
+        if target.pid in self._protected or target.pid in ancestors(self._own_pid, self._proc_root):
+            return "the enforcer itself or one of its ancestors"
+        with self._lock:
+            container = self._authorized.get(target.key)
+            if container is not None:
+                if container != target.container:
+                    return f"attributed to container {container!r}, not {target.container!r}"
+                return None
+            needed = _FOLLOW_UPS.get(sig)
+            if needed is not None and needed in self._follow_up.get(target.key, ()):
+                return None
+        return "not in this pod's attribution"
+
+    def _deliver(self, target: SignalTarget, sig: int) -> tuple[Outcome, str | None]:
+        pidfd: int | None = None
+        try:
+            if self._use_pidfd:
+                try:
+                    pidfd = os.pidfd_open(target.pid)
+                except ProcessLookupError:
+                    return Outcome.GONE, "no such process"
+                except OSError:  # ENOSYS (old kernel, seccomp) -> fall back to kill()
+                    pidfd = None
+            stat = read_stat(target.pid, self._proc_root)
+            if stat is None:
+                return Outcome.GONE, "no such process"
+            state, _, start = stat
+            if start != target.start_time_ticks:
+                return Outcome.REUSED, f"start time {start} != {target.start_time_ticks}"
+            if state in ("Z", "X"):
+                return Outcome.GONE, "zombie"
+            if self._dry_run:
+                return Outcome.DRY_RUN, None
+            try:
+                if pidfd is not None:
+                    signal.pidfd_send_signal(pidfd, sig)
+                else:
+                    os.kill(target.pid, sig)
+            except ProcessLookupError:
+                return Outcome.GONE, "exited before the signal"
+            except OSError as exc:
+                return Outcome.FAILED, f"{type(exc).__name__}: {exc}"
+            return Outcome.SENT, None
+        finally:
+            if pidfd is not None:
+                with contextlib.suppress(OSError):
+                    os.close(pidfd)
+
+    def alive(self, target: SignalTarget) -> bool:
+        """The process still exists with the same identity (and is not a zombie)."""
+        stat = read_stat(target.pid, self._proc_root)
+        return stat is not None and stat[2] == target.start_time_ticks and stat[0] not in ("Z", "X")

@@ -1,0 +1,132 @@
+"""End to end: memory shares. The real enforcer (subprocess) against real workload processes, with
+the simulated NVML loaded by the real pynvml. Synchronisation is on the enforcer's JSON log, the
+workloads' own reports and process exit, each with a deadline; nothing sleeps in their place."""
+
+from __future__ import annotations
+
+import signal
+import time
+from datetime import datetime
+
+GIB = 1 << 30
+INTERVAL = 0.1
+GRACE = 0.5
+
+
+def test_over_share_is_sigtermed_and_under_share_untouched(gpu, make_config):
+    hog = gpu.workload("hog")
+    calm = gpu.workload("calm")
+    # Both containers present from the start, both under their shares.
+    gpu.write(gpu.device_with(gpu.proc(hog, 1 * GIB), gpu.proc(calm, 1 * GIB)))
+    # A long grace: the workload exits on SIGTERM by itself (and reports it first).
+    config = make_config(
+        {"hog": {"memoryBytes": 2 * GIB}, "calm": {"memoryBytes": 2 * GIB}}, grace=5, interval=INTERVAL
+    )
+    enforcer = gpu.enforcer(config)
+    assert enforcer.started["pid_mode"] == "local"
+    assert enforcer.started["driver_version"]
+    # Wait for a successful poll (readiness) before the workload goes over.
+    enforcer.wait_ready()
+
+    over_at = time.monotonic()
+    gpu.write(gpu.device_with(gpu.proc(hog, 3 * GIB), gpu.proc(calm, 1 * GIB)))
+    hog.wait_line("got SIGTERM", timeout=INTERVAL + 2)
+    reaction = time.monotonic() - over_at
+    print(f"\nmemory over-share -> SIGTERM reaction time: {reaction * 1000:.0f} ms (poll interval {INTERVAL}s)")
+    assert reaction < INTERVAL + 2
+    assert hog.proc.wait(5) == 0
+
+    term = enforcer.wait_event("sigterm", 5, pid=hog.pid)
+    assert term["outcome"] == "sent"
+    assert term["container"] == "hog"
+    assert term["used_bytes"] == 3 * GIB and term["limit_bytes"] == 2 * GIB
+    assert term["uuid"] == "GPU-0"
+    over = enforcer.wait_event("memory_over_share", 5, container="hog")
+    assert over["action"] == "sigterm" and over["mode"] == "enforce"
+    # It exited within its grace period: no SIGKILL, and it is recorded as terminated.
+    enforcer.wait_event("terminated", 5, pid=hog.pid)
+
+    assert calm.alive()
+    assert not calm.said("got SIGTERM")
+    assert enforcer.metric(
+        "gpufence_enforcement_actions_total", container="hog", action="sigterm", resource="memory"
+    ) == 1
+    assert enforcer.metric("gpufence_container_gpu_memory_used_bytes", container="calm", UUID="GPU-0", gpu="0") == GIB
+    assert enforcer.metric("gpufence_container_gpu_memory_limit_bytes", container="calm") == 2 * GIB
+    assert enforcer.metric("gpufence_nvml_up") == 1
+
+    assert enforcer.stop() == 0
+    assert calm.alive()
+    targeted = [r for r in enforcer.records() if r.get("container") == "calm" and r["event"] in ("sigterm", "sigkill")]
+    assert targeted == []
+    assert enforcer.events("sigkill") == []
+
+
+def test_sigterm_ignored_gets_sigkill_after_grace(gpu, make_config):
+    stubborn = gpu.workload("stubborn", ignore_term=True)
+    gpu.write(gpu.device_with(gpu.proc(stubborn, 5 * GIB)))
+    enforcer = gpu.enforcer(make_config({"stubborn": {"memoryBytes": 4 * GIB}}, grace=GRACE, interval=INTERVAL))
+
+    stubborn.wait_line("ignored SIGTERM", timeout=INTERVAL + 2)
+    assert stubborn.proc.wait(GRACE + 3) == -signal.SIGKILL
+
+    term = enforcer.wait_event("sigterm", 5, pid=stubborn.pid)
+    kill = enforcer.wait_event("sigkill", 5, pid=stubborn.pid)
+    assert term["outcome"] == kill["outcome"] == "sent"
+    # Not before the grace period ran out (the enforcer's own timestamps, millisecond precision).
+    waited = _log_time(kill) - _log_time(term)
+    print(f"\nSIGTERM -> SIGKILL after {waited * 1000:.0f} ms (grace {GRACE}s)")
+    assert GRACE - 0.002 <= waited < GRACE + 2
+    assert kill["reason"] == "grace_period_expired"
+    records = enforcer.records()
+    i_term = records.index(next(r for r in records if r["event"] == "sigterm"))
+    i_kill = records.index(next(r for r in records if r["event"] == "sigkill"))
+    assert i_term < i_kill
+    # Exactly one SIGTERM: the enforcer does not re-send it every tick while the grace runs.
+    assert len(enforcer.events("sigterm", pid=stubborn.pid)) == 1
+    assert stubborn.out.snapshot().count("got SIGTERM") == 1
+    assert enforcer.metric("gpufence_enforcement_actions_total", container="stubborn", action="sigkill") == 1
+    assert enforcer.stop() == 0
+
+
+def test_audit_mode_never_signals(gpu, make_config):
+    hog = gpu.workload("hog")
+    gpu.write(gpu.device_with(gpu.proc(hog, 9 * GIB, sm=100)))
+    config = make_config(
+        {"hog": {"memoryBytes": 1 * GIB, "computePercent": 10}}, mode="audit", grace=0, interval=INTERVAL
+    )
+    enforcer = gpu.enforcer(config, "--compute-window", "0.5", "--compute-period", "0.3")
+    over = enforcer.wait_event("memory_over_share", 5, container="hog")
+    assert over["action"] == "audit" and over["mode"] == "audit"
+    throttle = enforcer.wait_event("throttle_start", 10, container="hog")
+    assert throttle["action"] == "audit"
+    # Several polls later: still only audited, the workload never saw a signal and never stopped.
+    enforcer.wait_polls(5)
+    assert hog.alive() and hog.state() != "T"
+    assert hog.out.snapshot() == [f"ready {hog.pid}"]
+    assert [r for r in enforcer.records() if r["event"] in ("sigterm", "sigkill", "sigstop", "sigcont")] == []
+    audits = enforcer.metric("gpufence_enforcement_actions_total", container="hog", action="audit", resource="memory")
+    assert audits == 1
+    assert enforcer.metric("gpufence_container_throttled", container="hog") in (None, 0)
+    assert enforcer.stop() == 0
+    assert hog.alive()
+
+
+def test_unattributed_and_foreign_processes_are_never_signalled(gpu, make_config):
+    """A GPU process without GPUFENCE_CONTAINER, and one naming a container but not holding the
+    device, are never signalled however much memory NVML says they use."""
+    anonymous = gpu.workload(None)
+    hog = gpu.workload("hog")
+    gpu.write(gpu.device_with(gpu.proc(anonymous, 50 * GIB), gpu.proc(hog, 1 * GIB)))
+    enforcer = gpu.enforcer(make_config({"hog": {"memoryBytes": 2 * GIB}}, grace=0, interval=INTERVAL))
+    unattributed = enforcer.wait_event("unattributed_process", 5, pid=anonymous.pid)
+    assert unattributed["used_bytes"] == 50 * GIB
+    enforcer.wait_polls(3)
+    assert anonymous.alive() and hog.alive()
+    assert enforcer.events("sigterm") == [] and enforcer.events("sigkill") == []
+    assert enforcer.stop() == 0
+
+
+
+def _log_time(record: dict) -> float:
+    return datetime.fromisoformat(record["time"].replace("Z", "+00:00")).timestamp()
