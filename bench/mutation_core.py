@@ -1,0 +1,91 @@
+"""Microseconds per ``webhook.admission.review()`` in process, for three pod sizes.
+
+    python -m bench.mutation_core [--repeats 7] [--budget 0.3] [--no-write]
+
+Each repeat times a loop of calls lasting about ``--budget`` seconds (the loop count is fixed per
+pod after a calibration run); the table shows the median over repeats and the spread. "review"
+is ``review()`` alone; "+codec" adds ``json.loads`` of the request body and ``json.dumps`` of the
+answer, what the server does around it. Target: < 200 µs for the typical pod.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from collections.abc import Callable
+from typing import Any
+
+from bench.common import admission_review, huge_pod, median, small_pod, table, typical_pod, write_section
+
+TARGET_TYPICAL_US = 200.0
+
+
+def _time_loop(fn: Callable[[], Any], n: int) -> float:
+    start = time.perf_counter()
+    for _ in range(n):
+        fn()
+    return (time.perf_counter() - start) / n
+
+
+def measure(repeats: int = 7, budget: float = 0.3) -> list[dict[str, Any]]:
+    from webhook.admission import review
+    from webhook.settings import AllNamespacesOptedIn, InjectionSettings
+
+    settings, namespaces = InjectionSettings(), AllNamespacesOptedIn()
+    dumps = json.JSONEncoder(separators=(",", ":")).encode
+    rows = []
+    for name, pod in (("small", small_pod()), ("typical (3 containers, 30 env, volumes)", typical_pod()),
+                      ("1 MiB", huge_pod())):
+        payload = admission_review(pod)
+        body = json.dumps(payload).encode()
+        result = review(payload, settings, namespaces)
+        answer = dumps(result.review)
+
+        def core(payload: Any = payload) -> Any:
+            return review(payload, settings, namespaces)
+
+        def full(body: bytes = body) -> Any:
+            return dumps(review(json.loads(body), settings, namespaces).review)
+
+        once = _time_loop(core, 3)
+        n = max(3, int(budget / max(once, 1e-7)))
+        core_t = [_time_loop(core, n) * 1e6 for _ in range(repeats)]
+        full_t = [_time_loop(full, n) * 1e6 for _ in range(repeats)]
+        rows.append({
+            "pod": name, "request_bytes": len(body), "response_bytes": len(answer), "outcome": result.outcome,
+            "calls_per_repeat": n, "review_us": median(core_t), "review_min_us": min(core_t),
+            "review_max_us": max(core_t), "codec_us": median(full_t),
+        })
+    return rows
+
+
+def render(rows: list[dict[str, Any]], repeats: int) -> str:
+    typical = rows[1]["review_us"]
+    verdict = "met" if typical < TARGET_TYPICAL_US else "MISSED"
+    body = table(
+        ["pod", "request bytes", "answer bytes", "outcome", "review() µs (median)", "min-max µs",
+         "+ json decode/encode µs"],
+        [[r["pod"], r["request_bytes"], r["response_bytes"], r["outcome"], f"{r['review_us']:.1f}",
+          f"{r['review_min_us']:.1f}-{r['review_max_us']:.1f}", f"{r['codec_us']:.1f}"] for r in rows],
+    )
+    return (f"{body}\n\nMedian of {repeats} repeats, each a loop of `calls_per_repeat` calls. "
+            f"Target < {TARGET_TYPICAL_US:.0f} µs for the typical pod: **{verdict}** ({typical:.1f} µs).\n")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--budget", type=float, default=0.3, help="seconds per timed loop")
+    parser.add_argument("--no-write", action="store_true", help="do not update docs/PERFORMANCE.md")
+    args = parser.parse_args(argv)
+    rows = measure(args.repeats, args.budget)
+    text = render(rows, args.repeats)
+    print(text)
+    if not args.no_write:
+        write_section("mutation_core", "Mutation core: review() in process", text)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,116 @@
+"""Enforcer faults not covered by tests/test_enforcer_*.py: the log reader gone (stdout closed),
+the metrics port flooded with stalled clients, and many GPU processes, while a container goes over
+its memory share. In each case the SIGTERM must still come within a few poll intervals.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+from tests.conftest import REPO_ROOT
+
+pytestmark = pytest.mark.timeout(60)
+
+GIB = 1 << 30
+INTERVAL = 0.1
+
+
+def _config() -> dict:
+    return {"version": 1, "mode": "enforce", "gracePeriodSeconds": 0.5, "pollIntervalSeconds": INTERVAL,
+            "containers": {"hog": {"memoryBytes": 2 * GIB}, "calm": {"memoryBytes": 2 * GIB}}}
+
+
+def test_enforcing_goes_on_when_stdout_is_closed(gpu):
+    """Nobody reads the decision log any more (pipe closed): writes fail with EPIPE; enforcement continues."""
+    hog, calm = gpu.workload("hog"), gpu.workload("calm")
+    gpu.write(gpu.device_with(gpu.proc(hog, GIB), gpu.proc(calm, GIB)))
+    env = gpu.env()
+    env["GPUFENCE_CONFIG"] = json.dumps(_config())
+    argv = [sys.executable, "-m", "enforcer", "--metrics-port", "0", "--bind-address", "127.0.0.1",
+            "--nvidia-device-prefix", gpu.device_prefix, "--state-dir", str(gpu.state_dir)]
+    proc = subprocess.Popen(argv, env=env, cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+    try:
+        assert proc.stdout is not None
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:
+            line = proc.stdout.readline()
+            assert line, "enforcer exited before starting"
+            if json.loads(line).get("event") == "started":
+                break
+        time.sleep(3 * INTERVAL)
+        proc.stdout.close()  # the log reader is gone
+        time.sleep(3 * INTERVAL)
+        over_at = time.monotonic()
+        gpu.write(gpu.device_with(gpu.proc(hog, 3 * GIB), gpu.proc(calm, GIB)))
+        hog.wait_line("got SIGTERM", timeout=INTERVAL + 3)
+        assert time.monotonic() - over_at < INTERVAL + 3
+        assert proc.poll() is None, "the enforcer died with its log reader"
+        assert calm.alive() and not calm.said("got SIGTERM")
+    finally:
+        if proc.poll() is None:
+            proc.terminate()
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(10)
+        if proc.poll() is None:
+            proc.kill()
+
+
+def test_stalled_metrics_clients_do_not_delay_enforcement(gpu):
+    hog, calm = gpu.workload("hog"), gpu.workload("calm")
+    gpu.write(gpu.device_with(gpu.proc(hog, GIB), gpu.proc(calm, GIB)))
+    enforcer = gpu.enforcer(_config())
+    socks = []
+    try:
+        for i in range(200):  # half requests, idle connections: a slowloris on the metrics port
+            s = socket.create_connection(("127.0.0.1", enforcer.port), timeout=5)
+            s.sendall(b"GET /metrics HTTP/1.1\r\nHost: x\r\n" if i % 2 else b"GE")
+            socks.append(s)
+        over_at = time.monotonic()
+        gpu.write(gpu.device_with(gpu.proc(hog, 3 * GIB), gpu.proc(calm, GIB)))
+        hog.wait_line("got SIGTERM", timeout=INTERVAL + 3)
+        assert time.monotonic() - over_at < INTERVAL + 3
+        # The metrics endpoint itself still answers other clients.
+        status, _ = enforcer.http("/healthz")
+        assert status == 200
+    finally:
+        for s in socks:
+            s.close()
+    assert calm.alive() and not calm.said("got SIGTERM")
+
+
+def test_many_gpu_processes_then_one_over_share(gpu, tmp_path):
+    """255 attributed processes under their shares plus one that grows: only that one is signalled."""
+    fd = os.open(gpu.device, os.O_RDONLY)
+    crowd = []
+    try:
+        for i in range(255):
+            env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "GPUFENCE_CONTAINER": ("calm", "hog")[i % 2]}
+            crowd.append(subprocess.Popen(["sleep", "120"], pass_fds=(fd,), env=env))
+        hog = gpu.workload("hog")
+        base = tuple(gpu.proc(p.pid, 1 << 20) for p in crowd)
+        gpu.write(gpu.device_with(*base, gpu.proc(hog, GIB)))
+        enforcer = gpu.enforcer(_config())
+        time.sleep(5 * INTERVAL)
+        over_at = time.monotonic()
+        gpu.write(gpu.device_with(*base, gpu.proc(hog, 3 * GIB)))
+        hog.wait_line("got SIGTERM", timeout=INTERVAL + 3)
+        assert time.monotonic() - over_at < INTERVAL + 3
+        time.sleep(3 * INTERVAL)
+        assert all(p.poll() is None for p in crowd)
+        signalled = {r["pid"] for r in enforcer.events("sigterm")} | {r["pid"] for r in enforcer.events("sigkill")}
+        assert signalled == {hog.pid}
+        assert enforcer.events("poll_error") == []
+    finally:
+        os.close(fd)
+        for p in crowd:
+            p.kill()
+        for p in crowd:
+            p.wait()
