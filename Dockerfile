@@ -44,13 +44,10 @@ ENV PATH=/opt/gpufence/bin:$PATH \
     PYTHONUNBUFFERED=1
 # Non-root by default (uid/gid 65532, the conventional "nonroot"). The webhook Deployment and the
 # certificate Jobs also set runAsUser 65532 themselves.
-# The enforcer sidecar is different: the webhook does not set runAsUser on it, so it runs as the
-# pod's user (pod-level securityContext.runAsUser) when the pod sets one, and as this uid
-# otherwise. Signalling another container's processes and reading their /proc/<pid>/environ needs
-# the same uid as those processes or effective CAP_KILL/CAP_SYS_PTRACE, and Kubernetes gives added
-# capabilities to a non-root process only in its bounding set, not its effective set. So with a
-# workload running as another uid (root, say) the sidecar cannot enforce; see docs/install.md,
-# "Which user the sidecar runs as".
+# The enforcer sidecar is different: the webhook runs it as the pod's user when the pod sets a
+# pod-level runAsUser (same uid as the workloads: no capability needed), otherwise as uid 0 with
+# every capability dropped except KILL and SYS_PTRACE (Kubernetes makes added capabilities
+# effective only for root). See docs/install.md, "Which user the sidecar runs as".
 USER 65532:65532
 WORKDIR /tmp
 # No ENTRYPOINT: each manifest names its program (command: ["gpufence-webhook"], ...).

@@ -126,6 +126,14 @@ def test_namespace_not_opted_in_is_skipped_and_unknown_is_injected_with_warning(
         (lambda p: p["metadata"]["annotations"].update(x=1), "must be a string"),
         (lambda p: p["spec"].update(volumes={}), "spec.volumes must be a list"),
         (lambda p: p["spec"].update(shareProcessNamespace="yes"), "must be a boolean"),
+        (lambda p: p["spec"].update(securityContext=[]), "spec.securityContext must be an object"),
+        (lambda p: p["spec"].update(securityContext={"runAsUser": "0"}), "runAsUser must be an integer"),
+        (lambda p: p["spec"].update(securityContext={"runAsUser": True}), "runAsUser must be an integer"),
+        (lambda p: p["spec"].update(securityContext={"runAsNonRoot": "true"}), "runAsNonRoot must be a boolean"),
+        (
+            lambda p: p["spec"]["containers"][0].update(securityContext={"runAsGroup": 1.5}),
+            "spec.containers[0].securityContext.runAsGroup must be an integer",
+        ),
     ],
 )
 def test_malformed_gpu_pods_are_denied(mutate, fragment: str) -> None:
@@ -270,15 +278,26 @@ good_env = st.lists(
 )
 
 
+security_contexts = st.fixed_dictionaries(
+    {},
+    optional={
+        "runAsUser": st.sampled_from([0, 1000, 2000]),
+        "runAsGroup": st.sampled_from([0, 1000]),
+        "runAsNonRoot": st.booleans(),
+    },
+)
+
+
 def good_containers(pool: list[str], max_size: int) -> st.SearchStrategy:
     container = st.builds(
-        lambda name, gpu, env, mounts, ports: {
+        lambda name, gpu, env, mounts, ports, context: {
             "name": name,
             "image": "i",
             "resources": {"limits": {"nvidia.com/gpu": gpu}},
             **({"env": env} if env is not None else {}),
             **({"volumeMounts": mounts} if mounts is not None else {}),
             **({"ports": ports} if ports else {}),
+            **({"securityContext": context} if context is not None else {}),
         },
         st.sampled_from(pool),
         st.sampled_from(["1", "2", "0"]),
@@ -291,6 +310,7 @@ def good_containers(pool: list[str], max_size: int) -> st.SearchStrategy:
             max_size=1,
         ),
         st.lists(st.fixed_dictionaries({"containerPort": st.sampled_from([80, 9401])}), max_size=1),
+        st.none() | security_contexts,
     )
     return st.lists(container, max_size=max_size, unique_by=lambda c: c["name"])
 
@@ -308,7 +328,7 @@ good_annotations = st.fixed_dictionaries(
     },
 )
 good_pods = st.builds(
-    lambda annotations, inits, main, volumes, share: {
+    lambda annotations, inits, main, volumes, share, context: {
         "apiVersion": "v1",
         "kind": "Pod",
         "metadata": {"name": "p", **({"annotations": annotations} if annotations is not None else {})},
@@ -317,6 +337,7 @@ good_pods = st.builds(
             **({"initContainers": inits} if inits is not None else {}),
             **({"volumes": volumes} if volumes is not None else {}),
             **({"shareProcessNamespace": share} if share is not None else {}),
+            **({"securityContext": context} if context is not None else {}),
         },
     },
     st.none() | good_annotations,
@@ -328,6 +349,7 @@ good_pods = st.builds(
         max_size=2,
     ),
     st.none() | st.sampled_from([True, False]),
+    st.none() | security_contexts,
 )
 setting_variants = st.builds(
     InjectionSettings,

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import copy
 import json
+import operator
+from typing import Any
 
 import jsonpatch
 import pytest
@@ -13,15 +15,16 @@ from hypothesis import strategies as st
 from enforcer.config import ContainerShare, EnforcerConfig, MemoryShare, Mode
 from webhook.mutate import (
     PRELOAD_VOLUME,
-    SIDECAR_PORT_NAME,
     MutationError,
     build_sidecar,
     desired_pod,
     diff,
     escape,
+    injection_patch,
     preload_library_path,
+    sidecar_runs_as_root,
 )
-from webhook.settings import SIDECAR_NAME, InjectionSettings
+from webhook.settings import SIDECAR_NAME, SIDECAR_PORT_NAME, InjectionSettings
 from webhook.shares import SharePlan
 
 PLAN = SharePlan(
@@ -77,7 +80,9 @@ def test_sidecar_contract() -> None:
     sidecar = build_sidecar(PLAN, InjectionSettings(mount_host_proc=True))
     assert sidecar["name"] == SIDECAR_NAME and sidecar["restartPolicy"] == "Always"
     assert sidecar["command"] == ["gpufence-enforcer"]
-    assert "runAsUser" not in sidecar["securityContext"]
+    assert sidecar["securityContext"]["runAsUser"] == 0 and sidecar["securityContext"]["runAsNonRoot"] is False
+    inheriting = build_sidecar(PLAN, InjectionSettings(), run_as_root=False)["securityContext"]
+    assert "runAsUser" not in inheriting and "runAsNonRoot" not in inheriting
     assert sidecar["securityContext"]["capabilities"] == {"drop": ["ALL"], "add": ["KILL", "SYS_PTRACE"]}
     env = env_of(sidecar)
     assert EnforcerConfig.from_json(env["GPUFENCE_CONFIG"]) == EnforcerConfig(
@@ -89,6 +94,55 @@ def test_sidecar_contract() -> None:
     assert sidecar["ports"][0]["name"] == SIDECAR_PORT_NAME and len(SIDECAR_PORT_NAME) <= 15
     assert {m["name"] for m in sidecar["volumeMounts"]} == {"gpufence-state", "gpufence-host-proc"}
     assert "restartPolicy" not in build_sidecar(PLAN, InjectionSettings(native_sidecar=False))
+
+
+def sidecar_context(pod: dict) -> tuple[dict, list[str]]:
+    new, warnings = desired_pod(pod, PLAN, InjectionSettings())
+    (sidecar,) = [c for c in new["spec"]["initContainers"] if c["name"] == SIDECAR_NAME]
+    return sidecar["securityContext"], warnings
+
+
+@pytest.mark.parametrize(
+    ("pod_context", "container_context", "root", "warning"),
+    [
+        (None, None, True, None),
+        ({}, {"runAsUser": 1000}, True, None),  # root with KILL/SYS_PTRACE reaches any user
+        ({"runAsNonRoot": False}, None, True, None),
+        ({"runAsUser": 1000, "runAsNonRoot": True}, None, False, None),  # inherited: same user
+        ({"runAsUser": 1000}, {"runAsUser": 1000}, False, None),
+        ({"runAsUser": 0}, {"runAsUser": 1000}, False, None),  # inherited root keeps its capabilities
+        ({"runAsUser": 1000}, {"runAsUser": 0}, False, 'container "train" sets runAsUser 0'),
+        ({"runAsUser": 1000, "runAsGroup": 1}, {"runAsGroup": 2}, False, 'container "train" sets runAsGroup 2'),
+        ({"runAsNonRoot": True}, None, False, "runs as its image's user"),
+        ({"runAsNonRoot": True}, {"runAsUser": 1000}, False, "set spec.securityContext.runAsUser"),
+    ],
+)
+def test_sidecar_user(pod_context, container_context, root: bool, warning: str | None) -> None:
+    pod = gpu_pod(**({} if pod_context is None else {"securityContext": pod_context}))
+    if container_context is not None:
+        pod["spec"]["containers"][0]["securityContext"] = container_context
+    context, warnings = sidecar_context(pod)
+    assert ("runAsUser" in context) is root
+    if root:
+        assert context["runAsUser"] == 0 and context["runAsNonRoot"] is False
+    assert context["capabilities"] == {"drop": ["ALL"], "add": ["KILL", "SYS_PTRACE"]}
+    if warning is None:
+        assert warnings == []
+    else:
+        assert len(warnings) == 1 and warning in warnings[0] and len(warnings[0]) <= 256
+    # Idempotent: the injected pod gets the same sidecar again.
+    injected = apply(pod)
+    assert diff(injected, desired_pod(injected, PLAN, InjectionSettings())[0]) == []
+
+
+def test_sidecar_user_ignores_non_gpu_containers() -> None:
+    spec = gpu_pod(securityContext={"runAsUser": 1000})["spec"]
+    spec["containers"].append({"name": "proxy", "image": "i", "securityContext": {"runAsUser": 101}})
+    warnings: list[str] = []
+    assert sidecar_runs_as_root(spec, {"train"}, warnings) is False
+    assert warnings == []
+    assert sidecar_runs_as_root(spec, {"train", "proxy"}, warnings) is False
+    assert len(warnings) == 1 and '"proxy"' in warnings[0]
 
 
 def test_user_env_is_never_overwritten() -> None:
@@ -154,6 +208,40 @@ def test_stale_sidecar_is_rebuilt() -> None:
 
 
 @pytest.mark.parametrize(
+    "settings",
+    [
+        InjectionSettings(),
+        InjectionSettings(native_sidecar=False, mount_host_proc=True, mps_limits=True),
+        InjectionSettings(preload_library_host_path="/l/libvgpu.so", sidecar_image="r/é:1"),
+    ],
+)
+@pytest.mark.parametrize(
+    "pod",
+    [
+        gpu_pod(),
+        gpu_pod(initContainers=[{"name": "init", "image": "i"}], securityContext={"runAsUser": 7}),
+        gpu_pod(initContainers=None),
+        gpu_pod(securityContext={"runAsNonRoot": True}),
+    ],
+)
+def test_injection_patch_is_the_compact_json_of_the_diff(pod: dict, settings: InjectionSettings) -> None:
+    """The sidecar's JSON is spliced in from a cache: the text must be json.dumps's, byte for byte."""
+    new, warnings = desired_pod(pod, PLAN, settings)
+    ops = diff(pod, new)
+    text, warnings_ = injection_patch(pod, PLAN, settings)
+    assert text == json.dumps(ops, separators=(",", ":")) and warnings_ == warnings
+    # A stale sidecar is patched field by field (no whole sidecar in the patch); nothing for a fixed point.
+    injected = jsonpatch.apply_patch(pod, ops)
+    assert injection_patch(injected, PLAN, settings) == (None, warnings)
+    containers = (injected["spec"].get("initContainers") or []) + injected["spec"]["containers"]
+    sidecar = next(c for c in containers if c["name"] == SIDECAR_NAME)
+    sidecar["image"] = "stale"
+    new, _ = desired_pod(injected, PLAN, settings)
+    text, _ = injection_patch(injected, PLAN, settings)
+    assert text == json.dumps(diff(injected, new), separators=(",", ":"))
+
+
+@pytest.mark.parametrize(
     ("old", "new"),
     [
         ([1, 2, 3], [1, 3]),
@@ -183,3 +271,19 @@ named_lists = st.lists(
 @given(json_values | named_lists, json_values | named_lists)
 def test_diff_is_correct_for_any_json(old, new) -> None:
     assert jsonpatch.apply_patch(old, diff(old, new)) == new
+
+
+@given(json_values | named_lists, json_values | named_lists, st.data())
+def test_diff_of_a_copy_on_write_update(old, new, data) -> None:
+    """The shapes desired_pod makes: a dict or list copied from the input, shared values, additions."""
+    if isinstance(old, list):
+        extra = new if isinstance(new, list) else [new]
+        updated: Any = old[: data.draw(st.integers(0, len(old)))] + extra  # shared prefix, new tail
+    elif isinstance(old, dict):
+        updated = {**old, **(new if isinstance(new, dict) else {"added/~": new})}
+    else:
+        updated = new
+    ops = diff(old, updated)
+    assert jsonpatch.apply_patch(old, ops) == updated
+    if isinstance(old, list) and len(updated) >= len(old) and all(map(operator.is_, old, updated)):
+        assert all(op["op"] == "add" for op in ops) and len(ops) == len(updated) - len(old)

@@ -9,11 +9,11 @@ warnings) or denied with ``status.code`` 400 and a message for the user.
 from __future__ import annotations
 
 import base64
-import json
 from dataclasses import dataclass
+from itertools import repeat
 from typing import Any
 
-from webhook.mutate import MutationError, container_requests_gpu, desired_pod, diff
+from webhook.mutate import MutationError, container_requests_gpu, injection_patch
 from webhook.settings import (
     MIRROR_POD_ANNOTATION,
     POD_OPT_OUT_LABEL,
@@ -79,14 +79,14 @@ def _request(payload: Any) -> dict[str, Any]:
 
 
 def _result(
-    uid: str, outcome: str, warnings: list[str], *, patch: list[dict[str, Any]] | None = None, denied: str | None = None
+    uid: str, outcome: str, warnings: list[str], *, patch: str | None = None, denied: str | None = None
 ) -> ReviewResult:
     response: dict[str, Any] = {"uid": uid, "allowed": denied is None}
     if denied is not None:
         response["status"] = {"code": 400, "reason": "BadRequest", "message": denied}
     elif patch:
         response["patchType"] = "JSONPatch"
-        response["patch"] = base64.b64encode(json.dumps(patch, separators=(",", ":")).encode()).decode("ascii")
+        response["patch"] = base64.b64encode(patch.encode()).decode("ascii")
     if warnings:
         shown = [w if len(w) <= MAX_WARNING_LENGTH else w[: MAX_WARNING_LENGTH - 3] + "..." for w in warnings]
         response["warnings"] = list(dict.fromkeys(shown))[:MAX_WARNINGS]
@@ -113,7 +113,7 @@ def _is_pod_request(request: dict[str, Any]) -> bool:
 
 def _decide(
     request: dict[str, Any], settings: InjectionSettings, namespaces: NamespaceLookup, warnings: list[str]
-) -> tuple[str, list[dict[str, Any]] | None]:
+) -> tuple[str, str | None]:
     if not _is_pod_request(request) or request.get("operation") != "CREATE":
         return OUTCOME_SKIPPED, None
     pod = request.get("object")
@@ -159,12 +159,26 @@ def _decide(
     try:
         plan = resolve_shares(annotations, namespace_annotations, settings, gpu_names, all_names)
         warnings.extend(plan.warnings)
-        new_pod, mutation_warnings = desired_pod(pod, plan, settings)
+        patch, mutation_warnings = injection_patch(pod, plan, settings)
     except (ShareError, MutationError) as exc:
         raise _Denied(str(exc)) from None
     warnings.extend(mutation_warnings)
-    patch = diff(pod, new_pod)
     return (OUTCOME_MUTATED if patch else OUTCOME_UNCHANGED), patch
+
+
+_DICT = frozenset({dict})
+_STR = frozenset({str})
+_STR_OR_NONE = frozenset({str, type(None)})
+
+
+def _plain_env(env: Any) -> bool:
+    """A fast, exact-type check of a container's env (JSON-decoded dicts with string names/values)."""
+    return (
+        type(env) is list
+        and set(map(type, env)) <= _DICT
+        and set(map(type, map(dict.get, env, repeat("name")))) <= _STR
+        and set(map(type, map(dict.get, env, repeat("value")))) <= _STR_OR_NONE
+    )
 
 
 def _check_shape(pod: dict[str, Any]) -> list[str]:
@@ -183,6 +197,15 @@ def _check_shape(pod: dict[str, Any]) -> list[str]:
             raise bad(where, what)
         return value
 
+    def check_user(parent: dict[str, Any], where: str) -> None:
+        context = optional(parent, "securityContext", dict, where, "an object")
+        if context is not None:
+            for key in ("runAsUser", "runAsGroup"):
+                value = context.get(key)
+                if value is not None and (not isinstance(value, int) or isinstance(value, bool)):
+                    raise bad(f"{where}.{key}", "an integer")
+            optional(context, "runAsNonRoot", bool, f"{where}.runAsNonRoot", "a boolean")
+
     metadata = optional(pod, "metadata", dict, "metadata", "an object") or {}
     for key in ("annotations", "labels"):
         values = optional(metadata, key, dict, f"metadata.{key}", "an object") or {}
@@ -195,6 +218,7 @@ def _check_shape(pod: dict[str, Any]) -> list[str]:
     share = spec.get("shareProcessNamespace")
     if share is not None and not isinstance(share, bool):
         raise bad("spec.shareProcessNamespace", "a boolean")
+    check_user(spec, "spec.securityContext")
     volumes = optional(spec, "volumes", list, "spec.volumes", "a list") or []
     for i, volume in enumerate(volumes):
         if not isinstance(volume, dict):
@@ -210,18 +234,28 @@ def _check_shape(pod: dict[str, Any]) -> list[str]:
             if not isinstance(name, str) or not name:
                 raise bad(f"{where}.name", "a non-empty string")
             names.append(name)
-            env = optional(container, "env", list, f"{where}.env", "a list") or []
-            for j, entry in enumerate(env):
-                if not isinstance(entry, dict) or not isinstance(entry.get("name"), str):
-                    raise bad(f"{where}.env[{j}]", "an object with a string name")
-                value = entry.get("value")
-                if value is not None and not isinstance(value, str):
-                    raise bad(f"{where}.env[{j}].value", "a string")
-            mounts = optional(container, "volumeMounts", list, f"{where}.volumeMounts", "a list") or []
-            for j, mount in enumerate(mounts):
-                if not isinstance(mount, dict):
-                    raise bad(f"{where}.volumeMounts[{j}]", "an object")
-            optional(container, "ports", list, f"{where}.ports", "a list")
+            env = container.get("env")
+            if env is not None and not _plain_env(env):  # the common case skips the loop below
+                if not isinstance(env, list):
+                    raise bad(f"{where}.env", "a list")
+                for j, entry in enumerate(env):
+                    if not isinstance(entry, dict) or not isinstance(entry.get("name"), str):
+                        raise bad(f"{where}.env[{j}]", "an object with a string name")
+                    value = entry.get("value")
+                    if value is not None and not isinstance(value, str):
+                        raise bad(f"{where}.env[{j}].value", "a string")
+            mounts = container.get("volumeMounts")
+            if mounts is not None and not (type(mounts) is list and set(map(type, mounts)) <= _DICT):
+                if not isinstance(mounts, list):
+                    raise bad(f"{where}.volumeMounts", "a list")
+                for j, mount in enumerate(mounts):
+                    if not isinstance(mount, dict):
+                        raise bad(f"{where}.volumeMounts[{j}]", "an object")
+            ports = container.get("ports")
+            if ports is not None and not isinstance(ports, list):
+                raise bad(f"{where}.ports", "a list")
+            if "securityContext" in container:
+                check_user(container, f"{where}.securityContext")
     seen: set[str] = set()
     for name in names:
         if name in seen:

@@ -11,15 +11,21 @@ webhook owns spells out the values defaulting would add (probe timings, ``protoc
 pass would see a "different" sidecar and patch again.
 
 Copy-on-write: the desired pod shares every untouched subtree with the input (no deep copy), which
-keeps a review cheap and lets ``diff`` skip shared subtrees by identity.
+keeps a review cheap and lets ``diff`` skip shared subtrees by identity. For the same reason
+``injection_patch`` splices the sidecar's JSON, cached per settings, into the patch's text
+instead of encoding it anew (the output is byte for byte ``json.dumps``'s).
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import posixpath
 import re
+import secrets
+from collections.abc import Container
 from importlib import metadata
+from types import MappingProxyType
 from typing import Any
 
 from enforcer.config import (
@@ -37,7 +43,7 @@ from enforcer.config import (
     EnforcerConfig,
 )
 from webhook.quantity import is_positive_quantity, mebibytes_floor
-from webhook.settings import ANNOTATION_STATUS, SIDECAR_NAME, InjectionSettings
+from webhook.settings import ANNOTATION_STATUS, SIDECAR_NAME, SIDECAR_PORT_NAME, InjectionSettings
 from webhook.shares import SharePlan, quote
 
 try:
@@ -45,8 +51,6 @@ try:
 except metadata.PackageNotFoundError:  # pragma: no cover - running from a bare checkout
     GPUFENCE_VERSION = "unknown"
 
-# Kubernetes limits port names to 15 characters (IANA_SVC_NAME), so not "gpufence-metrics" (16).
-SIDECAR_PORT_NAME = "gpufence-metric"
 STATE_VOLUME = "gpufence-state"
 HOST_PROC_VOLUME = "gpufence-host-proc"
 PRELOAD_VOLUME = "gpufence-preload"
@@ -62,6 +66,7 @@ ENV_LD_PRELOAD = "LD_PRELOAD"
 # Variables whose user-set value the webhook keeps but reports when it differs from the share.
 _LIMIT_VARIABLES = frozenset({ENV_MEMORY_LIMIT, ENV_MPS_MEM_LIMIT, ENV_MPS_THREADS, ENV_HAMI_MEMORY, ENV_HAMI_SM})
 _RESERVED_VOLUMES = (STATE_VOLUME, HOST_PROC_VOLUME, PRELOAD_VOLUME)
+_MISSING = object()
 
 
 class MutationError(ValueError):
@@ -115,16 +120,18 @@ def enforcer_config(plan: SharePlan, settings: InjectionSettings) -> EnforcerCon
     )
 
 
+# json.dumps with arguments builds a new encoder per call; these are built once.
+_encode_sorted = json.JSONEncoder(separators=(",", ":"), sort_keys=True).encode
+
+
 def status_annotation(plan: SharePlan) -> str:
-    return json.dumps(
+    return _encode_sorted(
         {
             "containers": [name for name, _ in plan.containers],
             "mode": plan.mode.value,
             "sidecar": SIDECAR_NAME,
             "version": GPUFENCE_VERSION,
-        },
-        separators=(",", ":"),
-        sort_keys=True,
+        }
     )
 
 
@@ -142,10 +149,68 @@ def _probe(path: str, port: int) -> dict[str, Any]:
     }
 
 
-def build_sidecar(plan: SharePlan, settings: InjectionSettings) -> dict[str, Any]:
+# Which user the enforcer runs as. It must signal (KILL) the GPU containers' processes and read
+# their /proc/<pid>/environ (SYS_PTRACE to read another user's). The image's user is uid 65532, and
+# Kubernetes puts added capabilities in a non-root process's bounding set only, never its effective
+# set, so a sidecar running as 65532 could act on uid-65532 processes only: not on the root
+# processes of most CUDA images. Hence:
+# * a pod-level runAsUser is inherited: the sidecar shares the workloads' user and needs no
+#   capability for them (kill(2) and ptrace read access compare real/effective/saved ids; reading
+#   environ also needs the same group). A GPU container that sets another runAsUser or runAsGroup
+#   of its own is out of a non-root sidecar's reach: warned about, as nothing else can be done;
+# * otherwise the sidecar runs as uid 0 with every capability dropped but KILL and SYS_PTRACE
+#   (no DAC_OVERRIDE, SETUID, ...), which reaches processes of any user;
+# * except under a pod-level runAsNonRoot: true, where uid 0 would keep the pod from starting; the
+#   sidecar then runs as its image's user, and the pod is admitted with a warning.
+_ROOT_USER = MappingProxyType({"runAsUser": 0, "runAsNonRoot": False})
+
+
+def sidecar_runs_as_root(spec: dict[str, Any], gpu_containers: Container[str], warnings: list[str]) -> bool:
+    """Whether the sidecar sets ``runAsUser: 0`` (``_ROOT_USER``); appends warnings (pure).
+
+    ``gpu_containers`` holds the names of the GPU containers; ``spec`` has been shape-checked
+    (``admission._check_shape``).
+    """
+    pod_context = spec.get("securityContext") or {}
+    pod_user = pod_context.get("runAsUser")
+    if pod_user is None:
+        if pod_context.get("runAsNonRoot") is True:
+            warnings.append(
+                "gpufence: the pod sets runAsNonRoot but no runAsUser, so the enforcer runs as its image's "
+                "user (uid 65532) and can only stop and attribute processes of that user; set "
+                "spec.securityContext.runAsUser to the user the GPU containers run as"
+            )
+            return False
+        return True
+    if pod_user != 0:
+        pod_group = pod_context.get("runAsGroup")
+        for key in ("initContainers", "containers"):
+            for container in spec.get(key) or ():
+                if container["name"] not in gpu_containers:
+                    continue
+                context = container.get("securityContext") or {}
+                user, group = context.get("runAsUser", pod_user), context.get("runAsGroup", pod_group)
+                if user != pod_user or group != pod_group:
+                    what = f"runAsUser {user}" if user != pod_user else f"runAsGroup {group}"
+                    warnings.append(
+                        f"container {quote(container['name'])} sets {what}, but the gpufence enforcer runs as "
+                        f"the pod's runAsUser {pod_user} without capabilities (non-root), so it cannot stop or "
+                        "attribute that container's processes; set the user and group at pod level only"
+                    )
+    return False
+
+
+def build_sidecar(plan: SharePlan, settings: InjectionSettings, *, run_as_root: bool = True) -> dict[str, Any]:
+    """The enforcer container; ``run_as_root`` from ``sidecar_runs_as_root`` (see there why)."""
+    return _sidecar(settings, run_as_root, enforcer_config(plan, settings).to_json())
+
+
+def _sidecar(settings: InjectionSettings, run_as_root: bool, config_json: str) -> dict[str, Any]:
+    # Everything but ``config_json`` comes from the settings and ``run_as_root``: the key under
+    # which ``_sidecar_json_parts`` caches the JSON around it.
     port = settings.metrics_port
     env = [
-        {"name": ENV_CONFIG, "value": enforcer_config(plan, settings).to_json()},
+        {"name": ENV_CONFIG, "value": config_json},
         _field_env(ENV_POD_NAME, "metadata.name"),
         _field_env(ENV_POD_NAMESPACE, "metadata.namespace"),
         _field_env(ENV_POD_UID, "metadata.uid"),
@@ -177,8 +242,9 @@ def build_sidecar(plan: SharePlan, settings: InjectionSettings) -> dict[str, Any
             "livenessProbe": _probe("/healthz", port),
             "readinessProbe": _probe("/readyz", port),
             # KILL: signal the other containers' processes; SYS_PTRACE: read /proc/<pid>/environ of
-            # processes running as another UID. No runAsUser: the pod's own user is inherited.
+            # processes running as another user. Effective only when the sidecar runs as root.
             "securityContext": {
+                **(_ROOT_USER if run_as_root else {}),
                 "allowPrivilegeEscalation": False,
                 "readOnlyRootFilesystem": True,
                 "capabilities": {"drop": ["ALL"], "add": ["KILL", "SYS_PTRACE"]},
@@ -189,6 +255,50 @@ def build_sidecar(plan: SharePlan, settings: InjectionSettings) -> dict[str, Any
         }
     )
     return sidecar
+
+
+# The JSON of a patch, as json.dumps(patch, separators=(",", ":")) writes it. The sidecar, most of
+# a patch's bytes, is spliced in from its cached JSON rather than encoded value by value.
+_encode_compact = json.JSONEncoder(separators=(",", ":")).encode
+# Stands for the sidecar while the rest of a patch is encoded. Unguessable, so no string from the
+# pod equals it; the splice still checks that it occurs exactly once.
+_PLACEHOLDER = f"gpufence-placeholder-{secrets.token_hex(16)}"
+_PLACEHOLDER_JSON = _encode_compact(_PLACEHOLDER)
+
+
+@functools.lru_cache(maxsize=16)
+def _sidecar_json_parts(settings: InjectionSettings, run_as_root: bool) -> tuple[str, str] | None:
+    """The sidecar's JSON before and after the GPUFENCE_CONFIG value (settings-only, so cached)."""
+    text = _encode_compact(_sidecar(settings, run_as_root, _PLACEHOLDER))
+    if text.count(_PLACEHOLDER_JSON) != 1:  # pragma: no cover - a setting containing the placeholder
+        return None
+    before, _, after = text.partition(_PLACEHOLDER_JSON)
+    return before, after
+
+
+def _encode_patch(ops: list[dict[str, Any]], sidecar: dict[str, Any], sidecar_json: str) -> str:
+    """``ops`` as compact JSON, byte for byte what ``_encode_compact(ops)`` gives.
+
+    ``sidecar_json`` is the JSON of ``sidecar``; wherever an operation's value is that very object
+    (or a list holding it), the cached text is spliced in instead of encoding the object again.
+    """
+    swapped: list[dict[str, Any]] = []
+    found = 0
+    for op in ops:
+        value = op.get("value", _MISSING)
+        if value is sidecar:
+            op = {**op, "value": _PLACEHOLDER}
+            found += 1
+        elif type(value) is list and any(item is sidecar for item in value):
+            op = {**op, "value": [_PLACEHOLDER if item is sidecar else item for item in value]}
+            found += 1
+        swapped.append(op)
+    if found != 1:
+        return _encode_compact(ops)
+    text = _encode_compact(swapped)
+    if text.count(_PLACEHOLDER_JSON) != 1:  # pragma: no cover - the placeholder is unguessable
+        return _encode_compact(ops)
+    return text.replace(_PLACEHOLDER_JSON, sidecar_json)
 
 
 def pod_volumes(settings: InjectionSettings) -> list[dict[str, Any]]:
@@ -211,6 +321,32 @@ def desired_pod(pod: dict[str, Any], plan: SharePlan, settings: InjectionSetting
     The pod's shape must have been checked (``admission._check_shape``): dicts and lists where
     this function reads them.
     """
+    new_pod, warnings, _ = _desired(pod, plan, settings)
+    return new_pod, warnings
+
+
+def injection_patch(pod: dict[str, Any], plan: SharePlan, settings: InjectionSettings) -> tuple[str | None, list[str]]:
+    """``diff(pod, desired_pod(...))`` as compact JSON (None when empty) and the warnings.
+
+    The same text as ``json.dumps(ops, separators=(",", ":"))``, but the sidecar's JSON comes
+    mostly from a per-settings cache. Raises MutationError.
+    """
+    new_pod, warnings, (sidecar, run_as_root, config_json) = _desired(pod, plan, settings)
+    ops = diff(pod, new_pod)
+    if not ops:
+        return None, warnings
+    try:
+        parts = _sidecar_json_parts(settings, run_as_root)
+    except TypeError:  # pragma: no cover - settings built with an unhashable field (a list)
+        parts = _sidecar_json_parts.__wrapped__(settings, run_as_root)
+    if parts is None:  # pragma: no cover - a setting containing the placeholder
+        return _encode_compact(ops), warnings
+    return _encode_patch(ops, sidecar, parts[0] + _encode_compact(config_json) + parts[1]), warnings
+
+
+def _desired(
+    pod: dict[str, Any], plan: SharePlan, settings: InjectionSettings
+) -> tuple[dict[str, Any], list[str], tuple[dict[str, Any], bool, str]]:
     warnings: list[str] = []
     shares = dict(plan.containers)
     spec = dict(pod["spec"])
@@ -258,7 +394,9 @@ def desired_pod(pod: dict[str, Any], plan: SharePlan, settings: InjectionSetting
             updated.append(container)
         spec[key] = updated
 
-    sidecar = build_sidecar(plan, settings)
+    run_as_root = sidecar_runs_as_root(pod["spec"], shares, warnings)
+    config_json = enforcer_config(plan, settings).to_json()
+    sidecar = _sidecar(settings, run_as_root, config_json)
     if settings.native_sidecar:
         spec["initContainers"] = [sidecar, *(spec.get("initContainers") or ())]
     else:
@@ -284,7 +422,7 @@ def desired_pod(pod: dict[str, Any], plan: SharePlan, settings: InjectionSetting
         elif present != volume:
             raise MutationError(f"volume name {quote(volume['name'])} is reserved by gpufence; rename the pod's volume")
     spec["volumes"] = volumes
-    return new_pod, warnings
+    return new_pod, warnings, (sidecar, run_as_root, config_json)
 
 
 def _gpu_container(
@@ -396,7 +534,9 @@ def _gpu_container(
 
 def escape(token: str) -> str:
     """An RFC 6901 reference token."""
-    return token.replace("~", "~0").replace("/", "~1")
+    if "~" in token or "/" in token:
+        return token.replace("~", "~0").replace("/", "~1")
+    return token
 
 
 def diff(old: Any, new: Any, path: str = "") -> list[dict[str, Any]]:
@@ -417,12 +557,15 @@ def _diff(old: Any, new: Any, path: str, ops: list[dict[str, Any]]) -> None:
         for key in old:
             if key not in new:
                 ops.append({"op": "remove", "path": f"{path}/{escape(key)}"})
+        get = old.get
         for key, value in new.items():
-            child = f"{path}/{escape(key)}"
-            if key in old:
-                _diff(old[key], value, child, ops)
+            previous = get(key, _MISSING)
+            if previous is value:
+                continue  # shared with the input (the common case): nothing below can differ
+            if previous is _MISSING:
+                ops.append({"op": "add", "path": f"{path}/{escape(key)}", "value": value})
             else:
-                ops.append({"op": "add", "path": child, "value": value})
+                _diff(previous, value, f"{path}/{escape(key)}", ops)
         return
     if isinstance(old, list) and isinstance(new, list):
         _diff_list(old, new, path, ops)
@@ -441,6 +584,13 @@ def _names(items: list[Any]) -> list[str] | None:
 
 
 def _diff_list(old: list[Any], new: list[Any], path: str, ops: list[dict[str, Any]]) -> None:
+    n = len(old)
+    if len(new) >= n and all(a is b for a, b in zip(old, new, strict=False)):
+        # Appended to (a GPU container's env, the pod's volumes): the named and the positional
+        # alignments below both reduce to adding the tail.
+        for i in range(n, len(new)):
+            ops.append({"op": "add", "path": f"{path}/{i}", "value": new[i]})
+        return
     old_names, new_names = _names(old), _names(new)
     if old_names is not None and new_names is not None:
         # Align named entries (containers, env, volumes): removals, then insertions and updates.

@@ -109,6 +109,8 @@ def is_positive_quantity(value: object) -> bool:
         return value > 0 and value == value  # NaN is not positive
     if not isinstance(value, str):
         return False
+    if value.isdigit() and value.isascii() and len(value) <= MAX_QUANTITY_LENGTH:
+        return value.strip("0") != ""  # plain digits (a GPU count, "1"): positive unless all zeros
     try:
         parsed = _parse(value)
     except QuantityError:

@@ -33,6 +33,9 @@ NAMESPACE_DEFAULT_MEMORY = "gpufence.io/default-memory"
 NAMESPACE_DEFAULT_COMPUTE = "gpufence.io/default-compute"
 
 SIDECAR_NAME = "gpufence-enforcer"
+# The sidecar's metrics port name, which the enforcer PodMonitor selects. Kubernetes limits port
+# names to 15 characters (IANA_SVC_NAME), so not "gpufence-metrics" (16).
+SIDECAR_PORT_NAME = "gpufence-metric"
 DEFAULT_SIDECAR_IMAGE = "ghcr.io/gpufence/gpufence:0.1.0"
 DEFAULT_GPU_RESOURCE = "nvidia.com/gpu"
 

@@ -17,10 +17,12 @@ annotation works around it.
 
 from __future__ import annotations
 
+import functools
 import json
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from decimal import Decimal, InvalidOperation
+from typing import TypeVar
 
 from enforcer.config import MAX_GRACE_PERIOD_SECONDS, ContainerShare, MemoryShare, Mode
 from webhook.quantity import QuantityError, parse_bytes, parse_percent
@@ -47,6 +49,8 @@ _KNOWN_ANNOTATIONS = frozenset(
     {ANNOTATION_MEMORY, ANNOTATION_COMPUTE, ANNOTATION_MODE, ANNOTATION_GRACE_PERIOD, ANNOTATION_STATUS}
 )
 _MAX_SHOWN = 64  # characters of a user's value quoted back in a message
+_MAX_CACHED = 128  # longest annotation value whose parse is cached
+T = TypeVar("T")
 
 
 class ShareError(ValueError):
@@ -75,6 +79,22 @@ def quote(value: object) -> str:
     return json.dumps(text)
 
 
+def _memoized(parse: Callable[[str], T]) -> Callable[[str], T]:
+    """``parse`` with its results for short texts cached: pods repeat a handful of share values.
+
+    Only results are cached (a ``ValueError`` is raised anew), and only for texts of up to
+    ``_MAX_CACHED`` characters, so the cache stays small whatever the requests hold.
+    """
+    cached = functools.lru_cache(maxsize=256)(parse)
+
+    @functools.wraps(parse)
+    def wrapper(text: str) -> T:
+        return cached(text) if len(text) <= _MAX_CACHED else parse(text)
+
+    return wrapper
+
+
+@_memoized
 def parse_memory_share(text: str) -> MemoryShare:
     text = text.strip()
     if text.endswith("%"):
@@ -82,10 +102,12 @@ def parse_memory_share(text: str) -> MemoryShare:
     return MemoryShare(bytes=parse_bytes(text))
 
 
+@_memoized
 def parse_compute_share(text: str) -> float:
     return parse_percent(text.strip(), require_sign=False)
 
 
+@_memoized
 def parse_grace_period(text: str) -> float:
     """Seconds as a plain non-negative number (``"30"``, ``"2.5"``; a trailing ``s`` is tolerated)."""
     text = text.strip()
