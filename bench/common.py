@@ -176,25 +176,9 @@ class Pki:
 # --- sample pods and reviews ----------------------------------------------------------------------
 def admission_review(pod: dict[str, Any], uid: str = "00000000-0000-0000-0000-000000000001",
                      namespace: str = "team-a", operation: str = "CREATE") -> dict[str, Any]:
-    return {
-        "apiVersion": "admission.k8s.io/v1",
-        "kind": "AdmissionReview",
-        "request": {
-            "uid": uid,
-            "kind": {"group": "", "version": "v1", "kind": "Pod"},
-            "resource": {"group": "", "version": "v1", "resource": "pods"},
-            "requestKind": {"group": "", "version": "v1", "kind": "Pod"},
-            "requestResource": {"group": "", "version": "v1", "resource": "pods"},
-            "namespace": namespace,
-            "operation": operation,
-            "userInfo": {"username": "system:serviceaccount:kube-system:replicaset-controller",
-                         "uid": "2b6f0f4e", "groups": ["system:serviceaccounts", "system:authenticated"]},
-            "object": pod,
-            "oldObject": None,
-            "dryRun": False,
-            "options": {"apiVersion": "meta.k8s.io/v1", "kind": "CreateOptions"},
-        },
-    }
+    from webhook.admission import pod_admission_review
+
+    return pod_admission_review(pod, uid=uid, namespace=namespace, operation=operation)
 
 
 def small_pod() -> dict[str, Any]:

@@ -222,8 +222,8 @@ class Attributor:
         root = self._host_proc_root if self._mode is PidMode.HOST_PROC else self._proc_root
         assert root is not None
         stat = read_stat(nvml_pid, root) if nvml_pid > 0 else None
-        if stat is None:
-            return None
+        if stat is None or stat.is_dead:
+            return None  # gone, or a zombie NVML still lists: nothing to attribute or signal
         key = (nvml_pid, stat.start_time_ticks)
         entry = self._cache.get(key)
         if entry is None:

@@ -39,10 +39,16 @@ class ProcFacts:
 
 @dataclass(frozen=True)
 class ProcStat:
-    """The two fields of /proc/<pid>/stat the enforcer needs, from one read."""
+    """The fields of /proc/<pid>/stat the enforcer needs, from one read."""
 
+    state: str  # field 3: R, S, D, T (stopped), t, Z (zombie), X (dead), ...
     ppid: int
     start_time_ticks: int
+
+    @property
+    def is_dead(self) -> bool:
+        """A zombie or dead process: nothing to signal, nothing to attribute."""
+        return self.state in ("Z", "X")
 
 
 def default_device_prefix() -> str:
@@ -51,7 +57,7 @@ def default_device_prefix() -> str:
 
 
 def read_stat(pid: int | str, proc_root: str = "/proc") -> ProcStat | None:
-    """Parent PID and start time, or None if the process is gone or the file is malformed."""
+    """State, parent PID and start time, or None if the process is gone or the file is malformed."""
     data = _read_small(f"{proc_root}/{pid}/stat")
     if data is None:
         return None
@@ -59,8 +65,8 @@ def read_stat(pid: int | str, proc_root: str = "/proc") -> ProcStat | None:
     # LAST ')'. What follows starts at field 3, so field N is at index N - 3.
     fields = data.rpartition(b")")[2].split()
     try:
-        return ProcStat(ppid=int(fields[1]), start_time_ticks=int(fields[19]))
-    except (IndexError, ValueError):
+        return ProcStat(state=fields[0].decode("ascii"), ppid=int(fields[1]), start_time_ticks=int(fields[19]))
+    except (IndexError, ValueError):  # UnicodeDecodeError is a ValueError
         return None
 
 

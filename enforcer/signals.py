@@ -31,6 +31,7 @@ from enum import StrEnum
 from typing import Any
 
 from enforcer.logs import DecisionLog
+from enforcer.procfs import read_stat
 
 
 @dataclass(frozen=True)
@@ -67,24 +68,6 @@ SIGNAL_NAMES = {
 _FOLLOW_UPS = {signal.SIGKILL: signal.SIGTERM, signal.SIGCONT: signal.SIGSTOP}
 
 
-def read_stat(pid: int, proc_root: str = "/proc") -> tuple[str, int, int] | None:
-    """(state, ppid, start time ticks) of a process from one read of its stat file; None if gone."""
-    try:
-        with open(f"{proc_root}/{pid}/stat", "rb") as f:
-            data = f.read()
-    except OSError:
-        return None
-    # comm (field 2) may contain spaces and parentheses: split after the last ')'.
-    end = data.rfind(b")")
-    if end < 0:
-        return None
-    fields = data[end + 2 :].split()
-    try:
-        return fields[0].decode(), int(fields[1]), int(fields[19])
-    except (IndexError, ValueError):
-        return None
-
-
 def ancestors(pid: int, proc_root: str = "/proc") -> set[int]:
     """The PIDs of ``pid``'s parent chain (visible in this namespace)."""
     chain: set[int] = set()
@@ -93,7 +76,7 @@ def ancestors(pid: int, proc_root: str = "/proc") -> set[int]:
         stat = read_stat(current, proc_root)
         if stat is None:
             break
-        ppid = stat[1]
+        ppid = stat.ppid
         if ppid <= 0 or ppid in chain:
             break
         chain.add(ppid)
@@ -131,7 +114,7 @@ class SafeSignaller:
             # Forget follow-up rights of processes that no longer exist.
             for key in list(self._follow_up):
                 stat = read_stat(key[0], self._proc_root)
-                if stat is None or stat[2] != key[1] or stat[0] in ("Z", "X"):
+                if stat is None or stat.start_time_ticks != key[1] or stat.is_dead:
                     del self._follow_up[key]
 
     def adopt_stopped(self, target: SignalTarget) -> None:
@@ -209,10 +192,9 @@ class SafeSignaller:
             stat = read_stat(target.pid, self._proc_root)
             if stat is None:
                 return Outcome.GONE, "no such process"
-            state, _, start = stat
-            if start != target.start_time_ticks:
-                return Outcome.REUSED, f"start time {start} != {target.start_time_ticks}"
-            if state in ("Z", "X"):
+            if stat.start_time_ticks != target.start_time_ticks:
+                return Outcome.REUSED, f"start time {stat.start_time_ticks} != {target.start_time_ticks}"
+            if stat.is_dead:
                 return Outcome.GONE, "zombie"
             if self._dry_run:
                 return Outcome.DRY_RUN, None
@@ -234,4 +216,4 @@ class SafeSignaller:
     def alive(self, target: SignalTarget) -> bool:
         """The process still exists with the same identity (and is not a zombie)."""
         stat = read_stat(target.pid, self._proc_root)
-        return stat is not None and stat[2] == target.start_time_ticks and stat[0] not in ("Z", "X")
+        return stat is not None and stat.start_time_ticks == target.start_time_ticks and not stat.is_dead

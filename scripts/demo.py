@@ -19,7 +19,6 @@ It ends by itself in well under a minute and leaves nothing running (every child
 
 from __future__ import annotations
 
-import base64
 import contextlib
 import json
 import os
@@ -43,6 +42,7 @@ import jsonpatch  # the demo runs from the repo's dev environment (make demo ins
 from certs.pki import make_ca, make_serving_cert
 from enforcer.config import ENV_CONFIG, ENV_CONTAINER, ENV_POD_NAME, ENV_POD_NAMESPACE, ENV_POD_UID
 from simnvml import SimDevice, SimProcess, SimState, build_library, write_state
+from webhook.admission import decode_patch, pod_admission_review
 
 GIB = 1024**3
 DEVICE_UUID = "GPU-6a1f0c2e-5d3b-4b1d-9d7c-0000000000aa"
@@ -147,20 +147,7 @@ class JsonLines:
 
 
 def post_review(port: int, ca_file: Path, pod: dict[str, Any], uid: str) -> dict[str, Any]:
-    review = {
-        "apiVersion": "admission.k8s.io/v1",
-        "kind": "AdmissionReview",
-        "request": {
-            "uid": uid,
-            "kind": {"group": "", "version": "v1", "kind": "Pod"},
-            "resource": {"group": "", "version": "v1", "resource": "pods"},
-            "namespace": pod["metadata"]["namespace"],
-            "operation": "CREATE",
-            "userInfo": {"username": "system:serviceaccount:kube-system:replicaset-controller"},
-            "object": pod,
-            "dryRun": False,
-        },
-    }
+    review = pod_admission_review(pod, uid=uid, namespace=pod["metadata"]["namespace"])
     context = ssl.create_default_context(cafile=str(ca_file))  # verifies the chain and the host name
     request = urllib.request.Request(
         f"https://localhost:{port}/mutate", data=json.dumps(review).encode(),
@@ -171,9 +158,7 @@ def post_review(port: int, ca_file: Path, pod: dict[str, Any], uid: str) -> dict
 
 
 def apply_response(pod: dict[str, Any], response: dict[str, Any]) -> tuple[dict[str, Any], list[dict[str, Any]]]:
-    if "patch" not in response:
-        return pod, []
-    ops = json.loads(base64.b64decode(response["patch"]))
+    ops = decode_patch(response) or []
     return jsonpatch.apply_patch(pod, ops), ops
 
 

@@ -13,7 +13,8 @@ import sys
 import pytest
 
 from enforcer.logs import DecisionLog
-from enforcer.signals import Outcome, SafeSignaller, SignalTarget, read_stat
+from enforcer.procfs import read_stat
+from enforcer.signals import Outcome, SafeSignaller, SignalTarget
 from enforcer.stopped_state import StoppedState, recover
 from enforcer.throttle import ThrottleExecutor, ThrottlePlan
 from tests.conftest import WORKLOAD, LineReader, proc_state, wait_state
@@ -30,7 +31,7 @@ class Child:
         self.pid = self.proc.pid
         stat = read_stat(self.pid)
         assert stat is not None
-        self.start = stat[2]
+        self.start = stat.start_time_ticks
 
     def target(self, container: str | None = "c", start: int | None = None) -> SignalTarget:
         return SignalTarget(self.pid, self.start if start is None else start, container)
@@ -92,8 +93,9 @@ def test_refusals(child, log):
     me = read_stat(os.getpid())
     parent = read_stat(os.getppid())
     assert me is not None and parent is not None
-    assert door.send(SignalTarget(os.getpid(), me[2], "c"), signal.SIGSTOP, reason="t") is Outcome.REFUSED
-    assert door.send(SignalTarget(os.getppid(), parent[2], "c"), signal.SIGSTOP, reason="t") is Outcome.REFUSED
+    for pid, stat in ((os.getpid(), me), (os.getppid(), parent)):
+        target = SignalTarget(pid, stat.start_time_ticks, "c")
+        assert door.send(target, signal.SIGSTOP, reason="t") is Outcome.REFUSED
     # Attributed to another container than the one the caller names.
     assert door.send(c.target(container="other"), signal.SIGTERM, reason="test") is Outcome.REFUSED
     assert c.proc.poll() is None and c.lines() == []

@@ -15,8 +15,6 @@ with a patch or unchanged). ``GPUFENCE_UPDATE_GOLDEN=1`` rewrites the outputs.
 
 from __future__ import annotations
 
-import base64
-import json
 import os
 from pathlib import Path
 from typing import Any
@@ -27,7 +25,7 @@ import pytest
 import yaml
 
 from webhook import mutate
-from webhook.admission import review
+from webhook.admission import decode_patch, pod_admission_review, review
 from webhook.settings import INJECTION_ENABLED, INJECTION_LABEL, InjectionSettings, NamespaceInfo
 
 GOLDEN = Path(__file__).parent / "golden"
@@ -70,25 +68,8 @@ def load_case(case: str) -> tuple[dict[str, Any], InjectionSettings, _Lookup, st
 
 
 def admission_review(pod: dict[str, Any], operation: str = "CREATE", uid: str = "0b4e3c2a-golden") -> dict[str, Any]:
-    return {
-        "apiVersion": "admission.k8s.io/v1",
-        "kind": "AdmissionReview",
-        "request": {
-            "uid": uid,
-            "kind": {"group": "", "version": "v1", "kind": "Pod"},
-            "resource": {"group": "", "version": "v1", "resource": "pods"},
-            "namespace": pod.get("metadata", {}).get("namespace", "team-a"),
-            "operation": operation,
-            "object": pod,
-        },
-    }
-
-
-def decode_patch(response: dict[str, Any]) -> list[dict[str, Any]] | None:
-    if "patch" not in response:
-        return None
-    assert response["patchType"] == "JSONPatch"
-    return json.loads(base64.b64decode(response["patch"]))
+    namespace = pod.get("metadata", {}).get("namespace", "team-a")
+    return pod_admission_review(pod, uid=uid, namespace=namespace, operation=operation)
 
 
 def run_case(case: str) -> dict[str, Any]:

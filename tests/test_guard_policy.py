@@ -270,29 +270,16 @@ def test_policy_scope_matches_the_webhook_configuration() -> None:
 
 def test_a_pod_mutated_by_the_webhook_passes_the_guard() -> None:
     """Contract between webhook/admission.py and the policy: mutation output satisfies the guard."""
-    admission = pytest.importorskip("webhook.admission", reason="webhook.admission is not importable yet")
-    jsonpatch = pytest.importorskip("jsonpatch")
+    import jsonpatch
+
+    from webhook import admission
     from webhook.settings import AllNamespacesOptedIn, InjectionSettings
 
     original = pod()
     original["metadata"]["annotations"] = {"gpufence.io/memory": "4Gi"}
-    payload = {
-        "apiVersion": "admission.k8s.io/v1",
-        "kind": "AdmissionReview",
-        "request": {
-            "uid": "0b0c7c1e-0000-4000-8000-000000000001",
-            "kind": {"group": "", "version": "v1", "kind": "Pod"},
-            "resource": {"group": "", "version": "v1", "resource": "pods"},
-            "requestKind": {"group": "", "version": "v1", "kind": "Pod"},
-            "requestResource": {"group": "", "version": "v1", "resource": "pods"},
-            "namespace": "team-a",
-            "operation": "CREATE",
-            "userInfo": {"username": "alice"},
-            "object": copy.deepcopy(original),
-            "oldObject": None,
-            "dryRun": False,
-        },
-    }
+    payload = admission.pod_admission_review(
+        copy.deepcopy(original), uid="0b0c7c1e-0000-4000-8000-000000000001", namespace="team-a", username="alice"
+    )
     for settings in (InjectionSettings(), InjectionSettings(native_sidecar=False)):
         result = admission.review(copy.deepcopy(payload), settings, AllNamespacesOptedIn())
         response = result.review["response"]

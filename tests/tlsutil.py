@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from certs.pki import KeyPair, make_ca, make_serving_cert
+from webhook.admission import pod_admission_review
 from webhook.metrics import WebhookMetrics
 from webhook.server import RunningServer, ServerLimits, create_app, start_server
 from webhook.settings import AllNamespacesOptedIn, InjectionSettings, NamespaceLookup
@@ -148,20 +149,7 @@ async def wait_until(predicate: Callable[[], Any], timeout: float = 5.0) -> None
 def pod_review(uid: str = "uid-1", *, pod: dict[str, Any] | None = None, operation: str = "CREATE",
                kind: str = "Pod", namespace: str = "team-a") -> dict[str, Any]:
     pod = pod if pod is not None else gpu_pod()
-    return {
-        "apiVersion": "admission.k8s.io/v1",
-        "kind": "AdmissionReview",
-        "request": {
-            "uid": uid,
-            "kind": {"group": "", "version": "v1", "kind": kind},
-            "resource": {"group": "", "version": "v1", "resource": kind.lower() + "s"},
-            "namespace": namespace,
-            "operation": operation,
-            "userInfo": {"username": "tester"},
-            "object": pod,
-            "dryRun": False,
-        },
-    }
+    return pod_admission_review(pod, uid=uid, namespace=namespace, operation=operation, kind=kind, username="tester")
 
 
 def gpu_pod(name: str = "train") -> dict[str, Any]:
