@@ -13,16 +13,19 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from enforcer.config import ContainerShare, EnforcerConfig, MemoryShare, Mode
+from webhook import mutate as mutate_module
 from webhook.mutate import (
     PRELOAD_VOLUME,
     MutationError,
     build_sidecar,
     desired_pod,
     diff,
+    enforcer_config,
     escape,
     injection_patch,
     preload_library_path,
     sidecar_runs_as_root,
+    status_annotation,
 )
 from webhook.settings import SIDECAR_NAME, SIDECAR_PORT_NAME, InjectionSettings
 from webhook.shares import SharePlan
@@ -287,3 +290,60 @@ def test_diff_of_a_copy_on_write_update(old, new, data) -> None:
     assert jsonpatch.apply_patch(old, ops) == updated
     if isinstance(old, list) and len(updated) >= len(old) and all(map(operator.is_, old, updated)):
         assert all(op["op"] == "add" for op in ops) and len(ops) == len(updated) - len(old)
+
+
+# --- per-plan caches (status annotation, enforcer config, shared sidecar) --------------------
+
+
+def _uncached_status(plan: SharePlan) -> str:
+    doc = {"containers": [n for n, _ in plan.containers], "mode": plan.mode.value,
+           "sidecar": SIDECAR_NAME, "version": mutate_module.GPUFENCE_VERSION}
+    return json.dumps(doc, separators=(",", ":"), sort_keys=True)
+
+
+@pytest.mark.parametrize(
+    "plan",
+    [
+        PLAN,
+        SharePlan(containers=(("a", ContainerShare(compute_percent=50.0)),), mode=Mode.AUDIT, grace_period_seconds=2.5),
+        SharePlan(containers=(("a", ContainerShare(memory=MemoryShare(percent=12.5))), ("b", ContainerShare())),
+                  mode=Mode.ENFORCE, grace_period_seconds=30),
+        # Names too long to be cached: computed every time, same text.
+        SharePlan(containers=(("x" * 2000, ContainerShare(compute_percent=10.0)),), mode=Mode.ENFORCE,
+                  grace_period_seconds=0.0),
+    ],
+)
+def test_cached_plan_texts_equal_the_uncached(plan: SharePlan) -> None:
+    for settings in (InjectionSettings(), InjectionSettings(poll_interval_seconds=0.25)):
+        for _ in range(2):  # a miss, then a hit
+            assert mutate_module._config_json(plan, settings) == enforcer_config(plan, settings).to_json()
+            assert status_annotation(plan) == _uncached_status(plan)
+            for run_as_root in (True, False):
+                config = enforcer_config(plan, settings).to_json()
+                sidecar, text = mutate_module._shared_sidecar(settings, run_as_root, config)
+                assert sidecar == build_sidecar(plan, settings, run_as_root=run_as_root)
+                assert text == json.dumps(sidecar, separators=(",", ":"))
+
+
+def test_status_annotation_cache_follows_the_version(monkeypatch: pytest.MonkeyPatch) -> None:
+    before = status_annotation(PLAN)
+    monkeypatch.setattr(mutate_module, "GPUFENCE_VERSION", "9.9.9-other")
+    assert '"version":"9.9.9-other"' in status_annotation(PLAN)
+    monkeypatch.undo()
+    assert status_annotation(PLAN) == before
+
+
+def test_the_shared_sidecar_is_never_mutated_nor_returned() -> None:
+    settings = InjectionSettings()
+    config = enforcer_config(PLAN, settings).to_json()
+    shared, _ = mutate_module._shared_sidecar(settings, True, config)
+    pristine = copy.deepcopy(shared)
+    pod = gpu_pod()
+    text, _ = injection_patch(pod, PLAN, settings)
+    injected = jsonpatch.apply_patch(pod, json.loads(text))
+    injected["spec"]["initContainers"][0]["image"] = "changed"  # the patch is text: no alias to the cache
+    new, _ = desired_pod(pod, PLAN, settings)
+    assert new["spec"]["initContainers"][0] is not shared  # desired_pod builds its own
+    new["spec"]["initContainers"][0]["env"].clear()
+    assert injection_patch(injected, PLAN, settings)[0] is not None
+    assert shared == pristine and mutate_module._shared_sidecar(settings, True, config)[0] is shared

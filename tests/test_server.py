@@ -278,3 +278,17 @@ async def test_start_webhook_in_one_call(pki: LocalPKI, session: aiohttp.ClientS
     finally:
         await running.close()
     assert not running.server.is_serving()
+
+
+def test_metrics_count_each_outcome_through_the_looked_up_children() -> None:
+    from webhook.metrics import WebhookMetrics
+
+    metrics = WebhookMetrics()
+    metrics.observe("mutated", 0.001)
+    metrics.observe("mutated", 0.002)
+    metrics.observe("unexpected", 0.001)  # not pre-created: still counted
+    text = metrics.render()[0].decode()
+    assert 'gpufence_webhook_requests_total{outcome="mutated"} 2.0' in text
+    assert 'gpufence_webhook_requests_total{outcome="unexpected"} 1.0' in text
+    assert 'gpufence_webhook_requests_total{outcome="denied"} 0.0' in text
+    assert "gpufence_webhook_request_duration_seconds_count 3.0" in text

@@ -192,51 +192,67 @@ def _check_shape(pod: dict[str, Any]) -> list[str]:
     def bad(where: str, what: str) -> _Denied:
         return _Denied(f"the pod is malformed: {where} must be {what}")
 
-    def optional(parent: dict[str, Any], key: str, kind: type, where: str, what: str) -> Any:
-        value = parent.get(key)
-        if value is not None and not isinstance(value, kind):
-            raise bad(where, what)
-        return value
+    # Messages name the offending field; they are formatted only on the way to a denial.
+    def check_user(context: Any, where: str) -> None:
+        if context is None:
+            return
+        if type(context) is not dict and not isinstance(context, dict):
+            raise bad(where, "an object")
+        for key in ("runAsUser", "runAsGroup"):
+            value = context.get(key)
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool)):
+                raise bad(f"{where}.{key}", "an integer")
+        value = context.get("runAsNonRoot")
+        if value is not None and not isinstance(value, bool):
+            raise bad(f"{where}.runAsNonRoot", "a boolean")
 
-    def check_user(parent: dict[str, Any], where: str) -> None:
-        context = optional(parent, "securityContext", dict, where, "an object")
-        if context is not None:
-            for key in ("runAsUser", "runAsGroup"):
-                value = context.get(key)
-                if value is not None and (not isinstance(value, int) or isinstance(value, bool)):
-                    raise bad(f"{where}.{key}", "an integer")
-            optional(context, "runAsNonRoot", bool, f"{where}.runAsNonRoot", "a boolean")
-
-    metadata = optional(pod, "metadata", dict, "metadata", "an object") or {}
+    metadata = pod.get("metadata")
+    if metadata is None:
+        metadata = {}
+    elif not isinstance(metadata, dict):
+        raise bad("metadata", "an object")
     for key in ("annotations", "labels"):
-        values = optional(metadata, key, dict, f"metadata.{key}", "an object") or {}
-        for name, value in values.items():
-            if not isinstance(value, str):
-                raise bad(f"metadata.{key}[{quote(name)}]", "a string")
+        values = metadata.get(key)
+        if values is None:
+            continue
+        if not isinstance(values, dict):
+            raise bad(f"metadata.{key}", "an object")
+        if not set(map(type, values.values())) <= _STR:
+            for name, value in values.items():
+                if not isinstance(value, str):
+                    raise bad(f"metadata.{key}[{quote(name)}]", "a string")
     spec = pod.get("spec")
     if not isinstance(spec, dict):
         raise bad("spec", "an object")
     share = spec.get("shareProcessNamespace")
     if share is not None and not isinstance(share, bool):
         raise bad("spec.shareProcessNamespace", "a boolean")
-    check_user(spec, "spec.securityContext")
-    volumes = optional(spec, "volumes", list, "spec.volumes", "a list") or []
-    for i, volume in enumerate(volumes):
-        if not isinstance(volume, dict):
-            raise bad(f"spec.volumes[{i}]", "an object")
+    check_user(spec.get("securityContext"), "spec.securityContext")
+    volumes = spec.get("volumes")
+    if volumes is not None:
+        if not isinstance(volumes, list):
+            raise bad("spec.volumes", "a list")
+        if not (type(volumes) is list and set(map(type, volumes)) <= _DICT):
+            for i, volume in enumerate(volumes):
+                if not isinstance(volume, dict):
+                    raise bad(f"spec.volumes[{i}]", "an object")
     names: list[str] = []
     for key in ("initContainers", "containers"):
-        containers = optional(spec, key, list, f"spec.{key}", "a list") or []
+        containers = spec.get(key)
+        if containers is None:
+            continue
+        if not isinstance(containers, list):
+            raise bad(f"spec.{key}", "a list")
         for i, container in enumerate(containers):
-            where = f"spec.{key}[{i}]"
             if not isinstance(container, dict):
-                raise bad(where, "an object")
+                raise bad(f"spec.{key}[{i}]", "an object")
             name = container.get("name")
             if not isinstance(name, str) or not name:
-                raise bad(f"{where}.name", "a non-empty string")
+                raise bad(f"spec.{key}[{i}].name", "a non-empty string")
             names.append(name)
             env = container.get("env")
             if env is not None and not _plain_env(env):  # the common case skips the loop below
+                where = f"spec.{key}[{i}]"
                 if not isinstance(env, list):
                     raise bad(f"{where}.env", "a list")
                 for j, entry in enumerate(env):
@@ -247,6 +263,7 @@ def _check_shape(pod: dict[str, Any]) -> list[str]:
                         raise bad(f"{where}.env[{j}].value", "a string")
             mounts = container.get("volumeMounts")
             if mounts is not None and not (type(mounts) is list and set(map(type, mounts)) <= _DICT):
+                where = f"spec.{key}[{i}]"
                 if not isinstance(mounts, list):
                     raise bad(f"{where}.volumeMounts", "a list")
                 for j, mount in enumerate(mounts):
@@ -254,9 +271,11 @@ def _check_shape(pod: dict[str, Any]) -> list[str]:
                         raise bad(f"{where}.volumeMounts[{j}]", "an object")
             ports = container.get("ports")
             if ports is not None and not isinstance(ports, list):
-                raise bad(f"{where}.ports", "a list")
+                raise bad(f"spec.{key}[{i}].ports", "a list")
             if "securityContext" in container:
-                check_user(container, f"{where}.securityContext")
+                context = container["securityContext"]
+                if context is not None:
+                    check_user(context, f"spec.{key}[{i}].securityContext")
     seen: set[str] = set()
     for name in names:
         if name in seen:

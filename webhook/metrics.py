@@ -46,15 +46,16 @@ class WebhookMetrics:
             "gpufence_webhook_requests", "Admission requests to /mutate, by outcome.",
             ["outcome"], registry=self.registry,
         )
-        for outcome in OUTCOMES:  # export zeros so rate() works from the first scrape
-            self.requests.labels(outcome)
+        # Export zeros so rate() works from the first scrape; the children are looked up once.
+        self._by_outcome = {outcome: self.requests.labels(outcome) for outcome in OUTCOMES}
         self.duration = Histogram(
             "gpufence_webhook_request_duration_seconds", "Time to answer a /mutate request.",
             buckets=DURATION_BUCKETS, registry=self.registry,
         )
 
     def observe(self, outcome: str, seconds: float) -> None:
-        self.requests.labels(outcome).inc()
+        child = self._by_outcome.get(outcome)
+        (child if child is not None else self.requests.labels(outcome)).inc()
         self.duration.observe(seconds)
 
     def watch_certificates(self, reloader: CertReloader) -> None:

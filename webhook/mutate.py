@@ -25,6 +25,7 @@ import re
 import secrets
 from collections.abc import Container
 from importlib import metadata
+from operator import is_
 from types import MappingProxyType
 from typing import Any
 
@@ -41,6 +42,7 @@ from enforcer.config import (
     ENV_STATE_DIR,
     ContainerShare,
     EnforcerConfig,
+    Mode,
 )
 from webhook.quantity import is_positive_quantity, mebibytes_floor
 from webhook.settings import ANNOTATION_STATUS, SIDECAR_NAME, SIDECAR_PORT_NAME, InjectionSettings
@@ -67,6 +69,9 @@ ENV_LD_PRELOAD = "LD_PRELOAD"
 _LIMIT_VARIABLES = frozenset({ENV_MEMORY_LIMIT, ENV_MPS_MEM_LIMIT, ENV_MPS_THREADS, ENV_HAMI_MEMORY, ENV_HAMI_SM})
 _RESERVED_VOLUMES = (STATE_VOLUME, HOST_PROC_VOLUME, PRELOAD_VOLUME)
 _MISSING = object()
+# Per-plan texts (status annotation, enforcer config) are cached only for plans whose container
+# names total at most this many characters (Kubernetes allows 63 per name), so cache entries stay small.
+_MAX_CACHED_NAMES = 1024
 
 
 class MutationError(ValueError):
@@ -125,14 +130,35 @@ _encode_sorted = json.JSONEncoder(separators=(",", ":"), sort_keys=True).encode
 
 
 def status_annotation(plan: SharePlan) -> str:
-    return _encode_sorted(
-        {
-            "containers": [name for name, _ in plan.containers],
-            "mode": plan.mode.value,
-            "sidecar": SIDECAR_NAME,
-            "version": GPUFENCE_VERSION,
-        }
-    )
+    # Cached on the names, the mode and the version (a module global, which tests replace).
+    names = tuple(name for name, _ in plan.containers)
+    if sum(map(len, names)) <= _MAX_CACHED_NAMES:
+        return _status_annotation(names, plan.mode, GPUFENCE_VERSION)
+    return _status_annotation.__wrapped__(names, plan.mode, GPUFENCE_VERSION)
+
+
+@functools.lru_cache(maxsize=256)
+def _status_annotation(names: tuple[str, ...], mode: Mode, version: str) -> str:
+    return _encode_sorted({"containers": list(names), "mode": mode.value, "sidecar": SIDECAR_NAME, "version": version})
+
+
+def _config_json(plan: SharePlan, settings: InjectionSettings) -> str:
+    """``enforcer_config(plan, settings).to_json()``, cached: pods repeat a handful of share plans.
+
+    The key is the plan's small parsed values (container names and shares, mode, grace period)
+    and the poll interval, never the request; plans naming long containers are not cached.
+    """
+    key = (plan.containers, plan.mode, plan.grace_period_seconds, settings.poll_interval_seconds)
+    if sum(len(name) for name, _ in plan.containers) <= _MAX_CACHED_NAMES:
+        return _config_json_cached(key)
+    return _config_json_cached.__wrapped__(key)
+
+
+@functools.lru_cache(maxsize=256)
+def _config_json_cached(key: tuple[Any, ...]) -> str:
+    containers, mode, grace, poll = key
+    return EnforcerConfig(containers=dict(containers), mode=mode, grace_period_seconds=grace,
+                          poll_interval_seconds=poll).to_json()
 
 
 def _field_env(name: str, field_path: str) -> dict[str, Any]:
@@ -202,7 +228,7 @@ def sidecar_runs_as_root(spec: dict[str, Any], gpu_containers: Container[str], w
 
 def build_sidecar(plan: SharePlan, settings: InjectionSettings, *, run_as_root: bool = True) -> dict[str, Any]:
     """The enforcer container; ``run_as_root`` from ``sidecar_runs_as_root`` (see there why)."""
-    return _sidecar(settings, run_as_root, enforcer_config(plan, settings).to_json())
+    return _sidecar(settings, run_as_root, _config_json(plan, settings))
 
 
 def _sidecar(settings: InjectionSettings, run_as_root: bool, config_json: str) -> dict[str, Any]:
@@ -331,22 +357,58 @@ def injection_patch(pod: dict[str, Any], plan: SharePlan, settings: InjectionSet
     The same text as ``json.dumps(ops, separators=(",", ":"))``, but the sidecar's JSON comes
     mostly from a per-settings cache. Raises MutationError.
     """
-    new_pod, warnings, (sidecar, run_as_root, config_json) = _desired(pod, plan, settings)
+    new_pod, warnings, (sidecar, sidecar_json) = _desired(pod, plan, settings, _shared_sidecar)
     ops = diff(pod, new_pod)
     if not ops:
         return None, warnings
+    if sidecar_json is None:  # pragma: no cover - a setting containing the placeholder
+        return _encode_compact(ops), warnings
+    return _encode_patch(ops, sidecar, sidecar_json), warnings
+
+
+def _sidecar_and_json(
+    settings: InjectionSettings, run_as_root: bool, config_json: str
+) -> tuple[dict[str, Any], str | None]:
+    """The sidecar and its compact JSON (None when a setting defeats the splice)."""
+    sidecar = _sidecar(settings, run_as_root, config_json)
     try:
         parts = _sidecar_json_parts(settings, run_as_root)
     except TypeError:  # pragma: no cover - settings built with an unhashable field (a list)
         parts = _sidecar_json_parts.__wrapped__(settings, run_as_root)
     if parts is None:  # pragma: no cover - a setting containing the placeholder
-        return _encode_compact(ops), warnings
-    return _encode_patch(ops, sidecar, parts[0] + _encode_compact(config_json) + parts[1]), warnings
+        return sidecar, None
+    return sidecar, parts[0] + _encode_compact(config_json) + parts[1]
+
+
+_cached_sidecar_and_json = functools.lru_cache(maxsize=64)(_sidecar_and_json)
+
+
+def _shared_sidecar(
+    settings: InjectionSettings, run_as_root: bool, config_json: str
+) -> tuple[dict[str, Any], str | None]:
+    """``_sidecar_and_json``, cached per (settings, run_as_root, config JSON).
+
+    The dict is shared between reviews, so only ``injection_patch`` uses it: it never mutates it
+    and never lets it escape (the patch is text).
+    """
+    if len(config_json) <= 4 * _MAX_CACHED_NAMES:
+        try:
+            return _cached_sidecar_and_json(settings, run_as_root, config_json)
+        except TypeError:  # pragma: no cover - settings built with an unhashable field (a list)
+            pass
+    return _sidecar_and_json(settings, run_as_root, config_json)
+
+
+def _fresh_sidecar(settings: InjectionSettings, run_as_root: bool, config_json: str) -> tuple[dict[str, Any], None]:
+    return _sidecar(settings, run_as_root, config_json), None
 
 
 def _desired(
-    pod: dict[str, Any], plan: SharePlan, settings: InjectionSettings
-) -> tuple[dict[str, Any], list[str], tuple[dict[str, Any], bool, str]]:
+    pod: dict[str, Any],
+    plan: SharePlan,
+    settings: InjectionSettings,
+    make_sidecar: Any = _fresh_sidecar,
+) -> tuple[dict[str, Any], list[str], tuple[dict[str, Any], str | None]]:
     warnings: list[str] = []
     shares = dict(plan.containers)
     spec = dict(pod["spec"])
@@ -395,8 +457,7 @@ def _desired(
         spec[key] = updated
 
     run_as_root = sidecar_runs_as_root(pod["spec"], shares, warnings)
-    config_json = enforcer_config(plan, settings).to_json()
-    sidecar = _sidecar(settings, run_as_root, config_json)
+    sidecar, sidecar_json = make_sidecar(settings, run_as_root, _config_json(plan, settings))
     if settings.native_sidecar:
         spec["initContainers"] = [sidecar, *(spec.get("initContainers") or ())]
     else:
@@ -422,7 +483,7 @@ def _desired(
         elif present != volume:
             raise MutationError(f"volume name {quote(volume['name'])} is reserved by gpufence; rename the pod's volume")
     spec["volumes"] = volumes
-    return new_pod, warnings, (sidecar, run_as_root, config_json)
+    return new_pod, warnings, (sidecar, sidecar_json)
 
 
 def _gpu_container(
@@ -585,7 +646,7 @@ def _names(items: list[Any]) -> list[str] | None:
 
 def _diff_list(old: list[Any], new: list[Any], path: str, ops: list[dict[str, Any]]) -> None:
     n = len(old)
-    if len(new) >= n and all(a is b for a, b in zip(old, new, strict=False)):
+    if len(new) >= n and all(map(is_, old, new)):
         # Appended to (a GPU container's env, the pod's volumes): the named and the positional
         # alignments below both reduce to adding the tail.
         for i in range(n, len(new)):

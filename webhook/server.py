@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import json
 import logging
 import time
@@ -64,7 +63,8 @@ METRICS = web.AppKey("metrics", WebhookMetrics)
 LIMITS = web.AppKey("limits", ServerLimits)
 OUTCOME = web.RequestKey("outcome", str)  # the review's outcome, for the metrics
 
-_dumps = functools.partial(json.dumps, separators=(",", ":"))
+# json.dumps with arguments builds a new encoder per call; this one is built once (same bytes).
+_dumps = json.JSONEncoder(separators=(",", ":")).encode
 
 
 class Rejected(Exception):
@@ -99,14 +99,20 @@ class InFlight:
 
     @contextlib.contextmanager
     def track(self) -> Iterator[None]:
-        self.count += 1
-        self._idle.clear()
+        self.enter()
         try:
             yield
         finally:
-            self.count -= 1
-            if self.count == 0:
-                self._idle.set()
+            self.leave()
+
+    def enter(self) -> None:
+        self.count += 1
+        self._idle.clear()
+
+    def leave(self) -> None:
+        self.count -= 1
+        if self.count == 0:
+            self._idle.set()
 
     async def wait_idle(self) -> None:
         await self._idle.wait()
@@ -121,8 +127,12 @@ async def error_middleware(request: web.Request, handler: Any) -> web.StreamResp
     started = time.perf_counter()
     outcome = "error"
     try:
-        with request.app[IN_FLIGHT].track():
+        in_flight = request.app[IN_FLIGHT]
+        in_flight.enter()  # not ``with in_flight.track()``: a generator per request costs more
+        try:
             response = await handler(request)
+        finally:
+            in_flight.leave()
         outcome = request.get(OUTCOME, "error")
         return response
     except Rejected as exc:
@@ -154,9 +164,14 @@ async def _read_body(request: web.Request, limits: ServerLimits) -> bytes:
     if length is not None and length > limits.max_body_bytes:
         raise Rejected(413, f"request body of {length} bytes exceeds the limit of {limits.max_body_bytes}", close=True)
     try:
-        # aiohttp's read() has no timeout of its own: a client that stops mid-body would hang it.
-        async with asyncio.timeout(limits.body_timeout):
-            body = await request.read()  # client_max_size also bounds chunked bodies
+        if request.content.is_eof():
+            # The whole body has arrived already (the usual case): read() cannot wait, so it
+            # needs no timer.
+            body = await request.read()
+        else:
+            # aiohttp's read() has no timeout of its own: a client that stops mid-body would hang it.
+            async with asyncio.timeout(limits.body_timeout):
+                body = await request.read()  # client_max_size also bounds chunked bodies
     except TimeoutError:
         raise Rejected(408, "timed out reading the request body", close=True) from None
     except RequestPayloadError as exc:
@@ -180,7 +195,7 @@ def _answer(body: bytes, settings: InjectionSettings, namespaces: NamespaceLooku
         result = review(payload, settings, namespaces)
     except InvalidReview as exc:
         raise Rejected(400, str(exc)) from None
-    return result.outcome, _dumps(result.review).encode()
+    return result.outcome, _dumps(result.review).encode("ascii")  # ensure_ascii: the JSON is ASCII
 
 
 async def mutate(request: web.Request) -> web.Response:
