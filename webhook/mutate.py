@@ -356,7 +356,20 @@ def injection_patch(pod: dict[str, Any], plan: SharePlan, settings: InjectionSet
 
     The same text as ``json.dumps(ops, separators=(",", ":"))``, but the sidecar's JSON comes
     mostly from a per-settings cache. Raises MutationError.
+
+    A pod's first injection (the common case) takes ``_first_injection_patch``, which writes the
+    same operations without building the desired pod; anything else takes the general path.
     """
+    fast = _first_injection_patch(pod, plan, settings)
+    if fast is not None:
+        return fast
+    return _general_injection_patch(pod, plan, settings)
+
+
+def _general_injection_patch(
+    pod: dict[str, Any], plan: SharePlan, settings: InjectionSettings
+) -> tuple[str | None, list[str]]:
+    """``injection_patch`` for any pod: ``diff`` of the pod and the desired pod."""
     new_pod, warnings, (sidecar, sidecar_json) = _desired(pod, plan, settings, _shared_sidecar)
     ops = diff(pod, new_pod)
     if not ops:
@@ -675,3 +688,273 @@ def _diff_list(old: list[Any], new: list[Any], path: str, ops: list[dict[str, An
         ops.append({"op": "add", "path": f"{path}/{i}", "value": new[i]})
     for i in range(len(old) - 1, len(new) - 1, -1):
         ops.append({"op": "remove", "path": f"{path}/{i}"})
+
+
+# --- the first injection, written directly ----------------------------------------------------
+#
+# ``_first_injection_patch`` answers what ``_general_injection_patch`` answers for a pod that
+# carries no part of the injection yet (no status annotation, no sidecar, no reserved volume, no
+# GPUFENCE_CONTAINER), without building the desired pod and diffing it: it lists the operations
+# ``diff`` would find, in ``diff``'s order (the pod's key order, then the keys ``_desired`` adds, in
+# the order it adds them), and encodes them the same way. On anything else (reinvocation, a field
+# that is null, a value the general path would replace or reject) it declines (None) and the
+# general path answers; tests/test_fast_path.py checks that both give byte-identical answers.
+
+_STATUS_PATH_TOKEN = escape(ANNOTATION_STATUS)
+
+
+def _add(path: str, value: Any) -> dict[str, Any]:
+    return {"op": "add", "path": path, "value": value}
+
+
+def _first_injection_patch(
+    pod: dict[str, Any], plan: SharePlan, settings: InjectionSettings
+) -> tuple[str, list[str]] | None:
+    """``_general_injection_patch(pod, plan, settings)`` for a first injection, or None (declined)."""
+    if type(pod) is not dict:
+        return None
+    metadata_ = pod.get("metadata", _MISSING)
+    annotations: Any = _MISSING
+    if metadata_ is not _MISSING:
+        if type(metadata_) is not dict:
+            return None
+        annotations = metadata_.get("annotations", _MISSING)
+        if annotations is not _MISSING and (type(annotations) is not dict or ANNOTATION_STATUS in annotations):
+            return None
+    spec = pod.get("spec")
+    if type(spec) is not dict or spec.get("hostPID") is True:
+        return None
+    share_process_namespace = spec.get("shareProcessNamespace", _MISSING)
+    if share_process_namespace is not _MISSING and share_process_namespace is not True:
+        return None
+
+    warnings: list[str] = []
+    shares = dict(plan.containers)
+    library = preload_library_path(settings)
+    port = settings.metrics_port
+    native = settings.native_sidecar
+    sidecar_key = "initContainers" if native else "containers"
+    # The operations under spec.initContainers and spec.containers, by key; None: the key is absent.
+    list_ops: dict[str, list[dict[str, Any]] | None] = {"initContainers": None, "containers": None}
+    lengths = {"initContainers": 0, "containers": 0}
+    seen: set[str] = set()
+    for key in ("initContainers", "containers"):
+        containers = spec.get(key, _MISSING)
+        if containers is _MISSING:
+            continue
+        if type(containers) is not list:
+            return None
+        # Native: the sidecar goes first, so ``diff`` aligns by name and the others' indices shift.
+        offset = 1 if key == sidecar_key and native else 0
+        ops: list[dict[str, Any]] = []
+        for i, container in enumerate(containers):
+            if type(container) is not dict:
+                return None
+            name = container.get("name")
+            if type(name) is not str or name == SIDECAR_NAME or name in seen:
+                return None
+            seen.add(name)
+            for declared in container.get("ports") or ():
+                if isinstance(declared, dict) and declared.get("containerPort") == port:
+                    warnings.append(
+                        f"container {quote(name)} declares port {port}, which the gpufence "
+                        "enforcer uses for its metrics in the same network namespace"
+                    )
+            share = shares.get(name)
+            if share is not None and not _first_gpu_container_ops(
+                container, name, share, settings, library, warnings, f"/spec/{key}/{i + offset}", ops
+            ):
+                return None
+        list_ops[key] = ops
+        lengths[key] = len(containers)
+
+    volumes = spec.get("volumes", _MISSING)
+    if volumes is not _MISSING:
+        if type(volumes) is not list:
+            return None
+        for volume in volumes:
+            if type(volume) is not dict or volume.get("name") in _RESERVED_VOLUMES:
+                return None
+
+    run_as_root = sidecar_runs_as_root(spec, shares, warnings)
+    _, sidecar_json = _shared_sidecar(settings, run_as_root, _config_json(plan, settings))
+    if sidecar_json is None:  # pragma: no cover - a setting containing the placeholder
+        return None
+    if not native:
+        if spec.get("restartPolicy") in ("Never", "OnFailure"):
+            warnings.append(
+                "the gpufence enforcer runs as a regular container (native sidecars are disabled), so this "
+                "pod keeps running after its other containers finish (a Job would not complete)"
+            )
+        for container in spec.get("initContainers") or ():
+            if container["name"] in shares:
+                warnings.append(
+                    f"init container {quote(container['name'])} requests a GPU but runs before the enforcer "
+                    "starts (native sidecars are disabled), so its share is not enforced"
+                )
+
+    # The sidecar's operation (its value stands in for the sidecar until the splice below).
+    present = list_ops[sidecar_key]
+    if present is None:
+        sidecar_op = _add(f"/spec/{sidecar_key}", [_PLACEHOLDER])
+    elif native:
+        present.insert(0, _add("/spec/initContainers/0", _PLACEHOLDER))
+    else:
+        present.append(_add(f"/spec/containers/{lengths['containers']}", _PLACEHOLDER))
+
+    ops = []
+    for key in pod:
+        if key == "metadata":
+            if annotations is _MISSING:
+                ops.append(_add("/metadata/annotations", {ANNOTATION_STATUS: status_annotation(plan)}))
+            else:
+                ops.append(_add(f"/metadata/annotations/{_STATUS_PATH_TOKEN}", status_annotation(plan)))
+        elif key == "spec":
+            for spec_key in spec:
+                if spec_key == "initContainers" or spec_key == "containers":
+                    ops.extend(list_ops[spec_key] or ())
+                elif spec_key == "volumes":
+                    n = len(volumes)
+                    ops.extend(_add(f"/spec/volumes/{n + j}", v) for j, v in enumerate(pod_volumes(settings)))
+            # The keys ``_desired`` adds, in its order.
+            if share_process_namespace is _MISSING:
+                ops.append(_add("/spec/shareProcessNamespace", True))
+            if present is None:
+                ops.append(sidecar_op)
+            if volumes is _MISSING:
+                ops.append(_add("/spec/volumes", pod_volumes(settings)))
+    if metadata_ is _MISSING:
+        ops.append(_add("/metadata", {"annotations": {ANNOTATION_STATUS: status_annotation(plan)}}))
+
+    text = _encode_compact(ops)
+    if text.count(_PLACEHOLDER_JSON) != 1:  # pragma: no cover - the placeholder is unguessable
+        return None
+    return text.replace(_PLACEHOLDER_JSON, sidecar_json), warnings
+
+
+def _first_gpu_container_ops(
+    container: dict[str, Any],
+    name: str,
+    share: ContainerShare,
+    settings: InjectionSettings,
+    library: str | None,
+    warnings: list[str],
+    path: str,
+    ops: list[dict[str, Any]],
+) -> bool:
+    """Appends the operations ``diff`` finds for ``_gpu_container``'s changes; False: declined."""
+    env = container.get("env", _MISSING)
+    if env is _MISSING:
+        entries: list[Any] = []
+    elif type(env) is list:
+        entries = env
+    else:
+        return False
+    try:
+        index = {entry["name"]: i for i, entry in enumerate(entries)}  # the last duplicate is the effective one
+    except (TypeError, KeyError):
+        return False
+    if ENV_CONTAINER in index:
+        return False
+    added: list[dict[str, Any]] = []
+
+    def add(var: str, value: str) -> None:
+        if var in index:
+            if var in _LIMIT_VARIABLES and entries[index[var]].get("value") != value:
+                warnings.append(
+                    f"container {quote(name)} sets {var} itself; gpufence keeps it instead of {quote(value)}"
+                )
+            return
+        added.append({"name": var, "value": value})
+
+    add(ENV_CONTAINER, name)
+    memory = share.memory
+    if memory is not None:
+        add(ENV_MEMORY_LIMIT, memory.describe())
+    add(ENV_TF_ALLOW_GROWTH, "true")
+    add(ENV_XLA_PREALLOCATE, "false")
+    compute = None if share.compute_percent is None else max(1, int(share.compute_percent))
+
+    if settings.mps_limits:
+        if memory is not None:
+            mib = mebibytes_floor(memory.bytes) if memory.bytes is not None else 0
+            if memory.bytes is None:
+                warnings.append(
+                    f"container {quote(name)}: MPS needs an absolute memory limit, so the percentage share "
+                    f"{memory.describe()} is enforced by the gpufence enforcer only"
+                )
+            elif mib < 1:
+                warnings.append(f"container {quote(name)}: the memory share is below 1Mi, too small for MPS")
+            else:
+                add(ENV_MPS_MEM_LIMIT, f"0={mib}M")
+        if compute is not None:
+            add(ENV_MPS_THREADS, str(compute))
+
+    mount: dict[str, Any] | None = None
+    mounts: Any = _MISSING
+    if library is not None:
+        if memory is not None:
+            if memory.bytes is None:
+                warnings.append(
+                    f"container {quote(name)}: the preload limiter needs an absolute memory limit, so the "
+                    f"percentage share {memory.describe()} is enforced by the gpufence enforcer only"
+                )
+            elif mebibytes_floor(memory.bytes) < 1:
+                warnings.append(
+                    f"container {quote(name)}: the memory share is below 1Mi, too small for the preload limiter"
+                )
+            else:
+                add(ENV_HAMI_MEMORY, f"{mebibytes_floor(memory.bytes)}m")
+        if compute is not None:
+            add(ENV_HAMI_SM, str(compute))
+        if ENV_LD_PRELOAD not in index:
+            add(ENV_LD_PRELOAD, library)
+        else:
+            entry = entries[index[ENV_LD_PRELOAD]]
+            if "valueFrom" in entry:
+                warnings.append(
+                    f"container {quote(name)} takes LD_PRELOAD from valueFrom, so gpufence cannot append "
+                    f"{library} and the in-process limiter is not loaded"
+                )
+            elif library not in re.split(r"[: ]", entry.get("value") or ""):
+                return False  # the entry would be rewritten in place: the general path's business
+        mounts = container.get("volumeMounts", _MISSING)
+        if mounts is not _MISSING:
+            if type(mounts) is not list:
+                return False
+            for m in mounts:
+                if type(m) is not dict or m.get("name") == PRELOAD_VOLUME or m.get("mountPath") == library:
+                    return False
+        mount = {"name": PRELOAD_VOLUME, "mountPath": library, "readOnly": True}
+
+    env_ops: list[dict[str, Any]] = []
+    if added:
+        if env is _MISSING:
+            env_ops.append(_add(f"{path}/env", added))
+        else:
+            n = len(entries)
+            env_ops.extend(_add(f"{path}/env/{n + j}", entry) for j, entry in enumerate(added))
+    if mount is None:
+        ops.extend(env_ops)
+        return True
+    if mounts is _MISSING:
+        mount_op = _add(f"{path}/volumeMounts", [mount])
+    else:
+        mount_op = _add(f"{path}/volumeMounts/{len(mounts)}", mount)
+    # ``diff`` follows the new container's keys: the pod's, then volumeMounts, then env.
+    if env is not _MISSING and (mounts is _MISSING or _key_before(container, "env", "volumeMounts")):
+        ops.extend(env_ops)
+        ops.append(mount_op)
+    else:
+        ops.append(mount_op)
+        ops.extend(env_ops)
+    return True
+
+
+def _key_before(mapping: dict[str, Any], first: str, second: str) -> bool:
+    for key in mapping:
+        if key == first:
+            return True
+        if key == second:
+            return False
+    return False  # pragma: no cover - both keys are present
