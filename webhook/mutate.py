@@ -165,13 +165,13 @@ def _field_env(name: str, field_path: str) -> dict[str, Any]:
     return {"name": name, "valueFrom": {"fieldRef": {"apiVersion": "v1", "fieldPath": field_path}}}
 
 
-def _probe(path: str, port: int) -> dict[str, Any]:
+def _probe(path: str, port: int, *, period: int = 10, failures: int = 3) -> dict[str, Any]:
     return {
         "httpGet": {"path": path, "port": port, "scheme": "HTTP"},
-        "periodSeconds": 10,
+        "periodSeconds": period,
         "timeoutSeconds": 1,
         "successThreshold": 1,
-        "failureThreshold": 3,
+        "failureThreshold": failures,
     }
 
 
@@ -265,8 +265,13 @@ def _sidecar(settings: InjectionSettings, run_as_root: bool, config_json: str) -
                 "requests": {"cpu": settings.sidecar_cpu_request, "memory": settings.sidecar_memory_request},
                 "limits": {"memory": settings.sidecar_memory_limit},
             },
+            # /healthz answers while the process and its poll loop live, even with NVML down (that
+            # degraded state shows in metrics and alerts). No readinessProbe on purpose: the pod's
+            # Ready condition counts sidecars, and an enforcer that lost NVML must not take a serving
+            # pod out of its Service. The startupProbe makes a native sidecar hold the workload
+            # containers back until the enforcer is up (up to 60 s), so enforcement starts first.
+            "startupProbe": _probe("/healthz", port, period=1, failures=60),
             "livenessProbe": _probe("/healthz", port),
-            "readinessProbe": _probe("/readyz", port),
             # KILL: signal the other containers' processes; SYS_PTRACE: read /proc/<pid>/environ of
             # processes running as another user. Effective only when the sidecar runs as root.
             "securityContext": {
