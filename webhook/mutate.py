@@ -23,7 +23,7 @@ import json
 import posixpath
 import re
 import secrets
-from collections.abc import Container
+from collections.abc import Callable, Container
 from importlib import metadata
 from operator import is_
 from types import MappingProxyType
@@ -504,40 +504,18 @@ def _desired(
     return new_pod, warnings, (sidecar, sidecar_json)
 
 
-def _gpu_container(
-    container: dict[str, Any],
+def _add_share_env(
+    name: str,
     share: ContainerShare,
     settings: InjectionSettings,
     library: str | None,
     warnings: list[str],
-) -> dict[str, Any]:
-    name = container["name"]
-    env = list(container.get("env") or ())
-    index = {entry["name"]: i for i, entry in enumerate(env)}  # the last duplicate is the effective one
-    changed = False
-
-    def add(var: str, value: str) -> None:
-        nonlocal changed
-        if var in index:
-            entry = env[index[var]]
-            if var in _LIMIT_VARIABLES and entry.get("value") != value:
-                warnings.append(
-                    f"container {quote(name)} sets {var} itself; gpufence keeps it instead of {quote(value)}"
-                )
-            return
-        env.append({"name": var, "value": value})
-        index[var] = len(env) - 1
-        changed = True
-
-    if ENV_CONTAINER in index:
-        entry = env[index[ENV_CONTAINER]]
-        if entry.get("value") != name or "valueFrom" in entry:
-            # The enforcer attributes processes to containers by this variable: a wrong value would
-            # charge this container's GPU use to another one.
-            raise MutationError(
-                f"container {quote(name)} sets {ENV_CONTAINER}={quote(entry.get('value', ''))}; gpufence sets "
-                f"it to the container's name to attribute GPU use, so remove it or set it to {quote(name)}"
-            )
+    add: Callable[[str, str], None],
+) -> None:
+    """Adds through ``add``, in this order, the variables a GPU container gets for its share, and
+    appends the warnings the limits cause. Both injection paths (the general desired-pod + diff and
+    the first-injection fast path) call it, so their env order and warnings cannot drift apart.
+    LD_PRELOAD is left to the callers: appending to a user's value is path-specific."""
     add(ENV_CONTAINER, name)
     memory = share.memory
     if memory is not None:
@@ -576,6 +554,44 @@ def _gpu_container(
                 add(ENV_HAMI_MEMORY, f"{mebibytes_floor(memory.bytes)}m")
         if compute is not None:
             add(ENV_HAMI_SM, str(compute))
+
+
+def _gpu_container(
+    container: dict[str, Any],
+    share: ContainerShare,
+    settings: InjectionSettings,
+    library: str | None,
+    warnings: list[str],
+) -> dict[str, Any]:
+    name = container["name"]
+    env = list(container.get("env") or ())
+    index = {entry["name"]: i for i, entry in enumerate(env)}  # the last duplicate is the effective one
+    changed = False
+
+    def add(var: str, value: str) -> None:
+        nonlocal changed
+        if var in index:
+            entry = env[index[var]]
+            if var in _LIMIT_VARIABLES and entry.get("value") != value:
+                warnings.append(
+                    f"container {quote(name)} sets {var} itself; gpufence keeps it instead of {quote(value)}"
+                )
+            return
+        env.append({"name": var, "value": value})
+        index[var] = len(env) - 1
+        changed = True
+
+    if ENV_CONTAINER in index:
+        entry = env[index[ENV_CONTAINER]]
+        if entry.get("value") != name or "valueFrom" in entry:
+            # The enforcer attributes processes to containers by this variable: a wrong value would
+            # charge this container's GPU use to another one.
+            raise MutationError(
+                f"container {quote(name)} sets {ENV_CONTAINER}={quote(entry.get('value', ''))}; gpufence sets "
+                f"it to the container's name to attribute GPU use, so remove it or set it to {quote(name)}"
+            )
+    _add_share_env(name, share, settings, library, warnings, add)
+    if library is not None:
         if ENV_LD_PRELOAD not in index:
             add(ENV_LD_PRELOAD, library)
         else:
@@ -872,46 +888,10 @@ def _first_gpu_container_ops(
             return
         added.append({"name": var, "value": value})
 
-    add(ENV_CONTAINER, name)
-    memory = share.memory
-    if memory is not None:
-        add(ENV_MEMORY_LIMIT, memory.describe())
-    add(ENV_TF_ALLOW_GROWTH, "true")
-    add(ENV_XLA_PREALLOCATE, "false")
-    compute = None if share.compute_percent is None else max(1, int(share.compute_percent))
-
-    if settings.mps_limits:
-        if memory is not None:
-            mib = mebibytes_floor(memory.bytes) if memory.bytes is not None else 0
-            if memory.bytes is None:
-                warnings.append(
-                    f"container {quote(name)}: MPS needs an absolute memory limit, so the percentage share "
-                    f"{memory.describe()} is enforced by the gpufence enforcer only"
-                )
-            elif mib < 1:
-                warnings.append(f"container {quote(name)}: the memory share is below 1Mi, too small for MPS")
-            else:
-                add(ENV_MPS_MEM_LIMIT, f"0={mib}M")
-        if compute is not None:
-            add(ENV_MPS_THREADS, str(compute))
-
+    _add_share_env(name, share, settings, library, warnings, add)
     mount: dict[str, Any] | None = None
     mounts: Any = _MISSING
     if library is not None:
-        if memory is not None:
-            if memory.bytes is None:
-                warnings.append(
-                    f"container {quote(name)}: the preload limiter needs an absolute memory limit, so the "
-                    f"percentage share {memory.describe()} is enforced by the gpufence enforcer only"
-                )
-            elif mebibytes_floor(memory.bytes) < 1:
-                warnings.append(
-                    f"container {quote(name)}: the memory share is below 1Mi, too small for the preload limiter"
-                )
-            else:
-                add(ENV_HAMI_MEMORY, f"{mebibytes_floor(memory.bytes)}m")
-        if compute is not None:
-            add(ENV_HAMI_SM, str(compute))
         if ENV_LD_PRELOAD not in index:
             add(ENV_LD_PRELOAD, library)
         else:
