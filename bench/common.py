@@ -21,7 +21,10 @@ import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from tests.tlsutil import SecretVolume
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 PERFORMANCE_MD = REPO_ROOT / "docs" / "PERFORMANCE.md"
@@ -109,36 +112,6 @@ def pin(pid: int, cpus: set[int] | None) -> None:
 
 
 # --- PKI ------------------------------------------------------------------------------------------
-class SecretVolume:
-    """A directory laid out like a mounted Secret; ``write`` swaps ``..data`` atomically as the kubelet does."""
-
-    def __init__(self, root: Path) -> None:
-        self.root = root
-        self.version = 0
-        root.mkdir(parents=True, exist_ok=True)
-
-    @property
-    def cert_file(self) -> Path:
-        return self.root / "tls.crt"
-
-    @property
-    def key_file(self) -> Path:
-        return self.root / "tls.key"
-
-    def write(self, cert_pem: bytes, key_pem: bytes) -> None:
-        self.version += 1
-        versioned = self.root / f"..v{self.version}"
-        versioned.mkdir()
-        (versioned / "tls.crt").write_bytes(cert_pem)
-        (versioned / "tls.key").write_bytes(key_pem)
-        tmp = self.root / "..data_tmp"
-        tmp.symlink_to(versioned.name)
-        os.replace(tmp, self.root / "..data")
-        for name in ("tls.crt", "tls.key"):
-            if not (self.root / name).is_symlink():
-                (self.root / name).symlink_to(f"..data/{name}")
-
-
 @dataclass
 class Pki:
     ca: Any
@@ -149,6 +122,7 @@ class Pki:
     @classmethod
     def create(cls, root: Path) -> Pki:
         from certs.pki import make_ca
+        from tests.tlsutil import SecretVolume  # a Secret volume rotated as the kubelet does
 
         root.mkdir(parents=True, exist_ok=True)
         ca = make_ca()
