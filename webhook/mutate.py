@@ -480,17 +480,7 @@ def _desired(
         spec["initContainers"] = [sidecar, *(spec.get("initContainers") or ())]
     else:
         spec["containers"] = [*(spec.get("containers") or ()), sidecar]
-        if spec.get("restartPolicy") in ("Never", "OnFailure"):
-            warnings.append(
-                "the gpufence enforcer runs as a regular container (native sidecars are disabled), so this "
-                "pod keeps running after its other containers finish (a Job would not complete)"
-            )
-        for container in spec.get("initContainers") or ():
-            if container["name"] in shares:
-                warnings.append(
-                    f"init container {quote(container['name'])} requests a GPU but runs before the enforcer "
-                    "starts (native sidecars are disabled), so its share is not enforced"
-                )
+        _warn_plain_sidecar(spec, shares, warnings)
 
     volumes = list(spec.get("volumes") or ())
     existing = {v["name"]: v for v in volumes if isinstance(v.get("name"), str)}
@@ -502,6 +492,21 @@ def _desired(
             raise MutationError(f"volume name {quote(volume['name'])} is reserved by gpufence; rename the pod's volume")
     spec["volumes"] = volumes
     return new_pod, warnings, (sidecar, sidecar_json)
+
+
+def _warn_plain_sidecar(spec: dict[str, Any], shares: Container[str], warnings: list[str]) -> None:
+    """What a regular-container enforcer (native sidecars off) cannot do, said to the user."""
+    if spec.get("restartPolicy") in ("Never", "OnFailure"):
+        warnings.append(
+            "the gpufence enforcer runs as a regular container (native sidecars are disabled), so this "
+            "pod keeps running after its other containers finish (a Job would not complete)"
+        )
+    for container in spec.get("initContainers") or ():
+        if container["name"] in shares:
+            warnings.append(
+                f"init container {quote(container['name'])} requests a GPU but runs before the enforcer "
+                "starts (native sidecars are disabled), so its share is not enforced"
+            )
 
 
 def _add_share_env(
@@ -802,17 +807,7 @@ def _first_injection_patch(
     if sidecar_json is None:  # pragma: no cover - a setting containing the placeholder
         return None
     if not native:
-        if spec.get("restartPolicy") in ("Never", "OnFailure"):
-            warnings.append(
-                "the gpufence enforcer runs as a regular container (native sidecars are disabled), so this "
-                "pod keeps running after its other containers finish (a Job would not complete)"
-            )
-        for container in spec.get("initContainers") or ():
-            if container["name"] in shares:
-                warnings.append(
-                    f"init container {quote(container['name'])} requests a GPU but runs before the enforcer "
-                    "starts (native sidecars are disabled), so its share is not enforced"
-                )
+        _warn_plain_sidecar(spec, shares, warnings)
 
     # The sidecar's operation (its value stands in for the sidecar until the splice below).
     present = list_ops[sidecar_key]
