@@ -290,6 +290,7 @@ def gpufence_server(pki: Pki, *, cpus: set[int] | None = None, reload_interval: 
     """``python -m webhook`` on 127.0.0.1 (a free port) serving ``pki``'s Secret volume."""
     port = free_port()
     argv = [sys.executable, "-m", "webhook", "--port", str(port), "--bind-address", "127.0.0.1",
+            "--shutdown-delay", "0",
             "--tls-cert-file", str(pki.volume.cert_file), "--tls-private-key-file", str(pki.volume.key_file),
             "--cert-reload-interval", reload_interval, "--log-level", "warning"]
     with _server(argv, port, cpus, log_path) as proc:

@@ -124,7 +124,7 @@ def pki(tmp_path: Path) -> LocalPKI:
 
 async def test_process_serves_outside_a_cluster_and_stops_on_sigterm(pki: LocalPKI, tmp_path: Path):
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "webhook", "--port=0", "--bind-address=127.0.0.1",
+        sys.executable, "-m", "webhook", "--port=0", "--bind-address=127.0.0.1", "--shutdown-delay=2s",
         f"--tls-cert-file={pki.volume.cert_file}", f"--tls-private-key-file={pki.volume.key_file}",
         env=outside_cluster_env(tmp_path), cwd=REPO, stderr=asyncio.subprocess.PIPE)
     assert proc.stderr is not None
@@ -142,10 +142,21 @@ async def test_process_serves_outside_a_cluster_and_stops_on_sigterm(pki: LocalP
         async with aiohttp.ClientSession(connector=connector) as session:
             async with session.get(f"https://localhost:{port}/readyz") as resp:
                 assert resp.status == 200
-            async with session.post(f"https://127.0.0.1:{port}/mutate", json=pod_review()) as resp:
+            async with session.post(f"https://localhost:{port}/mutate", json=pod_review()) as resp:
                 assert resp.status == 200 and "patch" in (await resp.json())["response"]
 
-        proc.send_signal(signal.SIGTERM)
+            # SIGTERM: during the shutdown delay /readyz fails (endpoints drop the replica) while
+            # reviews are still answered (the API server may still pick it until they do).
+            proc.send_signal(signal.SIGTERM)
+            async with asyncio.timeout(20):
+                while (raw := await proc.stderr.readline()) and json.loads(raw)["message"] != "draining":
+                    pass
+            assert raw, "the process exited without draining"
+            async with session.get(f"https://localhost:{port}/readyz") as resp:
+                assert resp.status == 503 and "shutting down" in (await resp.json())["reasons"]
+            async with session.post(f"https://localhost:{port}/mutate", json=pod_review()) as resp:
+                assert resp.status == 200 and "patch" in (await resp.json())["response"]
+
         async with asyncio.timeout(20):
             rest = await proc.stderr.read()
             assert await proc.wait() == 0

@@ -127,6 +127,8 @@ FLAGS: tuple[Flag, ...] = (
          "kubeconfig for the namespace watch (default: in-cluster, then ~/.kube/config; "
          "neither: all namespaces opted in)"),
     Flag("log-level", choice("debug", "info", "warning", "error"), "info", "log level"),
+    Flag("shutdown-delay", duration(0, 60), 5.0,
+         "after SIGTERM, keep serving this long with /readyz failing so endpoints drop the replica first"),
     # InjectionSettings, one flag per field.
     Flag("sidecar-image", non_empty, _defaults.sidecar_image, "enforcer sidecar image"),
     Flag("sidecar-image-pull-policy", choice("Always", "IfNotPresent", "Never"), _defaults.sidecar_image_pull_policy,
@@ -264,7 +266,7 @@ def setup_logging(level: str) -> None:
 # --- main --------------------------------------------------------------------------------------------
 async def run(args: argparse.Namespace) -> None:
     from webhook.namespaces import load_namespace_lookup
-    from webhook.server import serve
+    from webhook.server import ServerLimits, serve
     from webhook.tls import CertReloader
 
     reloader = CertReloader(args.tls_cert_file, args.tls_private_key_file, interval=args.cert_reload_interval)
@@ -273,7 +275,9 @@ async def run(args: argparse.Namespace) -> None:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)  # graceful: stop accepting, finish in-flight requests
-    await serve(settings_from_args(args), namespaces, reloader, stop, host=args.bind_address, port=args.port)
+    limits = ServerLimits(shutdown_delay=args.shutdown_delay)
+    await serve(settings_from_args(args), namespaces, reloader, stop, host=args.bind_address, port=args.port,
+                limits=limits)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

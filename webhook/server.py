@@ -52,8 +52,11 @@ class ServerLimits:
     # After a 413/408 aiohttp drains the unread body this long so the client can read the answer.
     lingering_time: float = 2.0
     # On SIGTERM, in-flight requests get this long, then aiohttp's own shutdown gets as long again:
-    # at most twice this, inside Kubernetes' default 30 s grace period.
+    # at most twice this (plus the delay below), inside Kubernetes' default 30 s grace period.
     shutdown_timeout: float = 12.0
+    # After SIGTERM keep serving this long with /readyz failing: the API server may still pick this
+    # replica until the Service's endpoints drop it, and a refused call is a failed admission.
+    shutdown_delay: float = 0.0
 
 
 SETTINGS = web.AppKey("settings", InjectionSettings)
@@ -119,6 +122,8 @@ class InFlight:
 
 
 IN_FLIGHT = web.AppKey("in_flight", InFlight)
+# Set on SIGTERM while the shutdown delay runs: /readyz fails, /mutate keeps answering.
+DRAINING = web.AppKey("draining", asyncio.Event)
 
 
 @web.middleware
@@ -229,6 +234,8 @@ def not_ready_reasons(app: web.Application) -> list[str]:
 
 async def readyz(request: web.Request) -> web.Response:
     reasons = not_ready_reasons(request.app)
+    if request.app[DRAINING].is_set():
+        reasons.append("shutting down")
     if reasons:
         return web.json_response({"status": "not ready", "reasons": reasons}, status=503)
     return web.json_response({"status": "ready"})
@@ -266,6 +273,7 @@ def create_app(settings: InjectionSettings, namespaces: NamespaceLookup, reloade
     app[RELOADER] = reloader
     app[LIMITS] = limits
     app[IN_FLIGHT] = InFlight()
+    app[DRAINING] = asyncio.Event()
     app[METRICS] = metrics or WebhookMetrics()
     app[METRICS].watch_certificates(reloader)
     app.cleanup_ctx.append(_reload_certificates)
@@ -351,6 +359,10 @@ async def serve(settings: InjectionSettings, namespaces: NamespaceLookup, reload
                                "serial": format(reloader.cert.serial_number, "x")})
     try:
         await stop.wait()
+        if limits.shutdown_delay > 0:
+            app[DRAINING].set()
+            log.info("draining", extra={"seconds": limits.shutdown_delay})
+            await asyncio.sleep(limits.shutdown_delay)  # the delay itself is the point: endpoints catch up
         log.info("shutting down")
     finally:
         await running.close()
