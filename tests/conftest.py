@@ -160,31 +160,16 @@ class Enforcer:
         return len(self.out.snapshot())
 
     def http(self, path: str) -> tuple[int, str]:
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{self.port}{path}", timeout=5) as resp:
-                return resp.status, resp.read().decode()
-        except urllib.error.HTTPError as exc:
-            return exc.code, exc.read().decode()
+        assert self.port is not None, "wait_started() first"
+        return enforcer_http(self.port, path)
 
     def metric(self, name: str, **labels: str) -> float | None:
-        _, text = self.http("/metrics")
-        for line in text.splitlines():
-            if line.startswith("#") or not line.startswith(name):
-                continue
-            series, _, value = line.rpartition(" ")
-            if series.split("{")[0] != name:
-                continue
-            if all(f'{k}="{v}"' in series for k, v in labels.items()):
-                return float(value)
-        return None
+        assert self.port is not None, "wait_started() first"
+        return enforcer_metric(self.port, name, **labels)
 
     def wait_polls(self, polls: int, timeout: float = 10) -> None:
-        """Wait until the enforcer completed ``polls`` more polls (gpufence_poll_duration_seconds_count)."""
-        first = self.metric("gpufence_poll_duration_seconds_count") or 0
-        deadline = time.monotonic() + timeout
-        while (self.metric("gpufence_poll_duration_seconds_count") or 0) < first + polls:
-            assert time.monotonic() < deadline, f"the enforcer did not complete {polls} polls in {timeout}s"
-            time.sleep(0.02)
+        assert self.port is not None, "wait_started() first"
+        wait_enforcer_polls(self.port, polls, timeout)
 
     def wait_ready(self, timeout: float = 10) -> None:
         deadline = time.monotonic() + timeout
@@ -199,6 +184,37 @@ class Enforcer:
         if self.proc.poll() is None:
             self.proc.send_signal(sig)
         return self.proc.wait(timeout)
+
+
+def enforcer_http(port: int, path: str) -> tuple[int, str]:
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=5) as resp:
+            return resp.status, resp.read().decode()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read().decode()
+
+
+def enforcer_metric(port: int, name: str, **labels: str) -> float | None:
+    _, text = enforcer_http(port, "/metrics")
+    for line in text.splitlines():
+        if line.startswith("#") or not line.startswith(name):
+            continue
+        series, _, value = line.rpartition(" ")
+        if series.split("{")[0] != name:
+            continue
+        if all(f'{k}="{v}"' in series for k, v in labels.items()):
+            return float(value)
+    return None
+
+
+def wait_enforcer_polls(port: int, polls: int, timeout: float = 10) -> None:
+    """Wait until the enforcer on ``port`` completed ``polls`` more polls (its poll-duration count)."""
+    name = "gpufence_poll_duration_seconds_count"
+    first = enforcer_metric(port, name) or 0
+    deadline = time.monotonic() + timeout
+    while (enforcer_metric(port, name) or 0) < first + polls:
+        assert time.monotonic() < deadline, f"the enforcer did not complete {polls} polls in {timeout}s"
+        time.sleep(0.02)
 
 
 def _matches(record: dict[str, Any], match: dict[str, Any]) -> bool:

@@ -15,7 +15,7 @@ import time
 
 import pytest
 
-from tests.conftest import REPO_ROOT
+from tests.conftest import REPO_ROOT, wait_enforcer_polls
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -43,11 +43,13 @@ def test_enforcing_goes_on_when_stdout_is_closed(gpu):
         while time.monotonic() < deadline:
             line = proc.stdout.readline()
             assert line, "enforcer exited before starting"
-            if json.loads(line).get("event") == "started":
+            started = json.loads(line)
+            if started.get("event") == "started":
                 break
-        time.sleep(3 * INTERVAL)
+        port = started["metrics_port"]
+        wait_enforcer_polls(port, 3)
         proc.stdout.close()  # the log reader is gone
-        time.sleep(3 * INTERVAL)
+        wait_enforcer_polls(port, 3)
         over_at = time.monotonic()
         gpu.write(gpu.device_with(gpu.proc(hog, 3 * GIB), gpu.proc(calm, GIB)))
         hog.wait_line("got SIGTERM", timeout=INTERVAL + 3)
@@ -98,12 +100,12 @@ def test_many_gpu_processes_then_one_over_share(gpu, tmp_path):
         base = tuple(gpu.proc(p.pid, 1 << 20) for p in crowd)
         gpu.write(gpu.device_with(*base, gpu.proc(hog, GIB)))
         enforcer = gpu.enforcer(_config())
-        time.sleep(5 * INTERVAL)
+        enforcer.wait_polls(3)
         over_at = time.monotonic()
         gpu.write(gpu.device_with(*base, gpu.proc(hog, 3 * GIB)))
         hog.wait_line("got SIGTERM", timeout=INTERVAL + 3)
         assert time.monotonic() - over_at < INTERVAL + 3
-        time.sleep(3 * INTERVAL)
+        enforcer.wait_polls(3)  # a few more decisions: none of them may touch the crowd
         assert all(p.poll() is None for p in crowd)
         signalled = {r["pid"] for r in enforcer.events("sigterm")} | {r["pid"] for r in enforcer.events("sigkill")}
         assert signalled == {hog.pid}

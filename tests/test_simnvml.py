@@ -355,16 +355,38 @@ def test_utilization_samples_and_timestamps(lib: pathlib.Path, state_path: pathl
         import time
         N.nvmlInit()
         h = N.nvmlDeviceGetHandleByIndex(0)
+        PERIOD_US = 10_000  # the simulated driver's sampling period (SAMPLE_PERIOD_US)
         before = int(time.time() * 1e6)
         samples = N.nvmlDeviceGetProcessUtilization(h, 0)
-        newest = max(s.timestamp if hasattr(s, "timestamp") else s.timeStamp for s in samples)
-        same_window = call(N.nvmlDeviceGetProcessUtilization, h, newest)
+        newest = max(s.timeStamp for s in samples)
+        # Asking again with lastSeenTimeStamp = newest must find nothing while the driver has not
+        # taken a newer sample. On a loaded machine two calls can straddle a sampling period, so
+        # retry until one pair is bracketed by the same period of the (shared) realtime clock; an
+        # unbracketed pair may only answer NOT_FOUND or strictly newer samples.
+        same_window = None
+        straddled_ok = True
+        for _ in range(1000):
+            t0 = time.time_ns() // 1000
+            first = N.nvmlDeviceGetProcessUtilization(h, 0)
+            ts = max(s.timeStamp for s in first)
+            again = call(N.nvmlDeviceGetProcessUtilization, h, ts)
+            t1 = time.time_ns() // 1000
+            if t0 // PERIOD_US == t1 // PERIOD_US:
+                same_window = again
+                break
+            if again[0] == "ok":
+                straddled_ok = straddled_ok and all(s.timeStamp > ts for s in again[1])
+            else:
+                straddled_ok = straddled_ok and again == ["err", 6]
+        if same_window is not None and same_window[0] == "ok":
+            same_window = ["ok", [[s.pid, s.timeStamp] for s in same_window[1]]]
         time.sleep(0.03)
         later = N.nvmlDeviceGetProcessUtilization(h, newest)
         result = {
             "samples": sorted([s.pid, s.smUtil] for s in samples),
             "ts_ok": abs(newest - before) < 5_000_000,
             "same_window": same_window,
+            "straddled_ok": straddled_ok,
             "later_newer": all(s.timeStamp > newest for s in later),
             "future": call(N.nvmlDeviceGetProcessUtilization, h, 2**63),
             "idle_device": call(N.nvmlDeviceGetProcessUtilization, N.nvmlDeviceGetHandleByIndex(1), 0),
@@ -374,6 +396,7 @@ def test_utilization_samples_and_timestamps(lib: pathlib.Path, state_path: pathl
     assert result["samples"] == [[300, 70], [301, 0]]
     assert result["ts_ok"]  # microseconds since the epoch
     assert result["same_window"] == ["err", 6]  # NOT_FOUND: nothing newer than lastSeenTimeStamp
+    assert result["straddled_ok"]
     assert result["later_newer"]
     assert result["future"] == ["err", 6]
     assert result["idle_device"] == ["err", 6]
