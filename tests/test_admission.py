@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import base64
+import copy
 import json
 from typing import Any
 
@@ -183,6 +184,14 @@ def maybe(strategy: st.SearchStrategy) -> st.SearchStrategy:
     return strategy | json_values
 
 
+def fresh(value: Any) -> st.SearchStrategy:
+    """A new copy of ``value`` for every draw. ``st.just`` hands out one shared object, and a pod
+    that holds the same dict in two places (which no decoded AdmissionReview can) makes
+    ``jsonpatch.apply_patch``'s deep copy keep the aliasing: patching one place changes the other,
+    and the idempotency pass then fails on the test's own input."""
+    return st.builds(lambda: copy.deepcopy(value))
+
+
 names = st.sampled_from(["a", "b", "c", "gpufence-enforcer", "LD_PRELOAD", ""]) | st.text(max_size=4)
 quantities = st.sampled_from(["1", "0", "2", "-1", "1Gi", "x", "500m"]) | json_values
 annotation_values = st.sampled_from(
@@ -257,7 +266,7 @@ pods = st.fixed_dictionaries(
                     "initContainers": maybe(st.lists(maybe(containers), max_size=2)),
                     "volumes": maybe(
                         st.lists(
-                            maybe(st.fixed_dictionaries({"name": names}, optional={"emptyDir": st.just({})})),
+                            maybe(st.fixed_dictionaries({"name": names}, optional={"emptyDir": fresh({})})),
                             max_size=2,
                         )
                     ),
@@ -272,7 +281,7 @@ pods = st.fixed_dictionaries(
 good_env = st.lists(
     st.fixed_dictionaries(
         {"name": st.sampled_from(["X", "LD_PRELOAD", "TF_FORCE_GPU_ALLOW_GROWTH", "GPUFENCE_MEMORY_LIMIT"])},
-        optional={"value": st.sampled_from(["", "/a.so", "v"]), "valueFrom": st.just({"fieldRef": {"fieldPath": "x"}})},
+        optional={"value": st.sampled_from(["", "/a.so", "v"]), "valueFrom": fresh({"fieldRef": {"fieldPath": "x"}})},
     ),
     max_size=3,
 )
@@ -345,7 +354,7 @@ good_pods = st.builds(
     good_containers(["a", "b", "c"], 3).filter(bool),
     st.none()
     | st.lists(
-        st.fixed_dictionaries({"name": st.sampled_from(["v", "gpufence-state"])}, optional={"emptyDir": st.just({})}),
+        st.fixed_dictionaries({"name": st.sampled_from(["v", "gpufence-state"])}, optional={"emptyDir": fresh({})}),
         max_size=2,
     ),
     st.none() | st.sampled_from([True, False]),
@@ -391,7 +400,7 @@ def test_review_raises_only_invalid_review_for_arbitrary_payloads(payload: Any) 
     st.fixed_dictionaries(
         {"uid": st.text(max_size=5)},
         optional={
-            "kind": maybe(st.just({"group": "", "version": "v1", "kind": "Pod"})),
+            "kind": maybe(fresh({"group": "", "version": "v1", "kind": "Pod"})),
             "resource": json_values,
             "subResource": json_values,
             "operation": maybe(st.just("CREATE")),
