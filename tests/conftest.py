@@ -22,6 +22,15 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
+from hypothesis import HealthCheck, settings
+
+# Property tests assert what the code does, never how fast: on a loaded CI machine one slow example
+# must not fail a run (hypothesis' default 200 ms deadline and its too_slow health check would).
+# print_blob puts a failing example's reproduction line (@reproduce_failure) into the CI log.
+settings.register_profile(
+    "gpufence", deadline=None, suppress_health_check=[HealthCheck.too_slow], print_blob=True
+)
+settings.load_profile("gpufence")
 
 # --- enforcer runtime harness (tests/test_enforcer_*.py) -------------------------------------------
 
