@@ -46,6 +46,7 @@ def test_enforcing_goes_on_when_stdout_is_closed(gpu):
             started = json.loads(line)
             if started.get("event") == "started":
                 break
+        assert started.get("event") == "started", "no started event within 20 s"
         port = started["metrics_port"]
         wait_enforcer_polls(port, 3)
         proc.stdout.close()  # the log reader is gone
