@@ -20,6 +20,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
+import uuid
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -96,6 +97,27 @@ class WebhookProcess:
             time.sleep(0.05)
         raise StartupFailed(f"gpufence-webhook not ready: {last}\n{self.component.log_tail()}")
 
+    def patch_for(self, namespace: str, pod: dict[str, Any]) -> list[dict[str, Any]] | None:
+        """The webhook's answer to a CREATE review of ``pod``, over TLS as the API server sends it."""
+        body = {
+            "apiVersion": "admission.k8s.io/v1", "kind": "AdmissionReview",
+            "request": {
+                "uid": str(uuid.uuid4()), "kind": {"group": "", "version": "v1", "kind": "Pod"},
+                "resource": {"group": "", "version": "v1", "resource": "pods"},
+                "requestKind": {"group": "", "version": "v1", "kind": "Pod"},
+                "requestResource": {"group": "", "version": "v1", "resource": "pods"},
+                "name": pod["metadata"].get("name", ""), "namespace": namespace, "operation": "CREATE",
+                "userInfo": {"username": "e2e"}, "object": pod, "oldObject": None, "dryRun": False,
+                "options": {"apiVersion": "meta.k8s.io/v1", "kind": "CreateOptions"},
+            },
+        }
+        req = urllib.request.Request(self.url + "/mutate", data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, context=self.client_context(), timeout=10) as resp:
+            answer = json.loads(resp.read())["response"]
+        assert answer["allowed"] is True, answer
+        return json.loads(base64.b64decode(answer["patch"])) if "patch" in answer else None
+
     def stop(self, sig: str = "TERM") -> None:
         if self.component is None:
             return
@@ -141,6 +163,15 @@ def set_ca_bundle(cp: ControlPlane, ca_pem: bytes) -> None:
     config = json.loads(cp.kubectl("get", "mutatingwebhookconfiguration", WEBHOOK_CONFIGURATION,
                                    "-o", "json").stdout)
     ops = [{"op": "add", "path": f"/webhooks/{i}/clientConfig/caBundle", "value": base64.b64encode(ca_pem).decode()}
+           for i, _ in enumerate(config["webhooks"])]
+    cp.kubectl("patch", "mutatingwebhookconfiguration", WEBHOOK_CONFIGURATION, "--type=json", "-p", json.dumps(ops))
+
+
+def point_webhook_at(cp: ControlPlane, webhook_url: str) -> None:
+    """Send the API server's calls to another address (e.g. the benchmark's reference webhook)."""
+    config = json.loads(cp.kubectl("get", "mutatingwebhookconfiguration", WEBHOOK_CONFIGURATION,
+                                   "-o", "json").stdout)
+    ops = [{"op": "replace", "path": f"/webhooks/{i}/clientConfig/url", "value": f"{webhook_url}/mutate"}
            for i, _ in enumerate(config["webhooks"])]
     cp.kubectl("patch", "mutatingwebhookconfiguration", WEBHOOK_CONFIGURATION, "--type=json", "-p", json.dumps(ops))
 

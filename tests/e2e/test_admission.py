@@ -9,11 +9,8 @@ canonical forms).
 
 from __future__ import annotations
 
-import base64
 import json
-import ssl
 import urllib.request
-import uuid
 from typing import Any
 
 import pytest
@@ -22,29 +19,6 @@ from kubernetes import client
 from tests.e2e import kube
 from tests.e2e.gpufence_install import WebhookProcess
 from webhook.settings import ANNOTATION_STATUS, SIDECAR_NAME
-
-
-def webhook_patch_for(hook: WebhookProcess, namespace: str, pod: dict[str, Any]) -> list[dict[str, Any]] | None:
-    """The webhook's answer to a CREATE review of ``pod``, over TLS as the API server sends it."""
-    body = {
-        "apiVersion": "admission.k8s.io/v1", "kind": "AdmissionReview",
-        "request": {
-            "uid": str(uuid.uuid4()), "kind": {"group": "", "version": "v1", "kind": "Pod"},
-            "resource": {"group": "", "version": "v1", "resource": "pods"},
-            "requestKind": {"group": "", "version": "v1", "kind": "Pod"},
-            "requestResource": {"group": "", "version": "v1", "resource": "pods"},
-            "name": pod["metadata"].get("name", ""), "namespace": namespace, "operation": "CREATE",
-            "userInfo": {"username": "e2e"}, "object": pod, "oldObject": None, "dryRun": False,
-            "options": {"apiVersion": "meta.k8s.io/v1", "kind": "CreateOptions"},
-        },
-    }
-    req = urllib.request.Request(hook.url + "/mutate", data=json.dumps(body).encode(),
-                                 headers={"Content-Type": "application/json"})
-    ctx: ssl.SSLContext = hook.client_context()
-    with urllib.request.urlopen(req, context=ctx, timeout=10) as resp:
-        answer = json.loads(resp.read())["response"]
-    assert answer["allowed"] is True, answer
-    return json.loads(base64.b64decode(answer["patch"])) if "patch" in answer else None
 
 
 def assert_contract_mutation(pod: dict[str, Any], gpu_containers: set[str]) -> None:
@@ -68,7 +42,7 @@ def assert_contract_mutation(pod: dict[str, Any], gpu_containers: set[str]) -> N
 
 
 def assert_stable(hook: WebhookProcess, namespace: str, stored: dict[str, Any]) -> None:
-    patch = webhook_patch_for(hook, namespace, kube.without_server_fields(stored))
+    patch = hook.patch_for(namespace, kube.without_server_fields(stored))
     assert patch is None, f"the webhook would patch its own stored output again: {patch}"
 
 
@@ -149,3 +123,32 @@ def test_pods_made_by_controllers_are_mutated(admin: client.ApiClient, opted_in:
         assert_contract_mutation(pod, {"trainer"})
         assert pod["metadata"]["ownerReferences"][0]["kind"] in ("ReplicaSet", "Job")
         assert_stable(webhook, opted_in, pod)
+
+
+def _outcomes(hook: WebhookProcess) -> dict[str, float]:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(hook.url + "/metrics", context=hook.client_context(), timeout=10) as resp:
+        text = resp.read().decode()
+    for family in text_string_to_metric_families(text):
+        if family.name == "gpufence_webhook_requests":
+            return {s.labels["outcome"]: s.value for s in family.samples if s.name.endswith("_total")}
+    raise AssertionError("the webhook exports no request counter")
+
+
+def test_reinvocation_after_the_service_account_plugin_keeps_its_token_mount(
+    admin: client.ApiClient, opted_in: str, webhook: WebhookProcess,
+):
+    """The API server re-runs its ServiceAccount plugin after a webhook adds a container (mounting the
+    token into the sidecar), then reinvokes gpufence (reinvocationPolicy IfNeeded). gpufence must
+    answer that second call with no patch; removing the mount would leave the enforcer without
+    credentials to post Events."""
+    before = _outcomes(webhook)
+    created = kube.create_pod(admin, opted_in, kube.gpu_pod())
+    assert created.admitted, created.message
+    after = _outcomes(webhook)
+    sidecar = created.obj["spec"]["initContainers"][0]
+    mounts = {m["mountPath"] for m in sidecar.get("volumeMounts", [])}
+    assert "/var/run/secrets/kubernetes.io/serviceaccount" in mounts, sidecar.get("volumeMounts")
+    assert after["mutated"] - before["mutated"] == 1, (before, after)
+    assert after["unchanged"] - before["unchanged"] == 1, "the API server reinvokes gpufence once"
