@@ -272,12 +272,12 @@ def test_a_pod_mutated_by_the_webhook_passes_the_guard() -> None:
     """Contract between webhook/admission.py and the policy: mutation output satisfies the guard."""
     import jsonpatch
 
-    from webhook import admission
+    from webhook import admission, client
     from webhook.settings import AllNamespacesOptedIn, InjectionSettings
 
     original = pod()
     original["metadata"]["annotations"] = {"gpufence.io/memory": "4Gi"}
-    payload = admission.pod_admission_review(
+    payload = client.pod_admission_review(
         copy.deepcopy(original), uid="0b0c7c1e-0000-4000-8000-000000000001", namespace="team-a", username="alice"
     )
     for settings in (InjectionSettings(), InjectionSettings(native_sidecar=False)):
