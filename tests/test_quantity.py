@@ -83,11 +83,20 @@ def test_parse_bytes(text: str, expected: int) -> None:
         "1_000",
         "--1",
         "e3",
+        # kubernetes.utils.parse_quantity accepts these (Decimal syntax); the API server does not.
+        "NaN",
+        "Infinity",
+        "1e3Ki",
     ],
 )
 def test_parse_bytes_rejects(text: str) -> None:
     with pytest.raises(QuantityError):
         parse_bytes(text)
+
+
+def test_precision_beyond_28_digits_rounds_up() -> None:
+    # A 28-digit Decimal context (kubernetes.utils.parse_quantity's) would give exactly 1 GiB.
+    assert parse_bytes("1.0000000000000000000000000000001Gi") == 2**30 + 1
 
 
 def test_largest_value_is_accepted() -> None:

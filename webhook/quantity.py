@@ -13,6 +13,13 @@ Grammar (k8s.io/apimachinery/pkg/api/resource)::
 Everything is integer arithmetic (no floats near byte counts). The input length and the decimal
 exponent are bounded *before* any power is computed, so ``1E999999999`` is rejected in
 microseconds instead of building a billion-digit integer.
+
+Why not ``kubernetes.utils.parse_quantity`` (already a dependency): it hands the number to
+``Decimal``, so it accepts what the API server refuses (``" 8Gi"``, ``"1_000"``, ``"NaN"``,
+``"Infinity"``, an exponent with a suffix such as ``"1e3Ki"``), and it computes in the ambient
+28-digit context (``"1.0000000000000000000000000000001Gi"`` comes out as exactly 1 GiB, where the
+share rounds up to one byte more). Behind our grammar and bounds all that would be left for it is
+one multiplication; tests/test_quantity.py pins these cases.
 """
 
 from __future__ import annotations
