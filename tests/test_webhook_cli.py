@@ -77,6 +77,7 @@ def test_env_vars_and_flag_precedence():
     (["--port", "x"], {}, "not a port number"),
     (["--sidecar-mode", "sidecar"], {}, "native, container"),
     (["--default-memory", "1E999999999"], {}, "--default-memory"),
+    (["--default-memory", "500m"], {}, "--default-memory"),
     (["--default-compute", "150"], {}, "--default-compute"),
     (["--poll-interval", "1ms"], {}, "between"),
     (["--mps-limits=maybe"], {}, '"true" or "false"'),

@@ -94,12 +94,37 @@ def _memoized(parse: Callable[[str], T]) -> Callable[[str], T]:
     return wrapper
 
 
+# The smallest absolute memory share. Below it a value is a typo, never a real GPU share: "500m"
+# is half a byte in Kubernetes quantity syntax (m = thousandths), "100k" a hundred kilobytes; as a
+# share it would get every process of the container killed. Denied with a suggestion instead.
+MIN_MEMORY_SHARE_BYTES = 1024 * 1024
+
+
+class MemoryShareTooSmall(QuantityError):
+    """A valid quantity below ``MIN_MEMORY_SHARE_BYTES``."""
+
+    def __init__(self, num_bytes: int) -> None:
+        super().__init__(f"{num_bytes} byte{'' if num_bytes == 1 else 's'}, below the smallest GPU memory share (1Mi)")
+        self.num_bytes = num_bytes
+
+
 @_memoized
 def parse_memory_share(text: str) -> MemoryShare:
     text = text.strip()
     if text.endswith("%"):
         return MemoryShare(percent=parse_percent(text, require_sign=True))
-    return MemoryShare(bytes=parse_bytes(text))
+    num_bytes = parse_bytes(text)
+    if num_bytes < MIN_MEMORY_SHARE_BYTES:
+        raise MemoryShareTooSmall(num_bytes)
+    return MemoryShare(bytes=num_bytes)
+
+
+def _too_small_example(text: str) -> str:
+    """What the user probably meant: "500m" -> "500M" or "500Mi"; else a generic example."""
+    text = text.strip()
+    if text.endswith("m") and text[:-1].isdigit() and len(text) <= 16:
+        return f'use "{text[:-1]}M" or "{text[:-1]}Mi" (in Kubernetes quantities "m" means thousandths)'
+    return 'use a quantity such as "500M", "500Mi" or "8Gi"'
 
 
 @_memoized
@@ -136,6 +161,11 @@ def _memory(value: object, source: str, key: str) -> MemoryShare:
     if isinstance(value, str):
         try:
             return parse_memory_share(value)
+        except MemoryShareTooSmall as exc:
+            raise ShareError(
+                f"{_describe_source(source, key)}={quote(value)} is {exc}, so it is taken for a typo: "
+                f"{_too_small_example(value)}"
+            ) from None
         except QuantityError:
             pass
     raise ShareError(f"{_describe_source(source, key)}={quote(value)} is not a valid memory share: {MEMORY_EXAMPLE}")
