@@ -203,6 +203,20 @@ def test_gpu_in_init_container_only_is_checked() -> None:
     assert GUARD.admit(pod(gpu_in=None, init_gpu=True, sidecar="native", share=True))[0]
 
 
+@pytest.mark.parametrize("gpu_in", ["limits", "requests"])
+def test_zero_gpus_is_no_gpu_for_the_guard_and_the_webhook(gpu_in: str) -> None:
+    """`nvidia.com/gpu: 0` (canonical, as the API server passes it) asks for no GPU: one definition."""
+    from webhook.podshape import gpu_container_names
+
+    zero = pod(gpu_in=gpu_in)
+    zero["spec"]["containers"][0]["resources"][gpu_in][DEFAULT_GPU_RESOURCE] = "0"
+    assert gpu_container_names(zero["spec"], (DEFAULT_GPU_RESOURCE,)) == []
+    assert GUARD.admit(zero) == (True, "allowed")
+    one = pod(gpu_in=gpu_in)
+    assert gpu_container_names(one["spec"], (DEFAULT_GPU_RESOURCE,)) == ["train"]
+    assert not GUARD.admit(one)[0]
+
+
 def test_non_gpu_pod_is_allowed() -> None:
     assert GUARD.admit(pod(gpu_in=None)) == (True, "allowed")
 
@@ -288,3 +302,33 @@ def test_a_pod_mutated_by_the_webhook_passes_the_guard() -> None:
         patch = json.loads(base64.b64decode(response["patch"]))
         mutated = jsonpatch.apply_patch(copy.deepcopy(original), patch)
         assert GUARD.admit(mutated) == (True, "allowed")
+
+
+# --- the guard and the webhook on the same inputs ---------------------------------------------
+
+
+def _golden_cases() -> list[str]:
+    from tests.test_golden import CASES
+
+    return CASES
+
+
+@pytest.mark.parametrize("case", _golden_cases())
+def test_the_guard_agrees_with_the_webhook_on_every_golden_case(case: str) -> None:
+    """What the webhook mutates passes the guard, and the same pod sent unmutated (the webhook down)
+    is denied; what it admits unmutated in an opted-in namespace the guard admits too."""
+    from tests.test_golden import GOLDEN, load_case
+
+    pod_in, settings, lookup, operation = load_case(case)
+    expected = yaml.safe_load((GOLDEN / f"{case}.out.yaml").read_text())
+    info = lookup.get(pod_in["metadata"].get("namespace", ""))
+    if operation != "CREATE" or info is None or not info.opted_in:
+        return  # outside the guard's scope (it matches CREATE in opted-in namespaces only)
+    guard = Guard(POLICY, gpu_resource_names=list(settings.gpu_resource_names))
+    namespace, labels = info.name, dict(info.labels)
+    outcome = expected["outcome"]
+    if outcome == "mutated":
+        assert guard.admit(expected["pod"], namespace, labels)[0], "the webhook's output fails the guard"
+        assert not guard.admit(pod_in, namespace, labels)[0], "a pod the webhook mutates passes unmutated"
+    elif outcome in ("unchanged", "skipped"):
+        assert guard.admit(pod_in, namespace, labels)[0], "the guard denies what the webhook admits as is"
