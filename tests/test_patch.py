@@ -13,6 +13,7 @@ import itertools
 import json
 import operator
 import random
+import re
 from typing import Any
 
 import jsonpatch
@@ -34,6 +35,7 @@ from webhook.settings import ANNOTATION_STATUS, SIDECAR_NAME, AllNamespacesOpted
 from webhook.shares import resolve_shares
 
 NS = AllNamespacesOptedIn()
+LD_PRELOAD_VALUE = re.compile(r"/spec/(initContainers|containers)/[0-9]+/env/[0-9]+/value")
 
 
 def test_escape_rfc6901() -> None:
@@ -139,8 +141,12 @@ def test_the_patch_of_a_first_injection_adds_only_and_reaches_the_desired_pod(
     ops = json.loads(text)
     assert jsonpatch.apply_patch(pod, ops) == desired
     if SIDECAR_NAME not in all_names(pod) and ANNOTATION_STATUS not in pod["metadata"].get("annotations", {}):
-        # Nothing of gpufence yet: every operation adds, and none replaces the user's values.
-        assert {op["op"] for op in ops} == {"add"}, ops
+        # Nothing of gpufence yet: every operation adds; the one value of the user's it rewrites
+        # is LD_PRELOAD's, appended to in place (the preload limiter).
+        rewritten = [op for op in ops if op["op"] != "add"]
+        assert all(op["op"] == "replace" and LD_PRELOAD_VALUE.fullmatch(op["path"]) for op in rewritten), ops
+        for op in rewritten:
+            assert jsonpatch.resolve_pointer(pod, op["path"].rsplit("/", 1)[0])["name"] == "LD_PRELOAD"
         # One operation per new value: no path is a prefix of another.
         paths = sorted(op["path"] + "/" for op in ops)
         assert not any(b.startswith(a) for a, b in itertools.pairwise(paths)), paths

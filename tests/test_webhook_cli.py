@@ -37,7 +37,8 @@ EVERY_FIELD = [
     "--default-compute=50", "--default-grace-period=30s", "--poll-interval=250ms",
     "--nvidia-visible-devices=void", "--nvidia-driver-capabilities=utility,compute", "--mount-host-proc",
     "--host-proc-mount-path=/hp", "--mps-limits=true", "--preload-library=/opt/libvgpu.so",
-    "--preload-library-mount-dir=/pre",
+    "--preload-library-mount-dir=/pre", "--max-memory=40Gi", "--max-compute=25", "--default-mode=audit",
+    "--allow-audit", "--allow-opt-out=true",
 ]
 
 

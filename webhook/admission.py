@@ -15,6 +15,7 @@ from typing import Any
 from webhook.errors import MutationError
 from webhook.mutate import injection_patch
 from webhook.podshape import check_shape, gpu_container_names
+from webhook.policy import namespace_policy
 from webhook.settings import (
     MIRROR_POD_ANNOTATION,
     POD_OPT_OUT_LABEL,
@@ -151,7 +152,8 @@ def _decide(
         all_names = check_shape(pod)
         if SIDECAR_NAME in gpu_names:
             raise MutationError(f"the container name {SIDECAR_NAME} is reserved by gpufence; rename the container")
-        plan = resolve_shares(annotations, namespace_annotations, settings, gpu_names, all_names)
+        policy = namespace_policy(namespace or "", namespace_annotations, settings)
+        plan = resolve_shares(annotations, namespace_annotations, settings, gpu_names, all_names, policy)
         warnings.extend(plan.warnings)
         patch, mutation_warnings = injection_patch(pod, plan, settings)
     except (ShareError, MutationError) as exc:
