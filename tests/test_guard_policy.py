@@ -80,14 +80,19 @@ class Guard:
             constraints.get("objectSelector", {}), pod.get("metadata", {}).get("labels", {})
         )
 
-    def admit(self, pod: dict[str, Any], namespace: str = "team-a", namespace_labels: dict[str, str] | None = None):
+    def admit(self, pod: dict[str, Any], namespace: str = "team-a", namespace_labels: dict[str, str] | None = None,
+              namespace_annotations: dict[str, str] | None = None):
         """(allowed, message): the outcome for a pod CREATE in ``namespace``."""
         if namespace_labels is None:
             namespace_labels = {INJECTION_LABEL: INJECTION_ENABLED}
         namespace_labels = {**namespace_labels, "kubernetes.io/metadata.name": namespace}
         if not self.selected(namespace_labels, pod):
             return True, "not selected"
-        activation: dict[str, Any] = {"object": celpy.json_to_cel(pod)}
+        namespace_object: dict[str, Any] = {"metadata": {"name": namespace, "labels": namespace_labels}}
+        if namespace_annotations is not None:
+            namespace_object["metadata"]["annotations"] = namespace_annotations
+        activation: dict[str, Any] = {"object": celpy.json_to_cel(pod),
+                                      "namespaceObject": celpy.json_to_cel(namespace_object)}
         for name, program in self.match_conditions:
             if not _boolean(program.evaluate(activation), f"matchCondition {name}"):
                 return True, f"matchCondition {name} is false"
@@ -234,10 +239,33 @@ def test_absent_fields_do_not_cause_evaluation_errors(spec: dict[str, Any]) -> N
     assert GUARD.admit({"metadata": {"name": "p"}, "spec": spec}) == (True, "allowed")
 
 
-def test_opted_out_pod_is_not_selected() -> None:
-    assert GUARD.admit(pod(labels={POD_OPT_OUT_LABEL: "false"})) == (True, "not selected")
-    # Any other value of the label does not opt out (same as the webhook's objectSelector).
-    assert not GUARD.admit(pod(labels={POD_OPT_OUT_LABEL: "true"}))[0]
+def test_opt_out_is_honoured_only_where_the_namespace_allows_it() -> None:
+    opted_out = pod(labels={POD_OPT_OUT_LABEL: "false"})
+    allowed, message = GUARD.admit(opted_out)
+    assert not allowed
+    assert 'gpufence.io/inject="false"' in message and '"team-a" does not allow' in message
+    assert "gpufence.io/allow-opt-out" in message
+    assert not GUARD.admit(opted_out, namespace_annotations={"gpufence.io/allow-opt-out": "false"})[0]
+    assert GUARD.admit(opted_out, namespace_annotations={"gpufence.io/allow-opt-out": "true"}) == (True, "allowed")
+    # Any other value of the label does not opt out (same as the webhook).
+    labelled = pod(labels={POD_OPT_OUT_LABEL: "true"})
+    assert not GUARD.admit(labelled, namespace_annotations={"gpufence.io/allow-opt-out": "true"})[0]
+    # A pod that requests no GPU is never the guard's business, opted out or not.
+    assert GUARD.admit(pod(gpu_in=None, labels={POD_OPT_OUT_LABEL: "false"})) == (True, "allowed")
+
+
+def test_the_cluster_wide_opt_out_is_an_admin_variable() -> None:
+    (variable,) = [v for v in POLICY["spec"]["variables"] if v["name"] == "clusterAllowsOptOut"]
+    assert variable["expression"] == "false"  # the safe default, like the webhook's --allow-opt-out
+    policy = copy.deepcopy(POLICY)
+    for v in policy["spec"]["variables"]:
+        if v["name"] == "clusterAllowsOptOut":
+            v["expression"] = "true"
+    widened = Guard(policy)
+    opted_out = pod(labels={POD_OPT_OUT_LABEL: "false"})
+    assert widened.admit(opted_out) == (True, "allowed")
+    # The namespace's own "false" still wins over the cluster-wide default.
+    assert not widened.admit(opted_out, namespace_annotations={"gpufence.io/allow-opt-out": "false"})[0]
 
 
 def test_mirror_pods_are_excluded_by_a_match_condition() -> None:
@@ -274,7 +302,7 @@ def test_policy_scope_matches_the_webhook_configuration() -> None:
     (webhook,) = config["webhooks"]
     constraints = POLICY["spec"]["matchConstraints"]
     assert constraints["namespaceSelector"] == webhook["namespaceSelector"]
-    assert constraints["objectSelector"] == webhook["objectSelector"]
+    assert "objectSelector" not in constraints and "objectSelector" not in webhook  # opt-out is decided inside
     assert constraints["resourceRules"] == webhook["rules"]
     assert POLICY["spec"]["failurePolicy"] == "Fail"
     (binding,) = [d for d in _docs(POLICY_FILE) if d["kind"] == "ValidatingAdmissionPolicyBinding"]
@@ -325,10 +353,37 @@ def test_the_guard_agrees_with_the_webhook_on_every_golden_case(case: str) -> No
     if operation != "CREATE" or info is None or not info.opted_in:
         return  # outside the guard's scope (it matches CREATE in opted-in namespaces only)
     guard = Guard(POLICY, gpu_resource_names=list(settings.gpu_resource_names))
-    namespace, labels = info.name, dict(info.labels)
+    namespace, labels, ns_annotations = info.name, dict(info.labels), dict(info.annotations)
     outcome = expected["outcome"]
     if outcome == "mutated":
-        assert guard.admit(expected["pod"], namespace, labels)[0], "the webhook's output fails the guard"
-        assert not guard.admit(pod_in, namespace, labels)[0], "a pod the webhook mutates passes unmutated"
+        assert guard.admit(expected["pod"], namespace, labels, ns_annotations)[0], "the output fails the guard"
+        assert not guard.admit(pod_in, namespace, labels, ns_annotations)[0], "a pod it mutates passes unmutated"
     elif outcome in ("unchanged", "skipped"):
-        assert guard.admit(pod_in, namespace, labels)[0], "the guard denies what the webhook admits as is"
+        assert guard.admit(pod_in, namespace, labels, ns_annotations)[0], "the guard denies what the webhook admits"
+
+
+@pytest.mark.parametrize("label", [None, "false", "true"])
+@pytest.mark.parametrize("ns_annotations", [{}, {"gpufence.io/allow-opt-out": "true"},
+                                            {"gpufence.io/allow-opt-out": "false"}])
+@pytest.mark.parametrize("gpu", [True, False])
+def test_the_guard_and_the_webhook_agree_on_opt_out(label: str | None, ns_annotations: dict[str, str],
+                                                    gpu: bool) -> None:
+    """A pod the webhook skips is admitted by the guard unmutated; one it denies, the guard denies."""
+    from webhook import admission, client
+    from webhook.settings import InjectionSettings, NamespaceInfo
+
+    class Lookup:
+        def get(self, name: str) -> NamespaceInfo:
+            return NamespaceInfo(name=name, labels={INJECTION_LABEL: INJECTION_ENABLED}, annotations=ns_annotations)
+
+    candidate = pod(gpu_in="limits" if gpu else None, labels={POD_OPT_OUT_LABEL: label} if label else None,
+                    annotations={"gpufence.io/memory": "4Gi"})
+    payload = client.pod_admission_review(copy.deepcopy(candidate), uid="u", namespace="team-a")
+    outcome = admission.review(payload, InjectionSettings(), Lookup()).outcome
+    allowed, message = GUARD.admit(candidate, namespace_annotations=ns_annotations)
+    if outcome == "skipped":
+        assert allowed, message
+    elif outcome == "denied":
+        assert not allowed and "gpufence.io/inject" in message
+    else:
+        assert outcome == "mutated" and not allowed  # unmutated (webhook down): refused

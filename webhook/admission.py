@@ -15,7 +15,7 @@ from typing import Any
 from webhook.errors import MutationError
 from webhook.mutate import injection_patch
 from webhook.podshape import check_shape, gpu_container_names
-from webhook.policy import namespace_policy
+from webhook.policy import namespace_policy, opt_out_allowed, opt_out_denial
 from webhook.settings import (
     MIRROR_POD_ANNOTATION,
     POD_OPT_OUT_LABEL,
@@ -141,12 +141,17 @@ def _decide(
 
     labels = _dict(metadata.get("labels"))
     annotations = _dict(metadata.get("annotations"))
-    if labels.get(POD_OPT_OUT_LABEL) == "false" or MIRROR_POD_ANNOTATION in annotations:
+    if MIRROR_POD_ANNOTATION in annotations:
         return OUTCOME_SKIPPED, None
 
     gpu_names = gpu_container_names(_dict(pod.get("spec")), settings.gpu_resource_names)
     if not gpu_names:
         return OUTCOME_SKIPPED, None
+    if labels.get(POD_OPT_OUT_LABEL) == "false":
+        # The namespace's admin decides whether a pod may opt out, not the pod (the guard agrees).
+        if opt_out_allowed(namespace_annotations, settings):
+            return OUTCOME_SKIPPED, None
+        raise _Denied(opt_out_denial(namespace or ""))
 
     try:
         all_names = check_shape(pod)

@@ -49,13 +49,14 @@ def desired_pod(pod: dict[str, Any], plan: SharePlan, settings: InjectionSetting
     if spec.get("hostPID") is True:
         raise MutationError(
             "gpufence needs spec.shareProcessNamespace, which Kubernetes does not allow together with "
-            'spec.hostPID: true; remove hostPID, or label the pod gpufence.io/inject="false" to opt it out'
+            'spec.hostPID: true; remove hostPID, or, where the namespace allows opt-out, label the pod '
+            'gpufence.io/inject="false"'
         )
     if spec.get("shareProcessNamespace") is False:
         raise MutationError(
             "spec.shareProcessNamespace: false conflicts with gpufence, whose enforcer must see the GPU "
-            "containers' processes; remove the field (gpufence sets it to true), or label the pod "
-            'gpufence.io/inject="false" to opt it out'
+            "containers' processes; remove the field (gpufence sets it to true), or, where the namespace "
+            'allows opt-out, label the pod gpufence.io/inject="false"'
         )
     spec["shareProcessNamespace"] = True
 

@@ -29,6 +29,7 @@ from webhook.settings import (
     NAMESPACE_ALLOW_OPT_OUT,
     NAMESPACE_MAX_COMPUTE,
     NAMESPACE_MAX_MEMORY,
+    POD_OPT_OUT_LABEL,
     InjectionSettings,
 )
 from webhook.shares import MODE_EXAMPLE, ShareError, compute_from, memory_from, quote
@@ -126,6 +127,21 @@ def _origin(value: object, source: str, key: str) -> str:
     return f"{what} {key}={quote(value)}"
 
 
+def opt_out_allowed(annotations: Mapping[str, object], settings: InjectionSettings) -> bool:
+    """Whether the pod label gpufence.io/inject=false exempts a GPU pod in this namespace."""
+    if NAMESPACE_ALLOW_OPT_OUT in annotations:
+        return annotations[NAMESPACE_ALLOW_OPT_OUT] == "true"
+    return settings.allow_opt_out
+
+
+def opt_out_denial(namespace: str) -> str:
+    return (
+        f'the pod label {POD_OPT_OUT_LABEL}="false" asks to run this GPU pod without gpufence, which namespace '
+        f"{quote(namespace)} does not allow (its admin can, with the Namespace annotation "
+        f'{NAMESPACE_ALLOW_OPT_OUT}: "true"): remove the label, or run the pod in a namespace that allows opt-out'
+    )
+
+
 def namespace_policy(
     namespace: str, annotations: Mapping[str, object], settings: InjectionSettings
 ) -> NamespacePolicy:
@@ -144,9 +160,7 @@ def namespace_policy(
     allow_audit = settings.allow_audit
     if NAMESPACE_ALLOW_AUDIT in annotations:
         allow_audit = annotations[NAMESPACE_ALLOW_AUDIT] == "true"
-    allow_opt_out = settings.allow_opt_out
-    if NAMESPACE_ALLOW_OPT_OUT in annotations:
-        allow_opt_out = annotations[NAMESPACE_ALLOW_OPT_OUT] == "true"
+    allow_opt_out = opt_out_allowed(annotations, settings)
     max_memory = max_compute = None
     found = _flag_or_namespace(annotations, NAMESPACE_MAX_MEMORY, settings.max_memory, "--max-memory")
     if found is not None:
