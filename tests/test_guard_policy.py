@@ -387,3 +387,63 @@ def test_the_guard_and_the_webhook_agree_on_opt_out(label: str | None, ns_annota
         assert not allowed and "gpufence.io/inject" in message
     else:
         assert outcome == "mutated" and not allowed  # unmutated (webhook down): refused
+
+
+@pytest.mark.parametrize(
+    ("gpu", "container", "entry", "denied"),
+    [
+        (False, "app", {"name": "NVIDIA_VISIBLE_DEVICES", "value": "all"}, True),
+        (False, "app", {"name": "NVIDIA_VISIBLE_DEVICES", "value": "void"}, False),
+        (False, "app", {"name": "NVIDIA_DRIVER_CAPABILITIES", "value": "none"}, False),
+        (False, "app", {"name": "NVIDIA_DRIVER_CAPABILITIES", "value": "compute,utility"}, True),
+        (False, "app", {"name": "NVIDIA_VISIBLE_DEVICES", "valueFrom": {"configMapKeyRef": {"name": "c", "key": "k"}}},
+         True),
+        (True, "train", {"name": "NVIDIA_VISIBLE_DEVICES", "value": "0,1,2,3"}, True),
+        (False, SIDECAR_NAME, {"name": "NVIDIA_VISIBLE_DEVICES", "value": "all"}, True),  # no GPU pod, no exception
+        (False, "app", {"name": "OTHER", "value": "all"}, False),
+    ],
+)
+def test_the_guard_and_the_webhook_close_the_nvidia_side_door(gpu: bool, container: str, entry: dict[str, Any],
+                                                               denied: bool) -> None:
+    from webhook import admission, client
+    from webhook.settings import AllNamespacesOptedIn, InjectionSettings
+
+    candidate = pod(gpu_in="limits" if gpu else None, annotations={"gpufence.io/memory": "4Gi"})
+    candidate["spec"]["containers"].append({"name": container, "image": "cuda:12", "env": [entry]})
+    if gpu and container == "train":
+        candidate["spec"]["containers"] = [candidate["spec"]["containers"][0]]
+        candidate["spec"]["containers"][0]["env"] = [entry]
+    payload = client.pod_admission_review(copy.deepcopy(candidate), uid="u", namespace="team-a")
+    result = admission.review(payload, InjectionSettings(), AllNamespacesOptedIn())
+    allowed, message = GUARD.admit(candidate)
+    if denied:
+        assert result.outcome == "denied"
+        webhook_message = result.review["response"]["status"]["message"]
+        for text in (webhook_message, message):
+            assert f'container "{container}"' in text and entry["name"][:10] in text and '"void"' in text
+        assert not allowed
+    else:
+        assert result.outcome != "denied"
+        assert allowed == (not gpu)  # a GPU pod sent unmutated is refused for want of the sidecar
+    if gpu and not denied:
+        patch = json.loads(base64.b64decode(result.review["response"]["patch"]))
+        import jsonpatch
+
+        assert GUARD.admit(jsonpatch.apply_patch(candidate, patch)) == (True, "allowed")
+
+
+def test_the_sidecar_of_a_mutated_pod_keeps_its_nvml_access() -> None:
+    """The injected sidecar sets NVIDIA_VISIBLE_DEVICES=all; in a GPU pod that is the one exception."""
+    import jsonpatch
+
+    from webhook import admission, client
+    from webhook.settings import AllNamespacesOptedIn, InjectionSettings
+
+    original = pod(annotations={"gpufence.io/memory": "4Gi"})
+    payload = client.pod_admission_review(copy.deepcopy(original), uid="u", namespace="team-a")
+    result = admission.review(payload, InjectionSettings(), AllNamespacesOptedIn())
+    mutated = jsonpatch.apply_patch(original, json.loads(base64.b64decode(result.review["response"]["patch"])))
+    assert GUARD.admit(mutated) == (True, "allowed")
+    again = admission.review(client.pod_admission_review(mutated, uid="u", namespace="team-a"),
+                             InjectionSettings(), AllNamespacesOptedIn())
+    assert again.outcome == "unchanged"

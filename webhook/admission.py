@@ -14,7 +14,7 @@ from typing import Any
 
 from webhook.errors import MutationError
 from webhook.mutate import injection_patch
-from webhook.podshape import check_shape, gpu_container_names
+from webhook.podshape import check_shape, gpu_container_names, nvidia_side_door
 from webhook.policy import namespace_policy, opt_out_allowed, opt_out_denial
 from webhook.settings import (
     MIRROR_POD_ANNOTATION,
@@ -145,6 +145,9 @@ def _decide(
         return OUTCOME_SKIPPED, None
 
     gpu_names = gpu_container_names(_dict(pod.get("spec")), settings.gpu_resource_names)
+    side_door = nvidia_side_door(pod.get("spec"), SIDECAR_NAME if gpu_names else None)
+    if side_door is not None:
+        raise _Denied(side_door)  # GPU pod or not, opted out or not: the guard denies it too
     if not gpu_names:
         return OUTCOME_SKIPPED, None
     if labels.get(POD_OPT_OUT_LABEL) == "false":

@@ -41,6 +41,46 @@ def gpu_container_names(spec: dict[str, Any], resource_names: tuple[str, ...]) -
     return names
 
 
+# Variables through which the NVIDIA container toolkit (with its default
+# accept-nvidia-visible-devices-envvar-when-unprivileged = true) hands a container GPUs and driver
+# capabilities without the device plugin: NVIDIA_VISIBLE_DEVICES=all in a pod spec is every GPU
+# of the node, outside the scheduler's count and gpufence's shares. Only these values are inert.
+NVIDIA_TOOLKIT_VARIABLES = ("NVIDIA_VISIBLE_DEVICES", "NVIDIA_DRIVER_CAPABILITIES")
+NVIDIA_INERT_VALUES = ("void", "none")
+
+
+def nvidia_side_door(spec: Any, exempt: str | None) -> str | None:
+    """The denial for the first container (``exempt`` aside: the sidecar of a GPU pod, which the
+    injection rebuilds) that sets a toolkit variable to anything but void/none, else None.
+
+    Tolerant of garbage: the pod may be any pod of an opted-in namespace, not shape-checked.
+    """
+    if not isinstance(spec, dict):
+        return None
+    for key in ("initContainers", "containers"):
+        containers = spec.get(key)
+        if not isinstance(containers, list):
+            continue
+        for container in containers:
+            if not isinstance(container, dict) or container.get("name") == exempt:
+                continue
+            env = container.get("env")
+            for entry in env if isinstance(env, list) else ():
+                if not isinstance(entry, dict) or entry.get("name") not in NVIDIA_TOOLKIT_VARIABLES:
+                    continue
+                value = entry.get("value")
+                if "valueFrom" not in entry and value in NVIDIA_INERT_VALUES:
+                    continue
+                how = "from valueFrom" if "valueFrom" in entry else f"to {quote(value if value is not None else '')}"
+                return (
+                    f"container {quote(container.get('name'))} sets {entry['name']} {how}: in this namespace only "
+                    f'"void" or "none" is accepted, because the NVIDIA container toolkit would hand the container '
+                    "GPUs of the node without the device plugin, outside the scheduler's count and gpufence's "
+                    'shares; remove the variable and request GPUs with resources.limits["nvidia.com/gpu"]'
+                )
+    return None
+
+
 _DICT = frozenset({dict})
 _STR = frozenset({str})
 _STR_OR_NONE = frozenset({str, type(None)})
