@@ -62,6 +62,8 @@ def desired_pod(pod: dict[str, Any], plan: SharePlan, settings: InjectionSetting
 
     library = preload_library_path(settings)
     port = settings.metrics_port
+    sidecar_key = "initContainers" if settings.native_sidecar else "containers"
+    sidecar_at: int | None = None  # where ours already is in its list (a reinvocation)
     for key in ("initContainers", "containers"):
         containers = spec.get(key)
         if not containers:
@@ -69,7 +71,12 @@ def desired_pod(pod: dict[str, Any], plan: SharePlan, settings: InjectionSetting
         updated = []
         for container in containers:
             if container.get("name") == SIDECAR_NAME:
-                continue  # ours (reinvocation, or a copied pod): rebuilt below at its place
+                # Ours (a reinvocation, or a copied pod): rebuilt below. In the list it belongs to
+                # it keeps its index, so that another injector's containers added since (Istio,
+                # Linkerd, Vault Agent put theirs first) are never moved or rewritten into ours.
+                if key == sidecar_key and sidecar_at is None:
+                    sidecar_at = len(updated)
+                continue
             for declared in container.get("ports") or ():
                 if isinstance(declared, dict) and declared.get("containerPort") == port:
                     warnings.append(
@@ -83,10 +90,15 @@ def desired_pod(pod: dict[str, Any], plan: SharePlan, settings: InjectionSetting
         spec[key] = updated
 
     sidecar = build_sidecar(plan, settings, run_as_root=sidecar_runs_as_root(pod["spec"], shares, warnings))
-    if settings.native_sidecar:
-        spec["initContainers"] = [sidecar, *(spec.get("initContainers") or ())]
+    others = list(spec.get(sidecar_key) or ())
+    if sidecar_at is not None:
+        others.insert(sidecar_at, sidecar)
+    elif settings.native_sidecar:
+        others.insert(0, sidecar)  # first: the enforcer is up before the workload starts
     else:
-        spec["containers"] = [*(spec.get("containers") or ()), sidecar]
+        others.append(sidecar)
+    spec[sidecar_key] = others
+    if not settings.native_sidecar:
         _warn_plain_sidecar(spec, shares, warnings)
 
     volumes = list(spec.get("volumes") or ())
