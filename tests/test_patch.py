@@ -146,7 +146,7 @@ def test_the_patch_of_a_first_injection_adds_only_and_reaches_the_desired_pod(
         rewritten = [op for op in ops if op["op"] != "add"]
         assert all(op["op"] == "replace" and LD_PRELOAD_VALUE.fullmatch(op["path"]) for op in rewritten), ops
         for op in rewritten:
-            assert jsonpatch.resolve_pointer(pod, op["path"].rsplit("/", 1)[0])["name"] == "LD_PRELOAD"
+            assert jsonpatch.JsonPointer(op["path"].rsplit("/", 1)[0]).resolve(pod)["name"] == "LD_PRELOAD"
         # One operation per new value: no path is a prefix of another.
         paths = sorted(op["path"] + "/" for op in ops)
         assert not any(b.startswith(a) for a, b in itertools.pairwise(paths)), paths
