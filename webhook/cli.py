@@ -83,6 +83,22 @@ def non_empty(text: str) -> str:
     return text
 
 
+def resource_quantity(text: str) -> str:
+    """A container resource quantity, written back canonically (the API server's form), so that a
+    reinvocation after the API server canonicalised the pod sees the same value and patches nothing."""
+    from webhook.quantity import canonical_quantity
+
+    canonical = canonical_quantity(text.strip())
+    if canonical == "0":
+        raise ValueError("must be greater than zero")
+    return canonical
+
+
+def optional_resource_quantity(text: str) -> str | None:
+    """``resource_quantity``, or None for "none" (no such limit)."""
+    return None if text.strip().lower() == "none" else resource_quantity(text)
+
+
 def memory_share(text: str) -> str:
     from webhook.shares import parse_memory_share  # the core's own parser: the same rules as annotations
 
@@ -139,9 +155,12 @@ FLAGS: tuple[Flag, ...] = (
     Flag("sidecar-mode", choice("native", "container"), "native" if _defaults.native_sidecar else "container",
          "native sidecar (init container with restartPolicy Always, Kubernetes >= 1.29) or a plain container"),
     Flag("metrics-port", port, _defaults.metrics_port, "port of the sidecar's /metrics"),
-    Flag("sidecar-cpu-request", non_empty, _defaults.sidecar_cpu_request, "CPU request of the sidecar"),
-    Flag("sidecar-memory-request", non_empty, _defaults.sidecar_memory_request, "memory request of the sidecar"),
-    Flag("sidecar-memory-limit", non_empty, _defaults.sidecar_memory_limit, "memory limit of the sidecar"),
+    Flag("sidecar-cpu-request", resource_quantity, _defaults.sidecar_cpu_request, "CPU request of the sidecar"),
+    Flag("sidecar-cpu-limit", optional_resource_quantity, _defaults.sidecar_cpu_limit,
+         'CPU limit of the sidecar ("none": no CPU limit; a ResourceQuota on limits.cpu then rejects GPU pods)'),
+    Flag("sidecar-memory-request", resource_quantity, _defaults.sidecar_memory_request,
+         "memory request of the sidecar"),
+    Flag("sidecar-memory-limit", resource_quantity, _defaults.sidecar_memory_limit, "memory limit of the sidecar"),
     Flag("default-memory", memory_share, _defaults.default_memory,
          'memory share when neither pod nor namespace sets one ("8Gi" or "25%")'),
     Flag("default-compute", compute_share, _defaults.default_compute,
@@ -231,6 +250,7 @@ def settings_from_args(args: argparse.Namespace) -> InjectionSettings:
         native_sidecar=args.sidecar_mode == "native",
         metrics_port=args.metrics_port,
         sidecar_cpu_request=args.sidecar_cpu_request,
+        sidecar_cpu_limit=args.sidecar_cpu_limit,
         sidecar_memory_request=args.sidecar_memory_request,
         sidecar_memory_limit=args.sidecar_memory_limit,
         default_memory=args.default_memory,

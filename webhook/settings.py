@@ -82,7 +82,11 @@ class InjectionSettings:
     # Native sidecar (initContainers[0], restartPolicy Always; Kubernetes >= 1.29) or a plain container.
     native_sidecar: bool = True
     metrics_port: int = DEFAULT_METRICS_PORT
+    # Canonical quantities (webhook.cli canonicalises the flags): the API server stores them so.
+    # Limits by default, so that a namespace whose ResourceQuota covers limits.cpu / limits.memory
+    # admits the mutated pod; None: no CPU limit.
     sidecar_cpu_request: str = "10m"
+    sidecar_cpu_limit: str | None = "250m"
     sidecar_memory_request: str = "48Mi"
     sidecar_memory_limit: str = "128Mi"
     # Webhook-level fallbacks when neither the pod nor its namespace sets a share.

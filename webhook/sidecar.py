@@ -220,7 +220,10 @@ def build_sidecar(plan: SharePlan, settings: InjectionSettings, *, run_as_root: 
             "ports": [{"containerPort": port, "name": SIDECAR_PORT_NAME, "protocol": "TCP"}],
             "resources": {
                 "requests": {"cpu": settings.sidecar_cpu_request, "memory": settings.sidecar_memory_request},
-                "limits": {"memory": settings.sidecar_memory_limit},
+                "limits": {
+                    **({"cpu": settings.sidecar_cpu_limit} if settings.sidecar_cpu_limit is not None else {}),
+                    "memory": settings.sidecar_memory_limit,
+                },
             },
             # /healthz answers while the process and its poll loop live, even with NVML down (that
             # degraded state shows in metrics and alerts). No readinessProbe on purpose: the pod's
