@@ -23,7 +23,11 @@ import celpy
 import pytest
 import yaml
 from celpy import celtypes
+from hypothesis import event, given
+from hypothesis import settings as hypothesis_settings
+from hypothesis import strategies as st
 
+from tests.test_admission import good_pods
 from webhook.settings import (
     DEFAULT_GPU_RESOURCE,
     INJECTION_ENABLED,
@@ -447,3 +451,40 @@ def test_the_sidecar_of_a_mutated_pod_keeps_its_nvml_access() -> None:
     again = admission.review(client.pod_admission_review(mutated, uid="u", namespace="team-a"),
                              InjectionSettings(), AllNamespacesOptedIn())
     assert again.outcome == "unchanged"
+
+
+_namespace_variants = st.sampled_from([
+    {}, {"gpufence.io/allow-opt-out": "true"}, {"gpufence.io/allow-audit": "true"},
+    {"gpufence.io/max-memory": "25%", "gpufence.io/mode": "audit"},
+])
+_label_variants = st.sampled_from([None, {POD_OPT_OUT_LABEL: "false"}, {POD_OPT_OUT_LABEL: "true"}, {"app": "x"}])
+
+
+@hypothesis_settings(max_examples=200)
+@given(good_pods, _namespace_variants, _label_variants)
+def test_the_guard_agrees_with_the_webhook_on_generated_pods(candidate: dict[str, Any], ns_annotations: dict[str, str],
+                                                             labels: dict[str, str] | None) -> None:
+    """What the webhook admits as is the guard admits; what it mutates passes the guard; a GPU pod it
+    would mutate is refused by the guard when sent unmutated (the webhook down)."""
+    import jsonpatch
+
+    from webhook import admission, client
+    from webhook.settings import InjectionSettings, NamespaceInfo
+
+    class Lookup:
+        def get(self, name: str) -> NamespaceInfo:
+            return NamespaceInfo(name=name, labels={INJECTION_LABEL: INJECTION_ENABLED}, annotations=ns_annotations)
+
+    if labels is not None:
+        candidate["metadata"]["labels"] = labels
+    payload = client.pod_admission_review(copy.deepcopy(candidate), uid="u", namespace="team-a")
+    result = admission.review(payload, InjectionSettings(), Lookup())
+    event(result.outcome)
+    unmutated, _ = GUARD.admit(candidate, namespace_annotations=ns_annotations)
+    if result.outcome in ("skipped", "unchanged"):
+        assert unmutated, "the guard refuses a pod the webhook admits as it is"
+    elif result.outcome == "mutated":
+        patch = json.loads(base64.b64decode(result.review["response"]["patch"]))
+        mutated = jsonpatch.apply_patch(candidate, patch)
+        assert GUARD.admit(mutated, namespace_annotations=ns_annotations)[0], "the webhook's output fails the guard"
+        assert not unmutated, "a pod the webhook mutates passes the guard unmutated"
