@@ -29,7 +29,9 @@ from hypothesis import strategies as st
 
 from tests.test_admission import good_pods
 from webhook.settings import (
+    ANNOTATION_STATUS,
     DEFAULT_GPU_RESOURCE,
+    DEFAULT_SIDECAR_IMAGE,
     INJECTION_ENABLED,
     INJECTION_LABEL,
     MIRROR_POD_ANNOTATION,
@@ -63,7 +65,8 @@ def _compile(expression: str) -> celpy.Runner:
 class Guard:
     """A compiled copy of the policy; ``gpu_resource_names`` replaces the admin's variable."""
 
-    def __init__(self, policy: dict[str, Any], gpu_resource_names: list[str] | None = None) -> None:
+    def __init__(self, policy: dict[str, Any], gpu_resource_names: list[str] | None = None,
+                 sidecar_image: str | None = None) -> None:
         spec = policy["spec"]
         self.spec = spec
         self.match_conditions = [(m["name"], _compile(m["expression"])) for m in spec.get("matchConditions", [])]
@@ -72,6 +75,8 @@ class Guard:
             expression = v["expression"]
             if v["name"] == "gpuResourceNames" and gpu_resource_names is not None:
                 expression = json.dumps(gpu_resource_names)
+            if v["name"] == "sidecarImage" and sidecar_image is not None:
+                expression = json.dumps(sidecar_image)
             self.variables.append((v["name"], _compile(expression)))
         self.validations = [
             (_compile(v["expression"]), _compile(v["messageExpression"]) if "messageExpression" in v else None, v)
@@ -142,6 +147,7 @@ def _selector_matches(selector: dict[str, Any], labels: dict[str, str]) -> bool:
 
 
 GUARD = Guard(POLICY)
+STATUS = '{"containers":["train"],"mode":"enforce","sidecar":"gpufence-enforcer","version":"0.1.0"}'
 
 
 def pod(
@@ -163,7 +169,8 @@ def pod(
         spec["initContainers"] = [
             {"name": "warmup", "image": "cuda:12", "resources": {"limits": {resource: "1"}}},
         ]
-    enforcer = {"name": SIDECAR_NAME, "image": "ghcr.io/gpufence/gpufence:0.1.0"}
+    # The parts of a real injection the guard checks: the sidecar's image and command, the status.
+    enforcer = {"name": SIDECAR_NAME, "image": DEFAULT_SIDECAR_IMAGE, "command": ["gpufence-enforcer"]}
     if sidecar == "native":
         spec.setdefault("initContainers", []).insert(0, {**enforcer, "restartPolicy": "Always"})
     elif sidecar == "container":
@@ -173,6 +180,8 @@ def pod(
     metadata: dict[str, Any] = {"generateName": "job-", "namespace": "team-a"}
     if labels:
         metadata["labels"] = labels
+    if sidecar:
+        annotations = {ANNOTATION_STATUS: STATUS, **(annotations or {})}
     if annotations:
         metadata["annotations"] = annotations
     return {"apiVersion": "v1", "kind": "Pod", "metadata": metadata, "spec": spec}
@@ -224,6 +233,31 @@ def test_zero_gpus_is_no_gpu_for_the_guard_and_the_webhook(gpu_in: str) -> None:
     one = pod(gpu_in=gpu_in)
     assert gpu_container_names(one["spec"], (DEFAULT_GPU_RESOURCE,)) == ["train"]
     assert not GUARD.admit(one)[0]
+
+
+@pytest.mark.parametrize(
+    "forgery",
+    [
+        lambda p: p["metadata"].pop("annotations"),  # no status annotation
+        lambda p: p["spec"]["initContainers"][0].update(image="busybox"),  # another image
+        lambda p: p["spec"]["initContainers"][0].update(command=["sleep", "inf"]),  # another command
+        lambda p: p["spec"]["initContainers"][0].pop("command"),
+        lambda p: p["metadata"]["annotations"].update({ANNOTATION_STATUS: "{}"}),  # a status without the sidecar
+    ],
+)
+def test_a_container_merely_named_like_the_sidecar_does_not_pass(forgery: Any) -> None:
+    """While the webhook is down, a user container named gpufence-enforcer is not the enforcer."""
+    real = pod(sidecar="native", share=True)
+    assert GUARD.admit(real) == (True, "allowed")
+    forged = copy.deepcopy(real)
+    forgery(forged)
+    allowed, message = GUARD.admit(forged)
+    assert not allowed and "has no gpufence-enforcer sidecar" in message
+
+
+def test_the_sidecar_image_is_kept_in_step_with_the_webhook() -> None:
+    (variable,) = [v for v in POLICY["spec"]["variables"] if v["name"] == "sidecarImage"]
+    assert variable["expression"] == f"'{DEFAULT_SIDECAR_IMAGE}'"
 
 
 def test_non_gpu_pod_is_allowed() -> None:
@@ -356,7 +390,7 @@ def test_the_guard_agrees_with_the_webhook_on_every_golden_case(case: str) -> No
     info = lookup.get(pod_in["metadata"].get("namespace", ""))
     if operation != "CREATE" or info is None or not info.opted_in:
         return  # outside the guard's scope (it matches CREATE in opted-in namespaces only)
-    guard = Guard(POLICY, gpu_resource_names=list(settings.gpu_resource_names))
+    guard = Guard(POLICY, gpu_resource_names=list(settings.gpu_resource_names), sidecar_image=settings.sidecar_image)
     namespace, labels, ns_annotations = info.name, dict(info.labels), dict(info.annotations)
     outcome = expected["outcome"]
     if outcome == "mutated":
