@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import time
 from collections.abc import AsyncIterator, Iterator
@@ -24,6 +23,7 @@ from aiohttp import web
 from aiohttp.web_exceptions import HTTPException
 from aiohttp.web_protocol import RequestPayloadError
 
+from webhook import codec
 from webhook.admission import InvalidReview, review
 from webhook.metrics import WebhookMetrics
 from webhook.namespaces import BackgroundLookup
@@ -66,8 +66,10 @@ METRICS = web.AppKey("metrics", WebhookMetrics)
 LIMITS = web.AppKey("limits", ServerLimits)
 OUTCOME = web.RequestKey("outcome", str)  # the review's outcome, for the metrics
 
-# json.dumps with arguments builds a new encoder per call; this one is built once (same bytes).
-_dumps = json.JSONEncoder(separators=(",", ":")).encode
+
+
+def _dumps(value: object) -> str:
+    return codec.dumps(value).decode()
 
 
 class Rejected(Exception):
@@ -188,8 +190,8 @@ async def _read_body(request: web.Request, limits: ServerLimits) -> bytes:
 
 def _decode(body: bytes) -> Any:
     try:
-        return json.loads(body)
-    except (ValueError, RecursionError) as exc:  # JSONDecodeError, UnicodeDecodeError, huge ints, deep nesting
+        return codec.loads(body)
+    except (ValueError, RecursionError) as exc:  # bad JSON or UTF-8, NaN, nesting deeper than 1024
         raise Rejected(400, f"malformed JSON: {exc}") from None
 
 
@@ -200,7 +202,7 @@ def _answer(body: bytes, settings: InjectionSettings, namespaces: NamespaceLooku
         result = review(payload, settings, namespaces)
     except InvalidReview as exc:
         raise Rejected(400, str(exc)) from None
-    return result.outcome, _dumps(result.review).encode("ascii")  # ensure_ascii: the JSON is ASCII
+    return result.outcome, codec.dumps(result.review)
 
 
 async def mutate(request: web.Request) -> web.Response:
