@@ -64,6 +64,7 @@ def desired_pod(pod: dict[str, Any], plan: SharePlan, settings: InjectionSetting
     port = settings.metrics_port
     sidecar_key = "initContainers" if settings.native_sidecar else "containers"
     sidecar_at: int | None = None  # where ours already is in its list (a reinvocation)
+    previous_sidecar: dict[str, Any] | None = None
     for key in ("initContainers", "containers"):
         containers = spec.get(key)
         if not containers:
@@ -76,6 +77,7 @@ def desired_pod(pod: dict[str, Any], plan: SharePlan, settings: InjectionSetting
                 # Linkerd, Vault Agent put theirs first) are never moved or rewritten into ours.
                 if key == sidecar_key and sidecar_at is None:
                     sidecar_at = len(updated)
+                    previous_sidecar = container
                 continue
             for declared in container.get("ports") or ():
                 if isinstance(declared, dict) and declared.get("containerPort") == port:
@@ -90,6 +92,8 @@ def desired_pod(pod: dict[str, Any], plan: SharePlan, settings: InjectionSetting
         spec[key] = updated
 
     sidecar = build_sidecar(plan, settings, run_as_root=sidecar_runs_as_root(pod["spec"], shares, warnings))
+    if previous_sidecar is not None:
+        sidecar = keep_foreign_additions(sidecar, previous_sidecar)
     others = list(spec.get(sidecar_key) or ())
     if sidecar_at is not None:
         others.insert(sidecar_at, sidecar)
@@ -111,6 +115,30 @@ def desired_pod(pod: dict[str, Any], plan: SharePlan, settings: InjectionSetting
             raise MutationError(f"volume name {quote(volume['name'])} is reserved by gpufence; rename the pod's volume")
     spec["volumes"] = volumes
     return new_pod, warnings
+
+
+# Where the API server's ServiceAccount admission plugin mounts the pod's token.
+SERVICE_ACCOUNT_MOUNT_PATH = "/var/run/secrets/kubernetes.io/serviceaccount"
+
+
+def keep_foreign_additions(built: dict[str, Any], previous: dict[str, Any]) -> dict[str, Any]:
+    """Our rebuilt sidecar plus the ServiceAccount token mount the API server gave it.
+
+    After a webhook adds a container the API server re-runs its ServiceAccount plugin, which mounts
+    the token volume into that container, and then reinvokes us. Rebuilding the sidecar from
+    scratch removed that mount (the enforcer lost its credentials for Events) and answered every
+    reinvocation with a patch. Nothing else a pod brings under our sidecar's name survives: a
+    tenant must not be able to add arguments, or mount its own files over the enforcer's code.
+    """
+    ours = {m.get("name") for m in built.get("volumeMounts") or ()}
+    token = [
+        m for m in previous.get("volumeMounts") or ()
+        if isinstance(m, dict) and m.get("mountPath") == SERVICE_ACCOUNT_MOUNT_PATH and m.get("readOnly") is True
+        and m.get("name") not in ours
+    ]
+    if not token:
+        return built
+    return {**built, "volumeMounts": [*(built.get("volumeMounts") or ()), *token[:1]]}
 
 
 def _warn_plain_sidecar(spec: dict[str, Any], shares: Container[str], warnings: list[str]) -> None:

@@ -48,13 +48,24 @@ def test_with_the_webhook_down_only_unenforced_gpu_pods_are_refused(
     assert kube.is_mutated(again.obj)
 
 
-def test_the_guard_admits_what_the_webhook_skips(admin: client.ApiClient, webhook: WebhookProcess, opted_in: str):
-    """Every pod the webhook leaves alone on purpose must also pass the guard."""
+def test_opt_out_is_the_namespace_admins_choice(admin: client.ApiClient, webhook: WebhookProcess, opted_in: str):
+    """A pod's opt-out label counts only where the namespace allows it, for webhook and guard alike."""
     opted_out = kube.gpu_pod(labels={"gpufence.io/inject": "false"})
-    created = kube.create_pod(admin, opted_in, opted_out)
-    assert created.admitted, created.message
+    refused = kube.create_pod(admin, opted_in, opted_out)
+    assert not refused.admitted and "gpufence.io/allow-opt-out" in refused.message, refused.message
+
+    lenient = kube.create_namespace(admin, "lenient", kube.OPT_IN, annotations={"gpufence.io/allow-opt-out": "true"})
+    created = kube.wait_for(lambda: (c := kube.create_pod(admin, lenient, kube.gpu_pod(
+        labels={"gpufence.io/inject": "false"}))).admitted and c, "the namespace annotation to reach the webhook")
     assert not kube.is_mutated(created.obj)
 
+    webhook.stop("KILL")  # the guard alone must draw the same line
+    assert kube.create_pod(admin, lenient, kube.gpu_pod(labels={"gpufence.io/inject": "false"})).admitted
+    guarded = kube.create_pod(admin, opted_in, kube.gpu_pod(labels={"gpufence.io/inject": "false"}))
+    assert not guarded.admitted and "gpufence-guard" in guarded.message, guarded.message
+
+
+def test_mirror_pods_are_not_the_guards_business(admin: client.ApiClient, webhook: WebhookProcess, opted_in: str):
     mirror = kube.gpu_pod(annotations={"kubernetes.io/config.mirror": "abc"})
     created = kube.create_pod(admin, opted_in, mirror)
     # The API server only lets a node create mirror pods; what matters is that a refusal, if any,
