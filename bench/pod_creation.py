@@ -22,7 +22,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
+import re
 import ssl
 import sys
 import tempfile
@@ -33,13 +35,18 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+import jsonpatch
 import psutil
+from prometheus_client.parser import text_string_to_metric_families
 
 from bench.common import percentile, table, write_section
 from tests.e2e import kube
 from tests.e2e.binaries import KUBERNETES_VERSIONS, build, control_plane, refwebhook_recipe
 from tests.e2e.controlplane import ControlPlane, free_port, running_control_plane, start
 from tests.e2e.gpufence_install import WebhookProcess, point_webhook_at, start_gpufence
+from webhook.admission import review
+from webhook.client import decode_patch, pod_admission_review
+from webhook.settings import AllNamespacesOptedIn, InjectionSettings
 
 TARGET_RATIO = 0.9
 TARGET_ADDED_P99_MS = 5.0
@@ -54,6 +61,7 @@ class Phase:
     failures: int
     webhook_cpu_s: float | None
     namespace: str
+    webhook_calls: float | None = None
 
     @property
     def rate(self) -> float:
@@ -68,9 +76,21 @@ def bench_pod(generate_name: str = "bench-") -> dict[str, Any]:
     return pod
 
 
-async def create_many(cp: ControlPlane, namespace: str, pods: int, concurrency: int) -> tuple[float, list[float], int]:
+def pre_injected_pod(cp: ControlPlane) -> dict[str, Any]:
+    """The pod as gpufence would store it, computed in process (no webhook involved)."""
+    presented = kube.without_server_fields(kube.create_pod(kube.api_client(cp.admin_kubeconfig), "default",
+                                                           bench_pod(), dry_run=True).obj)
+    answer = review(pod_admission_review(presented, uid="bench"), InjectionSettings(), AllNamespacesOptedIn())
+    injected = jsonpatch.apply_patch(presented, decode_patch(answer.review["response"]) or [])
+    injected["metadata"].pop("namespace", None)
+    injected["metadata"].pop("name", None)
+    return injected
+
+
+async def create_many(cp: ControlPlane, namespace: str, pods: int, concurrency: int,
+                      pod: dict[str, Any]) -> tuple[float, list[float], int]:
     ctx: ssl.SSLContext = cp.ssl_context()
-    body = json.dumps(bench_pod()).encode()
+    body = json.dumps(pod).encode()
     url = f"{cp.server}/api/v1/namespaces/{namespace}/pods"
     latencies: list[float] = []
     failures = 0
@@ -99,14 +119,15 @@ async def create_many(cp: ControlPlane, namespace: str, pods: int, concurrency: 
 
 
 def run_phase(cp: ControlPlane, name: str, pods: int, concurrency: int, *, expect_mutated: bool,
-              webhook_pid: int | None) -> Phase:
+              webhook_pid: int | None, pod: dict[str, Any] | None = None) -> Phase:
+    pod = pod or bench_pod()
     admin = kube.api_client(cp.admin_kubeconfig)
-    namespace = kube.create_namespace(admin, "bench-" + name.replace(" ", "-"), kube.OPT_IN)
+    namespace = kube.create_namespace(admin, "bench-" + re.sub(r"[^a-z0-9]+", "-", name), kube.OPT_IN)
     # The API server picks up configuration changes from its own watch: wait until it acts on them.
     last: list[kube.Created] = []
 
     def in_effect() -> bool:
-        last[:] = [kube.create_pod(admin, namespace, bench_pod(), dry_run=True)]
+        last[:] = [kube.create_pod(admin, namespace, pod, dry_run=True)]
         return last[0].admitted and kube.is_mutated(last[0].obj) == expect_mutated
 
     try:
@@ -114,7 +135,7 @@ def run_phase(cp: ControlPlane, name: str, pods: int, concurrency: int, *, expec
     except AssertionError as exc:
         raise AssertionError(f"{exc}: {last[0].status} {last[0].message}") from None
     cpu_before = _cpu(webhook_pid)
-    elapsed, latencies, failures = asyncio.run(create_many(cp, namespace, pods, concurrency))
+    elapsed, latencies, failures = asyncio.run(create_many(cp, namespace, pods, concurrency, pod))
     cpu_after = _cpu(webhook_pid)
     return Phase(name, pods, elapsed, latencies, failures,
                  None if cpu_before is None or cpu_after is None else cpu_after - cpu_before, namespace)
@@ -141,11 +162,16 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as tmp, running_control_plane(binaries, Path(tmp) / "cp") as cp:
         phases.append(run_phase(cp, "no webhook", args.pods, args.concurrency, expect_mutated=False,
                                 webhook_pid=None))
+        # The same store and validation work as gpufence's output, without any webhook call.
+        phases.append(run_phase(cp, "no webhook, pre-injected pod", args.pods, args.concurrency,
+                                expect_mutated=True, webhook_pid=None, pod=pre_injected_pod(cp)))
         hook: WebhookProcess = start_gpufence(cp, Path(tmp) / "gpufence")
         try:
             assert hook.component is not None
+            calls_before = _webhook_calls(hook)
             phases.append(run_phase(cp, "gpufence", args.pods, args.concurrency, expect_mutated=True,
                                     webhook_pid=hook.component.process.pid))
+            phases[-1] = dataclasses.replace(phases[-1], webhook_calls=_webhook_calls(hook) - calls_before)
             # The pod as the API server presents it to webhooks: defaulted, with the ServiceAccount
             # plugin's projected token volume (its random name only ever gets appended after).
             presented = kube.without_server_fields(kube.create_pod(
@@ -172,12 +198,13 @@ def main(argv: list[str] | None = None) -> int:
         finally:
             ref.stop()
 
-    base, ours, peer = phases
+    base, _, ours, peer = phases
     rows = [[p.name, p.pods, f"{p.rate:.0f}", f"{p.rate / base.rate:.2f}", f"{p.p(50):.1f}", f"{p.p(99):.1f}",
              f"{p.p(99) - base.p(99):+.1f}", p.failures,
-             "-" if p.webhook_cpu_s is None else f"{p.webhook_cpu_s / p.pods * 1e6:.0f}"] for p in phases]
+             "-" if p.webhook_cpu_s is None else f"{p.webhook_cpu_s / p.pods * 1e6:.0f}",
+             "-" if p.webhook_calls is None else f"{p.webhook_calls / p.pods:.2f}"] for p in phases]
     body = table(["phase", "pods", "pods/s", "x no webhook", "p50 ms", "p99 ms", "added p99 ms", "failed",
-                  "webhook CPU µs/pod"], rows)
+                  "webhook CPU µs/pod", "webhook calls/pod"], rows)
     verdict = (
         f"\n\nKubernetes {args.version}, {args.concurrency} creates in flight. Targets: gpufence >= "
         f"{TARGET_RATIO} x the no-webhook rate (measured {ours.rate / base.rate:.2f}: "
@@ -190,6 +217,14 @@ def main(argv: list[str] | None = None) -> int:
     if not args.no_write:
         write_section("pod_creation", "Pod creation through the real API server", body + verdict)
     return 0 if all(p.failures == 0 for p in phases) else 1
+
+
+def _webhook_calls(hook: WebhookProcess) -> float:
+    with urllib.request.urlopen(hook.url + "/metrics", context=hook.client_context(), timeout=10) as resp:
+        text = resp.read().decode()
+    return sum(sample.value for family in text_string_to_metric_families(text)
+               if family.name == "gpufence_webhook_requests" for sample in family.samples
+               if sample.name.endswith("_total"))
 
 
 def _ready(port: int, component: Any, ctx: ssl.SSLContext) -> bool:

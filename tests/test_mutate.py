@@ -288,3 +288,15 @@ def test_reinvocation_keeps_the_service_account_token_mount_and_nothing_else() -
     fixed = jsonpatch.apply_patch(pod, ops)
     assert fixed["spec"]["initContainers"][0]["volumeMounts"][-1] == token
     assert all(m["name"] != "code" for m in fixed["spec"]["initContainers"][0]["volumeMounts"])
+
+
+def test_first_injection_mounts_the_token_the_api_server_gave_the_other_containers() -> None:
+    """So that the API server's ServiceAccount plugin finds nothing to add to the new sidecar, and
+    does not reinvoke the webhooks (one call per pod instead of two)."""
+    pod = gpu_pod()
+    token = {"name": "kube-api-access-q8r9s", "readOnly": True,
+             "mountPath": "/var/run/secrets/kubernetes.io/serviceaccount"}
+    pod["spec"]["containers"][0]["volumeMounts"] = [token]
+    new, _ = desired_pod(pod, PLAN, InjectionSettings())
+    assert new["spec"]["initContainers"][0]["volumeMounts"][-1] == token
+    assert diff(new, desired_pod(new, PLAN, InjectionSettings())[0]) == []

@@ -92,8 +92,7 @@ def desired_pod(pod: dict[str, Any], plan: SharePlan, settings: InjectionSetting
         spec[key] = updated
 
     sidecar = build_sidecar(plan, settings, run_as_root=sidecar_runs_as_root(pod["spec"], shares, warnings))
-    if previous_sidecar is not None:
-        sidecar = keep_foreign_additions(sidecar, previous_sidecar)
+    sidecar = with_service_account_token(sidecar, previous_sidecar, pod["spec"])
     others = list(spec.get(sidecar_key) or ())
     if sidecar_at is not None:
         others.insert(sidecar_at, sidecar)
@@ -121,24 +120,37 @@ def desired_pod(pod: dict[str, Any], plan: SharePlan, settings: InjectionSetting
 SERVICE_ACCOUNT_MOUNT_PATH = "/var/run/secrets/kubernetes.io/serviceaccount"
 
 
-def keep_foreign_additions(built: dict[str, Any], previous: dict[str, Any]) -> dict[str, Any]:
-    """Our rebuilt sidecar plus the ServiceAccount token mount the API server gave it.
+def _token_mount(container: Any) -> dict[str, Any] | None:
+    for mount in (container.get("volumeMounts") or ()) if isinstance(container, dict) else ():
+        if isinstance(mount, dict) and mount.get("mountPath") == SERVICE_ACCOUNT_MOUNT_PATH:
+            return mount
+    return None
 
-    After a webhook adds a container the API server re-runs its ServiceAccount plugin, which mounts
-    the token volume into that container, and then reinvokes us. Rebuilding the sidecar from
-    scratch removed that mount (the enforcer lost its credentials for Events) and answered every
-    reinvocation with a patch. Nothing else a pod brings under our sidecar's name survives: a
-    tenant must not be able to add arguments, or mount its own files over the enforcer's code.
+
+def with_service_account_token(built: dict[str, Any], previous: dict[str, Any] | None,
+                               spec: dict[str, Any]) -> dict[str, Any]:
+    """Our sidecar with the pod's ServiceAccount token mounted, as the API server mounts it elsewhere.
+
+    The API server's ServiceAccount plugin runs before the webhooks and mounts the token into every
+    container; after a webhook adds one it runs again for the newcomer, and then reinvokes every
+    ``IfNeeded`` webhook. Rebuilding the sidecar on that reinvocation removed the mount (the
+    enforcer lost its credentials for Events). Giving the sidecar the same mount the other
+    containers already have keeps it, and spares the API server the second plugin run and the
+    reinvocation (one webhook call per pod instead of two). Nothing else a pod brings under our
+    sidecar's name survives: a tenant must not add arguments or mount files over the enforcer's code,
+    and a read-only mount at the token path can do neither.
     """
+    token = _token_mount(previous) if previous is not None else None
+    if token is None:
+        for key in ("initContainers", "containers"):
+            for container in spec.get(key) or ():
+                if isinstance(container, dict) and container.get("name") != SIDECAR_NAME:
+                    token = token or _token_mount(container)
     ours = {m.get("name") for m in built.get("volumeMounts") or ()}
-    token = [
-        m for m in previous.get("volumeMounts") or ()
-        if isinstance(m, dict) and m.get("mountPath") == SERVICE_ACCOUNT_MOUNT_PATH and m.get("readOnly") is True
-        and m.get("name") not in ours
-    ]
-    if not token:
+    if token is None or token.get("readOnly") is not True or token.get("name") in ours:
         return built
-    return {**built, "volumeMounts": [*(built.get("volumeMounts") or ()), *token[:1]]}
+    mount = {"name": token["name"], "readOnly": True, "mountPath": SERVICE_ACCOUNT_MOUNT_PATH}
+    return {**built, "volumeMounts": [*(built.get("volumeMounts") or ()), mount]}
 
 
 def _warn_plain_sidecar(spec: dict[str, Any], shares: Container[str], warnings: list[str]) -> None:
