@@ -46,6 +46,7 @@ from tests.e2e.controlplane import ControlPlane, free_port, running_control_plan
 from tests.e2e.gpufence_install import WebhookProcess, point_webhook_at, start_gpufence
 from webhook.admission import review
 from webhook.client import decode_patch, pod_admission_review
+from webhook.desired import SERVICE_ACCOUNT_MOUNT_PATH as SA_PATH
 from webhook.settings import AllNamespacesOptedIn, InjectionSettings
 
 TARGET_RATIO = 0.9
@@ -179,6 +180,11 @@ def main(argv: list[str] | None = None) -> int:
             presented["metadata"]["namespace"] = phases[-1].namespace
             patch = hook.patch_for(phases[-1].namespace, presented)
             assert patch, "gpufence computed no patch for the benchmark pod"
+            # The reference adds the per-pod token mount itself (its volume name is random per pod).
+            for op in patch:
+                if op["path"] == "/spec/initContainers":
+                    mounts = op["value"][0]["volumeMounts"]
+                    op["value"][0]["volumeMounts"] = [m for m in mounts if m["mountPath"] != SA_PATH]
         finally:
             hook.stop()
         patch_file = Path(tmp) / "patch.json"
