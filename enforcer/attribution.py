@@ -12,8 +12,9 @@ translated into the enforcer's own PID namespace and checked before it becomes a
   local process must also hold an NVIDIA device file (stricter than strictly needed: it protects
   a pod whose host /proc is mounted although the driver already translates PIDs).
 
-Container attribution reads ``GPUFENCE_CONTAINER`` from the environment, which a process can set
-as it likes; the cgroup, which it cannot change, is the cross-check (``resolve_containers``).
+Container attribution: the cgroup, which a process cannot leave, is the container's identity;
+``GPUFENCE_CONTAINER`` in the environment (which a process can set, drop or overwrite) only names
+cgroups (``resolve_containers``).
 
 Cost: facts that never change for a process's life (environ, cgroup, namespace, NSpid) are cached
 per ``(pid, start time)``; a steady-state tick reads one ``stat`` file per NVML PID.
@@ -49,6 +50,8 @@ __all__ = [
     "Attributor",
     "PidMode",
     "PodProcess",
+    "bind_names",
+    "cgroup_names",
     "choose_mode",
     "resolve_containers",
 ]
@@ -70,11 +73,14 @@ class PodProcess:
     pid: int  # PID in the enforcer's own namespace: the ONLY number ever signalled
     nvml_pid: int
     start_time_ticks: int
-    container: str | None  # None: cannot attribute with certainty -> counted for the pod, logged, never signalled
+    container: str | None  # None: no certain container -> counted for the pod budget, logged
     device_index: int
     device_uuid: str
     used_memory_bytes: int | None
     sm_util: int | None
+    # The process's cgroup when it tells containers apart (not the enforcer's own, readable): the
+    # container's identity, used to terminate the container as a whole. None: unknown.
+    cgroup: str | None = None
 
 
 @dataclass(frozen=True)
@@ -118,37 +124,92 @@ def _nspid_self(proc_root: str) -> bool:
         return False
 
 
-def resolve_containers(facts: Iterable[ProcFacts], own_cgroup: str | None) -> dict[int, str | None]:
-    """Each process's container after the cgroup cross-check (pid -> name or None).
+def resolve_containers(
+    facts: Iterable[ProcFacts], own_cgroup: str | None, bound: Mapping[str, str] | None = None
+) -> dict[int, str | None]:
+    """Each process's container (pid -> name or None): the cgroup is the identity, the
+    ``GPUFENCE_CONTAINER`` claims only name cgroups.
 
     In a pod every container is its own cgroup, which a process cannot leave; the environment
-    variable is only a claim. Conservatively (a wrong name can get an innocent container killed):
+    variable is a claim any process can make (or lose: ``env -i``, ``sudo``, setproctitle). So:
 
-    * processes of one cgroup that claim different containers: all of that cgroup -> None;
-    * one name claimed from several cgroups (another container spoofing it, or a container that
-      made sub-cgroups): every process claiming it -> None;
-    * a process without a readable claim stays None even when its cgroup siblings are attributed
-      (we never infer a name), and does not disturb them;
+    * a cgroup whose claimants all name one container is that container, and so is every process
+      in it, a process without a readable claim included;
+    * a cgroup with no claimant this tick is the container ``bound`` to it (a name it carried
+      before, see :func:`bind_names`), else unattributed;
+    * a cgroup whose processes claim different names is unattributed as a whole (it then falls
+      under the pod budget) and does not disturb any other cgroup;
+    * one name claimed by several cgroups: the cgroup ``bound`` to that name keeps it, the others
+      are unattributed; with no binding (the spoof predates the enforcer) all of them are;
     * a cgroup that is unreadable or equal to the enforcer's own says nothing (tests, the demo and
-      ``--simulate`` run every workload in one cgroup): the claim is taken as is.
+      ``--simulate`` run every workload in one cgroup): each claim is taken as is.
     """
     facts = list(facts)
-    claims_by_cgroup: dict[str, set[str]] = defaultdict(set)
-    cgroups_by_name: dict[str, set[str]] = defaultdict(set)
-    for f in facts:
-        if f.container is not None and _informative(f.cgroup, own_cgroup):
-            assert f.cgroup is not None
-            claims_by_cgroup[f.cgroup].add(f.container)
-            cgroups_by_name[f.container].add(f.cgroup)
+    names = cgroup_names(_claims_by_cgroup(facts, own_cgroup), bound or {})
+    return _assign(facts, own_cgroup, names)
+
+
+def _assign(
+    facts: Iterable[ProcFacts], own_cgroup: str | None, names: Mapping[str, str | None]
+) -> dict[int, str | None]:
+    """pid -> container: its cgroup's name where the cgroup is informative, else its own claim."""
     resolved: dict[int, str | None] = {}
     for f in facts:
-        name = f.container
-        if name is not None and _informative(f.cgroup, own_cgroup):
-            assert f.cgroup is not None
-            if len(claims_by_cgroup[f.cgroup]) > 1 or len(cgroups_by_name[name]) > 1:
-                name = None
-        resolved[f.pid] = name
+        if f.cgroup is not None and _informative(f.cgroup, own_cgroup):
+            resolved[f.pid] = names.get(f.cgroup)
+        else:
+            resolved[f.pid] = f.container
     return resolved
+
+
+def _claims_by_cgroup(facts: Iterable[ProcFacts], own_cgroup: str | None) -> dict[str, set[str]]:
+    """informative cgroup -> the names its processes claim (an empty set: nobody claims)."""
+    claims: dict[str, set[str]] = defaultdict(set)
+    for f in facts:
+        if _informative(f.cgroup, own_cgroup):
+            assert f.cgroup is not None
+            entry = claims[f.cgroup]
+            if f.container is not None:
+                entry.add(f.container)
+    return claims
+
+
+def cgroup_names(claims: Mapping[str, set[str]], bound: Mapping[str, str]) -> dict[str, str | None]:
+    """informative cgroup -> its container name or None (the rules of :func:`resolve_containers`)."""
+    by_cgroup = {value: name for name, value in bound.items()}
+    candidate: dict[str, str | None] = {}
+    for cgroup, names in claims.items():
+        if len(names) == 1:
+            candidate[cgroup] = next(iter(names))
+        elif not names:
+            candidate[cgroup] = by_cgroup.get(cgroup)
+        else:
+            candidate[cgroup] = None  # conflicting claims: the whole cgroup is unattributed
+    cgroups_by_name: dict[str, set[str]] = defaultdict(set)
+    for cgroup, name in candidate.items():
+        if name is not None:
+            cgroups_by_name[name].add(cgroup)
+    result: dict[str, str | None] = {}
+    for cgroup, name in candidate.items():
+        if name is not None and len(cgroups_by_name[name]) > 1 and bound.get(name) != cgroup:
+            name = None  # another cgroup holds this name (or nobody can tell which one does)
+        result[cgroup] = name
+    return result
+
+
+def bind_names(names: Mapping[str, str | None], bound: Mapping[str, str]) -> dict[str, str]:
+    """The bindings name -> cgroup after a tick: a name held by exactly one cgroup is bound to it
+    (a restarted container gets a new cgroup and takes its name with it); a binding whose name no
+    cgroup holds this tick is kept, so a later impostor cannot take over an idle container's name."""
+    holders: dict[str, list[str]] = defaultdict(list)
+    for cgroup, name in names.items():
+        if name is not None:
+            holders[name].append(cgroup)
+    result = dict(bound)
+    for name, cgroups in holders.items():
+        if len(cgroups) == 1:
+            result[name] = cgroups[0]
+    return result
 
 
 def _informative(cgroup: str | None, own_cgroup: str | None) -> bool:
@@ -179,6 +240,7 @@ class Attributor:
         self._own_cgroup = _read_cgroup(proc_root)
         self._cache: dict[tuple[int, int], _Entry] = {}
         self._tick = 0
+        self._bound: dict[str, str] = {}  # container name -> the cgroup that last held it alone
 
     @property
     def mode(self) -> PidMode:
@@ -195,7 +257,9 @@ class Attributor:
                 foreign.add(nvml_pid)
             elif not self._is_enforcer(known):
                 facts_by_nvml_pid[nvml_pid] = known.facts
-        containers = resolve_containers(facts_by_nvml_pid.values(), self._own_cgroup)
+        names = cgroup_names(_claims_by_cgroup(facts_by_nvml_pid.values(), self._own_cgroup), self._bound)
+        self._bound = bind_names(names, self._bound)
+        containers = _assign(facts_by_nvml_pid.values(), self._own_cgroup, names)
         processes = [
             PodProcess(
                 pid=facts.pid,
@@ -206,6 +270,7 @@ class Attributor:
                 device_uuid=device.uuid,
                 used_memory_bytes=used,
                 sm_util=device.sm_util_by_pid.get(nvml_pid),
+                cgroup=facts.cgroup if _informative(facts.cgroup, self._own_cgroup) else None,
             )
             for device in sample.devices
             if not device.lost  # its process list is stale or empty this round: skip, as nvml.py says
