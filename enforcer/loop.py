@@ -10,8 +10,9 @@ waits on NVML. Each poll interval ``tick`` does, in order:
    ``gpufence_nvml_up`` is 0 and ``/readyz`` says 503, ``/healthz`` stays 200);
 3. ``NvmlClient.sample()``; per-device errors are counted and logged (rate-limited), never fatal;
 4. ``Attributor.attribute`` and hand the attributed (pid, start time) pairs to the signaller;
-5. ``usage_by_container`` -> metrics; ``memory_orders`` -> SIGTERM victims (enforce) or log and
-   count once per over-share episode (audit);
+5. ``usage_by_container`` and ``pod_usage`` -> metrics; ``memory_orders`` -> the ``Terminator``:
+   unattributed processes while the pod is over its budget, then containers over their shares as a
+   whole (enforce), or log and count once per over-share episode (audit);
 6. ``ComputeTracker.observe/plan`` -> the throttle executor (enforce) or log (audit);
 7. SIGKILL the SIGTERMed processes whose grace period ran out (also checked between polls, so
    the delay is the grace period, not rounded up to a poll).
@@ -26,37 +27,27 @@ from __future__ import annotations
 
 import contextlib
 import re
-import signal
 import threading
 import time
 import traceback
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass
 from typing import Any
 
-from enforcer.attribution import Attribution, Attributor, PidMode, PodProcess
+from enforcer.attribution import Attribution, Attributor, PidMode
 from enforcer.config import EnforcerConfig, Mode
 from enforcer.events import EventRecorder
 from enforcer.health import Health
 from enforcer.logs import DecisionLog
 from enforcer.metrics import EnforcerMetrics, UsageSample
 from enforcer.nvml import NvmlClient, NvmlSample, NvmlUnavailable
-from enforcer.policy import ComputeTracker, container_sm_utilization, memory_orders, usage_by_container
-from enforcer.signals import Outcome, SafeSignaller, SignalTarget
+from enforcer.policy import ComputeTracker, container_sm_utilization, memory_orders, pod_usage, usage_by_container
+from enforcer.signals import SafeSignaller, SignalTarget
 from enforcer.stopped_state import StoppedState, recover
+from enforcer.terminate import Terminator
 from enforcer.throttle import ThrottleExecutor, ThrottlePlan
 
 NVML_BACKOFF_MAX_SECONDS = 30.0
 ERROR_LOG_REPEAT_SECONDS = 60.0
-
-
-@dataclass
-class _PendingKill:
-    target: SignalTarget
-    deadline: float
-    device_uuid: str
-    device_index: int
-    limit_bytes: int
 
 
 class Enforcer:
@@ -101,11 +92,7 @@ class Enforcer:
         self._tracker = ComputeTracker(window_seconds=self._window, period_seconds=self._period)
         self._backoff = config.poll_interval_seconds
         self._next_open = 0.0
-        self._pending: dict[tuple[int, int], _PendingKill] = {}
-        # Processes already terminated (or found gone) that NVML may still list for a while (a
-        # zombie, a driver slow to drop the context): never re-signalled, not re-logged each poll.
-        self._finished: set[tuple[int, int]] = set()
-        self._over: set[tuple[str, int]] = set()
+        self._terminator = Terminator(signaller, throttle, log, metrics, events, clock=clock)
         self._throttled: dict[str, float] = {}
         self._unattributed_seen: set[tuple[int, int]] = set()
         self._lost_devices: set[int] = set()
@@ -182,8 +169,9 @@ class Enforcer:
                 except Exception as exc:
                     self._poll_error(exc, traceback.format_exc(limit=8))
             wake = next_tick
-            if self._pending:
-                wake = min(wake, *(p.deadline for p in self._pending.values()))
+            deadline = self._terminator.next_deadline()
+            if deadline is not None:
+                wake = min(wake, deadline)
             stop.wait(max(wake - self._clock(), 0.0))
 
     def _poll_error(self, exc: Exception, trace: str) -> None:
@@ -216,14 +204,17 @@ class Enforcer:
         now = self._clock()
         self._record_nvml_errors(sample)
         attribution = self._attributor.attribute(sample)
-        attributed = [SignalTarget.of(p) for p in attribution.processes if p.container is not None]
-        self._signaller.authorize(attributed)
-        self._finished &= {t.key for t in attributed}
+        # Every GPU process accepted as the pod's may be signalled, attributed or not (pod budget).
+        self._signaller.authorize(SignalTarget.of(p) for p in attribution.processes)
         self._log_unattributed(attribution)
         totals = {d.index: d.total_memory_bytes for d in sample.devices if not d.lost}
         usages = usage_by_container(attribution, self.config, totals)
+        pods = pod_usage(attribution, self.config, totals)
         self._publish_usage(usages, attribution)
-        self._enforce_memory(memory_orders(usages))
+        self._metrics.set_pod_usage(pods)
+        self._terminator.enforce(
+            memory_orders(usages, pods), attribution, self.config.mode, self.config.grace_period_seconds
+        )
         self._tracker.observe(now, attribution, self.config)
         self._apply_compute(self._tracker.plan(now, self.config), attribution)
         self._check_pending(self._clock())
@@ -275,7 +266,8 @@ class Enforcer:
                 self._log.warning(
                     "unattributed_process", pid=p.pid, nvml_pid=p.nvml_pid, uuid=p.device_uuid,
                     gpu=p.device_index, used_bytes=p.used_memory_bytes,
-                    reason="no certain container: counted for the pod, never signalled",
+                    cgroup=p.cgroup,
+                    reason="no certain container: counts against the pod budget, first to go when the pod is over it",
                 )
 
     def _publish_usage(self, usages: Iterable[Any], attribution: Attribution) -> None:
@@ -295,87 +287,8 @@ class Enforcer:
         ]
         self._metrics.set_container_usage(rows)
 
-    # -- memory --------------------------------------------------------------------------------
-
-    def _enforce_memory(self, orders: Iterable[Any]) -> None:
-        mode = self.config.mode
-        over: set[tuple[str, int]] = set()
-        for order in orders:
-            key = (order.container, order.device_index)
-            over.add(key)
-            if key not in self._over:
-                self._log.warning(
-                    "memory_over_share", container=order.container, uuid=order.device_uuid,
-                    gpu=order.device_index, used_bytes=order.used_bytes, limit_bytes=order.limit_bytes,
-                    mode=mode, action="audit" if mode is Mode.AUDIT else "sigterm",
-                    victims=[v.pid for v in order.victims],
-                )
-                if mode is Mode.AUDIT:
-                    self._metrics.action(order.container, "audit", "memory")
-            if mode is Mode.AUDIT:
-                continue
-            for victim in order.victims:
-                self._terminate(victim, order)
-        for container, index in self._over - over:
-            self._log.info("memory_under_share", container=container, gpu=index)
-        self._over = over
-
-    def _terminate(self, victim: PodProcess, order: Any) -> None:
-        target = SignalTarget.of(victim)
-        if target.key in self._pending or target.key in self._finished:
-            return  # its grace period is running, or it is already dead
-        outcome = self._signaller.send(
-            target, signal.SIGTERM, reason="memory_over_share", uuid=order.device_uuid,
-            gpu=order.device_index, used_bytes=order.used_bytes, limit_bytes=order.limit_bytes,
-            process_used_bytes=victim.used_memory_bytes, mode=self.config.mode, action="sigterm",
-            grace_period_seconds=self.config.grace_period_seconds,
-        )
-        if outcome is not Outcome.SENT:
-            if outcome in (Outcome.GONE, Outcome.REUSED, Outcome.REFUSED):
-                self._finished.add(target.key)
-            return
-        # A process we hold stopped would not act on SIGTERM: continue it, never stop it again.
-        self._throttle.exempt(target)
-        # The grace period counts from the SIGTERM actually sent (the poll's ``now`` is earlier).
-        self._pending[target.key] = _PendingKill(
-            target, self._clock() + self.config.grace_period_seconds, order.device_uuid, order.device_index,
-            order.limit_bytes,
-        )
-        self._metrics.action(order.container, "sigterm", "memory")
-        self._events.record(
-            "GPUMemoryOverShare",
-            f"container {order.container} uses {order.used_bytes} bytes of GPU memory on {order.device_uuid}, "
-            f"over its share of {order.limit_bytes}: SIGTERM to pid {victim.pid}, SIGKILL after "
-            f"{self.config.grace_period_seconds:g}s",
-            action="Terminate",
-        )
-
     def _check_pending(self, now: float) -> None:
-        for key, pending in list(self._pending.items()):
-            target = pending.target
-            if not self._signaller.alive(target):
-                del self._pending[key]
-                self._finished.add(key)
-                self._log.info("terminated", pid=target.pid, container=target.container, reason="exited after SIGTERM")
-                continue
-            if now < pending.deadline:
-                continue
-            del self._pending[key]
-            self._finished.add(key)
-            if self.config.mode is Mode.AUDIT:
-                continue
-            outcome = self._signaller.send(
-                target, signal.SIGKILL, reason="grace_period_expired", uuid=pending.device_uuid,
-                gpu=pending.device_index, limit_bytes=pending.limit_bytes, mode=self.config.mode,
-                action="sigkill",
-            )
-            if outcome is Outcome.SENT:
-                self._metrics.action(target.container or "", "sigkill", "memory")
-                self._events.record(
-                    "GPUMemoryOverShare",
-                    f"container {target.container}: pid {target.pid} still alive after the grace period: SIGKILL",
-                    action="Kill",
-                )
+        self._terminator.check(now, self.config.mode)
 
     # -- compute -------------------------------------------------------------------------------
 
@@ -470,15 +383,7 @@ class Enforcer:
         old = self.config
         self._release_compute("config changed")
         self.config = new
-        if new.mode is Mode.AUDIT:
-            self._pending.clear()
-        else:
-            for pending in self._pending.values():
-                pending.deadline = min(
-                    pending.deadline,
-                    pending.deadline - old.grace_period_seconds + new.grace_period_seconds,
-                )
-        self._over = set()
+        self._terminator.config_changed(old.grace_period_seconds, new.grace_period_seconds, new.mode)
         self._publish_config()
         self._log.info("config_changed", mode=new.mode, config=new.to_dict())
 

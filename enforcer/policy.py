@@ -2,8 +2,8 @@
 
 No I/O and no clock reads: every function here is a function of its arguments (``ComputeTracker``
 keeps a window of past observations, and the time is always passed in). The invariant this module
-guards: a process is chosen for a signal only if it is attributed to a container (never
-``container=None``) and that container is strictly over its share on the device concerned.
+guards: a process is chosen for termination only if its container is strictly over its share on
+the device concerned, or it is unattributed and the pod is strictly over its budget there.
 """
 
 from __future__ import annotations
@@ -31,21 +31,42 @@ class ContainerDeviceUsage:
 
 
 @dataclass(frozen=True)
+class PodDeviceUsage:
+    """The pod on one device: every GPU process accepted as the pod's counts, attributed or not."""
+
+    device_index: int
+    device_uuid: str
+    used_bytes: int  # all the pod's processes on the device (unknown usage counts 0)
+    unattributed_bytes: int  # the part no container can be charged for
+    budget_bytes: int | None  # the sum of the GPU containers' memory shares; None: no budget
+    unattributed: tuple[PodProcess, ...]
+
+
+@dataclass(frozen=True)
 class TerminateOrder:
-    container: str
+    """Terminate ``victims`` (and, for a container, everything else in it) on this device's account.
+
+    ``container`` None: the pod is over its budget and the victims are unattributed processes,
+    largest first, just enough to bring the pod back under (``used_bytes``/``limit_bytes`` are the
+    pod's). Otherwise the container is strictly over its own share and is terminated as a whole:
+    ``victims`` are all its processes on the device (the executor adds the rest of its cgroup).
+    """
+
+    container: str | None
     device_index: int
     device_uuid: str
     used_bytes: int
     limit_bytes: int
-    victims: tuple[PodProcess, ...]  # largest first, just enough to bring the container back under its share
+    victims: tuple[PodProcess, ...]
 
 
 def usage_by_container(
     attribution: Attribution, config: EnforcerConfig, device_totals: Mapping[int, int | None]
 ) -> tuple[ContainerDeviceUsage, ...]:
     """One entry per (container, device) that has at least one attributed process there, sorted by
-    device then container. Unattributed processes belong to no container and appear nowhere here.
-    A container missing from the config gets ``limit_bytes=None`` (nothing to enforce)."""
+    device then container. Unattributed processes belong to no container and appear nowhere here
+    (they count in :func:`pod_usage`). A container missing from the config gets
+    ``limit_bytes=None`` (nothing to enforce)."""
     groups: dict[tuple[int, str], list[PodProcess]] = defaultdict(list)
     for p in attribution.processes:
         if p.container is not None:
@@ -54,6 +75,47 @@ def usage_by_container(
         _usage(container, processes, config, device_totals.get(device_index))
         for (device_index, container), processes in sorted(groups.items(), key=lambda item: item[0])
     )
+
+
+def pod_usage(
+    attribution: Attribution, config: EnforcerConfig, device_totals: Mapping[int, int | None]
+) -> tuple[PodDeviceUsage, ...]:
+    """One entry per device where the pod has a GPU process, sorted by device."""
+    groups: dict[int, list[PodProcess]] = defaultdict(list)
+    for p in attribution.processes:
+        groups[p.device_index].append(p)
+    result = []
+    for device_index in sorted(groups):
+        processes = groups[device_index]
+        unattributed = tuple(sorted((p for p in processes if p.container is None), key=lambda p: p.pid))
+        result.append(
+            PodDeviceUsage(
+                device_index=device_index,
+                device_uuid=processes[0].device_uuid,
+                used_bytes=sum(p.used_memory_bytes or 0 for p in processes),
+                unattributed_bytes=sum(p.used_memory_bytes or 0 for p in unattributed),
+                budget_bytes=pod_budget_bytes(config, device_totals.get(device_index)),
+                unattributed=unattributed,
+            )
+        )
+    return tuple(result)
+
+
+def pod_budget_bytes(config: EnforcerConfig, device_total: int | None) -> int | None:
+    """The pod's budget on a device: the sum of its GPU containers' memory shares there.
+
+    None (no budget) when the config names no container, or when one GPU container has no memory
+    share (or a percentage of an unknown total): its use is unlimited, so the pod's is too.
+    """
+    if not config.containers:
+        return None
+    total = 0
+    for container in config.containers:
+        limit = _limit_bytes(config, container, device_total)
+        if limit is None:
+            return None
+        total += limit
+    return total
 
 
 def _usage(
@@ -83,19 +145,30 @@ def _limit_bytes(config: EnforcerConfig, container: str, device_total: int | Non
     return share.memory.limit_bytes(device_total)
 
 
-def memory_orders(usages: Iterable[ContainerDeviceUsage]) -> tuple[TerminateOrder, ...]:
-    """Orders for containers strictly over their limit; victims are their attributed processes,
-    largest first, until what remains is at or under the limit.
+def memory_orders(
+    usages: Iterable[ContainerDeviceUsage], pods: Iterable[PodDeviceUsage] = ()
+) -> tuple[TerminateOrder, ...]:
+    """What to terminate, in the order to do it: first, on each device where the pod is strictly
+    over its budget, unattributed processes (largest first, just enough); then every container
+    strictly over its own share on some device, as a whole.
 
-    A process whose usage is unknown (None) is never a victim: killing it frees an unknown amount,
-    and the known ones alone account for the whole counted excess. Ties go to the newest process
-    (the one that most likely just pushed the container over).
+    The pod budget is the isolation between pods and does not depend on attribution; attribution
+    only decides which container pays. A process whose usage is unknown (None) is never chosen for
+    the pod budget (killing it frees an unknown amount); ties go to the newest process (the one
+    that most likely just pushed the pod over).
     """
-    orders = []
+    orders = [order for pod in pods if (order := _pod_order(pod)) is not None]
     for usage in usages:
         if usage.limit_bytes is None or usage.used_bytes <= usage.limit_bytes:
             continue
-        victims = _victims(usage)
+        # Re-check each process although usage_by_container built the list: a hand-built
+        # ContainerDeviceUsage must not make another container's or device's process a victim.
+        victims = tuple(
+            sorted(
+                (p for p in usage.processes if p.container == usage.container and p.device_index == usage.device_index),
+                key=_largest_newest,
+            )
+        )
         if victims:
             orders.append(
                 TerminateOrder(
@@ -110,29 +183,41 @@ def memory_orders(usages: Iterable[ContainerDeviceUsage]) -> tuple[TerminateOrde
     return tuple(orders)
 
 
-def _victims(usage: ContainerDeviceUsage) -> tuple[PodProcess, ...]:
-    assert usage.limit_bytes is not None
-    # Re-check each process even though usage_by_container built the list: a ContainerDeviceUsage
-    # can be built by hand, and an unattributed or other-container process must never get here.
+def _pod_order(pod: PodDeviceUsage) -> TerminateOrder | None:
+    if pod.budget_bytes is None or pod.used_bytes <= pod.budget_bytes:
+        return None
     candidates = sorted(
         (
             p
-            for p in usage.processes
-            if p.container == usage.container
-            and p.device_index == usage.device_index
+            for p in pod.unattributed
+            if p.container is None
+            and p.device_index == pod.device_index
             and p.used_memory_bytes is not None
             and p.used_memory_bytes > 0
         ),
-        key=lambda p: (-(p.used_memory_bytes or 0), -p.start_time_ticks, -p.pid),
+        key=_largest_newest,
     )
-    remaining = usage.used_bytes
+    remaining = pod.used_bytes
     victims = []
     for p in candidates:
-        if remaining <= usage.limit_bytes:
+        if remaining <= pod.budget_bytes:
             break
         victims.append(p)
         remaining -= p.used_memory_bytes or 0
-    return tuple(victims)
+    if not victims:
+        return None  # nothing unattributed to take: the containers over their shares pay
+    return TerminateOrder(
+        container=None,
+        device_index=pod.device_index,
+        device_uuid=pod.device_uuid,
+        used_bytes=pod.used_bytes,
+        limit_bytes=pod.budget_bytes,
+        victims=tuple(victims),
+    )
+
+
+def _largest_newest(p: PodProcess) -> tuple[int, int, int]:
+    return (-(p.used_memory_bytes or 0), -p.start_time_ticks, -p.pid)
 
 
 # -- compute ---------------------------------------------------------------------------------------

@@ -191,3 +191,33 @@ def _read_all(path: str) -> bytes | None:
         return None
     finally:
         os.close(fd)
+
+
+def read_cgroup(pid: int, proc_root: str = "/proc") -> str | None:
+    """The content of /proc/<pid>/cgroup (world-readable: no ptrace right needed), stripped."""
+    data = _read_all(f"{proc_root}/{pid}/cgroup")
+    return data.decode("utf-8", "replace").strip() if data is not None else None
+
+
+def processes_in_cgroup(cgroup: str, proc_root: str = "/proc") -> list[tuple[int, int]]:
+    """(pid, start time) of every live process of this PID namespace whose cgroup is ``cgroup``.
+
+    A container cannot leave its cgroup, so this is the whole container (its launchers and helpers
+    that hold no GPU context included). Each start time is read before and after the cgroup, so an
+    entry never mixes two processes.
+    """
+    found = []
+    try:
+        names = os.listdir(proc_root)
+    except OSError:
+        return []
+    for name in names:
+        if not name.isdigit():
+            continue
+        pid = int(name)
+        stat = read_stat(pid, proc_root)
+        if stat is None or stat.is_dead:
+            continue
+        if read_cgroup(pid, proc_root) == cgroup and read_start_time(pid, proc_root) == stat.start_time_ticks:
+            found.append((pid, stat.start_time_ticks))
+    return found

@@ -86,7 +86,7 @@ def test_refusals(child, log):
     # Not authorized (not in this pod's attribution) -> refused, nothing sent.
     assert door.send(c.target(), signal.SIGTERM, reason="test") is Outcome.REFUSED
     door.authorize([c.target(), SignalTarget(os.getpid(), 1, "c"), SignalTarget(os.getppid(), 1, "c")])
-    # Unattributed (no container), PID <= 1, the enforcer itself, its parent chain.
+    # Named unattributed although attributed, PID <= 1, the enforcer itself, its parent chain.
     assert door.send(c.target(container=None), signal.SIGTERM, reason="test") is Outcome.REFUSED
     assert door.send(SignalTarget(1, 1, "c"), signal.SIGTERM, reason="test") is Outcome.REFUSED
     assert door.send(SignalTarget(0, 1, "c"), signal.SIGKILL, reason="test") is Outcome.REFUSED
@@ -101,6 +101,20 @@ def test_refusals(child, log):
     assert c.proc.poll() is None and c.lines() == []
     refused = [r for r in log.records() if r["outcome"] == "refused"]
     assert len(refused) == 7 and all(r["level"] == "warning" and r["why"] for r in refused)
+
+
+def test_unattributed_pod_processes_and_admitted_members_may_be_signalled(child, log):
+    """The pod budget terminates unattributed GPU processes; a container's termination reaches the
+    processes of its cgroup that hold no GPU context. Both only while they are the pod's."""
+    anonymous, launcher, stranger = child(), child(), child()
+    door = SafeSignaller(log)
+    door.authorize([anonymous.target(container=None)])
+    door.admit_members([launcher.target()])
+    assert door.send(stranger.target(), signal.SIGTERM, reason="t") is Outcome.REFUSED
+    assert door.send(anonymous.target(container=None), signal.SIGTERM, reason="t") is Outcome.SENT
+    assert door.send(launcher.target(), signal.SIGTERM, reason="t") is Outcome.SENT
+    assert anonymous.proc.wait(5) == 0 and launcher.proc.wait(5) == 0
+    assert stranger.proc.poll() is None and stranger.lines() == []
 
 
 def test_reused_pid_is_not_signalled(child, log):

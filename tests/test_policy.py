@@ -13,6 +13,7 @@ from enforcer.policy import (
     TerminateOrder,
     container_sm_utilization,
     memory_orders,
+    pod_usage,
     usage_by_container,
 )
 
@@ -69,11 +70,11 @@ TRAIN_8G = config(train=memory(bytes_=8 * GiB))
     [
         pytest.param([3, 3], [], id="under share"),
         pytest.param([5, 3], [], id="exactly at share"),
-        pytest.param([5, 4, 3, 1], [[10]], id="largest alone is enough"),
-        pytest.param([1, 3, 4, 5], [[13]], id="order of listing does not matter"),
-        pytest.param([4, 4, 4, 4], [[13, 12]], id="equal sizes: newest first, just enough"),
+        pytest.param([5, 4, 3, 1], [[10, 11, 12, 13]], id="the whole container, largest first"),
+        pytest.param([1, 3, 4, 5], [[13, 12, 11, 10]], id="order of listing does not matter"),
+        pytest.param([4, 4, 4, 4], [[13, 12, 11, 10]], id="equal sizes: newest first"),
         pytest.param([9], [[10]], id="single process over"),
-        pytest.param([5, 0, 0, 4], [[10]], id="zero-byte processes are never needed"),
+        pytest.param([5, 0, 0, 4], [[10, 13, 12, 11]], id="zero-byte processes go with their container"),
     ],
 )
 def test_memory_victims(used: list[int], expected_victims: list[list[int]]) -> None:
@@ -81,13 +82,51 @@ def test_memory_victims(used: list[int], expected_victims: list[list[int]]) -> N
     assert victim_pids(orders_for(processes, TRAIN_8G)) == expected_victims
 
 
-def test_victims_are_just_enough_for_a_deep_excess() -> None:
-    processes = [proc(1, used=5 * GiB), proc(2, used=4 * GiB), proc(3, used=3 * GiB), proc(4, used=1 * GiB)]
-    (order,) = orders_for(processes, config(train=memory(bytes_=3 * GiB)))
-    # 13 -> 8 -> 4 -> 1 GiB: three victims, and the last (1 GiB) stays.
-    assert [v.pid for v in order.victims] == [1, 2, 3]
-    assert (order.container, order.device_index, order.device_uuid) == ("train", 0, "GPU-0")
-    assert (order.used_bytes, order.limit_bytes) == (13 * GiB, 3 * GiB)
+def pod_orders_for(
+    processes: list[PodProcess], cfg: EnforcerConfig, totals: dict[int, int | None] | None = None
+) -> tuple[TerminateOrder, ...]:
+    attribution = Attribution(tuple(processes), ())
+    totals = totals or {0: 16 * GiB, 1: 16 * GiB}
+    return memory_orders(usage_by_container(attribution, cfg, totals), pod_usage(attribution, cfg, totals))
+
+
+def test_pod_budget_takes_unattributed_processes_first_largest_first_just_enough() -> None:
+    cfg = config(train=memory(bytes_=4 * GiB), eval=memory(bytes_=4 * GiB))  # budget 8 GiB
+    anon = [proc(1, None, 5 * GiB), proc(2, None, 4 * GiB), proc(3, None, 3 * GiB), proc(4, None, 1 * GiB)]
+    # 13 + 2 = 15 GiB -> 10 -> 6: two victims; the unattributed 3 and 1 GiB stay.
+    orders = pod_orders_for([*anon, proc(5, "train", 2 * GiB)], cfg)
+    assert [(o.container, [v.pid for v in o.victims]) for o in orders] == [(None, [1, 2])]
+    (order,) = orders
+    assert (order.used_bytes, order.limit_bytes, order.device_uuid) == (15 * GiB, 8 * GiB, "GPU-0")
+
+
+def test_pod_budget_then_containers_over_their_own_share() -> None:
+    cfg = config(train=memory(bytes_=4 * GiB), eval=memory(bytes_=4 * GiB))
+    processes = [proc(1, None, 1 * GiB), proc(2, "train", 6 * GiB), proc(3, "eval", 1 * GiB), proc(4, "train", 1)]
+    orders = pod_orders_for(processes, cfg)
+    assert [(o.container, [v.pid for v in o.victims]) for o in orders] == [(None, [1]), ("train", [2, 4])]
+
+
+@pytest.mark.parametrize(
+    ("processes", "shares"),
+    [
+        pytest.param([proc(1, None, 1 * GiB), proc(2, "train", 7 * GiB)], {"train": 8}, id="at the budget"),
+        pytest.param([proc(1, None, 50 * GiB)], {"train": 8, "eval": None}, id="a container without a share"),
+        pytest.param([proc(1, None, None), proc(2, "train", 9 * GiB)], {"train": 8}, id="unknown usage is no victim"),
+        pytest.param([proc(1, None, 50 * GiB)], {}, id="no container configured"),
+    ],
+)
+def test_no_pod_budget_order(processes: list[PodProcess], shares: dict[str, int | None]) -> None:
+    cfg = config(**{n: memory(bytes_=g * GiB) if g else ContainerShare() for n, g in shares.items()})
+    assert [o for o in pod_orders_for(processes, cfg) if o.container is None] == []
+
+
+def test_pod_usage_counts_every_process_and_a_percent_budget_needs_the_total() -> None:
+    cfg = config(train=memory(bytes_=4 * GiB), eval=memory(percent=25))
+    processes = [proc(1, None, 3 * GiB), proc(2, "train", 2 * GiB), proc(3, None, None, device=1)]
+    pods = pod_usage(Attribution(tuple(processes), ()), cfg, {0: 16 * GiB, 1: None})
+    summary = [(p.device_index, p.used_bytes, p.unattributed_bytes, p.budget_bytes, len(p.unattributed)) for p in pods]
+    assert summary == [(0, 5 * GiB, 3 * GiB, 8 * GiB, 1), (1, 0, 0, None, 1)]
 
 
 def test_usage_sums_per_container_and_device() -> None:
@@ -133,15 +172,15 @@ def test_multi_device_usage_is_per_device() -> None:
     assert orders_for(processes, TRAIN_8G) == ()
     processes.append(proc(3, used=3 * GiB, device=1))
     (order,) = orders_for(processes, TRAIN_8G)
-    assert (order.device_index, order.device_uuid, [v.pid for v in order.victims]) == (1, "GPU-1", [2])
+    assert (order.device_index, order.device_uuid, [v.pid for v in order.victims]) == (1, "GPU-1", [2, 3])
 
 
-def test_unknown_used_memory_counts_zero_is_flagged_and_never_a_victim() -> None:
+def test_unknown_used_memory_counts_zero_is_flagged_and_goes_with_its_container() -> None:
     processes = [proc(1, used=None), proc(2, used=6 * GiB), proc(3, used=3 * GiB)]
     usages = usage_by_container(Attribution(tuple(processes), ()), TRAIN_8G, {0: 16 * GiB})
     (usage,) = usages
     assert (usage.used_bytes, usage.unknown_usage) == (9 * GiB, True)
-    assert victim_pids(memory_orders(usages)) == [[2]]
+    assert victim_pids(memory_orders(usages)) == [[2, 3, 1]]
     # Only unknowns: nothing counted, nothing to kill.
     (only_unknown,) = usage_by_container(Attribution((proc(1, used=None),), ()), TRAIN_8G, {0: 16 * GiB})
     assert (only_unknown.used_bytes, only_unknown.unknown_usage) == (0, True)
@@ -178,7 +217,7 @@ def test_orders_for_several_containers_at_once() -> None:
     cfg = config(train=memory(bytes_=8 * GiB), eval=memory(bytes_=2 * GiB), idle=memory(bytes_=1 * GiB))
     processes = [proc(1, "train", 9 * GiB), proc(2, "eval", 1 * GiB), proc(3, "eval", 2 * GiB), proc(4, "idle", GiB)]
     assert [(o.container, [v.pid for v in o.victims]) for o in orders_for(processes, cfg)] == [
-        ("eval", [3]),
+        ("eval", [3, 2]),
         ("train", [1]),
     ]
 
