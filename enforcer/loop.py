@@ -45,9 +45,11 @@ from enforcer.signals import SafeSignaller, SignalTarget
 from enforcer.stopped_state import StoppedState, recover
 from enforcer.terminate import Terminator
 from enforcer.throttle import ThrottleExecutor, ThrottlePlan
+from enforcer.watchdog import DeadlineRunner, NvmlHung
 
 NVML_BACKOFF_MAX_SECONDS = 30.0
 ERROR_LOG_REPEAT_SECONDS = 60.0
+THROTTLE_LEASE_INTERVALS = 4
 
 
 class Enforcer:
@@ -68,6 +70,7 @@ class Enforcer:
         config_source: Callable[[], EnforcerConfig | None] | None = None,
         compute_window_seconds: float = 5.0,
         compute_period_seconds: float = 1.0,
+        nvml_timeout_seconds: float = 5.0,
         clock: Callable[[], float] = time.monotonic,
         wall_clock: Callable[[], float] = time.time,
     ) -> None:
@@ -93,6 +96,8 @@ class Enforcer:
         self._backoff = config.poll_interval_seconds
         self._next_open = 0.0
         self._terminator = Terminator(signaller, throttle, log, metrics, events, clock=clock)
+        self._nvml = DeadlineRunner(nvml_timeout_seconds, clock=clock)
+        health.watch_nvml(self._nvml.hung_for, nvml_timeout_seconds)
         self._throttled: dict[str, float] = {}
         self._unattributed_seen: set[tuple[int, int]] = set()
         self._lost_devices: set[int] = set()
@@ -111,7 +116,7 @@ class Enforcer:
         client: NvmlClient | None = None
         try:
             client = self._client_factory()
-            client.open()
+            self._nvml.call("nvmlInit", client.open)
         except Exception as exc:
             error = _short_error(exc)
             self._metrics.nvml_error("nvmlInit", error)
@@ -125,7 +130,7 @@ class Enforcer:
                 retry_in_seconds=round(retry, 3),
             )
             if client is not None and not isinstance(exc, NvmlUnavailable):
-                _close_quietly(client)
+                self._close_client(client)
             return False
         self._client = client
         self._backoff = self.config.poll_interval_seconds
@@ -142,8 +147,14 @@ class Enforcer:
         self._throttle.close("shutdown")
         self._events.close()
         if self._client is not None:
-            _close_quietly(self._client)
+            self._close_client(self._client)
             self._client = None
+
+    def _close_client(self, client: NvmlClient) -> None:
+        """Close through the deadline runner: a client whose call hangs holds its own lock, and
+        ``close`` would wait on it for ever (while a call hangs the runner refuses at once)."""
+        with contextlib.suppress(Exception):
+            self._nvml.call("nvmlShutdown", client.close)
 
     def run(self, stop: threading.Event) -> None:
         """The poll thread: tick every interval, SIGKILL expired grace periods in between."""
@@ -161,6 +172,7 @@ class Enforcer:
                         self._release_compute("poll error")
                 finally:
                     self._metrics.poll_duration.observe(self._clock() - started)
+                    self._health.tick_completed()
                 interval = self.config.poll_interval_seconds
                 next_tick = max(next_tick + interval, self._clock() + interval / 10)
             else:
@@ -196,10 +208,11 @@ class Enforcer:
             return
         assert self._client is not None
         try:
-            sample = self._client.sample()
+            # While NVML answers slowly the SIGKILL timers still fire (the idle callback).
+            sample = self._nvml.call("sample", self._client.sample, idle=self._between_calls)
         except NvmlUnavailable as exc:
             self._nvml_lost(exc)
-            self._check_pending(now)
+            self._check_pending(self._clock())
             return
         now = self._clock()
         self._record_nvml_errors(sample)
@@ -223,13 +236,23 @@ class Enforcer:
         self._health.nvml(True)
         self._health.poll_succeeded()
 
+    def _between_calls(self) -> float | None:
+        """Run due SIGKILLs while waiting on NVML; seconds until the next one is due."""
+        self._check_pending(self._clock())
+        deadline = self._terminator.next_deadline()
+        return None if deadline is None else deadline - self._clock()
+
     def _nvml_lost(self, exc: Exception) -> None:
-        self._metrics.nvml_error("sample", _short_error(exc))
+        hung = isinstance(exc, NvmlHung)
+        self._metrics.nvml_error("sample", "HUNG" if hung else _short_error(exc))
         self._metrics.nvml_up.set(0)
         self._health.nvml(False)
-        self._log.error("nvml_unavailable", function="sample", error=f"{type(exc).__name__}: {exc}")
-        if self._client is not None:
-            _close_quietly(self._client)
+        self._log.error(
+            "nvml_hung" if hung else "nvml_unavailable", function="sample", error=f"{type(exc).__name__}: {exc}",
+        )
+        if self._client is not None and not hung:
+            self._close_client(self._client)
+        # A hung client is dropped, not closed: its call holds its lock (see _close_client).
         self._client = None
         self._backoff = self.config.poll_interval_seconds
         self._next_open = self._clock() + self._backoff
@@ -327,11 +350,11 @@ class Enforcer:
             self._throttle_stopped(container, "under share")
         self._throttled = dict(plan)
         if mode is Mode.ENFORCE:
+            # The lease: if no poll renews the plans (the loop is stuck), the executor continues
+            # everything by itself.
             self._throttle.update(
-                {
-                    c: ThrottlePlan(f, tuple(targets.get(c, {}).values()))
-                    for c, f in plan.items()
-                }
+                {c: ThrottlePlan(f, tuple(targets.get(c, {}).values())) for c, f in plan.items()},
+                lease_seconds=THROTTLE_LEASE_INTERVALS * self.config.poll_interval_seconds + 0.5,
             )
 
     def _release_compute(self, reason: str) -> None:
@@ -401,8 +424,3 @@ def _short_error(exc: BaseException) -> str:
     if "not found" in text or "does not exist" in text or "cannot load" in text:
         return "LIBRARY_NOT_FOUND"
     return type(exc).__name__
-
-
-def _close_quietly(client: NvmlClient) -> None:
-    with contextlib.suppress(Exception):
-        client.close()

@@ -131,6 +131,7 @@ struct sim_fail {
     char fn[128];
     int dev; /* -1: every device and device-less calls */
     nvmlReturn_t code;
+    int hang; /* 1: the call blocks (a GPU off the bus) until the state file no longer says so */
 };
 
 struct sim_state {
@@ -239,13 +240,16 @@ static struct sim_state *parse_state(FILE *f, const char *path) {
         } else if (strcmp(kw, "init_error") == 0) {
             if (parse_ull(strtok_r(NULL, " ", &save), &v)) goto bad;
             s->init_error = (nvmlReturn_t)v;
-        } else if (strcmp(kw, "fail") == 0) {
+        } else if (strcmp(kw, "fail") == 0 || strcmp(kw, "hang") == 0) {
+            int hang = strcmp(kw, "hang") == 0;
             char *fn = strtok_r(NULL, " ", &save);
             if (!fn || strlen(fn) >= sizeof s->fails[0].fn) goto bad;
-            if (parse_ull(strtok_r(NULL, " ", &save), &v)) goto bad;
+            v = 0;
+            if (!hang && parse_ull(strtok_r(NULL, " ", &save), &v)) goto bad;
             if (grow((void **)&s->fails, &s->failcap, s->nfails, sizeof *s->fails)) goto bad;
             struct sim_fail *fl = &s->fails[s->nfails++];
             fl->code = (nvmlReturn_t)v;
+            fl->hang = hang;
             fl->dev = -1;
             char *at = strchr(fn, '@');
             if (at) {
@@ -350,7 +354,8 @@ static int refresh_state(void) {
     return 0;
 }
 
-static nvmlReturn_t injected(const char *fn, int dev) {
+/* The first failure (hang: hang entries, else fail entries) matching the call, or NULL. */
+static const struct sim_fail *matching(const char *fn, int dev, int hang) {
     size_t baselen = strlen(fn);
     /* "nvmlFoo_v3" is also matched by a failure named "nvmlFoo". */
     const char *v = strrchr(fn, '_');
@@ -358,17 +363,30 @@ static nvmlReturn_t injected(const char *fn, int dev) {
     int is_init = strncmp(fn, "nvmlInit", 8) == 0;
     for (size_t i = 0; i < g_state->nfails; i++) {
         const struct sim_fail *f = &g_state->fails[i];
-        if (f->dev >= 0 && f->dev != dev) continue;
+        if (f->hang != hang || (f->dev >= 0 && f->dev != dev)) continue;
         if ((strcmp(f->fn, "*") == 0 && !is_init) || strcmp(f->fn, fn) == 0 ||
             (strlen(f->fn) == baselen && strncmp(f->fn, fn, baselen) == 0))
-            return f->code;
+            return f;
     }
-    return NVML_SUCCESS;
+    return NULL;
 }
 
-/* Common prologue for calls after init: lock held by caller. */
+static nvmlReturn_t injected(const char *fn, int dev) {
+    const struct sim_fail *f = matching(fn, dev, 0);
+    return f ? f->code : NVML_SUCCESS;
+}
+
+/* Common prologue for calls after init: lock held by caller. A "hang" entry blocks the call, as a
+ * GPU that fell off the bus does, until a new state file drops it; the lock is released while
+ * waiting so the test (and other callers) can go on. */
 static nvmlReturn_t enter(const char *fn, int dev) {
-    if (refresh_state() != 0 || g_init_count == 0) return NVML_ERROR_UNINITIALIZED;
+    for (;;) {
+        if (refresh_state() != 0 || g_init_count == 0) return NVML_ERROR_UNINITIALIZED;
+        if (!matching(fn, dev, 1)) break;
+        pthread_mutex_unlock(&g_lock);
+        usleep(10000);
+        pthread_mutex_lock(&g_lock);
+    }
     return injected(fn, dev);
 }
 

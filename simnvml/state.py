@@ -8,6 +8,7 @@ by ``$GPUFENCE_SIM_STATE``). The file format is private to this module and ``fak
     host_pidns <inode>
     init_error <code>                                   (optional)
     fail <function>[@<device index>] <code>             (zero or more)
+    hang <function>[@<device index>]                    (zero or more: the call blocks until dropped)
     device <total> <lost 0|1> <meminfo_not_supported 0|1> <uuid> <name...>
     proc <compute|graphics> <host pid> <used|-> <sm%> <ns inode|-> <ns pid|->   (for the device above)
     end
@@ -171,10 +172,17 @@ class SimState:
     init_error: str | None = None  # NVML error name, e.g. "DRIVER_NOT_LOADED"
     failures: Mapping[str, str] = field(default_factory=dict)  # function name -> NVML error name
     host_pidns_inode: int | None = None  # None -> the writer's own /proc/self/ns/pid inode
+    # Failure keys (as in ``failures``) whose calls block, as on a GPU that fell off the bus, until
+    # a state without them is written.
+    hangs: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "devices", tuple(self.devices))
         object.__setattr__(self, "failures", MappingProxyType(dict(self.failures)))
+        object.__setattr__(self, "hangs", tuple(self.hangs))
+        for key in self.hangs:
+            if not isinstance(key, str) or not _FAILURE_KEY.match(key) or len(key.split("@")[0]) >= 128:
+                raise ValueError(f"hang key must be an NVML function name, optionally '@<device index>'; got {key!r}")
         if len(self.devices) > _MAX_DEVICES:
             raise ValueError(f"at most {_MAX_DEVICES} simulated devices, got {len(self.devices)}")
         for dev in self.devices:
@@ -221,6 +229,7 @@ def render_state(state: SimState) -> str:
     if state.init_error is not None:
         lines.append(f"init_error {error_code(state.init_error)}")
     lines.extend(f"fail {key} {error_code(name)}" for key, name in state.failures.items())
+    lines.extend(f"hang {key}" for key in state.hangs)
     for dev in state.devices:
         flags = f"{int(dev.lost)} {int(dev.memory_info_not_supported)}"
         lines.append(f"device {dev.total_memory_bytes} {flags} {dev.uuid} {dev.name}")
