@@ -111,7 +111,7 @@ struct sim_proc {
     unsigned int host_pid;
     unsigned long long used; /* NVML_VALUE_NOT_AVAILABLE_ULL when not available */
     unsigned int sm_util;
-    int graphics;
+    int graphics; /* the list it is in: 0 compute, 1 graphics, 2 MPS compute (an MPS client) */
     int has_ns;
     unsigned long long ns_inode;
     unsigned int ns_pid;
@@ -285,7 +285,7 @@ static struct sim_state *parse_state(FILE *f, const char *path) {
             char *kind = strtok_r(NULL, " ", &save);
             unsigned long long pid, sm, nsino, nspid;
             int has_used, has_ino, has_nspid;
-            if (!kind || (strcmp(kind, "compute") && strcmp(kind, "graphics"))) goto bad;
+            if (!kind || (strcmp(kind, "compute") && strcmp(kind, "graphics") && strcmp(kind, "mps"))) goto bad;
             if (parse_ull(strtok_r(NULL, " ", &save), &pid) || pid > 0xFFFFFFFFULL) goto bad;
             if (parse_opt_ull(strtok_r(NULL, " ", &save), &v, &has_used)) goto bad;
             if (parse_ull(strtok_r(NULL, " ", &save), &sm)) goto bad;
@@ -294,7 +294,7 @@ static struct sim_state *parse_state(FILE *f, const char *path) {
             if (has_ino != has_nspid || nspid > 0xFFFFFFFFULL) goto bad;
             if (grow((void **)&d->procs, &d->cap, d->nprocs, sizeof *d->procs)) goto bad;
             struct sim_proc *p = &d->procs[d->nprocs++];
-            p->graphics = strcmp(kind, "graphics") == 0;
+            p->graphics = strcmp(kind, "graphics") == 0 ? 1 : strcmp(kind, "mps") == 0 ? 2 : 0;
             p->host_pid = (unsigned int)pid;
             p->used = has_used ? v : NVML_VALUE_NOT_AVAILABLE_ULL;
             p->sm_util = (unsigned int)sm;
@@ -437,11 +437,10 @@ static unsigned long long caller_pidns(void) {
     return g_caller_ns;
 }
 
-/* A graphics entry whose pid also has a compute entry: NVML samples a process once. */
+/* A later entry (another list) of a pid listed before: NVML samples a process once. */
 static int duplicate_sample(const struct sim_dev *d, size_t i) {
-    if (!d->procs[i].graphics) return 0;
-    for (size_t j = 0; j < d->nprocs; j++)
-        if (!d->procs[j].graphics && d->procs[j].host_pid == d->procs[i].host_pid) return 1;
+    for (size_t j = 0; j < i; j++)
+        if (d->procs[j].host_pid == d->procs[i].host_pid) return 1;
     return 0;
 }
 
@@ -707,6 +706,9 @@ RUNNING(nvmlDeviceGetComputeRunningProcesses, 0, 1)
 RUNNING(nvmlDeviceGetGraphicsRunningProcesses_v3, 1, 3)
 RUNNING(nvmlDeviceGetGraphicsRunningProcesses_v2, 1, 2)
 RUNNING(nvmlDeviceGetGraphicsRunningProcesses, 1, 1)
+RUNNING(nvmlDeviceGetMPSComputeRunningProcesses_v3, 2, 3)
+RUNNING(nvmlDeviceGetMPSComputeRunningProcesses_v2, 2, 2)
+RUNNING(nvmlDeviceGetMPSComputeRunningProcesses, 2, 1)
 
 static unsigned long long now_us(void) {
     struct timespec ts;

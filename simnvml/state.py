@@ -10,7 +10,7 @@ by ``$GPUFENCE_SIM_STATE``). The file format is private to this module and ``fak
     fail <function>[@<device index>] <code>             (zero or more)
     hang <function>[@<device index>]                    (zero or more: the call blocks until dropped)
     device <total> <lost 0|1> <meminfo_not_supported 0|1> <uuid> <name...>
-    proc <compute|graphics> <host pid> <used|-> <sm%> <ns inode|-> <ns pid|->   (for the device above)
+    proc <compute|graphics|mps> <host pid> <used|-> <sm%> <ns inode|-> <ns pid|->   (for the device above)
     end
 
 Failure keys: a function name (``nvmlDeviceGetProcessUtilization``; a name without the ``_vN``
@@ -70,7 +70,7 @@ ERROR_CODES: Mapping[str, int] = MappingProxyType(
 )
 
 DRIVER_MODES = ("namespace_aware", "legacy")
-PROCESS_KINDS = ("compute", "graphics")
+PROCESS_KINDS = ("compute", "graphics", "mps")  # mps: an MPS client, listed by the MPS call only
 _MAGIC = "gpufence-simnvml 1"
 _FAILURE_KEY = re.compile(r"^(\*|nvml[A-Za-z0-9_]+)(@\d+)?$")
 _MAX_DEVICES = 256
@@ -110,7 +110,7 @@ class SimProcess:
     pid: int  # host PID (as seen by the writer)
     used_memory_bytes: int | None  # None -> NVML_VALUE_NOT_AVAILABLE
     sm_util: int = 0  # percent, reported by nvmlDeviceGetProcessUtilization
-    kind: str = "compute"  # or "graphics"
+    kind: str = "compute"  # or "graphics", or "mps" (an MPS client: nvmlDeviceGetMPSComputeRunningProcesses)
     ns_inode: int | None = None  # innermost pid namespace inode (None: host namespace)
     ns_pid: int | None = None  # pid inside that namespace
 

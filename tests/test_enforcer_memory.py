@@ -114,6 +114,18 @@ def test_audit_mode_never_signals(gpu, make_config):
     assert hog.alive()
 
 
+def test_an_mps_client_over_its_share_is_terminated(gpu, make_config):
+    """An MPS client appears only in NVML's MPS list: its memory is counted and enforced."""
+    from simnvml import SimProcess
+
+    client = gpu.workload("mps")
+    gpu.write(gpu.device_with(SimProcess.for_pid(client.pid, 3 * GIB, kind="mps")))
+    enforcer = gpu.enforcer(make_config({"mps": {"memoryBytes": 2 * GIB}}, grace=5, interval=INTERVAL))
+    client.wait_line("got SIGTERM", timeout=5)
+    assert enforcer.wait_event("sigterm", 5, pid=client.pid)["used_bytes"] == 3 * GIB
+    assert enforcer.stop() == 0
+
+
 def test_unattributed_process_counts_against_the_pod_budget_and_goes_first(gpu, make_config):
     """An unattributed GPU process is left alone while the pod is under its budget (the sum of its
     containers' shares) and terminated once it pushes the pod over, before any container; a

@@ -95,7 +95,7 @@ def test_many_gpu_processes_then_one_over_share(gpu, tmp_path):
     fd = os.open(gpu.device, os.O_RDONLY)
     crowd = []
     try:
-        for i in range(255):
+        for _ in range(255):
             # All in the neighbour container: the hog container is terminated as a whole.
             env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "GPUFENCE_CONTAINER": "calm"}
             crowd.append(subprocess.Popen(["sleep", "120"], pass_fds=(fd,), env=env))
