@@ -1,20 +1,19 @@
 """Which containers are over their shares, and what to do about it: the enforcer's pure core.
 
-No I/O and no clock reads: every function here is a function of its arguments (``ComputeTracker``
-keeps a window of past observations, and the time is always passed in). The invariant this module
+No I/O and no clock reads: every function here is a function of its arguments (the compute
+controller, ``enforcer/compute.py``, keeps a window and its state, and the time is passed in). The invariant this module
 guards: a process is chosen for termination only if its container is strictly over its share on
 the device concerned, or it is unattributed and the pod is strictly over its budget there.
 """
 
 from __future__ import annotations
 
-from collections import defaultdict, deque
+from collections import defaultdict
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from types import MappingProxyType
 
 from enforcer.attribution import Attribution, PodProcess
-from enforcer.config import EnforcerConfig, Mode
+from enforcer.config import EnforcerConfig
 
 # -- memory ----------------------------------------------------------------------------------------
 
@@ -221,133 +220,19 @@ def _largest_newest(p: PodProcess) -> tuple[int, int, int]:
 
 
 # -- compute ---------------------------------------------------------------------------------------
+# The compute decisions live in enforcer/compute.py (a controller with state of its own); they are
+# re-exported here so "the pure core" stays one import for its callers.
+from enforcer.compute import START_MARGIN, ComputeTracker, container_sm_utilization  # noqa: E402
 
-# Hysteresis. A container starts being throttled only when its demand exceeds its share by this
-# fraction of the share (an integer-percent, sampled metric is noisy, and short bursts are not
-# abuse); once throttled, it stays throttled until its estimated demand is at or under the share
-# itself, where the planned run fraction would reach 1. Between the two thresholds the state does
-# not change, so noise around the share cannot make it flap.
-START_MARGIN = 0.10
-
-
-@dataclass(frozen=True)
-class _Observation:
-    time: float
-    utilization: float  # container SM use in [0, 1]: per-device sum of its processes, max over devices
-    run_fraction: float  # the fraction of each period it was allowed to run when this was measured
-
-
-class ComputeTracker:
-    """Rolling SM-utilisation window per container and duty-cycle planning.
-
-    While a container runs a fraction f of each period its measured SM use u includes the stopped
-    time (which shows 0), so its demand is about u/f; over the window we estimate it as
-    mean(u) / mean(f), robust to individual samples landing in a run or a stop phase. The next run
-    fraction is share/demand, clamped to ``[min_run_fraction, 1)``; reaching 1 ends the throttle.
-
-    Call ``observe`` once per poll and then ``plan``; ``plan`` remembers what it returned, as the
-    fraction in force for the next observations. In audit mode nothing is actually stopped, so the
-    fraction in force is recorded as 1 and the plan says what enforcement *would* do.
-    """
-
-    def __init__(
-        self, window_seconds: float = 5.0, period_seconds: float = 1.0, min_run_fraction: float = 0.05
-    ) -> None:
-        if not window_seconds > 0:
-            raise ValueError(f"window_seconds must be positive, got {window_seconds!r}")
-        if not period_seconds > 0:
-            raise ValueError(f"period_seconds must be positive, got {period_seconds!r}")
-        if not 0 < min_run_fraction < 1:
-            raise ValueError(f"min_run_fraction must be in (0, 1), got {min_run_fraction!r}")
-        self.window_seconds = window_seconds
-        self.period_seconds = period_seconds
-        self.min_run_fraction = min_run_fraction
-        self._history: dict[str, deque[_Observation]] = {}
-        self._fraction: dict[str, float] = {}  # containers currently throttled -> fraction in force
-
-    def observe(self, now: float, attribution: Attribution, config: EnforcerConfig) -> None:
-        """Record each compute-limited container's SM use now (0 when it has no GPU process)."""
-        use = container_sm_utilization(attribution)
-        for container, share in config.containers.items():
-            if share.compute_percent is None:
-                continue
-            in_force = self._fraction.get(container, 1.0) if config.mode is Mode.ENFORCE else 1.0
-            history = self._history.setdefault(container, deque())
-            history.append(_Observation(now, use.get(container, 0.0), in_force))
-            self._expire(history, now)
-        self._forget_unlimited(config)
-
-    def plan(self, now: float, config: EnforcerConfig) -> Mapping[str, float]:
-        """container -> run fraction in (0, 1); a container absent is not throttled."""
-        self._forget_unlimited(config)
-        for container, history in self._history.items():
-            self._expire(history, now)
-            share = config.containers[container].compute_percent
-            assert share is not None
-            fraction = self._next_fraction(history, share / 100, throttled=container in self._fraction)
-            if fraction is None:
-                self._fraction.pop(container, None)
-            else:
-                self._fraction[container] = fraction
-        return MappingProxyType(dict(self._fraction))
-
-    def demand(self, container: str) -> float | None:
-        """The current estimate of a container's unthrottled SM use (for logs), None without data."""
-        history = self._history.get(container)
-        return _demand(history) if history else None
-
-    def _next_fraction(self, history: deque[_Observation], share: float, *, throttled: bool) -> float | None:
-        if not history:
-            return None  # no data (e.g. utilisation unavailable): never throttle blind
-        demand = _demand(history)
-        if throttled:
-            if demand <= share:
-                return None
-        else:
-            # Start only on a sustained excess: at least one full period observed in the window.
-            if demand <= share * (1 + START_MARGIN) or _span(history) < self.period_seconds:
-                return None
-        fraction = max(self.min_run_fraction, share / demand)
-        # share/demand < 1 here; the guard keeps float rounding from yielding exactly 1.
-        return fraction if fraction < 1 else None
-
-    def _expire(self, history: deque[_Observation], now: float) -> None:
-        while history and history[0].time <= now - self.window_seconds:
-            history.popleft()
-
-    def _forget_unlimited(self, config: EnforcerConfig) -> None:
-        """Drop state for containers that no longer have a compute share (config changed)."""
-        for container in list(self._history):
-            share = config.containers.get(container)
-            if share is None or share.compute_percent is None:
-                del self._history[container]
-                self._fraction.pop(container, None)
-
-
-def _demand(history: Iterable[_Observation]) -> float:
-    observations = list(history)
-    mean_use = sum(o.utilization for o in observations) / len(observations)
-    mean_fraction = sum(o.run_fraction for o in observations) / len(observations)
-    return mean_use / mean_fraction
-
-
-def _span(history: deque[_Observation]) -> float:
-    """Seconds between the first and the last observation in the window."""
-    return history[-1].time - history[0].time
-
-
-def container_sm_utilization(attribution: Attribution) -> dict[str, float]:
-    """container -> SM use in [0, 1]: the sum over its processes on each device, capped at the
-    device's 100 %, and the maximum over devices (a share is a share of each GPU it uses).
-
-    A process NVML gave no utilisation for counts as 0: NVML reports only processes that ran since
-    its last sample, and a stopped process does not run. Unattributed processes are not counted.
-    """
-    per_device: dict[tuple[str, int], int] = defaultdict(int)
-    for p in attribution.processes:
-        if p.container is not None:
-            per_device[(p.container, p.device_index)] += max(p.sm_util or 0, 0)
-    result: dict[str, float] = {}
-    for (container, _), percent in per_device.items():
-        result[container] = max(result.get(container, 0.0), min(percent, 100) / 100)
-    return result
+__all__ = [
+    "START_MARGIN",
+    "ComputeTracker",
+    "ContainerDeviceUsage",
+    "PodDeviceUsage",
+    "TerminateOrder",
+    "container_sm_utilization",
+    "memory_orders",
+    "pod_budget_bytes",
+    "pod_usage",
+    "usage_by_container",
+]

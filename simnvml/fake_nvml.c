@@ -136,6 +136,7 @@ struct sim_fail {
 
 struct sim_state {
     int legacy;
+    unsigned long long util_lag_ms; /* 0: utilisation is the state file's; else see lagged_util() */
     unsigned long long host_ns;
     nvmlReturn_t init_error;
     struct sim_dev *devs;
@@ -235,6 +236,8 @@ static struct sim_state *parse_state(FILE *f, const char *path) {
             if (strcmp(mode, "legacy") == 0) s->legacy = 1;
             else if (strcmp(mode, "namespace_aware") == 0) s->legacy = 0;
             else goto bad;
+        } else if (strcmp(kw, "util_lag_ms") == 0) {
+            if (parse_ull(strtok_r(NULL, " ", &save), &s->util_lag_ms)) goto bad;
         } else if (strcmp(kw, "host_pidns") == 0) {
             if (parse_ull(strtok_r(NULL, " ", &save), &s->host_ns)) goto bad;
         } else if (strcmp(kw, "init_error") == 0) {
@@ -716,6 +719,51 @@ static unsigned long long now_us(void) {
     return (unsigned long long)ts.tv_sec * 1000000ULL + (unsigned long long)ts.tv_nsec / 1000ULL;
 }
 
+/* Utilisation that follows the process's run state with a lag. A GPU keeps executing the kernels a
+ * process queued after the process is stopped, so its utilisation falls only gradually (and rises
+ * gradually after SIGCONT): each process's reported SM use is its state-file value times an
+ * exponential average (time constant util_lag_ms) of "running" (not stopped, read from /proc at
+ * each call). Kept across state reloads, keyed by host PID. */
+#define MAX_LAGGED 4096
+static struct {
+    unsigned int pid;
+    double running;
+    unsigned long long t_us;
+} g_lagged[MAX_LAGGED];
+static size_t g_nlagged;
+
+static int proc_running(unsigned int pid) {
+    char path[64], buf[512];
+    snprintf(path, sizeof path, "/proc/%u/stat", pid);
+    FILE *f = fopen(path, "r");
+    if (!f) return 0;
+    size_t n = fread(buf, 1, sizeof buf - 1, f);
+    fclose(f);
+    buf[n] = 0;
+    char *close = strrchr(buf, ')');
+    return !(close && close[1] == ' ' && (close[2] == 'T' || close[2] == 't'));
+}
+
+static unsigned int lagged_util(const struct sim_proc *p, unsigned long long now) {
+    if (g_state->util_lag_ms == 0) return p->sm_util;
+    size_t i;
+    for (i = 0; i < g_nlagged && g_lagged[i].pid != p->host_pid; i++) {
+    }
+    if (i == g_nlagged) {
+        if (g_nlagged == MAX_LAGGED) return p->sm_util;
+        g_nlagged++;
+        g_lagged[i].pid = p->host_pid;
+        g_lagged[i].running = 1.0;
+        g_lagged[i].t_us = now;
+    }
+    double dt = (double)(now - g_lagged[i].t_us) / 1000.0;
+    double tau = (double)g_state->util_lag_ms;
+    double alpha = dt / (tau + dt);
+    g_lagged[i].running += alpha * ((double)proc_running(p->host_pid) - g_lagged[i].running);
+    g_lagged[i].t_us = now;
+    return (unsigned int)(p->sm_util * g_lagged[i].running + 0.5);
+}
+
 static nvmlReturn_t do_process_utilization(nvmlDevice_t device, nvmlProcessUtilizationSample_t *utilization,
                                            unsigned int *count, unsigned long long last_seen) {
     struct sim_dev *d;
@@ -745,7 +793,7 @@ static nvmlReturn_t do_process_utilization(nvmlDevice_t device, nvmlProcessUtili
         nvmlProcessUtilizationSample_t *o = &utilization[k++];
         o->pid = pid;
         o->timeStamp = ts;
-        o->smUtil = p->sm_util;
+        o->smUtil = lagged_util(p, now_us());
         o->memUtil = 0;
         o->encUtil = 0;
         o->decUtil = 0;

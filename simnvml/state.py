@@ -6,6 +6,7 @@ by ``$GPUFENCE_SIM_STATE``). The file format is private to this module and ``fak
     gpufence-simnvml 1
     driver namespace_aware|legacy
     host_pidns <inode>
+    util_lag_ms <ms>                                    (optional: utilisation follows SIGSTOP/SIGCONT with a lag)
     init_error <code>                                   (optional)
     fail <function>[@<device index>] <code>             (zero or more)
     hang <function>[@<device index>]                    (zero or more: the call blocks until dropped)
@@ -175,11 +176,18 @@ class SimState:
     # Failure keys (as in ``failures``) whose calls block, as on a GPU that fell off the bus, until
     # a state without them is written.
     hangs: tuple[str, ...] = ()
+    # When set, a process's reported SM use is its sm_util times an exponential average (this time
+    # constant, ms) of whether it is running: a stopped process's queued kernels keep the GPU busy
+    # for a while, and a continued one takes a while to fill it again. None: sm_util as written.
+    util_lag_ms: int | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "devices", tuple(self.devices))
         object.__setattr__(self, "failures", MappingProxyType(dict(self.failures)))
         object.__setattr__(self, "hangs", tuple(self.hangs))
+        lag = self.util_lag_ms
+        if lag is not None and (isinstance(lag, bool) or not isinstance(lag, int) or not 0 < lag < 3_600_000):
+            raise ValueError(f"util_lag_ms must be None or a positive number of milliseconds, got {lag!r}")
         for key in self.hangs:
             if not isinstance(key, str) or not _FAILURE_KEY.match(key) or len(key.split("@")[0]) >= 128:
                 raise ValueError(f"hang key must be an NVML function name, optionally '@<device index>'; got {key!r}")
@@ -230,6 +238,8 @@ def render_state(state: SimState) -> str:
         lines.append(f"init_error {error_code(state.init_error)}")
     lines.extend(f"fail {key} {error_code(name)}" for key, name in state.failures.items())
     lines.extend(f"hang {key}" for key in state.hangs)
+    if state.util_lag_ms is not None:
+        lines.append(f"util_lag_ms {state.util_lag_ms}")
     for dev in state.devices:
         flags = f"{int(dev.lost)} {int(dev.memory_info_not_supported)}"
         lines.append(f"device {dev.total_memory_bytes} {flags} {dev.uuid} {dev.name}")

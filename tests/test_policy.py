@@ -5,10 +5,8 @@ from __future__ import annotations
 import pytest
 
 from enforcer.attribution import Attribution, PodProcess
-from enforcer.config import ContainerShare, EnforcerConfig, MemoryShare, Mode
+from enforcer.config import ContainerShare, EnforcerConfig, MemoryShare
 from enforcer.policy import (
-    START_MARGIN,
-    ComputeTracker,
     ContainerDeviceUsage,
     TerminateOrder,
     container_sm_utilization,
@@ -222,117 +220,11 @@ def test_orders_for_several_containers_at_once() -> None:
     ]
 
 
-# -- compute ---------------------------------------------------------------------------------------
-
-TRAIN_HALF = config(train=ContainerShare(compute_percent=50))
+# -- compute (the controller is tested in tests/test_compute.py) ------------------------------------
 
 
 def at(*processes: PodProcess) -> Attribution:
     return Attribution(tuple(processes), ())
-
-
-def run(
-    tracker: ComputeTracker, cfg: EnforcerConfig, demands: list[int], *, start: float = 0.0, step: float = 0.5
-) -> dict[str, float]:
-    """Simulate ``train`` wanting the given SM percentages, one poll every ``step`` seconds.
-
-    Enforced, a job allowed to run a fraction f of the time measures demand·f (stopped time shows
-    0); audited, nothing is stopped. Returns the last plan.
-    """
-    plan: dict[str, float] = {}
-    for i, demand in enumerate(demands):
-        now = start + i * step
-        in_force = plan.get("train", 1.0) if cfg.mode is Mode.ENFORCE else 1.0
-        tracker.observe(now, at(proc(1, sm=round(demand * in_force))), cfg)
-        plan = dict(tracker.plan(now, cfg))
-    return plan
-
-
-def test_compute_under_share_is_not_throttled() -> None:
-    assert run(ComputeTracker(), TRAIN_HALF, [40] * 10) == {}
-
-
-def test_compute_over_share_gets_share_over_demand() -> None:
-    assert run(ComputeTracker(), TRAIN_HALF, [90] * 3) == {"train": pytest.approx(0.5 / 0.9)}
-
-
-def test_compute_needs_a_full_period_before_throttling() -> None:
-    tracker = ComputeTracker(period_seconds=1.0)
-    assert run(tracker, TRAIN_HALF, [100, 100]) == {}  # 0.5 s of data: a burst, not yet a pattern
-    assert run(tracker, TRAIN_HALF, [100], start=1.0) == {"train": pytest.approx(0.5)}
-
-
-def test_compute_start_needs_the_margin() -> None:
-    inside = round(50 * (1 + START_MARGIN)) - 1  # 54 %: over the share, inside the margin
-    assert run(ComputeTracker(), TRAIN_HALF, [inside] * 10) == {}
-    assert run(ComputeTracker(), TRAIN_HALF, [inside + 2] * 10) == {"train": pytest.approx(50 / (inside + 2), abs=0.01)}
-
-
-def test_compute_demand_is_measured_use_over_run_fraction() -> None:
-    tracker = ComputeTracker(window_seconds=5.0)
-    # Throttled at f, a steady 90 % job measures 90·f %: the estimate stays 90 %, and so does the plan
-    # (were demand taken as the measured use, the plan would swing back to 1 and flap).
-    assert run(tracker, TRAIN_HALF, [90] * 30) == {"train": pytest.approx(0.5 / 0.9, abs=0.01)}
-    assert tracker.demand("train") == pytest.approx(0.9, abs=0.01)
-
-
-def test_compute_plan_follows_a_changing_demand() -> None:
-    tracker = ComputeTracker(window_seconds=2.0)
-    assert run(tracker, TRAIN_HALF, [100] * 10) == {"train": pytest.approx(0.5)}
-    assert run(tracker, TRAIN_HALF, [80] * 10, start=5.0) == {"train": pytest.approx(0.625, abs=0.01)}
-
-
-def test_compute_hysteresis_keeps_a_throttle_inside_the_band_and_ends_it_at_the_share() -> None:
-    tracker = ComputeTracker(window_seconds=2.0)
-    assert run(tracker, TRAIN_HALF, [100] * 5) == {"train": pytest.approx(0.5)}
-    # Demand drops to 52 %: inside the band (share < demand <= share·(1+margin)): still throttled, f near 1.
-    plan = run(tracker, TRAIN_HALF, [52] * 10, start=2.5)
-    assert plan == {"train": pytest.approx(50 / 52, abs=0.01)}
-    # Demand at or under the share: the throttle ends...
-    assert run(tracker, TRAIN_HALF, [48] * 10, start=7.5) == {}
-    # ...and the same 52 % that kept it throttled does not start it again.
-    assert run(tracker, TRAIN_HALF, [52] * 10, start=12.5) == {}
-
-
-def test_compute_fraction_is_clamped_to_the_minimum() -> None:
-    cfg = config(train=ContainerShare(compute_percent=1))
-    assert run(ComputeTracker(min_run_fraction=0.05), cfg, [100] * 3) == {"train": 0.05}
-
-
-def test_compute_full_share_never_throttles() -> None:
-    cfg = config(train=ContainerShare(compute_percent=100))
-    assert run(ComputeTracker(), cfg, [100] * 10) == {}
-
-
-def test_compute_audit_mode_assumes_nothing_was_stopped() -> None:
-    audit = EnforcerConfig(containers=TRAIN_HALF.containers, mode=Mode.AUDIT)
-    tracker = ComputeTracker()
-    # The job is never really stopped, so it keeps measuring 90 %: the plan must stay at share/0.9
-    # rather than spiral down as if the 90 % had been measured while running a fraction of the time.
-    assert run(tracker, audit, [90] * 20) == {"train": pytest.approx(0.5 / 0.9)}
-
-
-def test_compute_throttle_ends_when_observations_stop() -> None:
-    tracker = ComputeTracker(window_seconds=5.0)
-    assert run(tracker, TRAIN_HALF, [100] * 3)  # observed at 0, 0.5 and 1 s
-    assert tracker.plan(5.9, TRAIN_HALF) == {"train": pytest.approx(0.5)}  # the window still holds t=1
-    assert tracker.plan(6.1, TRAIN_HALF) == {}  # all of it expired: never throttle on no data
-    assert tracker.demand("train") is None
-
-
-def test_compute_share_removed_from_config_ends_the_throttle() -> None:
-    tracker = ComputeTracker()
-    assert run(tracker, TRAIN_HALF, [100] * 3)
-    assert tracker.plan(1.5, config(train=memory(bytes_=GiB))) == {}
-    assert tracker.plan(1.5, config()) == {}
-
-
-def test_container_without_gpu_processes_measures_zero() -> None:
-    tracker = ComputeTracker(window_seconds=2.0)
-    assert run(tracker, TRAIN_HALF, [100] * 3)
-    for i in range(6):
-        tracker.observe(1.5 + i * 0.5, at(), TRAIN_HALF)  # the job exited
-    assert tracker.plan(4.0, TRAIN_HALF) == {}
 
 
 def test_container_sm_utilization_aggregation() -> None:
@@ -346,12 +238,3 @@ def test_container_sm_utilization_aggregation() -> None:
         proc(7, None, sm=100),  # unattributed: nobody's
     )
     assert container_sm_utilization(attribution) == {"train": 0.8, "eval": 1.0, "other": 0.0}
-
-
-@pytest.mark.parametrize(
-    "kwargs",
-    [{"window_seconds": 0}, {"period_seconds": -1}, {"min_run_fraction": 0}, {"min_run_fraction": 1}],
-)
-def test_compute_tracker_rejects_nonsense(kwargs: dict[str, float]) -> None:
-    with pytest.raises(ValueError):
-        ComputeTracker(**kwargs)
