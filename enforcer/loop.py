@@ -5,22 +5,24 @@ state, metrics, events, log) and runs on a thread of its own (``run``), so the H
 waits on NVML. Each poll interval ``tick`` does, in order:
 
 1. (when ``--config FILE`` is used) reload the config if the file changed; on a change every
-   throttled process is continued and the compute tracker starts afresh;
+   throttled process is continued and the compute controller starts afresh;
 2. open NVML if it is not open (backoff from one poll interval doubling to 30 s; meanwhile
-   ``gpufence_nvml_up`` is 0 and ``/readyz`` says 503, ``/healthz`` stays 200);
+   ``gpufence_nvml_up`` is 0 and ``/readyz`` says 503; ``/healthz`` fails only while a call hangs);
 3. ``NvmlClient.sample()``; per-device errors are counted and logged (rate-limited), never fatal;
-4. ``Attributor.attribute`` and hand the attributed (pid, start time) pairs to the signaller;
-5. ``usage_by_container`` and ``pod_usage`` -> metrics; ``memory_orders`` -> the ``Terminator``:
-   unattributed processes while the pod is over its budget, then containers over their shares as a
-   whole (enforce), or log and count once per over-share episode (audit);
-6. ``ComputeTracker.observe/plan`` -> the throttle executor (enforce) or log (audit);
-7. SIGKILL the SIGTERMed processes whose grace period ran out (also checked between polls, so
+4. ``Attributor.attribute`` and hand the pod's (pid, start time) pairs to the signaller;
+5. ``Core.step`` (``enforcer/core.py``, pure) decides everything for this poll; the loop is the
+   driver that carries its ``Decisions`` out: metrics, log lines, the ``Terminator`` (unattributed
+   processes while the pod is over its budget, then containers over their shares as a whole; in
+   audit mode only the episode lines), and the throttle plan to the executor (with a lease);
+6. SIGKILL the SIGTERMed processes whose grace period ran out (also checked between polls, so
    the delay is the grace period, not rounded up to a poll).
 
 Any exception in a tick is logged (``poll_error``, then at most once a minute per kind) and
 counted (``gpufence_poll_errors_total``); the loop goes on. Compute throttling needs fresh
 measurements: when NVML stops answering, a poll fails, or the config changes, every throttled
-process is continued and the compute tracker starts afresh. Pending SIGKILLs still fire.
+process is continued and the compute controller starts afresh. Pending SIGKILLs still fire, also
+while an NVML call is slow; a call that hangs past ``--nvml-timeout`` is an error (``nvml_hung``,
+see ``watchdog.py``).
 """
 
 from __future__ import annotations
@@ -30,17 +32,17 @@ import re
 import threading
 import time
 import traceback
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable
 from typing import Any
 
-from enforcer.attribution import Attribution, Attributor, PidMode
+from enforcer.attribution import Attribution, Attributor, PidMode, PodProcess
 from enforcer.config import EnforcerConfig, Mode
+from enforcer.core import Core, Decisions, ThrottleChange, Transition
 from enforcer.events import EventRecorder
 from enforcer.health import Health
 from enforcer.logs import DecisionLog
 from enforcer.metrics import EnforcerMetrics, UsageSample
 from enforcer.nvml import NvmlClient, NvmlSample, NvmlUnavailable
-from enforcer.policy import ComputeTracker, container_sm_utilization, memory_orders, pod_usage, usage_by_container
 from enforcer.signals import SafeSignaller, SignalTarget
 from enforcer.stopped_state import StoppedState, recover
 from enforcer.terminate import Terminator
@@ -74,7 +76,6 @@ class Enforcer:
         clock: Callable[[], float] = time.monotonic,
         wall_clock: Callable[[], float] = time.time,
     ) -> None:
-        self.config = config
         self.pid_mode = pid_mode
         self._attributor = attributor
         self._client_factory = client_factory
@@ -88,22 +89,25 @@ class Enforcer:
         self._health = health
         self._events = events
         self._config_source = config_source
-        self._window = compute_window_seconds
-        self._period = compute_period_seconds
         self._clock = clock
         self._wall = wall_clock
-        self._tracker = ComputeTracker(window_seconds=self._window, period_seconds=self._period)
+        self._core = Core(
+            config, compute_window_seconds=compute_window_seconds, compute_period_seconds=compute_period_seconds
+        )
         self._backoff = config.poll_interval_seconds
         self._next_open = 0.0
         self._terminator = Terminator(signaller, throttle, log, metrics, events, clock=clock)
         self._nvml = DeadlineRunner(nvml_timeout_seconds, clock=clock)
         health.watch_nvml(self._nvml.hung_for, nvml_timeout_seconds)
-        self._throttled: dict[str, float] = {}
-        self._unattributed_seen: set[tuple[int, int]] = set()
         self._lost_devices: set[int] = set()
         self._error_log: dict[tuple[str, str, int | None], float] = {}
         self._error_counts: dict[tuple[str, str, int | None], int] = {}
         self._publish_config()
+
+    @property
+    def config(self) -> EnforcerConfig:
+        """The config in force: the core's (one place, switched by ``apply_config``)."""
+        return self._core.config
 
     # -- lifecycle -----------------------------------------------------------------------------
 
@@ -219,17 +223,13 @@ class Enforcer:
         attribution = self._attributor.attribute(sample)
         # Every GPU process accepted as the pod's may be signalled, attributed or not (pod budget).
         self._signaller.authorize(SignalTarget.of(p) for p in attribution.processes)
-        self._log_unattributed(attribution)
         totals = {d.index: d.total_memory_bytes for d in sample.devices if not d.lost}
-        usages = usage_by_container(attribution, self.config, totals)
-        pods = pod_usage(attribution, self.config, totals)
-        self._publish_usage(usages, attribution)
-        self._metrics.set_pod_usage(pods)
-        self._terminator.enforce(
-            memory_orders(usages, pods), attribution, self.config.mode, self.config.grace_period_seconds
-        )
-        self._tracker.observe(now, attribution, self.config)
-        self._apply_compute(self._tracker.plan(now, self.config), attribution)
+        decisions = self._core.step(now, attribution, totals)
+        self._log_unattributed(decisions.new_unattributed)
+        self._publish_usage(decisions.usages, attribution)
+        self._metrics.set_pod_usage(decisions.pods)
+        self._terminator.enforce(decisions, attribution, self.config.mode, self.config.grace_period_seconds)
+        self._apply_compute(decisions, attribution)
         self._check_pending(self._clock())
         self._metrics.last_successful_poll.set(self._wall())
         self._metrics.nvml_up.set(1)
@@ -280,18 +280,14 @@ class Enforcer:
                 self._log.info("device_recovered", device=d.index, uuid=d.uuid)
         self._lost_devices = lost
 
-    def _log_unattributed(self, attribution: Attribution) -> None:
-        for p in attribution.processes:
-            if p.container is None and (p.pid, p.start_time_ticks) not in self._unattributed_seen:
-                if len(self._unattributed_seen) > 10000:
-                    self._unattributed_seen.clear()
-                self._unattributed_seen.add((p.pid, p.start_time_ticks))
-                self._log.warning(
-                    "unattributed_process", pid=p.pid, nvml_pid=p.nvml_pid, uuid=p.device_uuid,
-                    gpu=p.device_index, used_bytes=p.used_memory_bytes,
-                    cgroup=p.cgroup,
-                    reason="no certain container: counts against the pod budget, first to go when the pod is over it",
-                )
+    def _log_unattributed(self, processes: Iterable[PodProcess]) -> None:
+        for p in processes:
+            self._log.warning(
+                "unattributed_process", pid=p.pid, nvml_pid=p.nvml_pid, uuid=p.device_uuid,
+                gpu=p.device_index, used_bytes=p.used_memory_bytes,
+                cgroup=p.cgroup,
+                reason="no certain container: counts against the pod budget, first to go when the pod is over it",
+            )
 
     def _publish_usage(self, usages: Iterable[Any], attribution: Attribution) -> None:
         sm: dict[tuple[str, int], int] = {}
@@ -315,76 +311,64 @@ class Enforcer:
 
     # -- compute -------------------------------------------------------------------------------
 
-    def _apply_compute(self, plan: Mapping[str, float], attribution: Attribution) -> None:
-        mode = self.config.mode
+    def _apply_compute(self, decisions: Decisions, attribution: Attribution) -> None:
+        """Log the core's throttle transitions and hand its plan to the executor (enforce mode)."""
         targets: dict[str, dict[tuple[int, int], SignalTarget]] = {}
         for p in attribution.processes:
             if p.container is not None:
                 t = SignalTarget.of(p)
                 targets.setdefault(p.container, {})[t.key] = t
-        sm = container_sm_utilization(attribution)
-        for container, fraction in plan.items():
-            share = self._compute_share(container)
-            if container not in self._throttled:
-                self._log.warning(
-                    "throttle_start", container=container, compute_share=share,
-                    sm_utilization=sm.get(container, 0.0), demand=_round(self._tracker.demand(container)),
-                    run_fraction=round(fraction, 4),
-                    mode=mode, action="audit" if mode is Mode.AUDIT else "throttle_start",
-                    pids=sorted(t.pid for t in targets.get(container, {}).values()),
-                )
-                if mode is Mode.AUDIT:
-                    self._metrics.action(container, "audit", "compute")
-                else:
-                    self._metrics.action(container, "throttle_start", "compute")
-                    self._metrics.set_throttled(container, True)
-                    self._events.record(
-                        "GPUComputeOverShare",
-                        f"container {container} uses more SM time than its compute share "
-                        f"{share:.0%}: duty-cycled at {fraction:.0%} run time",
-                        action="Throttle",
-                    )
-            elif abs(self._throttled[container] - fraction) >= 0.01:
-                self._log.debug("throttle_update", container=container, run_fraction=round(fraction, 4))
-        for container in set(self._throttled) - set(plan):
-            self._throttle_stopped(container, "under share")
-        self._throttled = dict(plan)
-        if mode is Mode.ENFORCE:
+        for change in decisions.throttle_changes:
+            self._log_throttle(change, sorted(t.pid for t in targets.get(change.container, {}).values()))
+        if self.config.mode is Mode.ENFORCE:
             # The lease: if no poll renews the plans (the loop is stuck), the executor continues
             # everything by itself.
             self._throttle.update(
-                {c: ThrottlePlan(f, tuple(targets.get(c, {}).values())) for c, f in plan.items()},
+                {c: ThrottlePlan(f, tuple(targets.get(c, {}).values())) for c, f in decisions.plan.items()},
                 lease_seconds=THROTTLE_LEASE_INTERVALS * self.config.poll_interval_seconds + 0.5,
             )
 
-    def _release_compute(self, reason: str) -> None:
-        """Continue everything, end every throttle, start the compute tracker afresh."""
-        self._throttle.release_all(reason.replace(" ", "_"))
-        for container in list(self._throttled):
-            self._throttle_stopped(container, reason)
-        self._throttled = {}
-        self._tracker = ComputeTracker(window_seconds=self._window, period_seconds=self._period)
-
-    def _throttle_stopped(self, container: str, reason: str) -> None:
-        mode = self.config.mode
-        self._log.info(
-            "throttle_stop", container=container, compute_share=self._compute_share(container),
-            mode=mode, action="audit" if mode is Mode.AUDIT else "throttle_stop", reason=reason,
+    def _log_throttle(self, change: ThrottleChange, pids: list[int] | None = None) -> None:
+        mode, container = self.config.mode, change.container
+        if change.transition is Transition.UPDATE:
+            self._log.debug("throttle_update", container=container, run_fraction=_round(change.fraction))
+            return
+        if change.transition is Transition.STOP:
+            self._log.info(
+                "throttle_stop", container=container, compute_share=change.share, mode=mode,
+                action="audit" if mode is Mode.AUDIT else "throttle_stop", reason=change.reason,
+            )
+            if mode is Mode.ENFORCE:
+                self._metrics.action(container, "throttle_stop", "compute")
+            self._metrics.set_throttled(container, False)
+            return
+        self._log.warning(
+            "throttle_start", container=container, compute_share=change.share, sm_utilization=change.sm_utilization,
+            demand=_round(change.demand), run_fraction=_round(change.fraction), mode=mode,
+            action="audit" if mode is Mode.AUDIT else "throttle_start", pids=pids or [],
         )
-        if mode is Mode.ENFORCE:
-            self._metrics.action(container, "throttle_stop", "compute")
-        self._metrics.set_throttled(container, False)
+        if mode is Mode.AUDIT:
+            self._metrics.action(container, "audit", "compute")
+            return
+        self._metrics.action(container, "throttle_start", "compute")
+        self._metrics.set_throttled(container, True)
+        self._events.record(
+            "GPUComputeOverShare",
+            f"container {container} uses more SM time than its compute share {change.share or 0:.0%}: "
+            f"duty-cycled at {change.fraction or 0:.0%} run time",
+            action="Throttle",
+        )
 
-    def _compute_share(self, container: str) -> float | None:
-        share = self.config.containers.get(container)
-        if share is None or share.compute_percent is None:
-            return None
-        return share.compute_percent / 100
+    def _release_compute(self, reason: str) -> None:
+        """Continue everything, end every throttle, start the compute controller afresh."""
+        self._throttle.release_all(reason.replace(" ", "_"))
+        for change in self._core.release(reason):
+            self._log_throttle(change)
 
     # -- config --------------------------------------------------------------------------------
 
     def _publish_config(self) -> None:
-        shares = {name: self._compute_share(name) for name in self.config.containers}
+        shares = {name: self._core.compute_share(name) for name in self.config.containers}
         self._metrics.set_compute_shares(shares)
         # Called with nothing throttled (start, config change): a 0 series per compute-limited container.
         self._metrics.throttled.clear()
@@ -404,8 +388,9 @@ class Enforcer:
     def apply_config(self, new: EnforcerConfig) -> None:
         """Switch to a new config: continue everything throttled, start compute tracking afresh."""
         old = self.config
-        self._release_compute("config changed")
-        self.config = new
+        self._throttle.release_all("config_changed")
+        for change in self._core.reconfigure(new):
+            self._log_throttle(change)  # under the old config's shares and mode
         self._terminator.config_changed(old.grace_period_seconds, new.grace_period_seconds, new.mode)
         self._publish_config()
         self._log.info("config_changed", mode=new.mode, config=new.to_dict())

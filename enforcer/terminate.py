@@ -1,5 +1,6 @@
 """Memory enforcement's executor: terminate whole containers, and unattributed processes when the
-pod is over its budget (the orders come from ``policy.memory_orders``, this module only acts).
+pod is over its budget (the orders and episodes come from ``core.Core``; this module only acts, and
+keeps the SIGKILL timers, which depend on signal outcomes and process exits).
 
 * A container over its share is terminated as a whole: SIGTERM to every process of it that the
   enforcer knows (its GPU processes on every device, and every process of its cgroup: launchers
@@ -19,11 +20,12 @@ from __future__ import annotations
 
 import signal
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from enforcer.attribution import Attribution
 from enforcer.config import Mode
+from enforcer.core import Decisions
 from enforcer.events import EventRecorder
 from enforcer.logs import DecisionLog
 from enforcer.metrics import EnforcerMetrics
@@ -85,34 +87,29 @@ class Terminator:
         # Processes already terminated (or found gone) that NVML may still list for a while (a
         # zombie, a driver slow to drop the context): never re-signalled, not re-logged each poll.
         self._finished: set[tuple[int, int]] = set()
-        self._over: set[tuple[str | None, int]] = set()  # open over-share episodes (None: the pod)
 
     # -- the poll's orders -----------------------------------------------------------------------
 
-    def enforce(self, orders: Iterable[TerminateOrder], attribution: Attribution, mode: Mode, grace: float) -> None:
-        """Act on this poll's orders (``policy.memory_orders``): log each episode once, and in
-        enforce mode terminate what the orders name."""
+    def enforce(self, decisions: Decisions, attribution: Attribution, mode: Mode, grace: float) -> None:
+        """Act on this poll's decisions (``core.Core.step``): log each over-share episode once (the
+        core says which start and end), and in enforce mode terminate what the orders name."""
         self._finished &= {(p.pid, p.start_time_ticks) for p in attribution.processes}
-        over: set[tuple[str | None, int]] = set()
-        for order in orders:
-            key = (order.container, order.device_index)
-            over.add(key)
-            if key not in self._over:
-                self._log_episode(order, mode, attribution)
-            if mode is Mode.AUDIT:
-                continue
+        for order in decisions.episodes_started:
+            self._log_episode(order, mode, attribution)
+        for container, index in decisions.episodes_ended:
+            if container is None:
+                self._log.info("pod_under_budget", gpu=index)
+            else:
+                self._log.info("memory_under_share", container=container, gpu=index)
+        if mode is Mode.AUDIT:
+            return
+        for order in decisions.orders:
             why = _Why(order.container, order.device_uuid, order.device_index, order.used_bytes, order.limit_bytes)
             if order.container is None:
                 for victim in order.victims:
                     self._sigterm(SignalTarget.of(victim), why, grace, victim.used_memory_bytes)
             else:
                 self._terminate_container(order.container, why, attribution, grace)
-        for container, index in self._over - over:
-            if container is None:
-                self._log.info("pod_under_budget", gpu=index)
-            else:
-                self._log.info("memory_under_share", container=container, gpu=index)
-        self._over = over
 
     def _log_episode(self, order: TerminateOrder, mode: Mode, attribution: Attribution) -> None:
         action = "audit" if mode is Mode.AUDIT else "sigterm"
@@ -252,7 +249,6 @@ class Terminator:
 
     def config_changed(self, old_grace: float, new_grace: float, mode: Mode) -> None:
         """Audit mode drops what is pending; a shorter grace period shortens running ones."""
-        self._over = set()
         if mode is Mode.AUDIT:
             self._pending.clear()
             self._sweeps.clear()
