@@ -87,6 +87,9 @@ class PodProcess:
 class Attribution:
     processes: tuple[PodProcess, ...]  # this pod's GPU processes (one entry per pid and device)
     foreign_pids: tuple[int, ...]  # NVML PIDs judged not in this pod: ignored
+    # NVML PIDs of local processes whose descriptors we may not read (no ptrace access): neither
+    # accepted nor signalled, reported (a sidecar with fewer capabilities than the workload).
+    uninspectable: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -251,9 +254,12 @@ class Attributor:
         self._tick += 1
         facts_by_nvml_pid: dict[int, ProcFacts] = {}
         foreign: set[int] = set()
+        uninspectable: set[int] = set()
         for nvml_pid in _nvml_pids(sample):
             known = self._resolve(nvml_pid)
-            if known is None or known.facts is None or not known.facts.holds_nvidia_device:
+            if known is not None and known.facts is not None and not known.facts.inspectable:
+                uninspectable.add(nvml_pid)
+            elif known is None or known.facts is None or not known.facts.holds_nvidia_device:
                 foreign.add(nvml_pid)
             elif not self._is_enforcer(known):
                 facts_by_nvml_pid[nvml_pid] = known.facts
@@ -278,7 +284,9 @@ class Attributor:
             if (facts := facts_by_nvml_pid.get(nvml_pid)) is not None
         ]
         self._evict()
-        return Attribution(processes=tuple(processes), foreign_pids=tuple(sorted(foreign)))
+        return Attribution(
+            processes=tuple(processes), foreign_pids=tuple(sorted(foreign)), uninspectable=tuple(sorted(uninspectable))
+        )
 
     # -- one PID ---------------------------------------------------------------------------------
 

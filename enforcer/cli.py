@@ -280,6 +280,7 @@ async def _serve(
     device_prefix: str, throttle,
 ) -> int:
     from enforcer.health import make_app, start_server
+    from enforcer.procfs import own_privileges
 
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
@@ -303,7 +304,7 @@ async def _serve(
         pid_mode=enforcer.pid_mode, driver_version=enforcer.driver_version, metrics_port=bound_port,
         bind_address=args.bind_address, mode=enforcer.config.mode, enforcer_pid=os.getpid(),
         state_dir=args.state_dir, host_proc=args.host_proc, device_prefix=device_prefix,
-        config=enforcer.config.to_dict(),
+        config=enforcer.config.to_dict(), privileges=own_privileges(),
     )
     throttle.start()
     thread_stop = threading.Event()

@@ -62,6 +62,7 @@ class Decisions:
     episodes_started: tuple[TerminateOrder, ...]  # orders whose (container, device) was not over before
     episodes_ended: tuple[tuple[str | None, int], ...]  # (container or None for the pod, device)
     new_unattributed: tuple[PodProcess, ...]
+    new_uninspectable: tuple[int, ...] = ()  # NVML PIDs we may not inspect, first seen this poll
     plan: Mapping[str, float] = field(default_factory=dict)  # container -> run fraction in force
     throttle_changes: tuple[ThrottleChange, ...] = ()
 
@@ -77,6 +78,7 @@ class Core:
         self._plan: Mapping[str, float] = MappingProxyType({})
         self._over: frozenset[tuple[str | None, int]] = frozenset()
         self._seen: set[tuple[int, int]] = set()
+        self._seen_uninspectable: set[int] = set()
 
     @property
     def throttled(self) -> Mapping[str, float]:
@@ -100,6 +102,9 @@ class Core:
                 self._seen.add((p.pid, p.start_time_ticks))
                 fresh.append(p)
 
+        uninspectable = tuple(p for p in attribution.uninspectable if p not in self._seen_uninspectable)
+        self._seen_uninspectable = set(attribution.uninspectable)  # reported again after it went away
+
         self._tracker.observe(now, attribution, config)
         plan = self._tracker.plan(now, config)
         sm = container_sm_utilization(attribution)
@@ -115,7 +120,8 @@ class Core:
         self._plan = MappingProxyType(dict(plan))
         return Decisions(
             usages=usages, pods=pods, orders=orders, episodes_started=started, episodes_ended=ended,
-            new_unattributed=tuple(fresh), plan=self._plan, throttle_changes=tuple(changes),
+            new_unattributed=tuple(fresh), new_uninspectable=uninspectable, plan=self._plan,
+            throttle_changes=tuple(changes),
         )
 
     def release(self, reason: str) -> tuple[ThrottleChange, ...]:

@@ -226,6 +226,8 @@ class Enforcer:
         totals = {d.index: d.total_memory_bytes for d in sample.devices if not d.lost}
         decisions = self._core.step(now, attribution, totals)
         self._log_unattributed(decisions.new_unattributed)
+        self._log_uninspectable(decisions.new_uninspectable)
+        self._metrics.uninspectable.set(len(attribution.uninspectable))
         self._publish_usage(decisions.usages, attribution)
         self._metrics.set_pod_usage(decisions.pods)
         self._terminator.enforce(decisions, attribution, self.config.mode, self.config.grace_period_seconds)
@@ -287,6 +289,15 @@ class Enforcer:
                 gpu=p.device_index, used_bytes=p.used_memory_bytes,
                 cgroup=p.cgroup,
                 reason="no certain container: counts against the pod budget, first to go when the pod is over it",
+            )
+
+    def _log_uninspectable(self, nvml_pids: Iterable[int]) -> None:
+        for pid in nvml_pids:
+            self._log.error(
+                "process_uninspectable", nvml_pid=pid,
+                reason="NVML lists it but /proc/<pid>/fd is not readable (no ptrace access): the sidecar has "
+                "fewer capabilities than the workload or another user; it is neither counted nor signalled",
+                remedy="run the sidecar as the workload's user with the workload's capabilities (docs/install.md)",
             )
 
     def _publish_usage(self, usages: Iterable[Any], attribution: Attribution) -> None:

@@ -93,6 +93,11 @@ class EnforcerMetrics:
             "The pod's GPU processes on the device that no container can be charged for",
             pod_device_labels, registry=r,
         )
+        self.uninspectable = Gauge(
+            "gpufence_uninspectable_processes",
+            "GPU processes NVML lists whose /proc/<pid>/fd the enforcer may not read: not enforced",
+            registry=r,
+        )
         self.poll_duration = Histogram(
             "gpufence_poll_duration_seconds",
             "Duration of one poll: NVML sample, attribution, policy and actions",
