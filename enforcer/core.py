@@ -63,6 +63,7 @@ class Decisions:
     episodes_ended: tuple[tuple[str | None, int], ...]  # (container or None for the pod, device)
     new_unattributed: tuple[PodProcess, ...]
     new_uninspectable: tuple[int, ...] = ()  # NVML PIDs we may not inspect, first seen this poll
+    new_mig_devices: tuple[int, ...] = ()  # MIG-enabled device indexes first seen: left to MIG
     plan: Mapping[str, float] = field(default_factory=dict)  # container -> run fraction in force
     throttle_changes: tuple[ThrottleChange, ...] = ()
 
@@ -79,13 +80,31 @@ class Core:
         self._over: frozenset[tuple[str | None, int]] = frozenset()
         self._seen: set[tuple[int, int]] = set()
         self._seen_uninspectable: set[int] = set()
+        self._seen_mig: set[int] = set()
 
     @property
     def throttled(self) -> Mapping[str, float]:
         return self._plan
 
-    def step(self, now: float, attribution: Attribution, device_totals: Mapping[int, int | None]) -> Decisions:
+    def step(
+        self,
+        now: float,
+        attribution: Attribution,
+        device_totals: Mapping[int, int | None],
+        mig_devices: frozenset[int] = frozenset(),
+    ) -> Decisions:
+        """One poll. Processes on ``mig_devices`` (MIG mode enabled) are left out of every decision:
+        a MIG device's isolation is the hardware's, and NVML's per-process view of the parent GPU
+        does not say which slice a process's memory is in; the loop announces it once."""
         config = self.config
+        new_mig = tuple(sorted(mig_devices - self._seen_mig))
+        self._seen_mig |= mig_devices
+        if mig_devices:
+            attribution = Attribution(
+                tuple(p for p in attribution.processes if p.device_index not in mig_devices),
+                attribution.foreign_pids,
+                attribution.uninspectable,
+            )
         usages = usage_by_container(attribution, config, device_totals)
         pods = pod_usage(attribution, config, device_totals)
         orders = memory_orders(usages, pods)
@@ -120,7 +139,8 @@ class Core:
         self._plan = MappingProxyType(dict(plan))
         return Decisions(
             usages=usages, pods=pods, orders=orders, episodes_started=started, episodes_ended=ended,
-            new_unattributed=tuple(fresh), new_uninspectable=uninspectable, plan=self._plan,
+            new_unattributed=tuple(fresh), new_uninspectable=uninspectable, new_mig_devices=new_mig,
+            plan=self._plan,
             throttle_changes=tuple(changes),
         )
 

@@ -32,17 +32,17 @@ import re
 import threading
 import time
 import traceback
-from collections.abc import Callable, Iterable
-from typing import Any
+from collections.abc import Callable
 
-from enforcer.attribution import Attribution, Attributor, PidMode, PodProcess
+from enforcer.attribution import Attribution, Attributor, PidMode
 from enforcer.config import EnforcerConfig, Mode
-from enforcer.core import Core, Decisions, ThrottleChange, Transition
+from enforcer.core import Core, Decisions
 from enforcer.events import EventRecorder
 from enforcer.health import Health
 from enforcer.logs import DecisionLog
-from enforcer.metrics import EnforcerMetrics, UsageSample
+from enforcer.metrics import EnforcerMetrics
 from enforcer.nvml import NvmlClient, NvmlSample, NvmlUnavailable
+from enforcer.reporting import Reporter
 from enforcer.signals import SafeSignaller, SignalTarget
 from enforcer.stopped_state import StoppedState, recover
 from enforcer.terminate import Terminator
@@ -96,6 +96,7 @@ class Enforcer:
         )
         self._backoff = config.poll_interval_seconds
         self._next_open = 0.0
+        self._report = Reporter(log, metrics, events)
         self._terminator = Terminator(signaller, throttle, log, metrics, events, clock=clock)
         self._nvml = DeadlineRunner(nvml_timeout_seconds, clock=clock)
         health.watch_nvml(self._nvml.hung_for, nvml_timeout_seconds)
@@ -224,11 +225,13 @@ class Enforcer:
         # Every GPU process accepted as the pod's may be signalled, attributed or not (pod budget).
         self._signaller.authorize(SignalTarget.of(p) for p in attribution.processes)
         totals = {d.index: d.total_memory_bytes for d in sample.devices if not d.lost}
-        decisions = self._core.step(now, attribution, totals)
-        self._log_unattributed(decisions.new_unattributed)
-        self._log_uninspectable(decisions.new_uninspectable)
+        mig = frozenset(d.index for d in sample.devices if d.mig and not d.lost)
+        decisions = self._core.step(now, attribution, totals, mig)
+        self._report.mig(sample, decisions.new_mig_devices)
+        self._report.unattributed(decisions.new_unattributed)
+        self._report.uninspectable(decisions.new_uninspectable)
         self._metrics.uninspectable.set(len(attribution.uninspectable))
-        self._publish_usage(decisions.usages, attribution)
+        self._report.usage(decisions.usages, attribution)
         self._metrics.set_pod_usage(decisions.pods)
         self._terminator.enforce(decisions, attribution, self.config.mode, self.config.grace_period_seconds)
         self._apply_compute(decisions, attribution)
@@ -282,41 +285,6 @@ class Enforcer:
                 self._log.info("device_recovered", device=d.index, uuid=d.uuid)
         self._lost_devices = lost
 
-    def _log_unattributed(self, processes: Iterable[PodProcess]) -> None:
-        for p in processes:
-            self._log.warning(
-                "unattributed_process", pid=p.pid, nvml_pid=p.nvml_pid, uuid=p.device_uuid,
-                gpu=p.device_index, used_bytes=p.used_memory_bytes,
-                cgroup=p.cgroup,
-                reason="no certain container: counts against the pod budget, first to go when the pod is over it",
-            )
-
-    def _log_uninspectable(self, nvml_pids: Iterable[int]) -> None:
-        for pid in nvml_pids:
-            self._log.error(
-                "process_uninspectable", nvml_pid=pid,
-                reason="NVML lists it but /proc/<pid>/fd is not readable (no ptrace access): the sidecar has "
-                "fewer capabilities than the workload or another user; it is neither counted nor signalled",
-                remedy="run the sidecar as the workload's user with the workload's capabilities (docs/install.md)",
-            )
-
-    def _publish_usage(self, usages: Iterable[Any], attribution: Attribution) -> None:
-        sm: dict[tuple[str, int], int] = {}
-        for p in attribution.processes:
-            if p.container is not None and p.sm_util is not None:
-                key = (p.container, p.device_index)
-                sm[key] = sm.get(key, 0) + p.sm_util
-        rows = [
-            UsageSample(
-                container=u.container, uuid=u.device_uuid, gpu=u.device_index, used_bytes=u.used_bytes,
-                limit_bytes=u.limit_bytes,
-                sm_utilization=(min(sm[(u.container, u.device_index)], 100) / 100)
-                if (u.container, u.device_index) in sm else None,
-            )
-            for u in usages
-        ]
-        self._metrics.set_container_usage(rows)
-
     def _check_pending(self, now: float) -> None:
         self._terminator.check(now, self.config.mode)
 
@@ -330,7 +298,8 @@ class Enforcer:
                 t = SignalTarget.of(p)
                 targets.setdefault(p.container, {})[t.key] = t
         for change in decisions.throttle_changes:
-            self._log_throttle(change, sorted(t.pid for t in targets.get(change.container, {}).values()))
+            pids = sorted(t.pid for t in targets.get(change.container, {}).values())
+            self._report.throttle(change, self.config.mode, pids)
         if self.config.mode is Mode.ENFORCE:
             # The lease: if no poll renews the plans (the loop is stuck), the executor continues
             # everything by itself.
@@ -339,42 +308,11 @@ class Enforcer:
                 lease_seconds=THROTTLE_LEASE_INTERVALS * self.config.poll_interval_seconds + 0.5,
             )
 
-    def _log_throttle(self, change: ThrottleChange, pids: list[int] | None = None) -> None:
-        mode, container = self.config.mode, change.container
-        if change.transition is Transition.UPDATE:
-            self._log.debug("throttle_update", container=container, run_fraction=_round(change.fraction))
-            return
-        if change.transition is Transition.STOP:
-            self._log.info(
-                "throttle_stop", container=container, compute_share=change.share, mode=mode,
-                action="audit" if mode is Mode.AUDIT else "throttle_stop", reason=change.reason,
-            )
-            if mode is Mode.ENFORCE:
-                self._metrics.action(container, "throttle_stop", "compute")
-            self._metrics.set_throttled(container, False)
-            return
-        self._log.warning(
-            "throttle_start", container=container, compute_share=change.share, sm_utilization=change.sm_utilization,
-            demand=_round(change.demand), run_fraction=_round(change.fraction), mode=mode,
-            action="audit" if mode is Mode.AUDIT else "throttle_start", pids=pids or [],
-        )
-        if mode is Mode.AUDIT:
-            self._metrics.action(container, "audit", "compute")
-            return
-        self._metrics.action(container, "throttle_start", "compute")
-        self._metrics.set_throttled(container, True)
-        self._events.record(
-            "GPUComputeOverShare",
-            f"container {container} uses more SM time than its compute share {change.share or 0:.0%}: "
-            f"duty-cycled at {change.fraction or 0:.0%} run time",
-            action="Throttle",
-        )
-
     def _release_compute(self, reason: str) -> None:
         """Continue everything, end every throttle, start the compute controller afresh."""
         self._throttle.release_all(reason.replace(" ", "_"))
         for change in self._core.release(reason):
-            self._log_throttle(change)
+            self._report.throttle(change, self.config.mode)
 
     # -- config --------------------------------------------------------------------------------
 
@@ -401,14 +339,10 @@ class Enforcer:
         old = self.config
         self._throttle.release_all("config_changed")
         for change in self._core.reconfigure(new):
-            self._log_throttle(change)  # under the old config's shares and mode
+            self._report.throttle(change, self.config.mode)  # under the old config's shares and mode
         self._terminator.config_changed(old.grace_period_seconds, new.grace_period_seconds, new.mode)
         self._publish_config()
         self._log.info("config_changed", mode=new.mode, config=new.to_dict())
-
-
-def _round(value: float | None) -> float | None:
-    return None if value is None else round(value, 4)
 
 
 def _short_error(exc: BaseException) -> str:

@@ -93,6 +93,11 @@ class EnforcerMetrics:
             "The pod's GPU processes on the device that no container can be charged for",
             pod_device_labels, registry=r,
         )
+        self.mig_unenforced = Gauge(
+            "gpufence_device_mig_unenforced",
+            "1 for a device in MIG mode: left to MIG's hardware isolation, not enforced by gpufence",
+            pod_device_labels, registry=r,
+        )
         self.uninspectable = Gauge(
             "gpufence_uninspectable_processes",
             "GPU processes NVML lists whose /proc/<pid>/fd the enforcer may not read: not enforced",
@@ -157,6 +162,9 @@ class EnforcerMetrics:
             for gauge in (self.memory_used, self.memory_limit, self.sm_utilization):
                 _remove(gauge, labels)
         self._device_series = seen
+
+    def set_mig_unenforced(self, uuid: str, gpu: int) -> None:
+        self.mig_unenforced.labels(self.namespace, self.pod, uuid, str(gpu)).set(1)
 
     def set_pod_usage(self, rows: Iterable[PodDeviceUsage]) -> None:
         """Per device: the pod's total, unattributed and budget (replaced wholesale, as above)."""

@@ -82,6 +82,7 @@ class DeviceSample:
     processes: tuple[GpuProcess, ...]  # compute + graphics, merged by pid (a pid in both lists once)
     sm_util_by_pid: Mapping[int, int]  # newest SM% per pid since the previous sample; {} if unsupported/no samples
     lost: bool = False  # device fell off the bus this round: skip it, keep going
+    mig: bool = False  # MIG mode enabled: isolation is MIG's (hardware); the enforcer leaves it alone
 
 
 @dataclass(frozen=True)
@@ -173,6 +174,7 @@ class _Device:
     uuid: str = ""
     total_memory_bytes: int | None = None
     total_settled: bool = False  # total known, or NOT_SUPPORTED (do not ask every round)
+    mig: bool = False
     last_seen_us: int = 0  # lastSeenTimeStamp for nvmlDeviceGetProcessUtilization
     compute: _Buffer = field(default_factory=lambda: _Buffer(_PROC_V2))
     graphics: _Buffer = field(default_factory=lambda: _Buffer(_PROC_V2))
@@ -344,7 +346,9 @@ class NvmlClient:
             records[pid] = record
         device.records = records
         processes = tuple(records.values())
-        return DeviceSample(index, uuid, device.total_memory_bytes, processes, self._util(device, errors))
+        return DeviceSample(
+            index, uuid, device.total_memory_bytes, processes, self._util(device, errors), mig=device.mig
+        )
 
     # -- NVML calls ------------------------------------------------------------------------------
 
@@ -363,6 +367,10 @@ class NvmlClient:
         device.handle, device.uuid = handle, uuid
         device.total_settled = False
         self._query_total(device, errors)
+        try:
+            device.mig = pynvml.nvmlDeviceGetMigMode(handle)[0] == pynvml.NVML_DEVICE_MIG_ENABLE
+        except pynvml.NVMLError:
+            device.mig = False  # NOT_SUPPORTED / FUNCTION_NOT_FOUND: a GPU without MIG
 
     def _query_total(self, device: _Device, errors: list[NvmlErrorEvent]) -> None:
         try:

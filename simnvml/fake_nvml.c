@@ -123,6 +123,7 @@ struct sim_dev {
     unsigned long long total;
     int lost;
     int meminfo_not_supported;
+    int mig; /* MIG mode enabled (nvmlDeviceGetMigMode) */
     struct sim_proc *procs;
     size_t nprocs, cap;
 };
@@ -281,6 +282,10 @@ static struct sim_state *parse_state(FILE *f, const char *path) {
             d->meminfo_not_supported = mns != 0;
             strcpy(d->uuid, uuid);
             strcpy(d->name, name);
+        } else if (strcmp(kw, "mig") == 0) {
+            /* mig   (MIG mode enabled on the last device) */
+            if (s->ndevs == 0) goto bad;
+            s->devs[s->ndevs - 1].mig = 1;
         } else if (strcmp(kw, "proc") == 0) {
             /* proc KIND PID USED|- SM NS_INODE|- NS_PID|-   (belongs to the last device) */
             if (s->ndevs == 0) goto bad;
@@ -613,6 +618,18 @@ static nvmlReturn_t do_dev_string(const char *fn, nvmlDevice_t device, int want_
     if (ret != NVML_SUCCESS) return ret;
     return copy_string(want_uuid ? d->uuid : d->name, buf, length);
 }
+static nvmlReturn_t do_mig_mode(nvmlDevice_t device, unsigned int *current, unsigned int *pending) {
+    struct sim_dev *d;
+    nvmlReturn_t ret = enter_device("nvmlDeviceGetMigMode", device, &d);
+    if (ret != NVML_SUCCESS) return ret;
+    if (!current || !pending) return NVML_ERROR_INVALID_ARGUMENT;
+    *current = *pending = (unsigned int)d->mig;
+    return NVML_SUCCESS;
+}
+EXPORT nvmlReturn_t nvmlDeviceGetMigMode(nvmlDevice_t device, unsigned int *currentMode, unsigned int *pendingMode) {
+    LOCKED(do_mig_mode(device, currentMode, pendingMode));
+}
+
 EXPORT nvmlReturn_t nvmlDeviceGetUUID(nvmlDevice_t device, char *uuid, unsigned int length) {
     LOCKED(do_dev_string("nvmlDeviceGetUUID", device, 1, uuid, length));
 }

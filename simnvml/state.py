@@ -11,6 +11,7 @@ by ``$GPUFENCE_SIM_STATE``). The file format is private to this module and ``fak
     fail <function>[@<device index>] <code>             (zero or more)
     hang <function>[@<device index>]                    (zero or more: the call blocks until dropped)
     device <total> <lost 0|1> <meminfo_not_supported 0|1> <uuid> <name...>
+    mig                                                 (optional: MIG mode on the device above)
     proc <compute|graphics|mps> <host pid> <used|-> <sm%> <ns inode|-> <ns pid|->   (for the device above)
     end
 
@@ -151,6 +152,7 @@ class SimDevice:
     name: str = "NVIDIA H200 (simulated)"
     lost: bool = False
     memory_info_not_supported: bool = False
+    mig: bool = False  # MIG mode enabled (nvmlDeviceGetMigMode)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "processes", tuple(self.processes))
@@ -243,6 +245,8 @@ def render_state(state: SimState) -> str:
     for dev in state.devices:
         flags = f"{int(dev.lost)} {int(dev.memory_info_not_supported)}"
         lines.append(f"device {dev.total_memory_bytes} {flags} {dev.uuid} {dev.name}")
+        if dev.mig:
+            lines.append("mig")
         for proc in dev.processes:
             used = "-" if proc.used_memory_bytes is None else str(proc.used_memory_bytes)
             ns_inode = "-" if proc.ns_inode is None else str(proc.ns_inode)

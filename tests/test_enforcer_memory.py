@@ -126,6 +126,28 @@ def test_an_mps_client_over_its_share_is_terminated(gpu, make_config):
     assert enforcer.stop() == 0
 
 
+def test_a_mig_device_is_left_to_mig_and_says_so_once(gpu, make_config):
+    """MIG isolation is the hardware's: on a MIG-mode device nothing is enforced, and the enforcer
+    says so once (log line, metric), never a silent no-op; a plain device next to it is enforced."""
+    on_mig = gpu.workload("sliced")
+    plain = gpu.workload("plain")
+    gpu.write(
+        gpu.device_with(gpu.proc(on_mig, 30 * GIB), uuid="GPU-MIG", mig=True),
+        gpu.device_with(gpu.proc(plain, 3 * GIB), uuid="GPU-1"),
+    )
+    config = make_config({"sliced": {"memoryBytes": GIB}, "plain": {"memoryBytes": 2 * GIB}}, grace=5)
+    enforcer = gpu.enforcer(config)
+    plain.wait_line("got SIGTERM", timeout=5)
+    announced = enforcer.wait_event("mig_device_not_enforced", 5, uuid="GPU-MIG")
+    assert announced["gpu"] == 0 and "hardware isolation" in announced["reason"]
+    enforcer.wait_polls(3)
+    assert on_mig.alive() and not on_mig.said("got SIGTERM")
+    assert len(enforcer.events("mig_device_not_enforced")) == 1
+    assert enforcer.metric("gpufence_device_mig_unenforced", UUID="GPU-MIG", gpu="0") == 1
+    assert [r["pid"] for r in enforcer.events("sigterm")] == [plain.pid]
+    assert enforcer.stop() == 0
+
+
 def test_unattributed_process_counts_against_the_pod_budget_and_goes_first(gpu, make_config):
     """An unattributed GPU process is left alone while the pod is under its budget (the sum of its
     containers' shares) and terminated once it pushes the pod over, before any container; a
