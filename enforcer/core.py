@@ -23,7 +23,7 @@ from types import MappingProxyType
 
 from enforcer.attribution import Attribution, PodProcess
 from enforcer.compute import ComputeTracker, container_sm_utilization
-from enforcer.config import EnforcerConfig
+from enforcer.config import MIN_POLL_INTERVAL_SECONDS, EnforcerConfig
 from enforcer.policy import (
     ContainerDeviceUsage,
     PodDeviceUsage,
@@ -35,6 +35,14 @@ from enforcer.policy import (
 
 # Bounds the memory of "unattributed processes already logged" (a process churns PIDs for ever).
 _SEEN_MAX = 10_000
+# Adaptive polling: poll FAST_FACTOR times faster (not under the config's minimum interval) while a
+# container or the pod uses at least HOT_RATIO of its share or budget, or grew by GROWTH_RATIO of it
+# since the last poll, and for HOT_HOLD_POLLS polls after; at rest the configured interval holds,
+# so the CPU cost at rest does not change.
+HOT_RATIO = 0.9
+GROWTH_RATIO = 0.05
+FAST_FACTOR = 10
+HOT_HOLD_POLLS = 20
 
 
 class Transition(StrEnum):
@@ -81,6 +89,8 @@ class Core:
         self._seen: set[tuple[int, int]] = set()
         self._seen_uninspectable: set[int] = set()
         self._seen_mig: set[int] = set()
+        self._last_used: dict[tuple[str | None, int], int] = {}
+        self._hot_polls = 0
 
     @property
     def throttled(self) -> Mapping[str, float]:
@@ -121,6 +131,7 @@ class Core:
                 self._seen.add((p.pid, p.start_time_ticks))
                 fresh.append(p)
 
+        self._heat(usages, pods)
         uninspectable = tuple(p for p in attribution.uninspectable if p not in self._seen_uninspectable)
         self._seen_uninspectable = set(attribution.uninspectable)  # reported again after it went away
 
@@ -143,6 +154,27 @@ class Core:
             plan=self._plan,
             throttle_changes=tuple(changes),
         )
+
+    def poll_interval(self, base: float) -> float:
+        """The interval to the next poll: ``base``, or faster while something is close to its limit."""
+        if self._hot_polls <= 0:
+            return base
+        return min(base, max(MIN_POLL_INTERVAL_SECONDS, base / FAST_FACTOR))
+
+    def _heat(self, usages: tuple[ContainerDeviceUsage, ...], pods: tuple[PodDeviceUsage, ...]) -> None:
+        limits: list[tuple[tuple[str | None, int], int, int]] = [
+            ((u.container, u.device_index), u.used_bytes, u.limit_bytes) for u in usages if u.limit_bytes
+        ]
+        limits += [((None, p.device_index), p.used_bytes, p.budget_bytes) for p in pods if p.budget_bytes]
+        hot = False
+        used_now: dict[tuple[str | None, int], int] = {}
+        for key, used, limit in limits:
+            used_now[key] = used
+            growth = used - self._last_used.get(key, used)
+            if used >= HOT_RATIO * limit or growth >= GROWTH_RATIO * limit:
+                hot = True
+        self._last_used = used_now
+        self._hot_polls = HOT_HOLD_POLLS if hot else self._hot_polls - 1
 
     def release(self, reason: str) -> tuple[ThrottleChange, ...]:
         """End every throttle and start the compute controller afresh (no fresh measurements)."""

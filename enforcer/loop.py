@@ -178,7 +178,9 @@ class Enforcer:
                 finally:
                     self._metrics.poll_duration.observe(self._clock() - started)
                     self._health.tick_completed()
-                interval = self.config.poll_interval_seconds
+                # Faster while a container or the pod is close to its limit or growing fast.
+                interval = self._core.poll_interval(self.config.poll_interval_seconds)
+                self._metrics.poll_interval.set(interval)
                 next_tick = max(next_tick + interval, self._clock() + interval / 10)
             else:
                 try:

@@ -109,6 +109,11 @@ class EnforcerMetrics:
             buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0),
             registry=r,
         )
+        self.poll_interval = Gauge(
+            "gpufence_poll_interval_seconds",
+            "The interval to the next poll: the configured one, or shorter while close to a limit",
+            registry=r,
+        )
         self.last_successful_poll = Gauge(
             "gpufence_last_successful_poll_timestamp_seconds",
             "Unix time of the last poll that sampled NVML successfully",

@@ -75,3 +75,18 @@ def test_reconfigure_ends_throttles_and_episodes() -> None:
     assert core.config.containers["train"] == ContainerShare()
     after = core.step(2.0, poll(proc(1, "train", 5 * GiB, sm=100)), TOTALS)
     assert after.orders == () and after.plan == {}
+
+
+def test_polling_speeds_up_near_a_limit_or_on_fast_growth_and_settles_back() -> None:
+    core = Core(CONFIG)
+    core.step(0.0, poll(proc(1, "train", GiB)), TOTALS)
+    assert core.poll_interval(0.5) == 0.5  # a quarter of its share: at rest
+    core.step(0.5, poll(proc(1, "train", 3 * GiB // 2)), TOTALS)  # +0.5 GiB of a 4 GiB share: fast growth
+    assert core.poll_interval(0.5) == 0.05
+    core = Core(CONFIG)
+    core.step(0.0, poll(proc(1, "train", 37 * GiB // 10)), TOTALS)  # 92 % of its share: close
+    assert core.poll_interval(0.5) == 0.05
+    assert core.poll_interval(0.06) == 0.05  # never under the minimum interval, never slower than base
+    for i in range(25):  # steady, well under: back to the configured interval after the hold
+        core.step(1.0 + i, poll(proc(1, "train", GiB)), TOTALS)
+    assert core.poll_interval(0.5) == 0.5
