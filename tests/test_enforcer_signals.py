@@ -9,6 +9,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -263,3 +264,28 @@ def test_a_failed_sigcont_stays_recorded_and_is_retried(child, log, tmp_path):
     finally:
         executor.close()
     assert proc_state(c.pid) not in ("T", None)
+
+
+def test_a_throttle_plan_not_renewed_within_its_lease_is_released(child, log, tmp_path):
+    """The poll loop renews the plans every poll; if it stops (stuck), the executor continues
+    everything by itself when the lease runs out, and says so."""
+    c = child()
+    door = SafeSignaller(log)
+    door.authorize([c.target()])
+    state = StoppedState(tmp_path, log)
+    executor = ThrottleExecutor(door, state, log, period_seconds=0.2)
+    executor.start()
+    try:
+        executor.update({"c": ThrottlePlan(0.05, (c.target(),))}, lease_seconds=0.5)
+        wait_state(c.pid, lambda s: s == "T", 5)
+        # No renewal: when the lease runs out the executor drops the plan by itself.
+        deadline = time.monotonic() + 5
+        while executor.throttled():
+            assert time.monotonic() < deadline, "the lease never expired"
+            time.sleep(0.01)
+        assert any(r["event"] == "throttle_lease_expired" for r in log.records())
+        wait_state(c.pid, lambda s: s not in ("T", None), 5)
+        assert executor.throttled() == set() and executor.stopped_targets() == []
+        assert json.loads((tmp_path / "stopped.json").read_text())["stopped"] == []
+    finally:
+        executor.close()
