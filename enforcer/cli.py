@@ -280,8 +280,9 @@ async def _serve(
     device_prefix: str, throttle,
 ) -> int:
     from enforcer.health import make_app, start_server
-    from enforcer.procfs import own_privileges
+    from enforcer.procfs import own_privileges, privilege_limits
 
+    privileges = own_privileges()
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
     received: list[str] = []
@@ -304,8 +305,10 @@ async def _serve(
         pid_mode=enforcer.pid_mode, driver_version=enforcer.driver_version, metrics_port=bound_port,
         bind_address=args.bind_address, mode=enforcer.config.mode, enforcer_pid=os.getpid(),
         state_dir=args.state_dir, host_proc=args.host_proc, device_prefix=device_prefix,
-        config=enforcer.config.to_dict(), privileges=own_privileges(),
+        config=enforcer.config.to_dict(), privileges=privileges,
     )
+    for limit in privilege_limits(privileges):
+        log.warning("privilege_limit", limit=limit)
     throttle.start()
     thread_stop = threading.Event()
 

@@ -255,3 +255,16 @@ def own_privileges(proc_root: str = "/proc") -> dict[str, object]:
     result: dict[str, object] = {"uid": os.geteuid(), "cap_effective": f"{effective:016x}"}
     result.update({f"cap_{name}": bool(effective >> bit & 1) for name, bit in _CAPS.items()})
     return result
+
+
+def privilege_limits(privileges: dict[str, object]) -> list[str]:
+    """What these privileges cannot do, in words (empty: nothing the kernel would refuse)."""
+    limits = []
+    if not privileges.get("cap_kill"):
+        limits.append(f"no CAP_KILL: can signal only processes of uid {privileges.get('uid')}")
+    if not privileges.get("cap_sys_ptrace"):
+        limits.append(
+            "no CAP_SYS_PTRACE: can inspect (/proc/<pid>/fd, environ) only processes of its own uid whose "
+            "capabilities it holds too; others are reported as process_uninspectable"
+        )
+    return limits

@@ -65,6 +65,8 @@ def test_kill_only_cannot_inspect_a_root_workload_and_says_so(gpu, make_config):
     assert privileges["cap_kill"] and not privileges["cap_sys_ptrace"]
     seen = enforcer.wait_event("process_uninspectable", 5, nvml_pid=hog.pid)
     assert seen["level"] == "error" and "ptrace" in seen["reason"]
+    # Said at start too, before any process shows up.
+    assert "no CAP_SYS_PTRACE" in enforcer.wait_event("privilege_limit", 5)["limit"]
     enforcer.wait_polls(3)
     assert enforcer.metric("gpufence_uninspectable_processes") == 1
     # Not the pod's as far as it can tell: not signalled, however far over its share.
@@ -89,6 +91,8 @@ def test_same_user_without_capabilities_enforces(gpu, make_config):
     gpu.write(gpu.device_with(gpu.proc(hog, 3 * GIB)))
     enforcer = gpu.enforcer(make_config({"hog": {"memoryBytes": 2 * GIB}}, grace=5), wrap=NO_CAPS)
     assert enforcer.started["privileges"]["cap_effective"] == "0000000000000000"
+    limit = enforcer.wait_event("privilege_limit", 5)["limit"]
+    assert limit == "no CAP_KILL: can signal only processes of uid 0"
     hog.wait_line("got SIGTERM", timeout=5)
     assert enforcer.wait_event("sigterm", 5, pid=hog.pid)["outcome"] == "sent"
     assert enforcer.stop() == 0
