@@ -23,18 +23,20 @@ per ``(pid, start time)``; a steady-state tick reads one ``stat`` file per NVML 
 from __future__ import annotations
 
 import os
-from collections import defaultdict
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from enum import StrEnum
 from typing import TYPE_CHECKING
 
+from enforcer.identity import assign, bind_names, cgroup_names, claims_by_cgroup, informative, resolve_containers
 from enforcer.procfs import (
     NVIDIA_DEVICE_PREFIX_DEFAULT,
     ProcFacts,
     default_device_prefix,
     holds_device,
     pidns_inode,
+    processes_in_cgroup,
+    read_claim,
     read_facts,
     read_nspid,
     read_start_time,
@@ -60,6 +62,8 @@ __all__ = [
 # missing from one sample, e.g. a device error, need not be re-read); the cap bounds memory when
 # a legacy driver lists every process on the host.
 _CACHE_IDLE_TICKS = 8
+# A cgroup whose GPU processes name no container is asked (all its processes' claims) this rarely.
+_SIBLING_RESCAN_TICKS = 10
 _CACHE_MAX_ENTRIES = 4096
 
 
@@ -127,98 +131,6 @@ def _nspid_self(proc_root: str) -> bool:
         return False
 
 
-def resolve_containers(
-    facts: Iterable[ProcFacts], own_cgroup: str | None, bound: Mapping[str, str] | None = None
-) -> dict[int, str | None]:
-    """Each process's container (pid -> name or None): the cgroup is the identity, the
-    ``GPUFENCE_CONTAINER`` claims only name cgroups.
-
-    In a pod every container is its own cgroup, which a process cannot leave; the environment
-    variable is a claim any process can make (or lose: ``env -i``, ``sudo``, setproctitle). So:
-
-    * a cgroup whose claimants all name one container is that container, and so is every process
-      in it, a process without a readable claim included;
-    * a cgroup with no claimant this tick is the container ``bound`` to it (a name it carried
-      before, see :func:`bind_names`), else unattributed;
-    * a cgroup whose processes claim different names is unattributed as a whole (it then falls
-      under the pod budget) and does not disturb any other cgroup;
-    * one name claimed by several cgroups: the cgroup ``bound`` to that name keeps it, the others
-      are unattributed; with no binding (the spoof predates the enforcer) all of them are;
-    * a cgroup that is unreadable or equal to the enforcer's own says nothing (tests, the demo and
-      ``--simulate`` run every workload in one cgroup): each claim is taken as is.
-    """
-    facts = list(facts)
-    names = cgroup_names(_claims_by_cgroup(facts, own_cgroup), bound or {})
-    return _assign(facts, own_cgroup, names)
-
-
-def _assign(
-    facts: Iterable[ProcFacts], own_cgroup: str | None, names: Mapping[str, str | None]
-) -> dict[int, str | None]:
-    """pid -> container: its cgroup's name where the cgroup is informative, else its own claim."""
-    resolved: dict[int, str | None] = {}
-    for f in facts:
-        if f.cgroup is not None and _informative(f.cgroup, own_cgroup):
-            resolved[f.pid] = names.get(f.cgroup)
-        else:
-            resolved[f.pid] = f.container
-    return resolved
-
-
-def _claims_by_cgroup(facts: Iterable[ProcFacts], own_cgroup: str | None) -> dict[str, set[str]]:
-    """informative cgroup -> the names its processes claim (an empty set: nobody claims)."""
-    claims: dict[str, set[str]] = defaultdict(set)
-    for f in facts:
-        if _informative(f.cgroup, own_cgroup):
-            assert f.cgroup is not None
-            entry = claims[f.cgroup]
-            if f.container is not None:
-                entry.add(f.container)
-    return claims
-
-
-def cgroup_names(claims: Mapping[str, set[str]], bound: Mapping[str, str]) -> dict[str, str | None]:
-    """informative cgroup -> its container name or None (the rules of :func:`resolve_containers`)."""
-    by_cgroup = {value: name for name, value in bound.items()}
-    candidate: dict[str, str | None] = {}
-    for cgroup, names in claims.items():
-        if len(names) == 1:
-            candidate[cgroup] = next(iter(names))
-        elif not names:
-            candidate[cgroup] = by_cgroup.get(cgroup)
-        else:
-            candidate[cgroup] = None  # conflicting claims: the whole cgroup is unattributed
-    cgroups_by_name: dict[str, set[str]] = defaultdict(set)
-    for cgroup, name in candidate.items():
-        if name is not None:
-            cgroups_by_name[name].add(cgroup)
-    result: dict[str, str | None] = {}
-    for cgroup, name in candidate.items():
-        if name is not None and len(cgroups_by_name[name]) > 1 and bound.get(name) != cgroup:
-            name = None  # another cgroup holds this name (or nobody can tell which one does)
-        result[cgroup] = name
-    return result
-
-
-def bind_names(names: Mapping[str, str | None], bound: Mapping[str, str]) -> dict[str, str]:
-    """The bindings name -> cgroup after a tick: a name held by exactly one cgroup is bound to it
-    (a restarted container gets a new cgroup and takes its name with it); a binding whose name no
-    cgroup holds this tick is kept, so a later impostor cannot take over an idle container's name."""
-    holders: dict[str, list[str]] = defaultdict(list)
-    for cgroup, name in names.items():
-        if name is not None:
-            holders[name].append(cgroup)
-    result = dict(bound)
-    for name, cgroups in holders.items():
-        if len(cgroups) == 1:
-            result[name] = cgroups[0]
-    return result
-
-
-def _informative(cgroup: str | None, own_cgroup: str | None) -> bool:
-    return cgroup is not None and cgroup != own_cgroup
-
-
 class Attributor:
     def __init__(
         self,
@@ -244,6 +156,7 @@ class Attributor:
         self._cache: dict[tuple[int, int], _Entry] = {}
         self._tick = 0
         self._bound: dict[str, str] = {}  # container name -> the cgroup that last held it alone
+        self._siblings: dict[str, tuple[int, frozenset[str]]] = {}  # cgroup -> (tick read, claims)
 
     @property
     def mode(self) -> PidMode:
@@ -263,9 +176,16 @@ class Attributor:
                 foreign.add(nvml_pid)
             elif not self._is_enforcer(known):
                 facts_by_nvml_pid[nvml_pid] = known.facts
-        names = cgroup_names(_claims_by_cgroup(facts_by_nvml_pid.values(), self._own_cgroup), self._bound)
+        claims = claims_by_cgroup(facts_by_nvml_pid.values(), self._own_cgroup)
+        bound_cgroups = set(self._bound.values())
+        for cgroup, found in claims.items():
+            if not found and cgroup not in bound_cgroups:
+                # No GPU process of this cgroup names it (env -i workers, setproctitle): its other
+                # processes may (the launcher that started them).
+                found.update(self._sibling_claims(cgroup))
+        names = cgroup_names(claims, self._bound)
         self._bound = bind_names(names, self._bound)
-        containers = _assign(facts_by_nvml_pid.values(), self._own_cgroup, names)
+        containers = assign(facts_by_nvml_pid.values(), self._own_cgroup, names)
         processes = [
             PodProcess(
                 pid=facts.pid,
@@ -276,7 +196,7 @@ class Attributor:
                 device_uuid=device.uuid,
                 used_memory_bytes=used,
                 sm_util=device.sm_util_by_pid.get(nvml_pid),
-                cgroup=facts.cgroup if _informative(facts.cgroup, self._own_cgroup) else None,
+                cgroup=facts.cgroup if informative(facts.cgroup, self._own_cgroup) else None,
             )
             for device in sample.devices
             if not device.lost  # its process list is stale or empty this round: skip, as nvml.py says
@@ -360,6 +280,22 @@ class Attributor:
         if facts.pid == self._own_pid:
             return True
         return known.ppid == self._own_pid and facts.container is None
+
+    def _sibling_claims(self, cgroup: str) -> frozenset[str]:
+        """The names the processes of ``cgroup`` claim (all of them, GPU or not), re-read at most
+        every ``_SIBLING_RESCAN_TICKS`` ticks: a scan reads every process's cgroup file."""
+        cached = self._siblings.get(cgroup)
+        if cached is not None and self._tick - cached[0] < _SIBLING_RESCAN_TICKS:
+            return cached[1]
+        found = set()
+        for pid, start in processes_in_cgroup(cgroup, self._proc_root):
+            claim = read_claim(pid, self._proc_root) if pid != self._own_pid else None
+            if claim is not None and read_start_time(pid, self._proc_root) == start:
+                found.add(claim)
+        if len(self._siblings) >= _CACHE_MAX_ENTRIES:
+            self._siblings.clear()
+        self._siblings[cgroup] = (self._tick, frozenset(found))
+        return frozenset(found)
 
     # -- cache -----------------------------------------------------------------------------------
 

@@ -164,6 +164,11 @@ def read_facts(pid: int, proc_root: str = "/proc", device_prefix: str | None = N
     )
 
 
+def read_claim(pid: int, proc_root: str = "/proc") -> str | None:
+    """GPUFENCE_CONTAINER from /proc/<pid>/environ; None if absent or unreadable."""
+    return _container_from_environ(_read_all(f"{proc_root}/{pid}/environ"))
+
+
 def _container_from_environ(environ: bytes | None) -> str | None:
     """GPUFENCE_CONTAINER's value, the first occurrence as getenv() would see it.
 

@@ -168,3 +168,28 @@ def test_an_impostor_cgroup_neither_takes_the_name_nor_disturbs_the_container(cg
     enforcer.wait_polls(2)
     assert worker.alive() and not worker.said("got SIGTERM")
     assert enforcer.stop() == 0
+
+
+def test_env_less_gpu_workers_take_the_name_their_launcher_claims(cgroups, gpu, make_config, tmp_path):
+    """Every GPU process of the container lost its claim (env -i, setproctitle); the launcher that
+    started them, which holds no GPU context, still names the cgroup."""
+    train_cg = cgroups.make("train")
+    worker = gpu.workload(None)
+    boss, _ = launcher(tmp_path)  # claims "train", holds no device
+    try:
+        for pid in (worker.pid, boss.pid):
+            cgroups.move(train_cg, pid)
+        gpu.write(gpu.device_with(gpu.proc(worker, GIB)))
+        enforcer = gpu.enforcer(make_config({"train": {"memoryBytes": 2 * GIB}}, grace=5))
+        enforcer.wait_ready()
+        enforcer.wait_polls(2)
+        assert enforcer.metric("gpufence_container_gpu_memory_used_bytes", container="train") == GIB
+        assert enforcer.events("unattributed_process") == []
+        gpu.write(gpu.device_with(gpu.proc(worker, 3 * GIB)))
+        worker.wait_line("got SIGTERM", timeout=5)
+        assert boss.wait(5) == 0  # the launcher goes with its container
+        assert enforcer.stop() == 0
+    finally:
+        if boss.poll() is None:
+            boss.kill()
+        boss.wait(5)
