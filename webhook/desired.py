@@ -28,8 +28,11 @@ from webhook.sidecar import (
 )
 
 
-def desired_pod(pod: dict[str, Any], plan: SharePlan, settings: InjectionSettings) -> tuple[dict[str, Any], list[str]]:
+def desired_pod(pod: dict[str, Any], plan: SharePlan, settings: InjectionSettings,
+                pod_security: str | None = None) -> tuple[dict[str, Any], list[str]]:
     """The injected pod (sharing untouched subtrees with ``pod``) and warnings; raises MutationError.
+
+    ``pod_security``: the namespace's enforced Pod Security level (its label), None if unlabelled.
 
     The pod's shape must have been checked (``podshape.check_shape``): dicts and lists where
     this function reads them.
@@ -91,7 +94,8 @@ def desired_pod(pod: dict[str, Any], plan: SharePlan, settings: InjectionSetting
             updated.append(container)
         spec[key] = updated
 
-    sidecar = build_sidecar(plan, settings, run_as_root=sidecar_runs_as_root(pod["spec"], shares, warnings))
+    sidecar = build_sidecar(plan, settings, run_as_root=sidecar_runs_as_root(pod["spec"], shares, warnings),
+                            pod_security=pod_security)
     sidecar = with_service_account_token(sidecar, previous_sidecar, pod["spec"])
     others = list(spec.get(sidecar_key) or ())
     if sidecar_at is not None:

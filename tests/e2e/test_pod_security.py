@@ -16,12 +16,12 @@ from tests.e2e.gpufence_install import WebhookProcess
 # (level, workload runs as a set non-root user) -> does the mutated pod pass?  Keep in step with
 # docs/install.md.
 DOCUMENTED = {
-    ("privileged", False): True,
+    ("privileged", False): True,  # root sidecar: drop ALL, add KILL and SYS_PTRACE
     ("privileged", True): True,
-    ("baseline", False): False,  # the root sidecar adds SYS_PTRACE, which baseline forbids
-    ("baseline", True): False,
-    ("restricted", False): False,  # restricted forbids added capabilities and root
-    ("restricted", True): False,
+    ("baseline", False): True,  # root sidecar: the runtime's defaults plus KILL, no SYS_PTRACE
+    ("baseline", True): True,  # the pod's user, defaults plus KILL
+    ("restricted", False): False,  # a root workload is not restricted (nor is a root sidecar)
+    ("restricted", True): True,  # the pod's non-root user, drop ALL, RuntimeDefault seccomp
 }
 
 
