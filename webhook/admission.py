@@ -132,7 +132,7 @@ def _decide(
         # The API server's namespaceSelector already let only opted-in namespaces through.
         warnings.append(
             f"gpufence: namespace {quote(namespace or '')} is not in the webhook's cache yet, so its "
-            "default shares (if any) were not applied"
+            "default shares and policy (if any) were not applied; the webhook's flags were"
         )
     elif not info.opted_in:
         return OUTCOME_SKIPPED, None
