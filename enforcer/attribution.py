@@ -12,8 +12,9 @@ translated into the enforcer's own PID namespace and checked before it becomes a
   local process must also hold an NVIDIA device file (stricter than strictly needed: it protects
   a pod whose host /proc is mounted although the driver already translates PIDs).
 
-Container attribution reads ``GPUFENCE_CONTAINER`` from the environment, which a process can set
-as it likes; the cgroup, which it cannot change, is the cross-check (``resolve_containers``).
+Container attribution: the cgroup, which a process cannot leave, is the container's identity;
+``GPUFENCE_CONTAINER`` in the environment (which a process can set, drop or overwrite) only names
+cgroups (``resolve_containers``).
 
 Cost: facts that never change for a process's life (environ, cgroup, namespace, NSpid) are cached
 per ``(pid, start time)``; a steady-state tick reads one ``stat`` file per NVML PID.
@@ -22,18 +23,20 @@ per ``(pid, start time)``; a steady-state tick reads one ``stat`` file per NVML 
 from __future__ import annotations
 
 import os
-from collections import defaultdict
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from enum import StrEnum
 from typing import TYPE_CHECKING
 
+from enforcer.identity import assign, bind_names, cgroup_names, claims_by_cgroup, informative, resolve_containers
 from enforcer.procfs import (
     NVIDIA_DEVICE_PREFIX_DEFAULT,
     ProcFacts,
     default_device_prefix,
     holds_device,
     pidns_inode,
+    processes_in_cgroup,
+    read_claim,
     read_facts,
     read_nspid,
     read_start_time,
@@ -49,6 +52,8 @@ __all__ = [
     "Attributor",
     "PidMode",
     "PodProcess",
+    "bind_names",
+    "cgroup_names",
     "choose_mode",
     "resolve_containers",
 ]
@@ -57,6 +62,8 @@ __all__ = [
 # missing from one sample, e.g. a device error, need not be re-read); the cap bounds memory when
 # a legacy driver lists every process on the host.
 _CACHE_IDLE_TICKS = 8
+# A cgroup whose GPU processes name no container is asked (all its processes' claims) this rarely.
+_SIBLING_RESCAN_TICKS = 10
 _CACHE_MAX_ENTRIES = 4096
 
 
@@ -70,17 +77,23 @@ class PodProcess:
     pid: int  # PID in the enforcer's own namespace: the ONLY number ever signalled
     nvml_pid: int
     start_time_ticks: int
-    container: str | None  # None: cannot attribute with certainty -> counted for the pod, logged, never signalled
+    container: str | None  # None: no certain container -> counted for the pod budget, logged
     device_index: int
     device_uuid: str
     used_memory_bytes: int | None
     sm_util: int | None
+    # The process's cgroup when it tells containers apart (not the enforcer's own, readable): the
+    # container's identity, used to terminate the container as a whole. None: unknown.
+    cgroup: str | None = None
 
 
 @dataclass(frozen=True)
 class Attribution:
     processes: tuple[PodProcess, ...]  # this pod's GPU processes (one entry per pid and device)
     foreign_pids: tuple[int, ...]  # NVML PIDs judged not in this pod: ignored
+    # NVML PIDs of local processes whose descriptors we may not read (no ptrace access): neither
+    # accepted nor signalled, reported (a sidecar with fewer capabilities than the workload).
+    uninspectable: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -118,43 +131,6 @@ def _nspid_self(proc_root: str) -> bool:
         return False
 
 
-def resolve_containers(facts: Iterable[ProcFacts], own_cgroup: str | None) -> dict[int, str | None]:
-    """Each process's container after the cgroup cross-check (pid -> name or None).
-
-    In a pod every container is its own cgroup, which a process cannot leave; the environment
-    variable is only a claim. Conservatively (a wrong name can get an innocent container killed):
-
-    * processes of one cgroup that claim different containers: all of that cgroup -> None;
-    * one name claimed from several cgroups (another container spoofing it, or a container that
-      made sub-cgroups): every process claiming it -> None;
-    * a process without a readable claim stays None even when its cgroup siblings are attributed
-      (we never infer a name), and does not disturb them;
-    * a cgroup that is unreadable or equal to the enforcer's own says nothing (tests, the demo and
-      ``--simulate`` run every workload in one cgroup): the claim is taken as is.
-    """
-    facts = list(facts)
-    claims_by_cgroup: dict[str, set[str]] = defaultdict(set)
-    cgroups_by_name: dict[str, set[str]] = defaultdict(set)
-    for f in facts:
-        if f.container is not None and _informative(f.cgroup, own_cgroup):
-            assert f.cgroup is not None
-            claims_by_cgroup[f.cgroup].add(f.container)
-            cgroups_by_name[f.container].add(f.cgroup)
-    resolved: dict[int, str | None] = {}
-    for f in facts:
-        name = f.container
-        if name is not None and _informative(f.cgroup, own_cgroup):
-            assert f.cgroup is not None
-            if len(claims_by_cgroup[f.cgroup]) > 1 or len(cgroups_by_name[name]) > 1:
-                name = None
-        resolved[f.pid] = name
-    return resolved
-
-
-def _informative(cgroup: str | None, own_cgroup: str | None) -> bool:
-    return cgroup is not None and cgroup != own_cgroup
-
-
 class Attributor:
     def __init__(
         self,
@@ -179,6 +155,8 @@ class Attributor:
         self._own_cgroup = _read_cgroup(proc_root)
         self._cache: dict[tuple[int, int], _Entry] = {}
         self._tick = 0
+        self._bound: dict[str, str] = {}  # container name -> the cgroup that last held it alone
+        self._siblings: dict[str, tuple[int, frozenset[str]]] = {}  # cgroup -> (tick read, claims)
 
     @property
     def mode(self) -> PidMode:
@@ -189,13 +167,25 @@ class Attributor:
         self._tick += 1
         facts_by_nvml_pid: dict[int, ProcFacts] = {}
         foreign: set[int] = set()
+        uninspectable: set[int] = set()
         for nvml_pid in _nvml_pids(sample):
             known = self._resolve(nvml_pid)
-            if known is None or known.facts is None or not known.facts.holds_nvidia_device:
+            if known is not None and known.facts is not None and not known.facts.inspectable:
+                uninspectable.add(nvml_pid)
+            elif known is None or known.facts is None or not known.facts.holds_nvidia_device:
                 foreign.add(nvml_pid)
             elif not self._is_enforcer(known):
                 facts_by_nvml_pid[nvml_pid] = known.facts
-        containers = resolve_containers(facts_by_nvml_pid.values(), self._own_cgroup)
+        claims = claims_by_cgroup(facts_by_nvml_pid.values(), self._own_cgroup)
+        bound_cgroups = set(self._bound.values())
+        for cgroup, found in claims.items():
+            if not found and cgroup not in bound_cgroups:
+                # No GPU process of this cgroup names it (env -i workers, setproctitle): its other
+                # processes may (the launcher that started them).
+                found.update(self._sibling_claims(cgroup))
+        names = cgroup_names(claims, self._bound)
+        self._bound = bind_names(names, self._bound)
+        containers = assign(facts_by_nvml_pid.values(), self._own_cgroup, names)
         processes = [
             PodProcess(
                 pid=facts.pid,
@@ -206,6 +196,7 @@ class Attributor:
                 device_uuid=device.uuid,
                 used_memory_bytes=used,
                 sm_util=device.sm_util_by_pid.get(nvml_pid),
+                cgroup=facts.cgroup if informative(facts.cgroup, self._own_cgroup) else None,
             )
             for device in sample.devices
             if not device.lost  # its process list is stale or empty this round: skip, as nvml.py says
@@ -213,7 +204,9 @@ class Attributor:
             if (facts := facts_by_nvml_pid.get(nvml_pid)) is not None
         ]
         self._evict()
-        return Attribution(processes=tuple(processes), foreign_pids=tuple(sorted(foreign)))
+        return Attribution(
+            processes=tuple(processes), foreign_pids=tuple(sorted(foreign)), uninspectable=tuple(sorted(uninspectable))
+        )
 
     # -- one PID ---------------------------------------------------------------------------------
 
@@ -287,6 +280,22 @@ class Attributor:
         if facts.pid == self._own_pid:
             return True
         return known.ppid == self._own_pid and facts.container is None
+
+    def _sibling_claims(self, cgroup: str) -> frozenset[str]:
+        """The names the processes of ``cgroup`` claim (all of them, GPU or not), re-read at most
+        every ``_SIBLING_RESCAN_TICKS`` ticks: a scan reads every process's cgroup file."""
+        cached = self._siblings.get(cgroup)
+        if cached is not None and self._tick - cached[0] < _SIBLING_RESCAN_TICKS:
+            return cached[1]
+        found = set()
+        for pid, start in processes_in_cgroup(cgroup, self._proc_root):
+            claim = read_claim(pid, self._proc_root) if pid != self._own_pid else None
+            if claim is not None and read_start_time(pid, self._proc_root) == start:
+                found.add(claim)
+        if len(self._siblings) >= _CACHE_MAX_ENTRIES:
+            self._siblings.clear()
+        self._siblings[cgroup] = (self._tick, frozenset(found))
+        return frozenset(found)
 
     # -- cache -----------------------------------------------------------------------------------
 

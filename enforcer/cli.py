@@ -113,6 +113,10 @@ def build_parser() -> argparse.ArgumentParser:
     source.add_argument("--nvml-library", metavar="PATH", help="load libnvidia-ml from this path")
     p.add_argument("--compute-window", type=_positive, default=5.0, help="SM utilisation window, seconds (default 5)")
     p.add_argument("--compute-period", type=_positive, default=1.0, help="duty-cycle period, seconds (default 1)")
+    p.add_argument(
+        "--nvml-timeout", type=_positive, default=5.0,
+        help="deadline of one NVML call, seconds (default 5): a hung call is an error, and /healthz fails",
+    )
     return p
 
 
@@ -254,6 +258,7 @@ def _run(
         config_source=_FileWatcher(args.config, log) if args.config else None,
         compute_window_seconds=args.compute_window,
         compute_period_seconds=args.compute_period,
+        nvml_timeout_seconds=args.nvml_timeout,
     )
     # 1. Continue whatever a previous incarnation left stopped, before anything else.
     enforcer.recover_stopped()
@@ -275,7 +280,9 @@ async def _serve(
     device_prefix: str, throttle,
 ) -> int:
     from enforcer.health import make_app, start_server
+    from enforcer.procfs import own_privileges, privilege_limits
 
+    privileges = own_privileges()
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
     received: list[str] = []
@@ -298,8 +305,10 @@ async def _serve(
         pid_mode=enforcer.pid_mode, driver_version=enforcer.driver_version, metrics_port=bound_port,
         bind_address=args.bind_address, mode=enforcer.config.mode, enforcer_pid=os.getpid(),
         state_dir=args.state_dir, host_proc=args.host_proc, device_prefix=device_prefix,
-        config=enforcer.config.to_dict(),
+        config=enforcer.config.to_dict(), privileges=privileges,
     )
+    for limit in privilege_limits(privileges):
+        log.warning("privilege_limit", limit=limit)
     throttle.start()
     thread_stop = threading.Event()
 

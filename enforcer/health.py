@@ -1,7 +1,10 @@
 """HTTP endpoints of the enforcer: ``/metrics``, ``/healthz``, ``/readyz`` (aiohttp).
 
-* ``/healthz`` — 200 while the process serves HTTP (liveness: NVML trouble must not get the
-  sidecar restarted in a loop; the poll loop retries by itself).
+* ``/healthz`` — liveness. 503 when an NVML call has hung past its deadline (only a new process
+  can use NVML again: the kubelet restarts the sidecar, which continues what this one stopped from
+  the stopped-state file), or when the poll loop has not completed a tick for a while (stuck);
+  otherwise 200. NVML merely unavailable (an error, not a hang) stays 200: the poll loop retries by
+  itself and a restart loop would not help.
 * ``/readyz`` — 200 once NVML answered and the last successful poll is fresher than three poll
   intervals, else 503 with the reason.
 * ``/metrics`` — the enforcer's own Prometheus registry.
@@ -14,6 +17,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from aiohttp import web
@@ -21,6 +25,9 @@ from aiohttp import web
 from enforcer.metrics import EnforcerMetrics
 
 READY_STALENESS_INTERVALS = 3
+# The poll loop is stuck when no tick completed for this many intervals plus the NVML deadline
+# (a tick may legitimately wait that long for NVML).
+LIVE_STALENESS_INTERVALS = 5
 
 
 @dataclass
@@ -37,6 +44,33 @@ class Health:
         self._nvml_up = False
         self._last_success: float | None = None
         self._interval = interval
+        self._started = clock()
+        self._last_tick: float | None = None
+        self._nvml_hung: Callable[[], float | None] = lambda: None
+        self._nvml_timeout = 0.0
+
+    def watch_nvml(self, hung_for: Callable[[], float | None], timeout: float = 0.0) -> None:
+        """``hung_for()``: seconds an NVML call is overdue, None if none is (the deadline runner)."""
+        with self._lock:
+            self._nvml_hung = hung_for
+            self._nvml_timeout = timeout
+
+    def tick_completed(self) -> None:
+        with self._lock:
+            self._last_tick = self._clock()
+
+    def liveness(self) -> tuple[bool, str]:
+        with self._lock:
+            hung_for, last, interval = self._nvml_hung, self._last_tick, self._interval
+            since = self._started if last is None else last
+            limit = LIVE_STALENESS_INTERVALS * interval + self._nvml_timeout
+        late = hung_for()
+        if late is not None:
+            return False, f"an NVML call is hung ({late:.1f}s past its deadline): restart to use NVML again"
+        age = self._clock() - since
+        if age > limit:
+            return False, f"the poll loop has not completed a tick for {age:.1f}s (limit {limit:.1f}s)"
+        return True, "ok"
 
     def set_interval(self, interval: float) -> None:
         with self._lock:
@@ -74,7 +108,8 @@ async def _metrics(request: web.Request) -> web.Response:
 
 
 async def _healthz(request: web.Request) -> web.Response:
-    return web.Response(text="ok\n")
+    live, reason = request.app[HEALTH_KEY].liveness()
+    return web.Response(text=reason + "\n", status=200 if live else 503)
 
 
 async def _readyz(request: web.Request) -> web.Response:

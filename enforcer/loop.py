@@ -5,58 +5,53 @@ state, metrics, events, log) and runs on a thread of its own (``run``), so the H
 waits on NVML. Each poll interval ``tick`` does, in order:
 
 1. (when ``--config FILE`` is used) reload the config if the file changed; on a change every
-   throttled process is continued and the compute tracker starts afresh;
+   throttled process is continued and the compute controller starts afresh;
 2. open NVML if it is not open (backoff from one poll interval doubling to 30 s; meanwhile
-   ``gpufence_nvml_up`` is 0 and ``/readyz`` says 503, ``/healthz`` stays 200);
+   ``gpufence_nvml_up`` is 0 and ``/readyz`` says 503; ``/healthz`` fails only while a call hangs);
 3. ``NvmlClient.sample()``; per-device errors are counted and logged (rate-limited), never fatal;
-4. ``Attributor.attribute`` and hand the attributed (pid, start time) pairs to the signaller;
-5. ``usage_by_container`` -> metrics; ``memory_orders`` -> SIGTERM victims (enforce) or log and
-   count once per over-share episode (audit);
-6. ``ComputeTracker.observe/plan`` -> the throttle executor (enforce) or log (audit);
-7. SIGKILL the SIGTERMed processes whose grace period ran out (also checked between polls, so
+4. ``Attributor.attribute`` and hand the pod's (pid, start time) pairs to the signaller;
+5. ``Core.step`` (``enforcer/core.py``, pure) decides everything for this poll; the loop is the
+   driver that carries its ``Decisions`` out: metrics, log lines, the ``Terminator`` (unattributed
+   processes while the pod is over its budget, then containers over their shares as a whole; in
+   audit mode only the episode lines), and the throttle plan to the executor (with a lease);
+6. SIGKILL the SIGTERMed processes whose grace period ran out (also checked between polls, so
    the delay is the grace period, not rounded up to a poll).
 
 Any exception in a tick is logged (``poll_error``, then at most once a minute per kind) and
 counted (``gpufence_poll_errors_total``); the loop goes on. Compute throttling needs fresh
 measurements: when NVML stops answering, a poll fails, or the config changes, every throttled
-process is continued and the compute tracker starts afresh. Pending SIGKILLs still fire.
+process is continued and the compute controller starts afresh. Pending SIGKILLs still fire, also
+while an NVML call is slow; a call that hangs past ``--nvml-timeout`` is an error (``nvml_hung``,
+see ``watchdog.py``).
 """
 
 from __future__ import annotations
 
 import contextlib
 import re
-import signal
 import threading
 import time
 import traceback
-from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass
-from typing import Any
+from collections.abc import Callable
 
-from enforcer.attribution import Attribution, Attributor, PidMode, PodProcess
+from enforcer.attribution import Attribution, Attributor, PidMode
 from enforcer.config import EnforcerConfig, Mode
+from enforcer.core import Core, Decisions
 from enforcer.events import EventRecorder
 from enforcer.health import Health
 from enforcer.logs import DecisionLog
-from enforcer.metrics import EnforcerMetrics, UsageSample
+from enforcer.metrics import EnforcerMetrics
 from enforcer.nvml import NvmlClient, NvmlSample, NvmlUnavailable
-from enforcer.policy import ComputeTracker, container_sm_utilization, memory_orders, usage_by_container
-from enforcer.signals import Outcome, SafeSignaller, SignalTarget
+from enforcer.reporting import Reporter
+from enforcer.signals import SafeSignaller, SignalTarget
 from enforcer.stopped_state import StoppedState, recover
+from enforcer.terminate import Terminator
 from enforcer.throttle import ThrottleExecutor, ThrottlePlan
+from enforcer.watchdog import DeadlineRunner, NvmlHung
 
 NVML_BACKOFF_MAX_SECONDS = 30.0
 ERROR_LOG_REPEAT_SECONDS = 60.0
-
-
-@dataclass
-class _PendingKill:
-    target: SignalTarget
-    deadline: float
-    device_uuid: str
-    device_index: int
-    limit_bytes: int
+THROTTLE_LEASE_INTERVALS = 4
 
 
 class Enforcer:
@@ -77,10 +72,10 @@ class Enforcer:
         config_source: Callable[[], EnforcerConfig | None] | None = None,
         compute_window_seconds: float = 5.0,
         compute_period_seconds: float = 1.0,
+        nvml_timeout_seconds: float = 5.0,
         clock: Callable[[], float] = time.monotonic,
         wall_clock: Callable[[], float] = time.time,
     ) -> None:
-        self.config = config
         self.pid_mode = pid_mode
         self._attributor = attributor
         self._client_factory = client_factory
@@ -94,24 +89,26 @@ class Enforcer:
         self._health = health
         self._events = events
         self._config_source = config_source
-        self._window = compute_window_seconds
-        self._period = compute_period_seconds
         self._clock = clock
         self._wall = wall_clock
-        self._tracker = ComputeTracker(window_seconds=self._window, period_seconds=self._period)
+        self._core = Core(
+            config, compute_window_seconds=compute_window_seconds, compute_period_seconds=compute_period_seconds
+        )
         self._backoff = config.poll_interval_seconds
         self._next_open = 0.0
-        self._pending: dict[tuple[int, int], _PendingKill] = {}
-        # Processes already terminated (or found gone) that NVML may still list for a while (a
-        # zombie, a driver slow to drop the context): never re-signalled, not re-logged each poll.
-        self._finished: set[tuple[int, int]] = set()
-        self._over: set[tuple[str, int]] = set()
-        self._throttled: dict[str, float] = {}
-        self._unattributed_seen: set[tuple[int, int]] = set()
+        self._report = Reporter(log, metrics, events)
+        self._terminator = Terminator(signaller, throttle, log, metrics, events, clock=clock)
+        self._nvml = DeadlineRunner(nvml_timeout_seconds, clock=clock)
+        health.watch_nvml(self._nvml.hung_for, nvml_timeout_seconds)
         self._lost_devices: set[int] = set()
         self._error_log: dict[tuple[str, str, int | None], float] = {}
         self._error_counts: dict[tuple[str, str, int | None], int] = {}
         self._publish_config()
+
+    @property
+    def config(self) -> EnforcerConfig:
+        """The config in force: the core's (one place, switched by ``apply_config``)."""
+        return self._core.config
 
     # -- lifecycle -----------------------------------------------------------------------------
 
@@ -124,7 +121,7 @@ class Enforcer:
         client: NvmlClient | None = None
         try:
             client = self._client_factory()
-            client.open()
+            self._nvml.call("nvmlInit", client.open)
         except Exception as exc:
             error = _short_error(exc)
             self._metrics.nvml_error("nvmlInit", error)
@@ -138,7 +135,7 @@ class Enforcer:
                 retry_in_seconds=round(retry, 3),
             )
             if client is not None and not isinstance(exc, NvmlUnavailable):
-                _close_quietly(client)
+                self._close_client(client)
             return False
         self._client = client
         self._backoff = self.config.poll_interval_seconds
@@ -155,8 +152,14 @@ class Enforcer:
         self._throttle.close("shutdown")
         self._events.close()
         if self._client is not None:
-            _close_quietly(self._client)
+            self._close_client(self._client)
             self._client = None
+
+    def _close_client(self, client: NvmlClient) -> None:
+        """Close through the deadline runner: a client whose call hangs holds its own lock, and
+        ``close`` would wait on it for ever (while a call hangs the runner refuses at once)."""
+        with contextlib.suppress(Exception):
+            self._nvml.call("nvmlShutdown", client.close)
 
     def run(self, stop: threading.Event) -> None:
         """The poll thread: tick every interval, SIGKILL expired grace periods in between."""
@@ -174,7 +177,10 @@ class Enforcer:
                         self._release_compute("poll error")
                 finally:
                     self._metrics.poll_duration.observe(self._clock() - started)
-                interval = self.config.poll_interval_seconds
+                    self._health.tick_completed()
+                # Faster while a container or the pod is close to its limit or growing fast.
+                interval = self._core.poll_interval(self.config.poll_interval_seconds)
+                self._metrics.poll_interval.set(interval)
                 next_tick = max(next_tick + interval, self._clock() + interval / 10)
             else:
                 try:
@@ -182,8 +188,9 @@ class Enforcer:
                 except Exception as exc:
                     self._poll_error(exc, traceback.format_exc(limit=8))
             wake = next_tick
-            if self._pending:
-                wake = min(wake, *(p.deadline for p in self._pending.values()))
+            deadline = self._terminator.next_deadline()
+            if deadline is not None:
+                wake = min(wake, deadline)
             stop.wait(max(wake - self._clock(), 0.0))
 
     def _poll_error(self, exc: Exception, trace: str) -> None:
@@ -208,37 +215,51 @@ class Enforcer:
             return
         assert self._client is not None
         try:
-            sample = self._client.sample()
+            # While NVML answers slowly the SIGKILL timers still fire (the idle callback).
+            sample = self._nvml.call("sample", self._client.sample, idle=self._between_calls)
         except NvmlUnavailable as exc:
             self._nvml_lost(exc)
-            self._check_pending(now)
+            self._check_pending(self._clock())
             return
         now = self._clock()
         self._record_nvml_errors(sample)
         attribution = self._attributor.attribute(sample)
-        attributed = [SignalTarget.of(p) for p in attribution.processes if p.container is not None]
-        self._signaller.authorize(attributed)
-        self._finished &= {t.key for t in attributed}
-        self._log_unattributed(attribution)
+        # Every GPU process accepted as the pod's may be signalled, attributed or not (pod budget).
+        self._signaller.authorize(SignalTarget.of(p) for p in attribution.processes)
         totals = {d.index: d.total_memory_bytes for d in sample.devices if not d.lost}
-        usages = usage_by_container(attribution, self.config, totals)
-        self._publish_usage(usages, attribution)
-        self._enforce_memory(memory_orders(usages))
-        self._tracker.observe(now, attribution, self.config)
-        self._apply_compute(self._tracker.plan(now, self.config), attribution)
+        mig = frozenset(d.index for d in sample.devices if d.mig and not d.lost)
+        decisions = self._core.step(now, attribution, totals, mig)
+        self._report.mig(sample, decisions.new_mig_devices)
+        self._report.unattributed(decisions.new_unattributed)
+        self._report.uninspectable(decisions.new_uninspectable)
+        self._metrics.uninspectable.set(len(attribution.uninspectable))
+        self._report.usage(decisions.usages, attribution)
+        self._metrics.set_pod_usage(decisions.pods)
+        self._terminator.enforce(decisions, attribution, self.config.mode, self.config.grace_period_seconds)
+        self._apply_compute(decisions, attribution)
         self._check_pending(self._clock())
         self._metrics.last_successful_poll.set(self._wall())
         self._metrics.nvml_up.set(1)
         self._health.nvml(True)
         self._health.poll_succeeded()
 
+    def _between_calls(self) -> float | None:
+        """Run due SIGKILLs while waiting on NVML; seconds until the next one is due."""
+        self._check_pending(self._clock())
+        deadline = self._terminator.next_deadline()
+        return None if deadline is None else deadline - self._clock()
+
     def _nvml_lost(self, exc: Exception) -> None:
-        self._metrics.nvml_error("sample", _short_error(exc))
+        hung = isinstance(exc, NvmlHung)
+        self._metrics.nvml_error("sample", "HUNG" if hung else _short_error(exc))
         self._metrics.nvml_up.set(0)
         self._health.nvml(False)
-        self._log.error("nvml_unavailable", function="sample", error=f"{type(exc).__name__}: {exc}")
-        if self._client is not None:
-            _close_quietly(self._client)
+        self._log.error(
+            "nvml_hung" if hung else "nvml_unavailable", function="sample", error=f"{type(exc).__name__}: {exc}",
+        )
+        if self._client is not None and not hung:
+            self._close_client(self._client)
+        # A hung client is dropped, not closed: its call holds its lock (see _close_client).
         self._client = None
         self._backoff = self.config.poll_interval_seconds
         self._next_open = self._clock() + self._backoff
@@ -266,189 +287,39 @@ class Enforcer:
                 self._log.info("device_recovered", device=d.index, uuid=d.uuid)
         self._lost_devices = lost
 
-    def _log_unattributed(self, attribution: Attribution) -> None:
-        for p in attribution.processes:
-            if p.container is None and (p.pid, p.start_time_ticks) not in self._unattributed_seen:
-                if len(self._unattributed_seen) > 10000:
-                    self._unattributed_seen.clear()
-                self._unattributed_seen.add((p.pid, p.start_time_ticks))
-                self._log.warning(
-                    "unattributed_process", pid=p.pid, nvml_pid=p.nvml_pid, uuid=p.device_uuid,
-                    gpu=p.device_index, used_bytes=p.used_memory_bytes,
-                    reason="no certain container: counted for the pod, never signalled",
-                )
-
-    def _publish_usage(self, usages: Iterable[Any], attribution: Attribution) -> None:
-        sm: dict[tuple[str, int], int] = {}
-        for p in attribution.processes:
-            if p.container is not None and p.sm_util is not None:
-                key = (p.container, p.device_index)
-                sm[key] = sm.get(key, 0) + p.sm_util
-        rows = [
-            UsageSample(
-                container=u.container, uuid=u.device_uuid, gpu=u.device_index, used_bytes=u.used_bytes,
-                limit_bytes=u.limit_bytes,
-                sm_utilization=(min(sm[(u.container, u.device_index)], 100) / 100)
-                if (u.container, u.device_index) in sm else None,
-            )
-            for u in usages
-        ]
-        self._metrics.set_container_usage(rows)
-
-    # -- memory --------------------------------------------------------------------------------
-
-    def _enforce_memory(self, orders: Iterable[Any]) -> None:
-        mode = self.config.mode
-        over: set[tuple[str, int]] = set()
-        for order in orders:
-            key = (order.container, order.device_index)
-            over.add(key)
-            if key not in self._over:
-                self._log.warning(
-                    "memory_over_share", container=order.container, uuid=order.device_uuid,
-                    gpu=order.device_index, used_bytes=order.used_bytes, limit_bytes=order.limit_bytes,
-                    mode=mode, action="audit" if mode is Mode.AUDIT else "sigterm",
-                    victims=[v.pid for v in order.victims],
-                )
-                if mode is Mode.AUDIT:
-                    self._metrics.action(order.container, "audit", "memory")
-            if mode is Mode.AUDIT:
-                continue
-            for victim in order.victims:
-                self._terminate(victim, order)
-        for container, index in self._over - over:
-            self._log.info("memory_under_share", container=container, gpu=index)
-        self._over = over
-
-    def _terminate(self, victim: PodProcess, order: Any) -> None:
-        target = SignalTarget.of(victim)
-        if target.key in self._pending or target.key in self._finished:
-            return  # its grace period is running, or it is already dead
-        outcome = self._signaller.send(
-            target, signal.SIGTERM, reason="memory_over_share", uuid=order.device_uuid,
-            gpu=order.device_index, used_bytes=order.used_bytes, limit_bytes=order.limit_bytes,
-            process_used_bytes=victim.used_memory_bytes, mode=self.config.mode, action="sigterm",
-            grace_period_seconds=self.config.grace_period_seconds,
-        )
-        if outcome is not Outcome.SENT:
-            if outcome in (Outcome.GONE, Outcome.REUSED, Outcome.REFUSED):
-                self._finished.add(target.key)
-            return
-        # A process we hold stopped would not act on SIGTERM: continue it, never stop it again.
-        self._throttle.exempt(target)
-        # The grace period counts from the SIGTERM actually sent (the poll's ``now`` is earlier).
-        self._pending[target.key] = _PendingKill(
-            target, self._clock() + self.config.grace_period_seconds, order.device_uuid, order.device_index,
-            order.limit_bytes,
-        )
-        self._metrics.action(order.container, "sigterm", "memory")
-        self._events.record(
-            "GPUMemoryOverShare",
-            f"container {order.container} uses {order.used_bytes} bytes of GPU memory on {order.device_uuid}, "
-            f"over its share of {order.limit_bytes}: SIGTERM to pid {victim.pid}, SIGKILL after "
-            f"{self.config.grace_period_seconds:g}s",
-            action="Terminate",
-        )
-
     def _check_pending(self, now: float) -> None:
-        for key, pending in list(self._pending.items()):
-            target = pending.target
-            if not self._signaller.alive(target):
-                del self._pending[key]
-                self._finished.add(key)
-                self._log.info("terminated", pid=target.pid, container=target.container, reason="exited after SIGTERM")
-                continue
-            if now < pending.deadline:
-                continue
-            del self._pending[key]
-            self._finished.add(key)
-            if self.config.mode is Mode.AUDIT:
-                continue
-            outcome = self._signaller.send(
-                target, signal.SIGKILL, reason="grace_period_expired", uuid=pending.device_uuid,
-                gpu=pending.device_index, limit_bytes=pending.limit_bytes, mode=self.config.mode,
-                action="sigkill",
-            )
-            if outcome is Outcome.SENT:
-                self._metrics.action(target.container or "", "sigkill", "memory")
-                self._events.record(
-                    "GPUMemoryOverShare",
-                    f"container {target.container}: pid {target.pid} still alive after the grace period: SIGKILL",
-                    action="Kill",
-                )
+        self._terminator.check(now, self.config.mode)
 
     # -- compute -------------------------------------------------------------------------------
 
-    def _apply_compute(self, plan: Mapping[str, float], attribution: Attribution) -> None:
-        mode = self.config.mode
+    def _apply_compute(self, decisions: Decisions, attribution: Attribution) -> None:
+        """Log the core's throttle transitions and hand its plan to the executor (enforce mode)."""
         targets: dict[str, dict[tuple[int, int], SignalTarget]] = {}
         for p in attribution.processes:
             if p.container is not None:
                 t = SignalTarget.of(p)
                 targets.setdefault(p.container, {})[t.key] = t
-        sm = container_sm_utilization(attribution)
-        for container, fraction in plan.items():
-            share = self._compute_share(container)
-            if container not in self._throttled:
-                self._log.warning(
-                    "throttle_start", container=container, compute_share=share,
-                    sm_utilization=sm.get(container, 0.0), demand=_round(self._tracker.demand(container)),
-                    run_fraction=round(fraction, 4),
-                    mode=mode, action="audit" if mode is Mode.AUDIT else "throttle_start",
-                    pids=sorted(t.pid for t in targets.get(container, {}).values()),
-                )
-                if mode is Mode.AUDIT:
-                    self._metrics.action(container, "audit", "compute")
-                else:
-                    self._metrics.action(container, "throttle_start", "compute")
-                    self._metrics.set_throttled(container, True)
-                    self._events.record(
-                        "GPUComputeOverShare",
-                        f"container {container} uses more SM time than its compute share "
-                        f"{share:.0%}: duty-cycled at {fraction:.0%} run time",
-                        action="Throttle",
-                    )
-            elif abs(self._throttled[container] - fraction) >= 0.01:
-                self._log.debug("throttle_update", container=container, run_fraction=round(fraction, 4))
-        for container in set(self._throttled) - set(plan):
-            self._throttle_stopped(container, "under share")
-        self._throttled = dict(plan)
-        if mode is Mode.ENFORCE:
+        for change in decisions.throttle_changes:
+            pids = sorted(t.pid for t in targets.get(change.container, {}).values())
+            self._report.throttle(change, self.config.mode, pids)
+        if self.config.mode is Mode.ENFORCE:
+            # The lease: if no poll renews the plans (the loop is stuck), the executor continues
+            # everything by itself.
             self._throttle.update(
-                {
-                    c: ThrottlePlan(f, tuple(targets.get(c, {}).values()))
-                    for c, f in plan.items()
-                }
+                {c: ThrottlePlan(f, tuple(targets.get(c, {}).values())) for c, f in decisions.plan.items()},
+                lease_seconds=THROTTLE_LEASE_INTERVALS * self.config.poll_interval_seconds + 0.5,
             )
 
     def _release_compute(self, reason: str) -> None:
-        """Continue everything, end every throttle, start the compute tracker afresh."""
+        """Continue everything, end every throttle, start the compute controller afresh."""
         self._throttle.release_all(reason.replace(" ", "_"))
-        for container in list(self._throttled):
-            self._throttle_stopped(container, reason)
-        self._throttled = {}
-        self._tracker = ComputeTracker(window_seconds=self._window, period_seconds=self._period)
-
-    def _throttle_stopped(self, container: str, reason: str) -> None:
-        mode = self.config.mode
-        self._log.info(
-            "throttle_stop", container=container, compute_share=self._compute_share(container),
-            mode=mode, action="audit" if mode is Mode.AUDIT else "throttle_stop", reason=reason,
-        )
-        if mode is Mode.ENFORCE:
-            self._metrics.action(container, "throttle_stop", "compute")
-        self._metrics.set_throttled(container, False)
-
-    def _compute_share(self, container: str) -> float | None:
-        share = self.config.containers.get(container)
-        if share is None or share.compute_percent is None:
-            return None
-        return share.compute_percent / 100
+        for change in self._core.release(reason):
+            self._report.throttle(change, self.config.mode)
 
     # -- config --------------------------------------------------------------------------------
 
     def _publish_config(self) -> None:
-        shares = {name: self._compute_share(name) for name in self.config.containers}
+        shares = {name: self._core.compute_share(name) for name in self.config.containers}
         self._metrics.set_compute_shares(shares)
         # Called with nothing throttled (start, config change): a 0 series per compute-limited container.
         self._metrics.throttled.clear()
@@ -468,23 +339,12 @@ class Enforcer:
     def apply_config(self, new: EnforcerConfig) -> None:
         """Switch to a new config: continue everything throttled, start compute tracking afresh."""
         old = self.config
-        self._release_compute("config changed")
-        self.config = new
-        if new.mode is Mode.AUDIT:
-            self._pending.clear()
-        else:
-            for pending in self._pending.values():
-                pending.deadline = min(
-                    pending.deadline,
-                    pending.deadline - old.grace_period_seconds + new.grace_period_seconds,
-                )
-        self._over = set()
+        self._throttle.release_all("config_changed")
+        for change in self._core.reconfigure(new):
+            self._report.throttle(change, self.config.mode)  # under the old config's shares and mode
+        self._terminator.config_changed(old.grace_period_seconds, new.grace_period_seconds, new.mode)
         self._publish_config()
         self._log.info("config_changed", mode=new.mode, config=new.to_dict())
-
-
-def _round(value: float | None) -> float | None:
-    return None if value is None else round(value, 4)
 
 
 def _short_error(exc: BaseException) -> str:
@@ -496,8 +356,3 @@ def _short_error(exc: BaseException) -> str:
     if "not found" in text or "does not exist" in text or "cannot load" in text:
         return "LIBRARY_NOT_FOUND"
     return type(exc).__name__
-
-
-def _close_quietly(client: NvmlClient) -> None:
-    with contextlib.suppress(Exception):
-        client.close()

@@ -10,9 +10,13 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+if TYPE_CHECKING:
+    from enforcer.policy import PodDeviceUsage
 
 ACTIONS = ("sigterm", "sigkill", "throttle_start", "throttle_stop", "audit")
 RESOURCES = ("memory", "compute")
@@ -68,10 +72,46 @@ class EnforcerMetrics:
             "Enforcement actions taken (or, in audit mode, that would have been taken)",
             (*container_labels, "action", "resource"), registry=r,
         )
+        pod_device_labels = ("namespace", "pod", "UUID", "gpu")
+        self.pod_memory_used = Gauge(
+            "gpufence_pod_gpu_memory_used_bytes",
+            "GPU memory used by all the pod's GPU processes on the device, attributed or not",
+            pod_device_labels, registry=r,
+        )
+        self.pod_memory_unattributed = Gauge(
+            "gpufence_pod_gpu_memory_unattributed_bytes",
+            "GPU memory used by the pod's processes no container can be charged for",
+            pod_device_labels, registry=r,
+        )
+        self.pod_memory_budget = Gauge(
+            "gpufence_pod_gpu_memory_budget_bytes",
+            "The pod's budget on the device: the sum of its GPU containers' memory shares",
+            pod_device_labels, registry=r,
+        )
+        self.unattributed_processes = Gauge(
+            "gpufence_pod_unattributed_processes",
+            "The pod's GPU processes on the device that no container can be charged for",
+            pod_device_labels, registry=r,
+        )
+        self.mig_unenforced = Gauge(
+            "gpufence_device_mig_unenforced",
+            "1 for a device in MIG mode: left to MIG's hardware isolation, not enforced by gpufence",
+            pod_device_labels, registry=r,
+        )
+        self.uninspectable = Gauge(
+            "gpufence_uninspectable_processes",
+            "GPU processes NVML lists whose /proc/<pid>/fd the enforcer may not read: not enforced",
+            registry=r,
+        )
         self.poll_duration = Histogram(
             "gpufence_poll_duration_seconds",
             "Duration of one poll: NVML sample, attribution, policy and actions",
             buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0),
+            registry=r,
+        )
+        self.poll_interval = Gauge(
+            "gpufence_poll_interval_seconds",
+            "The interval to the next poll: the configured one, or shorter while close to a limit",
             registry=r,
         )
         self.last_successful_poll = Gauge(
@@ -88,6 +128,7 @@ class EnforcerMetrics:
         )
         self.nvml_up.set(0)
         self._device_series: set[tuple[str, str, str]] = set()
+        self._pod_series: set[tuple[str, str]] = set()
 
     # -- helpers -----------------------------------------------------------------------------
 
@@ -126,6 +167,31 @@ class EnforcerMetrics:
             for gauge in (self.memory_used, self.memory_limit, self.sm_utilization):
                 _remove(gauge, labels)
         self._device_series = seen
+
+    def set_mig_unenforced(self, uuid: str, gpu: int) -> None:
+        self.mig_unenforced.labels(self.namespace, self.pod, uuid, str(gpu)).set(1)
+
+    def set_pod_usage(self, rows: Iterable[PodDeviceUsage]) -> None:
+        """Per device: the pod's total, unattributed and budget (replaced wholesale, as above)."""
+        seen: set[tuple[str, str]] = set()
+        for row in rows:
+            key = (row.device_uuid, str(row.device_index))
+            seen.add(key)
+            labels = (self.namespace, self.pod, *key)
+            self.pod_memory_used.labels(*labels).set(row.used_bytes)
+            self.pod_memory_unattributed.labels(*labels).set(row.unattributed_bytes)
+            self.unattributed_processes.labels(*labels).set(len(row.unattributed))
+            if row.budget_bytes is not None:
+                self.pod_memory_budget.labels(*labels).set(row.budget_bytes)
+            else:
+                _remove(self.pod_memory_budget, labels)
+        for key in self._pod_series - seen:
+            labels = (self.namespace, self.pod, *key)
+            for gauge in (
+                self.pod_memory_used, self.pod_memory_unattributed, self.pod_memory_budget, self.unattributed_processes
+            ):
+                _remove(gauge, labels)
+        self._pod_series = seen
 
     def render(self) -> tuple[bytes, str]:
         return generate_latest(self.registry), CONTENT_TYPE_LATEST

@@ -16,8 +16,12 @@ Error policy of :meth:`NvmlClient.sample`:
 * NVML as a whole not answering (``UNINITIALIZED``, ``DRIVER_NOT_LOADED``, ``LIBRARY_NOT_FOUND``,
   ``LIB_RM_VERSION_MISMATCH``): :class:`NvmlUnavailable`. Call ``close()`` and ``open()`` to retry.
 
+Processes come from three lists: compute, graphics and MPS compute (MPS clients are listed only
+there, so with CUDA MPS their memory would otherwise be invisible); a PID in several lists is one
+process.
+
 Cost: handles, UUIDs and total memory are cached after ``open()`` (re-queried after errors); a
-sample makes three NVML calls per device (compute processes, graphics processes, utilisation)
+sample makes four NVML calls per device (compute, graphics and MPS processes, utilisation)
 into buffers reused between polls (grown on ``NVML_ERROR_INSUFFICIENT_SIZE``), decoded with
 ``struct.iter_unpack`` instead of pynvml's per-element ctypes objects.
 """
@@ -78,6 +82,7 @@ class DeviceSample:
     processes: tuple[GpuProcess, ...]  # compute + graphics, merged by pid (a pid in both lists once)
     sm_util_by_pid: Mapping[int, int]  # newest SM% per pid since the previous sample; {} if unsupported/no samples
     lost: bool = False  # device fell off the bus this round: skip it, keep going
+    mig: bool = False  # MIG mode enabled: isolation is MIG's (hardware); the enforcer leaves it alone
 
 
 @dataclass(frozen=True)
@@ -169,9 +174,11 @@ class _Device:
     uuid: str = ""
     total_memory_bytes: int | None = None
     total_settled: bool = False  # total known, or NOT_SUPPORTED (do not ask every round)
+    mig: bool = False
     last_seen_us: int = 0  # lastSeenTimeStamp for nvmlDeviceGetProcessUtilization
     compute: _Buffer = field(default_factory=lambda: _Buffer(_PROC_V2))
     graphics: _Buffer = field(default_factory=lambda: _Buffer(_PROC_V2))
+    mps: _Buffer = field(default_factory=lambda: _Buffer(_PROC_V2))
     util: _Buffer = field(default_factory=lambda: _Buffer(_UTIL))
     records: dict[int, GpuProcess] = field(default_factory=dict)  # last round's, by pid
 
@@ -204,9 +211,14 @@ class NvmlClient:
         self._pending: list[NvmlErrorEvent] = []
         self._fn_compute: Callable[..., int] | None = None
         self._fn_graphics: Callable[..., int] | None = None
+        self._fn_mps: Callable[..., int] | None = None
         self._fn_util: Callable[..., int] | None = None
         self._proc_record = _PROC_V2
-        self._proc_names = ("nvmlDeviceGetComputeRunningProcesses", "nvmlDeviceGetGraphicsRunningProcesses")
+        self._proc_names = (
+            "nvmlDeviceGetComputeRunningProcesses",
+            "nvmlDeviceGetGraphicsRunningProcesses",
+            "nvmlDeviceGetMPSComputeRunningProcesses",
+        )
 
     # -- lifecycle -------------------------------------------------------------------------------
 
@@ -292,10 +304,15 @@ class NvmlClient:
                 self._acquire(device, errors)
             elif not device.total_settled:
                 self._query_total(device, errors)
-            for buf, fn, name in (
+            lists = [
                 (device.compute, self._fn_compute, self._proc_names[0]),
                 (device.graphics, self._fn_graphics, self._proc_names[1]),
-            ):
+            ]
+            # MPS clients appear only in this list (with MPS the compute list shows the MPS server).
+            # Drivers without the call have no MPS clients to report: not an error.
+            if self._fn_mps is not None:
+                lists.append((device.mps, self._fn_mps, self._proc_names[2]))
+            for buf, fn, name in lists:
                 try:
                     listed += self._processes(device, buf, fn, name)
                 except _NvmlCallError as err:
@@ -329,7 +346,9 @@ class NvmlClient:
             records[pid] = record
         device.records = records
         processes = tuple(records.values())
-        return DeviceSample(index, uuid, device.total_memory_bytes, processes, self._util(device, errors))
+        return DeviceSample(
+            index, uuid, device.total_memory_bytes, processes, self._util(device, errors), mig=device.mig
+        )
 
     # -- NVML calls ------------------------------------------------------------------------------
 
@@ -348,6 +367,10 @@ class NvmlClient:
         device.handle, device.uuid = handle, uuid
         device.total_settled = False
         self._query_total(device, errors)
+        try:
+            device.mig = pynvml.nvmlDeviceGetMigMode(handle)[0] == pynvml.NVML_DEVICE_MIG_ENABLE
+        except pynvml.NVMLError:
+            device.mig = False  # NOT_SUPPORTED / FUNCTION_NOT_FOUND: a GPU without MIG
 
     def _query_total(self, device: _Device, errors: list[NvmlErrorEvent]) -> None:
         try:
@@ -441,8 +464,16 @@ class NvmlClient:
         if v1:
             compute, _ = first("nvmlDeviceGetComputeRunningProcesses")
             graphics, _ = first("nvmlDeviceGetGraphicsRunningProcesses")
+        mps, mps_name = first(
+            "nvmlDeviceGetMPSComputeRunningProcesses_v3",
+            "nvmlDeviceGetMPSComputeRunningProcesses_v2",
+            "nvmlDeviceGetMPSComputeRunningProcesses",
+        )
+        if v1 != (not mps_name.endswith(("_v2", "_v3"))):
+            # One record layout for all lists: take the MPS symbol of the same layout, if any.
+            mps, _ = first("nvmlDeviceGetMPSComputeRunningProcesses") if v1 else (None, "")
         self._proc_record = _PROC_V1 if v1 else _PROC_V2
-        self._fn_compute, self._fn_graphics = compute, graphics
+        self._fn_compute, self._fn_graphics, self._fn_mps = compute, graphics, mps
         self._fn_util, _ = first("nvmlDeviceGetProcessUtilization")
 
     # -- loading ---------------------------------------------------------------------------------

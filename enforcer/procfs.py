@@ -35,6 +35,9 @@ class ProcFacts:
     container: str | None  # GPUFENCE_CONTAINER from /proc/<pid>/environ; None if absent/unreadable
     cgroup: str | None  # /proc/<pid>/cgroup content (cross-check)
     holds_nvidia_device: bool  # some /proc/<pid>/fd/* links to a path starting with the device prefix
+    # False: /proc/<pid>/fd could not be listed (EACCES: no ptrace access, e.g. the sidecar has fewer
+    # capabilities than the workload): whether it holds the device is unknown, not "no".
+    inspectable: bool = True
 
 
 @dataclass(frozen=True)
@@ -104,19 +107,32 @@ def holds_device(pid: int, proc_root: str, device_prefix: str) -> bool:
     Unreadable (gone, or no ptrace permission) reads as False: a process we cannot inspect is
     not accepted as ours.
     """
+    return fd_scan(pid, proc_root, device_prefix)[0]
+
+
+def fd_scan(pid: int, proc_root: str, device_prefix: str) -> tuple[bool, bool]:
+    """(holds the device, descriptors readable): (False, False) when /proc/<pid>/fd is denied (the
+    directory itself, or, as for another process of the same uid with more capabilities, its links)."""
     fd_dir = f"{proc_root}/{pid}/fd"
     try:
         names = os.listdir(fd_dir)
+    except PermissionError:
+        return False, False
     except OSError:
-        return False
+        return False, True  # gone: nothing to inspect, and nothing denied
+    denied = False
     for name in names:
         try:
             target = os.readlink(f"{fd_dir}/{name}")
+        except PermissionError:
+            # The directory of a same-uid process lists, but each link needs ptrace access.
+            denied = True
+            continue
         except OSError:  # closed between listdir and readlink
             continue
         if target.startswith(device_prefix):
-            return True
-    return False
+            return True, True
+    return False, not denied
 
 
 def read_facts(pid: int, proc_root: str = "/proc", device_prefix: str | None = None) -> ProcFacts | None:
@@ -133,7 +149,7 @@ def read_facts(pid: int, proc_root: str = "/proc", device_prefix: str | None = N
     base = f"{proc_root}/{pid}"
     container = _container_from_environ(_read_all(f"{base}/environ"))
     cgroup_bytes = _read_all(f"{base}/cgroup")
-    holds = holds_device(pid, proc_root, prefix)
+    holds, inspectable = fd_scan(pid, proc_root, prefix)
     # Re-read the identity: if the process exited (or the PID now names another process) while
     # we read, the files above may describe a different process or none.
     if read_start_time(pid, proc_root) != start:
@@ -144,7 +160,13 @@ def read_facts(pid: int, proc_root: str = "/proc", device_prefix: str | None = N
         container=container,
         cgroup=cgroup_bytes.decode("utf-8", "replace").strip() if cgroup_bytes is not None else None,
         holds_nvidia_device=holds,
+        inspectable=inspectable,
     )
+
+
+def read_claim(pid: int, proc_root: str = "/proc") -> str | None:
+    """GPUFENCE_CONTAINER from /proc/<pid>/environ; None if absent or unreadable."""
+    return _container_from_environ(_read_all(f"{proc_root}/{pid}/environ"))
 
 
 def _container_from_environ(environ: bytes | None) -> str | None:
@@ -191,3 +213,63 @@ def _read_all(path: str) -> bytes | None:
         return None
     finally:
         os.close(fd)
+
+
+def read_cgroup(pid: int, proc_root: str = "/proc") -> str | None:
+    """The content of /proc/<pid>/cgroup (world-readable: no ptrace right needed), stripped."""
+    data = _read_all(f"{proc_root}/{pid}/cgroup")
+    return data.decode("utf-8", "replace").strip() if data is not None else None
+
+
+def processes_in_cgroup(cgroup: str, proc_root: str = "/proc") -> list[tuple[int, int]]:
+    """(pid, start time) of every live process of this PID namespace whose cgroup is ``cgroup``.
+
+    A container cannot leave its cgroup, so this is the whole container (its launchers and helpers
+    that hold no GPU context included). Each start time is read before and after the cgroup, so an
+    entry never mixes two processes.
+    """
+    found = []
+    try:
+        names = os.listdir(proc_root)
+    except OSError:
+        return []
+    for name in names:
+        if not name.isdigit():
+            continue
+        pid = int(name)
+        stat = read_stat(pid, proc_root)
+        if stat is None or stat.is_dead:
+            continue
+        if read_cgroup(pid, proc_root) == cgroup and read_start_time(pid, proc_root) == stat.start_time_ticks:
+            found.append((pid, stat.start_time_ticks))
+    return found
+
+
+# Capability bits (linux/capability.h) the enforcer reports at start.
+_CAPS = {"dac_read_search": 2, "kill": 5, "setuid": 7, "sys_ptrace": 19}
+
+
+def own_privileges(proc_root: str = "/proc") -> dict[str, object]:
+    """This process's uid and the capabilities that decide what it can inspect and signal (from
+    /proc/self/status; psutil does not expose capabilities)."""
+    data = _read_small(f"{proc_root}/self/status", size=16384) or b""
+    effective = 0
+    for line in data.splitlines():
+        if line.startswith(b"CapEff:"):
+            effective = int(line.split()[1], 16)
+    result: dict[str, object] = {"uid": os.geteuid(), "cap_effective": f"{effective:016x}"}
+    result.update({f"cap_{name}": bool(effective >> bit & 1) for name, bit in _CAPS.items()})
+    return result
+
+
+def privilege_limits(privileges: dict[str, object]) -> list[str]:
+    """What these privileges cannot do, in words (empty: nothing the kernel would refuse)."""
+    limits = []
+    if not privileges.get("cap_kill"):
+        limits.append(f"no CAP_KILL: can signal only processes of uid {privileges.get('uid')}")
+    if not privileges.get("cap_sys_ptrace"):
+        limits.append(
+            "no CAP_SYS_PTRACE: can inspect (/proc/<pid>/fd, environ) only processes of its own uid whose "
+            "capabilities it holds too; others are reported as process_uninspectable"
+        )
+    return limits

@@ -5,10 +5,12 @@ the refusal, unless all of these hold:
 
 * the target is a PID of the enforcer's own namespace greater than 1, not the enforcer itself and
   not one of its ancestors (read at construction and re-read before every signal);
-* the target is attributed to a container of this pod: its (pid, start time) is in the set the
-  poll loop handed over with :meth:`authorize` (the latest attribution, attributed processes only);
-  the follow-up signals SIGKILL (after our SIGTERM) and SIGCONT (after our SIGSTOP, or for an entry
-  of the stopped-state file) are also allowed for processes that have since left the attribution;
+* the target is one of this pod's processes: its (pid, start time) is in the set the poll loop
+  handed over with :meth:`authorize` (every GPU process of the latest attribution, attributed or
+  not: the pod budget terminates unattributed ones), or one the terminator found in the cgroup of
+  a container it terminates (:meth:`admit_members`: the container's launchers, which hold no GPU
+  context); the follow-up signals SIGKILL (after our SIGTERM) and SIGCONT (after our SIGSTOP, or
+  for an entry of the stopped-state file) are also allowed for processes that have since left;
 * the process still exists with the same start time (field 22 of ``/proc/<pid>/stat``), read right
   before the kill. With ``pidfd_open`` (Linux >= 5.3) the pidfd is opened *first*, then the start
   time is checked, then the signal goes through the pidfd: a PID recycled after the check cannot
@@ -99,7 +101,9 @@ class SafeSignaller:
         self._protected = {self._own_pid} | ancestors(self._own_pid, proc_root)
         self._dry_run = dry_run
         self._lock = threading.Lock()
-        self._authorized: dict[tuple[int, int], str] = {}
+        self._authorized: dict[tuple[int, int], str | None] = {}
+        # Processes of a container being terminated that are no GPU processes (key -> container).
+        self._members: dict[tuple[int, int], str | None] = {}
         # key -> the signal we sent that allows a follow-up (SIGTERM -> SIGKILL, SIGSTOP -> SIGCONT)
         self._follow_up: dict[tuple[int, int], set[int]] = {}
         self._use_pidfd = hasattr(os, "pidfd_open") and hasattr(signal, "pidfd_send_signal")
@@ -107,15 +111,24 @@ class SafeSignaller:
     # -- authority -----------------------------------------------------------------------------
 
     def authorize(self, targets: Iterable[SignalTarget]) -> None:
-        """Replace the set of this pod's attributed processes (call once per poll)."""
-        authorized = {t.key: t.container for t in targets if t.container is not None and t.pid > 1}
+        """Replace the set of this pod's GPU processes (call once per poll)."""
+        authorized = {t.key: t.container for t in targets if t.pid > 1}
         with self._lock:
             self._authorized = authorized
-            # Forget follow-up rights of processes that no longer exist.
-            for key in list(self._follow_up):
-                stat = read_stat(key[0], self._proc_root)
-                if stat is None or stat.start_time_ticks != key[1] or stat.is_dead:
-                    del self._follow_up[key]
+            # Forget the rights of processes that no longer exist.
+            for rights in (self._follow_up, self._members):
+                for key in list(rights):
+                    stat = read_stat(key[0], self._proc_root)
+                    if stat is None or stat.start_time_ticks != key[1] or stat.is_dead:
+                        del rights[key]
+
+    def admit_members(self, targets: Iterable[SignalTarget]) -> None:
+        """Allow signals to processes of a container being terminated (found in its cgroup, in our
+        PID namespace) for as long as they live."""
+        with self._lock:
+            for t in targets:
+                if t.pid > 1:
+                    self._members[t.key] = t.container
 
     def adopt_stopped(self, target: SignalTarget) -> None:
         """Allow SIGCONT for a process a previous enforcer recorded as stopped."""
@@ -164,16 +177,15 @@ class SafeSignaller:
     def _refusal(self, target: SignalTarget, sig: int) -> str | None:
         if target.pid <= 1:
             return "pid <= 1"
-        if target.container is None:
-            return "process not attributed to a container"
         if target.pid in self._protected or target.pid in ancestors(self._own_pid, self._proc_root):
             return "the enforcer itself or one of its ancestors"
         with self._lock:
-            container = self._authorized.get(target.key)
-            if container is not None:
-                if container != target.container:
-                    return f"attributed to container {container!r}, not {target.container!r}"
-                return None
+            for known in (self._authorized, self._members):
+                if target.key in known:
+                    container = known[target.key]
+                    if container != target.container:
+                        return f"attributed to container {container!r}, not {target.container!r}"
+                    return None
             needed = _FOLLOW_UPS.get(sig)
             if needed is not None and needed in self._follow_up.get(target.key, ()):
                 return None

@@ -16,6 +16,10 @@ Invariants (a stopped process is never left behind):
 * a process that leaves the plan's target list while stopped is continued;
 * ``exempt`` continues a process and never stops it again (the memory enforcer SIGTERMs a process
   it may hold stopped: a stopped process would not act on SIGTERM until continued);
+* a SIGCONT that fails (EPERM, ...) leaves the process recorded, in memory and in the state file,
+  and is retried every ``RETRY_SECONDS`` until the process runs or is gone (also by ``close``);
+* a plan carries a lease (``update(..., lease_seconds=...)``): when no fresh poll renews it in time
+  (the poll loop is stuck), everything is continued (``lease_expired``);
 * an unexpected exception in the thread continues everything, is logged, and the thread goes on.
 """
 
@@ -30,6 +34,9 @@ from dataclasses import dataclass, field
 from enforcer.logs import DecisionLog
 from enforcer.signals import Outcome, SafeSignaller, SignalTarget
 from enforcer.stopped_state import StoppedState
+
+# How often a failed SIGCONT is retried.
+RETRY_SECONDS = 0.2
 
 
 @dataclass(frozen=True)
@@ -67,6 +74,9 @@ class ThrottleExecutor:
         self._cond = threading.Condition()
         self._cycles: dict[str, _Cycle] = {}
         self._exempt: set[tuple[int, int]] = set()
+        # Processes we stopped whose SIGCONT failed: still ours to continue (and still on record).
+        self._unreleased: dict[tuple[int, int], SignalTarget] = {}
+        self._lease_until: float | None = None
         self._closing = False
         self._thread: threading.Thread | None = None
 
@@ -89,11 +99,14 @@ class ThrottleExecutor:
 
     # -- commands from the poll loop -----------------------------------------------------------
 
-    def update(self, plans: Mapping[str, ThrottlePlan]) -> None:
+    def update(self, plans: Mapping[str, ThrottlePlan], *, lease_seconds: float | None = None) -> None:
+        """Replace the plans. With ``lease_seconds``, everything is continued unless another update
+        comes within that time (a throttle never runs on a plan no fresh measurement renews)."""
         with self._cond:
             if self._closing:
                 return
             now = self._clock()
+            self._lease_until = now + lease_seconds if lease_seconds is not None and plans else None
             for name in list(self._cycles):
                 if name not in plans:
                     cycle = self._cycles.pop(name)
@@ -137,8 +150,11 @@ class ThrottleExecutor:
             return set(self._cycles)
 
     def stopped_targets(self) -> list[SignalTarget]:
+        """Every process this executor holds stopped (failed SIGCONTs included)."""
         with self._cond:
-            return [t for c in self._cycles.values() for t in c.stopped.values()]
+            held = {t.key: t for c in self._cycles.values() for t in c.stopped.values()}
+            held.update(self._unreleased)
+            return list(held.values())
 
     # -- internals (called with the lock held) -------------------------------------------------
 
@@ -146,6 +162,8 @@ class ThrottleExecutor:
         for cycle in self._cycles.values():
             self._continue_locked(cycle, list(cycle.stopped.values()), reason)
         self._cycles.clear()
+        self._lease_until = None
+        self._retry_locked()
 
     def _stop_locked(self, cycle: _Cycle, targets: Iterable[SignalTarget]) -> None:
         targets = [t for t in targets if t.key not in cycle.stopped and t.key not in self._exempt]
@@ -163,13 +181,26 @@ class ThrottleExecutor:
             self._state.remove(not_stopped)
 
     def _continue_locked(self, cycle: _Cycle, targets: Iterable[SignalTarget], reason: str) -> None:
-        targets = list(targets)
-        if not targets:
-            return
+        released = []
         for t in targets:
-            self._signaller.send(t, signal.SIGCONT, reason=reason)
             cycle.stopped.pop(t.key, None)
-        self._state.remove(targets)
+            if self._sigcont(t, reason):
+                released.append(t)
+        self._state.remove(released)
+
+    def _sigcont(self, target: SignalTarget, reason: str) -> bool:
+        """SIGCONT; False (and kept for a retry, still on record) unless it ran or is gone."""
+        outcome = self._signaller.send(target, signal.SIGCONT, reason=reason)
+        if outcome in (Outcome.SENT, Outcome.GONE, Outcome.REUSED, Outcome.DRY_RUN):
+            self._unreleased.pop(target.key, None)
+            return True
+        self._unreleased[target.key] = target
+        return False
+
+    def _retry_locked(self) -> None:
+        retry = list(self._unreleased.values())
+        if retry:
+            self._state.remove([t for t in retry if self._sigcont(t, "retry_sigcont")])
 
     # -- the thread ----------------------------------------------------------------------------
 
@@ -190,7 +221,13 @@ class ThrottleExecutor:
     def _step_locked(self) -> float | None:
         """Do the phase switches that are due; return seconds until the next one (None: idle)."""
         now = self._clock()
-        next_switch: float | None = None
+        if self._lease_until is not None and now >= self._lease_until:
+            self._log.warning("throttle_lease_expired", reason="no fresh poll renewed the throttle plans")
+            self._release_all_locked("lease_expired")
+        self._retry_locked()
+        next_switch: float | None = now + RETRY_SECONDS if self._unreleased else None
+        if self._lease_until is not None:
+            next_switch = self._lease_until if next_switch is None else min(next_switch, self._lease_until)
         for cycle in self._cycles.values():
             run = cycle.fraction * self._period
             pause = self._period - run

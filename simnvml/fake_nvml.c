@@ -111,7 +111,7 @@ struct sim_proc {
     unsigned int host_pid;
     unsigned long long used; /* NVML_VALUE_NOT_AVAILABLE_ULL when not available */
     unsigned int sm_util;
-    int graphics;
+    int graphics; /* the list it is in: 0 compute, 1 graphics, 2 MPS compute (an MPS client) */
     int has_ns;
     unsigned long long ns_inode;
     unsigned int ns_pid;
@@ -123,6 +123,7 @@ struct sim_dev {
     unsigned long long total;
     int lost;
     int meminfo_not_supported;
+    int mig; /* MIG mode enabled (nvmlDeviceGetMigMode) */
     struct sim_proc *procs;
     size_t nprocs, cap;
 };
@@ -131,10 +132,12 @@ struct sim_fail {
     char fn[128];
     int dev; /* -1: every device and device-less calls */
     nvmlReturn_t code;
+    int hang; /* 1: the call blocks (a GPU off the bus) until the state file no longer says so */
 };
 
 struct sim_state {
     int legacy;
+    unsigned long long util_lag_ms; /* 0: utilisation is the state file's; else see lagged_util() */
     unsigned long long host_ns;
     nvmlReturn_t init_error;
     struct sim_dev *devs;
@@ -234,18 +237,23 @@ static struct sim_state *parse_state(FILE *f, const char *path) {
             if (strcmp(mode, "legacy") == 0) s->legacy = 1;
             else if (strcmp(mode, "namespace_aware") == 0) s->legacy = 0;
             else goto bad;
+        } else if (strcmp(kw, "util_lag_ms") == 0) {
+            if (parse_ull(strtok_r(NULL, " ", &save), &s->util_lag_ms)) goto bad;
         } else if (strcmp(kw, "host_pidns") == 0) {
             if (parse_ull(strtok_r(NULL, " ", &save), &s->host_ns)) goto bad;
         } else if (strcmp(kw, "init_error") == 0) {
             if (parse_ull(strtok_r(NULL, " ", &save), &v)) goto bad;
             s->init_error = (nvmlReturn_t)v;
-        } else if (strcmp(kw, "fail") == 0) {
+        } else if (strcmp(kw, "fail") == 0 || strcmp(kw, "hang") == 0) {
+            int hang = strcmp(kw, "hang") == 0;
             char *fn = strtok_r(NULL, " ", &save);
             if (!fn || strlen(fn) >= sizeof s->fails[0].fn) goto bad;
-            if (parse_ull(strtok_r(NULL, " ", &save), &v)) goto bad;
+            v = 0;
+            if (!hang && parse_ull(strtok_r(NULL, " ", &save), &v)) goto bad;
             if (grow((void **)&s->fails, &s->failcap, s->nfails, sizeof *s->fails)) goto bad;
             struct sim_fail *fl = &s->fails[s->nfails++];
             fl->code = (nvmlReturn_t)v;
+            fl->hang = hang;
             fl->dev = -1;
             char *at = strchr(fn, '@');
             if (at) {
@@ -274,6 +282,10 @@ static struct sim_state *parse_state(FILE *f, const char *path) {
             d->meminfo_not_supported = mns != 0;
             strcpy(d->uuid, uuid);
             strcpy(d->name, name);
+        } else if (strcmp(kw, "mig") == 0) {
+            /* mig   (MIG mode enabled on the last device) */
+            if (s->ndevs == 0) goto bad;
+            s->devs[s->ndevs - 1].mig = 1;
         } else if (strcmp(kw, "proc") == 0) {
             /* proc KIND PID USED|- SM NS_INODE|- NS_PID|-   (belongs to the last device) */
             if (s->ndevs == 0) goto bad;
@@ -281,7 +293,7 @@ static struct sim_state *parse_state(FILE *f, const char *path) {
             char *kind = strtok_r(NULL, " ", &save);
             unsigned long long pid, sm, nsino, nspid;
             int has_used, has_ino, has_nspid;
-            if (!kind || (strcmp(kind, "compute") && strcmp(kind, "graphics"))) goto bad;
+            if (!kind || (strcmp(kind, "compute") && strcmp(kind, "graphics") && strcmp(kind, "mps"))) goto bad;
             if (parse_ull(strtok_r(NULL, " ", &save), &pid) || pid > 0xFFFFFFFFULL) goto bad;
             if (parse_opt_ull(strtok_r(NULL, " ", &save), &v, &has_used)) goto bad;
             if (parse_ull(strtok_r(NULL, " ", &save), &sm)) goto bad;
@@ -290,7 +302,7 @@ static struct sim_state *parse_state(FILE *f, const char *path) {
             if (has_ino != has_nspid || nspid > 0xFFFFFFFFULL) goto bad;
             if (grow((void **)&d->procs, &d->cap, d->nprocs, sizeof *d->procs)) goto bad;
             struct sim_proc *p = &d->procs[d->nprocs++];
-            p->graphics = strcmp(kind, "graphics") == 0;
+            p->graphics = strcmp(kind, "graphics") == 0 ? 1 : strcmp(kind, "mps") == 0 ? 2 : 0;
             p->host_pid = (unsigned int)pid;
             p->used = has_used ? v : NVML_VALUE_NOT_AVAILABLE_ULL;
             p->sm_util = (unsigned int)sm;
@@ -350,7 +362,8 @@ static int refresh_state(void) {
     return 0;
 }
 
-static nvmlReturn_t injected(const char *fn, int dev) {
+/* The first failure (hang: hang entries, else fail entries) matching the call, or NULL. */
+static const struct sim_fail *matching(const char *fn, int dev, int hang) {
     size_t baselen = strlen(fn);
     /* "nvmlFoo_v3" is also matched by a failure named "nvmlFoo". */
     const char *v = strrchr(fn, '_');
@@ -358,17 +371,30 @@ static nvmlReturn_t injected(const char *fn, int dev) {
     int is_init = strncmp(fn, "nvmlInit", 8) == 0;
     for (size_t i = 0; i < g_state->nfails; i++) {
         const struct sim_fail *f = &g_state->fails[i];
-        if (f->dev >= 0 && f->dev != dev) continue;
+        if (f->hang != hang || (f->dev >= 0 && f->dev != dev)) continue;
         if ((strcmp(f->fn, "*") == 0 && !is_init) || strcmp(f->fn, fn) == 0 ||
             (strlen(f->fn) == baselen && strncmp(f->fn, fn, baselen) == 0))
-            return f->code;
+            return f;
     }
-    return NVML_SUCCESS;
+    return NULL;
 }
 
-/* Common prologue for calls after init: lock held by caller. */
+static nvmlReturn_t injected(const char *fn, int dev) {
+    const struct sim_fail *f = matching(fn, dev, 0);
+    return f ? f->code : NVML_SUCCESS;
+}
+
+/* Common prologue for calls after init: lock held by caller. A "hang" entry blocks the call, as a
+ * GPU that fell off the bus does, until a new state file drops it; the lock is released while
+ * waiting so the test (and other callers) can go on. */
 static nvmlReturn_t enter(const char *fn, int dev) {
-    if (refresh_state() != 0 || g_init_count == 0) return NVML_ERROR_UNINITIALIZED;
+    for (;;) {
+        if (refresh_state() != 0 || g_init_count == 0) return NVML_ERROR_UNINITIALIZED;
+        if (!matching(fn, dev, 1)) break;
+        pthread_mutex_unlock(&g_lock);
+        usleep(10000);
+        pthread_mutex_lock(&g_lock);
+    }
     return injected(fn, dev);
 }
 
@@ -419,11 +445,10 @@ static unsigned long long caller_pidns(void) {
     return g_caller_ns;
 }
 
-/* A graphics entry whose pid also has a compute entry: NVML samples a process once. */
+/* A later entry (another list) of a pid listed before: NVML samples a process once. */
 static int duplicate_sample(const struct sim_dev *d, size_t i) {
-    if (!d->procs[i].graphics) return 0;
-    for (size_t j = 0; j < d->nprocs; j++)
-        if (!d->procs[j].graphics && d->procs[j].host_pid == d->procs[i].host_pid) return 1;
+    for (size_t j = 0; j < i; j++)
+        if (d->procs[j].host_pid == d->procs[i].host_pid) return 1;
     return 0;
 }
 
@@ -593,6 +618,18 @@ static nvmlReturn_t do_dev_string(const char *fn, nvmlDevice_t device, int want_
     if (ret != NVML_SUCCESS) return ret;
     return copy_string(want_uuid ? d->uuid : d->name, buf, length);
 }
+static nvmlReturn_t do_mig_mode(nvmlDevice_t device, unsigned int *current, unsigned int *pending) {
+    struct sim_dev *d;
+    nvmlReturn_t ret = enter_device("nvmlDeviceGetMigMode", device, &d);
+    if (ret != NVML_SUCCESS) return ret;
+    if (!current || !pending) return NVML_ERROR_INVALID_ARGUMENT;
+    *current = *pending = (unsigned int)d->mig;
+    return NVML_SUCCESS;
+}
+EXPORT nvmlReturn_t nvmlDeviceGetMigMode(nvmlDevice_t device, unsigned int *currentMode, unsigned int *pendingMode) {
+    LOCKED(do_mig_mode(device, currentMode, pendingMode));
+}
+
 EXPORT nvmlReturn_t nvmlDeviceGetUUID(nvmlDevice_t device, char *uuid, unsigned int length) {
     LOCKED(do_dev_string("nvmlDeviceGetUUID", device, 1, uuid, length));
 }
@@ -689,11 +726,59 @@ RUNNING(nvmlDeviceGetComputeRunningProcesses, 0, 1)
 RUNNING(nvmlDeviceGetGraphicsRunningProcesses_v3, 1, 3)
 RUNNING(nvmlDeviceGetGraphicsRunningProcesses_v2, 1, 2)
 RUNNING(nvmlDeviceGetGraphicsRunningProcesses, 1, 1)
+RUNNING(nvmlDeviceGetMPSComputeRunningProcesses_v3, 2, 3)
+RUNNING(nvmlDeviceGetMPSComputeRunningProcesses_v2, 2, 2)
+RUNNING(nvmlDeviceGetMPSComputeRunningProcesses, 2, 1)
 
 static unsigned long long now_us(void) {
     struct timespec ts;
     clock_gettime(CLOCK_REALTIME, &ts);
     return (unsigned long long)ts.tv_sec * 1000000ULL + (unsigned long long)ts.tv_nsec / 1000ULL;
+}
+
+/* Utilisation that follows the process's run state with a lag. A GPU keeps executing the kernels a
+ * process queued after the process is stopped, so its utilisation falls only gradually (and rises
+ * gradually after SIGCONT): each process's reported SM use is its state-file value times an
+ * exponential average (time constant util_lag_ms) of "running" (not stopped, read from /proc at
+ * each call). Kept across state reloads, keyed by host PID. */
+#define MAX_LAGGED 4096
+static struct {
+    unsigned int pid;
+    double running;
+    unsigned long long t_us;
+} g_lagged[MAX_LAGGED];
+static size_t g_nlagged;
+
+static int proc_running(unsigned int pid) {
+    char path[64], buf[512];
+    snprintf(path, sizeof path, "/proc/%u/stat", pid);
+    FILE *f = fopen(path, "r");
+    if (!f) return 0;
+    size_t n = fread(buf, 1, sizeof buf - 1, f);
+    fclose(f);
+    buf[n] = 0;
+    char *close = strrchr(buf, ')');
+    return !(close && close[1] == ' ' && (close[2] == 'T' || close[2] == 't'));
+}
+
+static unsigned int lagged_util(const struct sim_proc *p, unsigned long long now) {
+    if (g_state->util_lag_ms == 0) return p->sm_util;
+    size_t i;
+    for (i = 0; i < g_nlagged && g_lagged[i].pid != p->host_pid; i++) {
+    }
+    if (i == g_nlagged) {
+        if (g_nlagged == MAX_LAGGED) return p->sm_util;
+        g_nlagged++;
+        g_lagged[i].pid = p->host_pid;
+        g_lagged[i].running = 1.0;
+        g_lagged[i].t_us = now;
+    }
+    double dt = (double)(now - g_lagged[i].t_us) / 1000.0;
+    double tau = (double)g_state->util_lag_ms;
+    double alpha = dt / (tau + dt);
+    g_lagged[i].running += alpha * ((double)proc_running(p->host_pid) - g_lagged[i].running);
+    g_lagged[i].t_us = now;
+    return (unsigned int)(p->sm_util * g_lagged[i].running + 0.5);
 }
 
 static nvmlReturn_t do_process_utilization(nvmlDevice_t device, nvmlProcessUtilizationSample_t *utilization,
@@ -725,7 +810,7 @@ static nvmlReturn_t do_process_utilization(nvmlDevice_t device, nvmlProcessUtili
         nvmlProcessUtilizationSample_t *o = &utilization[k++];
         o->pid = pid;
         o->timeStamp = ts;
-        o->smUtil = p->sm_util;
+        o->smUtil = lagged_util(p, now_us());
         o->memUtil = 0;
         o->encUtil = 0;
         o->decUtil = 0;

@@ -6,10 +6,13 @@ by ``$GPUFENCE_SIM_STATE``). The file format is private to this module and ``fak
     gpufence-simnvml 1
     driver namespace_aware|legacy
     host_pidns <inode>
+    util_lag_ms <ms>                                    (optional: utilisation follows SIGSTOP/SIGCONT with a lag)
     init_error <code>                                   (optional)
     fail <function>[@<device index>] <code>             (zero or more)
+    hang <function>[@<device index>]                    (zero or more: the call blocks until dropped)
     device <total> <lost 0|1> <meminfo_not_supported 0|1> <uuid> <name...>
-    proc <compute|graphics> <host pid> <used|-> <sm%> <ns inode|-> <ns pid|->   (for the device above)
+    mig                                                 (optional: MIG mode on the device above)
+    proc <compute|graphics|mps> <host pid> <used|-> <sm%> <ns inode|-> <ns pid|->   (for the device above)
     end
 
 Failure keys: a function name (``nvmlDeviceGetProcessUtilization``; a name without the ``_vN``
@@ -69,7 +72,7 @@ ERROR_CODES: Mapping[str, int] = MappingProxyType(
 )
 
 DRIVER_MODES = ("namespace_aware", "legacy")
-PROCESS_KINDS = ("compute", "graphics")
+PROCESS_KINDS = ("compute", "graphics", "mps")  # mps: an MPS client, listed by the MPS call only
 _MAGIC = "gpufence-simnvml 1"
 _FAILURE_KEY = re.compile(r"^(\*|nvml[A-Za-z0-9_]+)(@\d+)?$")
 _MAX_DEVICES = 256
@@ -109,7 +112,7 @@ class SimProcess:
     pid: int  # host PID (as seen by the writer)
     used_memory_bytes: int | None  # None -> NVML_VALUE_NOT_AVAILABLE
     sm_util: int = 0  # percent, reported by nvmlDeviceGetProcessUtilization
-    kind: str = "compute"  # or "graphics"
+    kind: str = "compute"  # or "graphics", or "mps" (an MPS client: nvmlDeviceGetMPSComputeRunningProcesses)
     ns_inode: int | None = None  # innermost pid namespace inode (None: host namespace)
     ns_pid: int | None = None  # pid inside that namespace
 
@@ -149,6 +152,7 @@ class SimDevice:
     name: str = "NVIDIA H200 (simulated)"
     lost: bool = False
     memory_info_not_supported: bool = False
+    mig: bool = False  # MIG mode enabled (nvmlDeviceGetMigMode)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "processes", tuple(self.processes))
@@ -171,10 +175,24 @@ class SimState:
     init_error: str | None = None  # NVML error name, e.g. "DRIVER_NOT_LOADED"
     failures: Mapping[str, str] = field(default_factory=dict)  # function name -> NVML error name
     host_pidns_inode: int | None = None  # None -> the writer's own /proc/self/ns/pid inode
+    # Failure keys (as in ``failures``) whose calls block, as on a GPU that fell off the bus, until
+    # a state without them is written.
+    hangs: tuple[str, ...] = ()
+    # When set, a process's reported SM use is its sm_util times an exponential average (this time
+    # constant, ms) of whether it is running: a stopped process's queued kernels keep the GPU busy
+    # for a while, and a continued one takes a while to fill it again. None: sm_util as written.
+    util_lag_ms: int | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "devices", tuple(self.devices))
         object.__setattr__(self, "failures", MappingProxyType(dict(self.failures)))
+        object.__setattr__(self, "hangs", tuple(self.hangs))
+        lag = self.util_lag_ms
+        if lag is not None and (isinstance(lag, bool) or not isinstance(lag, int) or not 0 < lag < 3_600_000):
+            raise ValueError(f"util_lag_ms must be None or a positive number of milliseconds, got {lag!r}")
+        for key in self.hangs:
+            if not isinstance(key, str) or not _FAILURE_KEY.match(key) or len(key.split("@")[0]) >= 128:
+                raise ValueError(f"hang key must be an NVML function name, optionally '@<device index>'; got {key!r}")
         if len(self.devices) > _MAX_DEVICES:
             raise ValueError(f"at most {_MAX_DEVICES} simulated devices, got {len(self.devices)}")
         for dev in self.devices:
@@ -221,9 +239,14 @@ def render_state(state: SimState) -> str:
     if state.init_error is not None:
         lines.append(f"init_error {error_code(state.init_error)}")
     lines.extend(f"fail {key} {error_code(name)}" for key, name in state.failures.items())
+    lines.extend(f"hang {key}" for key in state.hangs)
+    if state.util_lag_ms is not None:
+        lines.append(f"util_lag_ms {state.util_lag_ms}")
     for dev in state.devices:
         flags = f"{int(dev.lost)} {int(dev.memory_info_not_supported)}"
         lines.append(f"device {dev.total_memory_bytes} {flags} {dev.uuid} {dev.name}")
+        if dev.mig:
+            lines.append("mig")
         for proc in dev.processes:
             used = "-" if proc.used_memory_bytes is None else str(proc.used_memory_bytes)
             ns_inode = "-" if proc.ns_inode is None else str(proc.ns_inode)

@@ -287,11 +287,12 @@ class GpuSandbox:
         env.pop("KUBERNETES_SERVICE_HOST", None)
         return env
 
-    def workload(self, container: str | None, *, ignore_term: bool = False) -> Workload:
+    def workload(self, container: str | None, *, ignore_term: bool = False, wrap: tuple[str, ...] = ()) -> Workload:
+        """``wrap``: a command prefix, e.g. ``setpriv`` options giving it a container's credentials."""
         env = {k: v for k, v in os.environ.items() if not k.startswith("GPUFENCE_")}
         if container is not None:
             env["GPUFENCE_CONTAINER"] = container
-        argv = [sys.executable, str(WORKLOAD), str(self.device)] + (["--ignore-term"] if ignore_term else [])
+        argv = [*wrap, sys.executable, str(WORKLOAD), str(self.device)] + (["--ignore-term"] if ignore_term else [])
         proc = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, text=True)
         w = Workload(proc, container)
         self.workloads.append(w)
@@ -304,13 +305,14 @@ class GpuSandbox:
         wait: bool = True,
         env: dict[str, str] | None = None,
         state_dir: bool = True,
+        wrap: tuple[str, ...] = (),
     ) -> Enforcer:
         full_env = self.env()
         if config is not None:
             full_env["GPUFENCE_CONFIG"] = config if isinstance(config, str) else json.dumps(config)
         full_env.update(env or {})
         argv = [
-            sys.executable, "-m", "enforcer", "--metrics-port", "0", "--bind-address", "127.0.0.1",
+            *wrap, sys.executable, "-m", "enforcer", "--metrics-port", "0", "--bind-address", "127.0.0.1",
             "--nvidia-device-prefix", self.device_prefix, *args,
         ]
         if state_dir:

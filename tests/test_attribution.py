@@ -13,7 +13,16 @@ from pathlib import Path
 import psutil
 import pytest
 
-from enforcer.attribution import Attribution, Attributor, PidMode, PodProcess, choose_mode, resolve_containers
+from enforcer.attribution import (
+    Attribution,
+    Attributor,
+    PidMode,
+    PodProcess,
+    bind_names,
+    cgroup_names,
+    choose_mode,
+    resolve_containers,
+)
 from enforcer.nvml import DeviceSample, GpuProcess, NvmlSample
 from enforcer.procfs import ProcFacts, read_start_time
 from tests.test_procfs import _CHILD, GpuDir, Spawn, gpu_dir, spawn
@@ -288,18 +297,23 @@ OWN = "0::/../sidecar"
         ),
         pytest.param(
             [facts(1, "train", "0::/../a"), facts(2, "eval", "0::/../a"), facts(3, "eval", "0::/../b")],
-            {1: None, 2: None, 3: None},
-            id="one cgroup claims two names; eval also spans two cgroups",
+            {1: None, 2: None, 3: "eval"},
+            id="one cgroup claims two names: that cgroup only is unattributed",
         ),
         pytest.param(
             [facts(1, "train", "0::/../a"), facts(2, "train", "0::/../b"), facts(3, "eval", "0::/../c")],
             {1: None, 2: None, 3: "eval"},
-            id="a name claimed from two cgroups (spoofing)",
+            id="a name claimed from two cgroups, no binding: both unattributed",
         ),
         pytest.param(
             [facts(1, "train", "0::/../a"), facts(2, None, "0::/../a")],
-            {1: "train", 2: None},
-            id="unreadable environ: not inferred, does not disturb",
+            {1: "train", 2: "train"},
+            id="no readable claim: the cgroup names it",
+        ),
+        pytest.param(
+            [facts(1, None, "0::/../a")],
+            {1: None},
+            id="nobody in the cgroup claims, no binding",
         ),
         pytest.param(
             [facts(1, "train", OWN), facts(2, "eval", OWN), facts(3, "train", None)],
@@ -311,3 +325,22 @@ OWN = "0::/../sidecar"
 )
 def test_resolve_containers(processes: list[ProcFacts], expected: dict[int, str | None]) -> None:
     assert resolve_containers(processes, OWN) == expected
+
+
+def test_a_bound_name_survives_an_impostor_and_names_claimless_processes() -> None:
+    bound = {"train": "0::/../a"}
+    impostor = [facts(1, "train", "0::/../a"), facts(2, "train", "0::/../evil"), facts(3, None, "0::/../a")]
+    assert resolve_containers(impostor, OWN, bound) == {1: "train", 2: None, 3: "train"}
+    # With no claimant left in its cgroup (env -i everywhere), the binding still names it.
+    assert resolve_containers([facts(4, None, "0::/../a")], OWN, bound) == {4: "train"}
+
+
+def test_bindings_follow_a_restarted_container_and_ignore_ambiguity() -> None:
+    bound = {"train": "0::/../a"}
+    # The container restarted: a new cgroup is the only holder of its name.
+    assert bind_names({"0::/../a2": "train"}, bound) == {"train": "0::/../a2"}
+    # Two holders (cannot happen after cgroup_names, but bind_names must not pick one).
+    assert bind_names({"0::/../x": "train", "0::/../y": "train"}, bound) == bound
+    # An idle container keeps its binding.
+    assert bind_names({"0::/../b": "eval"}, bound) == {"train": "0::/../a", "eval": "0::/../b"}
+    assert cgroup_names({"0::/../a": {"train", "eval"}}, bound) == {"0::/../a": None}

@@ -148,3 +148,28 @@ def test_memory_victim_held_stopped_is_continued_to_act_on_sigterm(gpu, make_con
     assert enforcer.events("sigkill") == []
     assert _stopped_file(gpu) == []
     assert enforcer.stop() == 0
+
+
+def test_with_queued_kernel_lag_a_container_is_held_at_its_share(gpu, make_config):
+    """The simulated driver keeps a stopped process's utilisation up for a while (queued kernels,
+    ``util_lag_ms``). The controller holds the measured use of a container wanting 100 % at its 30 %
+    share within 0.1 (the old use/fraction estimate collapsed to the 5 % floor here), and a neighbour
+    exactly at its share is never throttled."""
+    busy = gpu.workload("busy")
+    at_share = gpu.workload("even")
+    procs = (gpu.proc(busy, GIB, sm=100), gpu.proc(at_share, GIB, sm=40))
+    gpu.write(gpu.device_with(*procs), util_lag_ms=200)
+    config = make_config({"busy": {"computePercent": 30}, "even": {"computePercent": 40}}, interval=INTERVAL)
+    enforcer = gpu.enforcer(config, "--compute-window", "1", "--compute-period", "0.3")
+    enforcer.wait_event("throttle_start", 10, container="busy")
+    enforcer.wait_polls(30)  # settle: a few seconds of the loop
+    measured = []
+    for _ in range(40):
+        enforcer.wait_polls(1)
+        measured.append(enforcer.metric("gpufence_container_sm_utilization_ratio", container="busy") or 0.0)
+    mean = sum(measured) / len(measured)
+    print(f"\nheld at {mean:.3f} for a 0.30 share (samples {min(measured):.2f}..{max(measured):.2f})")
+    assert abs(mean - 0.30) <= 0.1
+    assert enforcer.events("throttle_start", container="even") == []
+    assert enforcer.stop() == 0
+    assert proc_state(busy.pid) not in ("T", None)

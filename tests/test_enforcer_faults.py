@@ -12,7 +12,7 @@ import sys
 import pytest
 
 from simnvml import SimProcess
-from tests.conftest import REPO_ROOT, wait_state
+from tests.conftest import REPO_ROOT, proc_state, wait_state
 
 GIB = 1 << 30
 INTERVAL = 0.1
@@ -218,3 +218,57 @@ def test_nvml_stops_answering_mid_run_releases_throttles_then_recovers(gpu, make
     assert enforcer.metric("gpufence_nvml_up") == 1
     assert busy.state() != "T"
     assert enforcer.stop() == 0
+
+
+def test_a_hung_nvml_call_leaves_nothing_stopped_fires_sigkills_and_fails_liveness(gpu, make_config):
+    """A GPU that falls off the bus can make an NVML call block for ever. The call's deadline turns
+    it into an error: throttled processes are continued, a pending SIGKILL still fires on time,
+    /healthz turns 503 (only a new process can use NVML again); when the call finally returns the
+    enforcer reopens NVML and /healthz is 200 again."""
+    busy = gpu.workload("busy")
+    stubborn = gpu.workload("stubborn", ignore_term=True)
+    procs = (gpu.proc(busy, GIB, sm=100), gpu.proc(stubborn, GIB))
+    gpu.write(gpu.device_with(*procs))
+    config = make_config(
+        {"busy": {"computePercent": 20}, "stubborn": {"memoryBytes": 2 * GIB}}, grace=1.5, interval=INTERVAL
+    )
+    enforcer = gpu.enforcer(config, "--compute-window", "0.5", "--compute-period", "0.3", "--nvml-timeout", "0.5")
+    enforcer.wait_event("throttle_start", 10, container="busy")
+    wait_state(busy.pid, lambda s: s == "T", 5)
+    assert enforcer.http("/healthz")[0] == 200
+
+    # Over its share, then the driver hangs inside the grace period.
+    gpu.write(gpu.device_with(gpu.proc(busy, GIB, sm=100), gpu.proc(stubborn, 3 * GIB)))
+    stubborn.wait_line("ignored SIGTERM", 5)
+    gpu.write(gpu.device_with(*procs), hangs=("nvmlDeviceGetComputeRunningProcesses",))
+    hung = enforcer.wait_event("nvml_hung", 5)
+    assert "did not return within 0.5s" in hung["error"]
+    enforcer.wait_event("throttle_stop", 5, container="busy")
+    assert proc_state(busy.pid) not in ("T", None)
+    assert _stopped_file(gpu) == []
+    # The SIGKILL timer is not the poll's: it fires although NVML is hung.
+    assert stubborn.proc.wait(5) == -signal.SIGKILL
+    assert enforcer.wait_event("sigkill", 5, pid=stubborn.pid)["outcome"] == "sent"
+    status, body = enforcer.http("/healthz")
+    assert status == 503 and "NVML call is hung" in body
+    assert enforcer.metric("gpufence_nvml_up") == 0
+    assert enforcer.metric("gpufence_nvml_errors_total", function="sample", error="HUNG") >= 1
+    mark = enforcer.mark()
+    enforcer.wait_polls(3)  # still hung: the loop goes on, busy is never stopped again
+    assert proc_state(busy.pid) not in ("T", None)
+    assert enforcer.http("/healthz")[0] == 503
+
+    # The call returns: NVML is reopened and liveness recovers.
+    gpu.write(gpu.device_with(gpu.proc(busy, GIB, sm=100)))
+    enforcer.wait_event("nvml_opened", 10, start=mark)
+    deadline_ok = enforcer.wait_event("throttle_start", 10, start=mark, container="busy")
+    assert deadline_ok["action"] == "throttle_start"
+    assert enforcer.http("/healthz")[0] == 200
+    assert enforcer.stop() == 0
+    assert proc_state(busy.pid) not in ("T", None)
+    assert _stopped_file(gpu) == []
+
+
+def _stopped_file(gpu) -> list[dict]:
+    path = gpu.state_dir / "stopped.json"
+    return json.loads(path.read_text())["stopped"] if path.exists() else []

@@ -4,7 +4,9 @@ workloads' own reports and process exit, each with a deadline; nothing sleeps in
 
 from __future__ import annotations
 
+import os
 import signal
+import subprocess
 import time
 from datetime import datetime
 
@@ -112,20 +114,83 @@ def test_audit_mode_never_signals(gpu, make_config):
     assert hog.alive()
 
 
-def test_unattributed_and_foreign_processes_are_never_signalled(gpu, make_config):
-    """A GPU process without GPUFENCE_CONTAINER, and one naming a container but not holding the
-    device, are never signalled however much memory NVML says they use."""
-    anonymous = gpu.workload(None)
-    hog = gpu.workload("hog")
-    gpu.write(gpu.device_with(gpu.proc(anonymous, 50 * GIB), gpu.proc(hog, 1 * GIB)))
-    enforcer = gpu.enforcer(make_config({"hog": {"memoryBytes": 2 * GIB}}, grace=0, interval=INTERVAL))
-    unattributed = enforcer.wait_event("unattributed_process", 5, pid=anonymous.pid)
-    assert unattributed["used_bytes"] == 50 * GIB
-    enforcer.wait_polls(3)
-    assert anonymous.alive() and hog.alive()
-    assert enforcer.events("sigterm") == [] and enforcer.events("sigkill") == []
+def test_an_mps_client_over_its_share_is_terminated(gpu, make_config):
+    """An MPS client appears only in NVML's MPS list: its memory is counted and enforced."""
+    from simnvml import SimProcess
+
+    client = gpu.workload("mps")
+    gpu.write(gpu.device_with(SimProcess.for_pid(client.pid, 3 * GIB, kind="mps")))
+    enforcer = gpu.enforcer(make_config({"mps": {"memoryBytes": 2 * GIB}}, grace=5, interval=INTERVAL))
+    client.wait_line("got SIGTERM", timeout=5)
+    assert enforcer.wait_event("sigterm", 5, pid=client.pid)["used_bytes"] == 3 * GIB
     assert enforcer.stop() == 0
 
+
+def test_a_mig_device_is_left_to_mig_and_says_so_once(gpu, make_config):
+    """MIG isolation is the hardware's: on a MIG-mode device nothing is enforced, and the enforcer
+    says so once (log line, metric), never a silent no-op; a plain device next to it is enforced."""
+    on_mig = gpu.workload("sliced")
+    plain = gpu.workload("plain")
+    gpu.write(
+        gpu.device_with(gpu.proc(on_mig, 30 * GIB), uuid="GPU-MIG", mig=True),
+        gpu.device_with(gpu.proc(plain, 3 * GIB), uuid="GPU-1"),
+    )
+    config = make_config({"sliced": {"memoryBytes": GIB}, "plain": {"memoryBytes": 2 * GIB}}, grace=5)
+    enforcer = gpu.enforcer(config)
+    plain.wait_line("got SIGTERM", timeout=5)
+    announced = enforcer.wait_event("mig_device_not_enforced", 5, uuid="GPU-MIG")
+    assert announced["gpu"] == 0 and "hardware isolation" in announced["reason"]
+    enforcer.wait_polls(3)
+    assert on_mig.alive() and not on_mig.said("got SIGTERM")
+    assert len(enforcer.events("mig_device_not_enforced")) == 1
+    assert enforcer.metric("gpufence_device_mig_unenforced", UUID="GPU-MIG", gpu="0") == 1
+    assert [r["pid"] for r in enforcer.events("sigterm")] == [plain.pid]
+    assert enforcer.stop() == 0
+
+
+def test_unattributed_process_counts_against_the_pod_budget_and_goes_first(gpu, make_config):
+    """An unattributed GPU process is left alone while the pod is under its budget (the sum of its
+    containers' shares) and terminated once it pushes the pod over, before any container; a
+    process NVML names that holds no NVIDIA device file is never signalled, whatever it claims."""
+    anonymous = gpu.workload(None)
+    hog = gpu.workload("hog")
+    # Claims a container but holds no device file: not the pod's GPU process (e.g. a host PID).
+    outsider = subprocess.Popen(["sleep", "60"], env={**os.environ, "GPUFENCE_CONTAINER": "hog"})
+    try:
+        stranger = gpu.proc(outsider.pid, 50 * GIB)
+        gpu.write(gpu.device_with(gpu.proc(anonymous, 1 * GIB), gpu.proc(hog, 1 * GIB), stranger))
+        enforcer = gpu.enforcer(make_config({"hog": {"memoryBytes": 2 * GIB}}, grace=5, interval=INTERVAL))
+        unattributed = enforcer.wait_event("unattributed_process", 5, pid=anonymous.pid)
+        assert unattributed["used_bytes"] == GIB
+        enforcer.wait_polls(3)
+        # At its budget (2 GiB used, 2 GiB budget), not over: nothing is signalled.
+        assert anonymous.alive() and hog.alive()
+        assert enforcer.events("sigterm") == [] and enforcer.events("pod_over_budget") == []
+        labels = {"UUID": "GPU-0", "gpu": "0"}
+        assert enforcer.metric("gpufence_pod_gpu_memory_unattributed_bytes", **labels) == GIB
+        assert enforcer.metric("gpufence_pod_gpu_memory_used_bytes", **labels) == 2 * GIB
+        assert enforcer.metric("gpufence_pod_gpu_memory_budget_bytes", **labels) == 2 * GIB
+        assert enforcer.metric("gpufence_pod_unattributed_processes", **labels) == 1
+
+        gpu.write(gpu.device_with(gpu.proc(anonymous, 3 * GIB), gpu.proc(hog, 1 * GIB), stranger))
+        anonymous.wait_line("got SIGTERM", timeout=5)
+        assert anonymous.proc.wait(5) == 0
+        over = enforcer.wait_event("pod_over_budget", 5)
+        assert (over["used_bytes"], over["limit_bytes"], over["unattributed_bytes"]) == (4 * GIB, 2 * GIB, 3 * GIB)
+        assert over["victims"] == [anonymous.pid]
+        term = enforcer.wait_event("sigterm", 5, pid=anonymous.pid)
+        assert term["outcome"] == "sent" and "container" not in term and term["reason"] == "pod_over_budget"
+        enforcer.wait_polls(3)
+        assert hog.alive() and not hog.said("got SIGTERM")  # under its own share: not its bill
+        assert outsider.poll() is None
+        assert [r["pid"] for r in enforcer.events("sigterm")] == [anonymous.pid]
+        assert enforcer.metric(
+            "gpufence_enforcement_actions_total", container="", action="sigterm", resource="memory"
+        ) == 1
+        assert enforcer.stop() == 0
+    finally:
+        outsider.kill()
+        outsider.wait(5)
 
 
 def _log_time(record: dict) -> float:

@@ -9,6 +9,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -21,11 +22,11 @@ from tests.conftest import WORKLOAD, LineReader, proc_state, wait_state
 
 
 class Child:
-    def __init__(self, tmp_path, ignore_term: bool = False) -> None:
+    def __init__(self, tmp_path, ignore_term: bool = False, new_session: bool = False) -> None:
         device = tmp_path / "nvidia0"
         device.touch()
         argv = [sys.executable, str(WORKLOAD), str(device)] + (["--ignore-term"] if ignore_term else [])
-        self.proc = subprocess.Popen(argv, stdout=subprocess.PIPE, text=True)
+        self.proc = subprocess.Popen(argv, stdout=subprocess.PIPE, text=True, start_new_session=new_session)
         self.out = LineReader(self.proc.stdout, "child")
         self.out.wait_for(lambda s: s.startswith("ready"), 15)
         self.pid = self.proc.pid
@@ -86,7 +87,7 @@ def test_refusals(child, log):
     # Not authorized (not in this pod's attribution) -> refused, nothing sent.
     assert door.send(c.target(), signal.SIGTERM, reason="test") is Outcome.REFUSED
     door.authorize([c.target(), SignalTarget(os.getpid(), 1, "c"), SignalTarget(os.getppid(), 1, "c")])
-    # Unattributed (no container), PID <= 1, the enforcer itself, its parent chain.
+    # Named unattributed although attributed, PID <= 1, the enforcer itself, its parent chain.
     assert door.send(c.target(container=None), signal.SIGTERM, reason="test") is Outcome.REFUSED
     assert door.send(SignalTarget(1, 1, "c"), signal.SIGTERM, reason="test") is Outcome.REFUSED
     assert door.send(SignalTarget(0, 1, "c"), signal.SIGKILL, reason="test") is Outcome.REFUSED
@@ -101,6 +102,20 @@ def test_refusals(child, log):
     assert c.proc.poll() is None and c.lines() == []
     refused = [r for r in log.records() if r["outcome"] == "refused"]
     assert len(refused) == 7 and all(r["level"] == "warning" and r["why"] for r in refused)
+
+
+def test_unattributed_pod_processes_and_admitted_members_may_be_signalled(child, log):
+    """The pod budget terminates unattributed GPU processes; a container's termination reaches the
+    processes of its cgroup that hold no GPU context. Both only while they are the pod's."""
+    anonymous, launcher, stranger = child(), child(), child()
+    door = SafeSignaller(log)
+    door.authorize([anonymous.target(container=None)])
+    door.admit_members([launcher.target()])
+    assert door.send(stranger.target(), signal.SIGTERM, reason="t") is Outcome.REFUSED
+    assert door.send(anonymous.target(container=None), signal.SIGTERM, reason="t") is Outcome.SENT
+    assert door.send(launcher.target(), signal.SIGTERM, reason="t") is Outcome.SENT
+    assert anonymous.proc.wait(5) == 0 and launcher.proc.wait(5) == 0
+    assert stranger.proc.poll() is None and stranger.lines() == []
 
 
 def test_reused_pid_is_not_signalled(child, log):
@@ -211,3 +226,66 @@ def test_throttle_executor_cycles_and_releases(child, log, tmp_path):
     assert proc_state(a.pid) != "T"
     assert json.loads((tmp_path / "stopped.json").read_text())["stopped"] == []
     assert executor.throttled() == set()
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to take CAP_KILL away and give it back")
+def test_a_failed_sigcont_stays_recorded_and_is_retried(child, log, tmp_path):
+    """SIGCONT fails for real (EPERM: this process is briefly uid 65534 without CAP_KILL, the child
+    is root): the child stays stopped, in the executor and in the state file, and is continued by
+    the retry once the permission is back."""
+    c = child(new_session=True)  # the kernel lets SIGCONT through within one session, whoever sends it
+    door = SafeSignaller(log)
+    door.authorize([c.target()])
+    tmp_path.chmod(0o777)  # the state file is rewritten while this process is uid 65534
+    state = StoppedState(tmp_path, log)
+    executor = ThrottleExecutor(door, state, log, period_seconds=0.2)
+    executor.start()
+    try:
+        executor.update({"c": ThrottlePlan(0.05, (c.target(),))})
+        wait_state(c.pid, lambda s: s == "T", 5)
+        with executor._cond:  # its thread waits: no retry between the permission's return and the checks
+            os.setresuid(65534, 65534, 0)  # the saved uid 0 lets us come back; effective caps are gone
+            try:
+                executor._release_all_locked("test")
+            finally:
+                os.setresuid(0, 0, 0)
+            assert proc_state(c.pid) == "T"
+            assert list(executor._unreleased) == [c.target().key]
+            recorded = json.loads((tmp_path / "stopped.json").read_text())["stopped"]
+            assert [(e["pid"], e["start_time_ticks"]) for e in recorded] == [c.target().key]
+            executor._cond.notify_all()
+        # Permission back: the executor's own retry continues it and clears the record.
+        c.out.wait_for(lambda s: s.startswith("got SIGCONT"), 5)
+        wait_state(c.pid, lambda s: s not in ("T", None), 5)
+        assert executor.stopped_targets() == []
+        assert json.loads((tmp_path / "stopped.json").read_text())["stopped"] == []
+        failed = [r for r in log.records() if r["event"] == "sigcont" and r["outcome"] == "failed"]
+        assert failed and "Operation not permitted" in failed[0]["detail"]
+    finally:
+        executor.close()
+    assert proc_state(c.pid) not in ("T", None)
+
+
+def test_a_throttle_plan_not_renewed_within_its_lease_is_released(child, log, tmp_path):
+    """The poll loop renews the plans every poll; if it stops (stuck), the executor continues
+    everything by itself when the lease runs out, and says so."""
+    c = child()
+    door = SafeSignaller(log)
+    door.authorize([c.target()])
+    state = StoppedState(tmp_path, log)
+    executor = ThrottleExecutor(door, state, log, period_seconds=0.2)
+    executor.start()
+    try:
+        executor.update({"c": ThrottlePlan(0.05, (c.target(),))}, lease_seconds=0.5)
+        wait_state(c.pid, lambda s: s == "T", 5)
+        # No renewal: when the lease runs out the executor drops the plan by itself.
+        deadline = time.monotonic() + 5
+        while executor.throttled():
+            assert time.monotonic() < deadline, "the lease never expired"
+            time.sleep(0.01)
+        assert any(r["event"] == "throttle_lease_expired" for r in log.records())
+        wait_state(c.pid, lambda s: s not in ("T", None), 5)
+        assert executor.throttled() == set() and executor.stopped_targets() == []
+        assert json.loads((tmp_path / "stopped.json").read_text())["stopped"] == []
+    finally:
+        executor.close()

@@ -269,3 +269,34 @@ def test_status_annotation_cache_follows_the_version(monkeypatch: pytest.MonkeyP
     assert '"version":"9.9.9-other"' in status_annotation(PLAN)
     monkeypatch.undo()
     assert status_annotation(PLAN) == before
+
+
+def test_reinvocation_keeps_the_service_account_token_mount_and_nothing_else() -> None:
+    """What the API server's ServiceAccount plugin adds to our sidecar between two invocations stays;
+    a mount of the pod's own volume elsewhere in the enforcer is removed."""
+    pod = apply(gpu_pod())
+    sidecar = pod["spec"]["initContainers"][0]
+    token = {"name": "kube-api-access-x1y2z", "readOnly": True,
+             "mountPath": "/var/run/secrets/kubernetes.io/serviceaccount"}
+    sidecar["volumeMounts"] = [*sidecar["volumeMounts"], token]
+    new, _ = desired_pod(pod, PLAN, InjectionSettings())
+    assert diff(pod, new) == []
+
+    sidecar["volumeMounts"] = [*sidecar["volumeMounts"], {"name": "code", "mountPath": "/usr/lib/python3"}]
+    new, _ = desired_pod(pod, PLAN, InjectionSettings())
+    ops = diff(pod, new)
+    fixed = jsonpatch.apply_patch(pod, ops)
+    assert fixed["spec"]["initContainers"][0]["volumeMounts"][-1] == token
+    assert all(m["name"] != "code" for m in fixed["spec"]["initContainers"][0]["volumeMounts"])
+
+
+def test_first_injection_mounts_the_token_the_api_server_gave_the_other_containers() -> None:
+    """So that the API server's ServiceAccount plugin finds nothing to add to the new sidecar, and
+    does not reinvoke the webhooks (one call per pod instead of two)."""
+    pod = gpu_pod()
+    token = {"name": "kube-api-access-q8r9s", "readOnly": True,
+             "mountPath": "/var/run/secrets/kubernetes.io/serviceaccount"}
+    pod["spec"]["containers"][0]["volumeMounts"] = [token]
+    new, _ = desired_pod(pod, PLAN, InjectionSettings())
+    assert new["spec"]["initContainers"][0]["volumeMounts"][-1] == token
+    assert diff(new, desired_pod(new, PLAN, InjectionSettings())[0]) == []

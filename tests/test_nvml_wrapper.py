@@ -144,6 +144,16 @@ def test_processes_appear_and_vanish_between_samples(client: NvmlClient, sim: Wr
     assert sample.errors == ()
 
 
+def test_mps_clients_are_counted(client: NvmlClient, sim: Writer) -> None:
+    """With CUDA MPS a client is listed only by nvmlDeviceGetMPSComputeRunningProcesses (the
+    compute list shows the MPS server): its memory must still be seen, once per process."""
+    sim(two_devices(a=(SimProcess(100, GiB), SimProcess(200, 3 * GiB, kind="mps"), SimProcess(100, GiB, kind="mps"))))
+    client.open()
+    device = client.sample().devices[0]
+    assert {p.pid: p.used_memory_bytes for p in device.processes} == {100: GiB, 200: 3 * GiB}
+    assert sorted(p.pid for p in device.processes) == [100, 200]
+
+
 def test_256_processes_and_buffer_growth(client: NvmlClient, sim: Writer) -> None:
     sim(two_devices(a=tuple(SimProcess(1000 + i, i * 4096, sm_util=i % 101) for i in range(10))))
     client.open()

@@ -5,14 +5,13 @@ from __future__ import annotations
 import pytest
 
 from enforcer.attribution import Attribution, PodProcess
-from enforcer.config import ContainerShare, EnforcerConfig, MemoryShare, Mode
+from enforcer.config import ContainerShare, EnforcerConfig, MemoryShare
 from enforcer.policy import (
-    START_MARGIN,
-    ComputeTracker,
     ContainerDeviceUsage,
     TerminateOrder,
     container_sm_utilization,
     memory_orders,
+    pod_usage,
     usage_by_container,
 )
 
@@ -69,11 +68,11 @@ TRAIN_8G = config(train=memory(bytes_=8 * GiB))
     [
         pytest.param([3, 3], [], id="under share"),
         pytest.param([5, 3], [], id="exactly at share"),
-        pytest.param([5, 4, 3, 1], [[10]], id="largest alone is enough"),
-        pytest.param([1, 3, 4, 5], [[13]], id="order of listing does not matter"),
-        pytest.param([4, 4, 4, 4], [[13, 12]], id="equal sizes: newest first, just enough"),
+        pytest.param([5, 4, 3, 1], [[10, 11, 12, 13]], id="the whole container, largest first"),
+        pytest.param([1, 3, 4, 5], [[13, 12, 11, 10]], id="order of listing does not matter"),
+        pytest.param([4, 4, 4, 4], [[13, 12, 11, 10]], id="equal sizes: newest first"),
         pytest.param([9], [[10]], id="single process over"),
-        pytest.param([5, 0, 0, 4], [[10]], id="zero-byte processes are never needed"),
+        pytest.param([5, 0, 0, 4], [[10, 13, 12, 11]], id="zero-byte processes go with their container"),
     ],
 )
 def test_memory_victims(used: list[int], expected_victims: list[list[int]]) -> None:
@@ -81,13 +80,51 @@ def test_memory_victims(used: list[int], expected_victims: list[list[int]]) -> N
     assert victim_pids(orders_for(processes, TRAIN_8G)) == expected_victims
 
 
-def test_victims_are_just_enough_for_a_deep_excess() -> None:
-    processes = [proc(1, used=5 * GiB), proc(2, used=4 * GiB), proc(3, used=3 * GiB), proc(4, used=1 * GiB)]
-    (order,) = orders_for(processes, config(train=memory(bytes_=3 * GiB)))
-    # 13 -> 8 -> 4 -> 1 GiB: three victims, and the last (1 GiB) stays.
-    assert [v.pid for v in order.victims] == [1, 2, 3]
-    assert (order.container, order.device_index, order.device_uuid) == ("train", 0, "GPU-0")
-    assert (order.used_bytes, order.limit_bytes) == (13 * GiB, 3 * GiB)
+def pod_orders_for(
+    processes: list[PodProcess], cfg: EnforcerConfig, totals: dict[int, int | None] | None = None
+) -> tuple[TerminateOrder, ...]:
+    attribution = Attribution(tuple(processes), ())
+    totals = totals or {0: 16 * GiB, 1: 16 * GiB}
+    return memory_orders(usage_by_container(attribution, cfg, totals), pod_usage(attribution, cfg, totals))
+
+
+def test_pod_budget_takes_unattributed_processes_first_largest_first_just_enough() -> None:
+    cfg = config(train=memory(bytes_=4 * GiB), eval=memory(bytes_=4 * GiB))  # budget 8 GiB
+    anon = [proc(1, None, 5 * GiB), proc(2, None, 4 * GiB), proc(3, None, 3 * GiB), proc(4, None, 1 * GiB)]
+    # 13 + 2 = 15 GiB -> 10 -> 6: two victims; the unattributed 3 and 1 GiB stay.
+    orders = pod_orders_for([*anon, proc(5, "train", 2 * GiB)], cfg)
+    assert [(o.container, [v.pid for v in o.victims]) for o in orders] == [(None, [1, 2])]
+    (order,) = orders
+    assert (order.used_bytes, order.limit_bytes, order.device_uuid) == (15 * GiB, 8 * GiB, "GPU-0")
+
+
+def test_pod_budget_then_containers_over_their_own_share() -> None:
+    cfg = config(train=memory(bytes_=4 * GiB), eval=memory(bytes_=4 * GiB))
+    processes = [proc(1, None, 1 * GiB), proc(2, "train", 6 * GiB), proc(3, "eval", 1 * GiB), proc(4, "train", 1)]
+    orders = pod_orders_for(processes, cfg)
+    assert [(o.container, [v.pid for v in o.victims]) for o in orders] == [(None, [1]), ("train", [2, 4])]
+
+
+@pytest.mark.parametrize(
+    ("processes", "shares"),
+    [
+        pytest.param([proc(1, None, 1 * GiB), proc(2, "train", 7 * GiB)], {"train": 8}, id="at the budget"),
+        pytest.param([proc(1, None, 50 * GiB)], {"train": 8, "eval": None}, id="a container without a share"),
+        pytest.param([proc(1, None, None), proc(2, "train", 9 * GiB)], {"train": 8}, id="unknown usage is no victim"),
+        pytest.param([proc(1, None, 50 * GiB)], {}, id="no container configured"),
+    ],
+)
+def test_no_pod_budget_order(processes: list[PodProcess], shares: dict[str, int | None]) -> None:
+    cfg = config(**{n: memory(bytes_=g * GiB) if g else ContainerShare() for n, g in shares.items()})
+    assert [o for o in pod_orders_for(processes, cfg) if o.container is None] == []
+
+
+def test_pod_usage_counts_every_process_and_a_percent_budget_needs_the_total() -> None:
+    cfg = config(train=memory(bytes_=4 * GiB), eval=memory(percent=25))
+    processes = [proc(1, None, 3 * GiB), proc(2, "train", 2 * GiB), proc(3, None, None, device=1)]
+    pods = pod_usage(Attribution(tuple(processes), ()), cfg, {0: 16 * GiB, 1: None})
+    summary = [(p.device_index, p.used_bytes, p.unattributed_bytes, p.budget_bytes, len(p.unattributed)) for p in pods]
+    assert summary == [(0, 5 * GiB, 3 * GiB, 8 * GiB, 1), (1, 0, 0, None, 1)]
 
 
 def test_usage_sums_per_container_and_device() -> None:
@@ -133,15 +170,15 @@ def test_multi_device_usage_is_per_device() -> None:
     assert orders_for(processes, TRAIN_8G) == ()
     processes.append(proc(3, used=3 * GiB, device=1))
     (order,) = orders_for(processes, TRAIN_8G)
-    assert (order.device_index, order.device_uuid, [v.pid for v in order.victims]) == (1, "GPU-1", [2])
+    assert (order.device_index, order.device_uuid, [v.pid for v in order.victims]) == (1, "GPU-1", [2, 3])
 
 
-def test_unknown_used_memory_counts_zero_is_flagged_and_never_a_victim() -> None:
+def test_unknown_used_memory_counts_zero_is_flagged_and_goes_with_its_container() -> None:
     processes = [proc(1, used=None), proc(2, used=6 * GiB), proc(3, used=3 * GiB)]
     usages = usage_by_container(Attribution(tuple(processes), ()), TRAIN_8G, {0: 16 * GiB})
     (usage,) = usages
     assert (usage.used_bytes, usage.unknown_usage) == (9 * GiB, True)
-    assert victim_pids(memory_orders(usages)) == [[2]]
+    assert victim_pids(memory_orders(usages)) == [[2, 3, 1]]
     # Only unknowns: nothing counted, nothing to kill.
     (only_unknown,) = usage_by_container(Attribution((proc(1, used=None),), ()), TRAIN_8G, {0: 16 * GiB})
     assert (only_unknown.used_bytes, only_unknown.unknown_usage) == (0, True)
@@ -178,122 +215,16 @@ def test_orders_for_several_containers_at_once() -> None:
     cfg = config(train=memory(bytes_=8 * GiB), eval=memory(bytes_=2 * GiB), idle=memory(bytes_=1 * GiB))
     processes = [proc(1, "train", 9 * GiB), proc(2, "eval", 1 * GiB), proc(3, "eval", 2 * GiB), proc(4, "idle", GiB)]
     assert [(o.container, [v.pid for v in o.victims]) for o in orders_for(processes, cfg)] == [
-        ("eval", [3]),
+        ("eval", [3, 2]),
         ("train", [1]),
     ]
 
 
-# -- compute ---------------------------------------------------------------------------------------
-
-TRAIN_HALF = config(train=ContainerShare(compute_percent=50))
+# -- compute (the controller is tested in tests/test_compute.py) ------------------------------------
 
 
 def at(*processes: PodProcess) -> Attribution:
     return Attribution(tuple(processes), ())
-
-
-def run(
-    tracker: ComputeTracker, cfg: EnforcerConfig, demands: list[int], *, start: float = 0.0, step: float = 0.5
-) -> dict[str, float]:
-    """Simulate ``train`` wanting the given SM percentages, one poll every ``step`` seconds.
-
-    Enforced, a job allowed to run a fraction f of the time measures demand·f (stopped time shows
-    0); audited, nothing is stopped. Returns the last plan.
-    """
-    plan: dict[str, float] = {}
-    for i, demand in enumerate(demands):
-        now = start + i * step
-        in_force = plan.get("train", 1.0) if cfg.mode is Mode.ENFORCE else 1.0
-        tracker.observe(now, at(proc(1, sm=round(demand * in_force))), cfg)
-        plan = dict(tracker.plan(now, cfg))
-    return plan
-
-
-def test_compute_under_share_is_not_throttled() -> None:
-    assert run(ComputeTracker(), TRAIN_HALF, [40] * 10) == {}
-
-
-def test_compute_over_share_gets_share_over_demand() -> None:
-    assert run(ComputeTracker(), TRAIN_HALF, [90] * 3) == {"train": pytest.approx(0.5 / 0.9)}
-
-
-def test_compute_needs_a_full_period_before_throttling() -> None:
-    tracker = ComputeTracker(period_seconds=1.0)
-    assert run(tracker, TRAIN_HALF, [100, 100]) == {}  # 0.5 s of data: a burst, not yet a pattern
-    assert run(tracker, TRAIN_HALF, [100], start=1.0) == {"train": pytest.approx(0.5)}
-
-
-def test_compute_start_needs_the_margin() -> None:
-    inside = round(50 * (1 + START_MARGIN)) - 1  # 54 %: over the share, inside the margin
-    assert run(ComputeTracker(), TRAIN_HALF, [inside] * 10) == {}
-    assert run(ComputeTracker(), TRAIN_HALF, [inside + 2] * 10) == {"train": pytest.approx(50 / (inside + 2), abs=0.01)}
-
-
-def test_compute_demand_is_measured_use_over_run_fraction() -> None:
-    tracker = ComputeTracker(window_seconds=5.0)
-    # Throttled at f, a steady 90 % job measures 90·f %: the estimate stays 90 %, and so does the plan
-    # (were demand taken as the measured use, the plan would swing back to 1 and flap).
-    assert run(tracker, TRAIN_HALF, [90] * 30) == {"train": pytest.approx(0.5 / 0.9, abs=0.01)}
-    assert tracker.demand("train") == pytest.approx(0.9, abs=0.01)
-
-
-def test_compute_plan_follows_a_changing_demand() -> None:
-    tracker = ComputeTracker(window_seconds=2.0)
-    assert run(tracker, TRAIN_HALF, [100] * 10) == {"train": pytest.approx(0.5)}
-    assert run(tracker, TRAIN_HALF, [80] * 10, start=5.0) == {"train": pytest.approx(0.625, abs=0.01)}
-
-
-def test_compute_hysteresis_keeps_a_throttle_inside_the_band_and_ends_it_at_the_share() -> None:
-    tracker = ComputeTracker(window_seconds=2.0)
-    assert run(tracker, TRAIN_HALF, [100] * 5) == {"train": pytest.approx(0.5)}
-    # Demand drops to 52 %: inside the band (share < demand <= share·(1+margin)): still throttled, f near 1.
-    plan = run(tracker, TRAIN_HALF, [52] * 10, start=2.5)
-    assert plan == {"train": pytest.approx(50 / 52, abs=0.01)}
-    # Demand at or under the share: the throttle ends...
-    assert run(tracker, TRAIN_HALF, [48] * 10, start=7.5) == {}
-    # ...and the same 52 % that kept it throttled does not start it again.
-    assert run(tracker, TRAIN_HALF, [52] * 10, start=12.5) == {}
-
-
-def test_compute_fraction_is_clamped_to_the_minimum() -> None:
-    cfg = config(train=ContainerShare(compute_percent=1))
-    assert run(ComputeTracker(min_run_fraction=0.05), cfg, [100] * 3) == {"train": 0.05}
-
-
-def test_compute_full_share_never_throttles() -> None:
-    cfg = config(train=ContainerShare(compute_percent=100))
-    assert run(ComputeTracker(), cfg, [100] * 10) == {}
-
-
-def test_compute_audit_mode_assumes_nothing_was_stopped() -> None:
-    audit = EnforcerConfig(containers=TRAIN_HALF.containers, mode=Mode.AUDIT)
-    tracker = ComputeTracker()
-    # The job is never really stopped, so it keeps measuring 90 %: the plan must stay at share/0.9
-    # rather than spiral down as if the 90 % had been measured while running a fraction of the time.
-    assert run(tracker, audit, [90] * 20) == {"train": pytest.approx(0.5 / 0.9)}
-
-
-def test_compute_throttle_ends_when_observations_stop() -> None:
-    tracker = ComputeTracker(window_seconds=5.0)
-    assert run(tracker, TRAIN_HALF, [100] * 3)  # observed at 0, 0.5 and 1 s
-    assert tracker.plan(5.9, TRAIN_HALF) == {"train": pytest.approx(0.5)}  # the window still holds t=1
-    assert tracker.plan(6.1, TRAIN_HALF) == {}  # all of it expired: never throttle on no data
-    assert tracker.demand("train") is None
-
-
-def test_compute_share_removed_from_config_ends_the_throttle() -> None:
-    tracker = ComputeTracker()
-    assert run(tracker, TRAIN_HALF, [100] * 3)
-    assert tracker.plan(1.5, config(train=memory(bytes_=GiB))) == {}
-    assert tracker.plan(1.5, config()) == {}
-
-
-def test_container_without_gpu_processes_measures_zero() -> None:
-    tracker = ComputeTracker(window_seconds=2.0)
-    assert run(tracker, TRAIN_HALF, [100] * 3)
-    for i in range(6):
-        tracker.observe(1.5 + i * 0.5, at(), TRAIN_HALF)  # the job exited
-    assert tracker.plan(4.0, TRAIN_HALF) == {}
 
 
 def test_container_sm_utilization_aggregation() -> None:
@@ -307,12 +238,3 @@ def test_container_sm_utilization_aggregation() -> None:
         proc(7, None, sm=100),  # unattributed: nobody's
     )
     assert container_sm_utilization(attribution) == {"train": 0.8, "eval": 1.0, "other": 0.0}
-
-
-@pytest.mark.parametrize(
-    "kwargs",
-    [{"window_seconds": 0}, {"period_seconds": -1}, {"min_run_fraction": 0}, {"min_run_fraction": 1}],
-)
-def test_compute_tracker_rejects_nonsense(kwargs: dict[str, float]) -> None:
-    with pytest.raises(ValueError):
-        ComputeTracker(**kwargs)

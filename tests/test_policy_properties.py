@@ -1,8 +1,9 @@
 """Properties of enforcer.policy over arbitrary mixes of processes, shares and NVML gaps.
 
 The invariant under test is the enforcer's hard one, as far as the pure core decides it: a victim
-is always an attributed process of this pod, of a container strictly over its share on that device,
-and there are no more victims than needed.
+is always a process of this pod, either of a container strictly over its share on that device (the
+whole container goes), or unattributed while the pod is strictly over its budget there (no more of
+those than needed).
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from hypothesis import strategies as st
 
 from enforcer.attribution import Attribution, PodProcess
 from enforcer.config import ContainerShare, EnforcerConfig, MemoryShare, Mode
-from enforcer.policy import ComputeTracker, memory_orders, usage_by_container
+from enforcer.policy import ComputeTracker, memory_orders, pod_budget_bytes, pod_usage, usage_by_container
 
 CONTAINERS = ("a", "b", "c")
 DEVICES = (0, 1, 2)
@@ -77,7 +78,9 @@ def expected_limit(config: EnforcerConfig, container: str, total: int | None) ->
 def test_memory_victims_are_only_ever_the_right_ones(
     attribution: Attribution, config: EnforcerConfig, device_totals: dict[int, int | None]
 ) -> None:
-    orders = memory_orders(usage_by_container(attribution, config, device_totals))
+    pods = pod_usage(attribution, config, device_totals)
+    orders = memory_orders(usage_by_container(attribution, config, device_totals), pods)
+    container_orders = [o for o in orders if o.container is not None]
 
     groups: dict[tuple[str, int], list[PodProcess]] = defaultdict(list)
     for p in attribution.processes:
@@ -88,9 +91,9 @@ def test_memory_victims_are_only_ever_the_right_ones(
     over = {key for key in groups if limit[key] is not None and used[key] > limit[key]}
 
     # Exactly the containers strictly over their share get an order, one per device.
-    assert sorted((o.container, o.device_index) for o in orders) == sorted(over)
+    assert sorted((o.container, o.device_index) for o in container_orders) == sorted(over)
     pod_processes = set(attribution.processes)
-    for order in orders:
+    for order in container_orders:
         key = (order.container, order.device_index)
         assert (order.used_bytes, order.limit_bytes) == (used[key], limit[key])
         victims = order.victims
@@ -101,14 +104,25 @@ def test_memory_victims_are_only_ever_the_right_ones(
             assert v.container is not None and v.container == order.container
             assert v.device_index == order.device_index
             assert v.pid not in attribution.foreign_pids
-            assert v.used_memory_bytes is not None
+        # The whole container on that device, largest first.
+        assert set(victims) == set(groups[key])
         sizes = [v.used_memory_bytes or 0 for v in victims]
-        assert sizes == sorted(sizes, reverse=True)  # largest first
-        remaining = used[key] - sum(sizes)
-        everyone = {p for p in groups[key] if p.used_memory_bytes}
-        assert remaining <= limit[key] or set(victims) >= everyone
-        # Just enough: without the last victim the container would still be over.
-        assert used[key] - sum(sizes[:-1]) > limit[key]
+        assert sizes == sorted(sizes, reverse=True)
+
+    # The pod budget: unattributed victims only while the pod is strictly over it, just enough.
+    pod_orders = [o for o in orders if o.container is None]
+    for order in pod_orders:
+        budget = pod_budget_bytes(config, device_totals.get(order.device_index))
+        mine = [p for p in attribution.processes if p.device_index == order.device_index]
+        pod_used = sum(p.used_memory_bytes or 0 for p in mine)
+        assert budget is not None and pod_used > budget
+        assert (order.used_bytes, order.limit_bytes) == (pod_used, budget)
+        sizes = [v.used_memory_bytes or 0 for v in order.victims]
+        assert all(v in pod_processes and v.container is None and v.used_memory_bytes for v in order.victims)
+        assert all(v.device_index == order.device_index for v in order.victims)
+        assert sizes == sorted(sizes, reverse=True)
+        assert pod_used - sum(sizes[:-1]) > budget  # without the last victim the pod is still over
+    assert len({o.device_index for o in pod_orders}) == len(pod_orders)
 
 
 @st.composite

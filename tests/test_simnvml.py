@@ -178,7 +178,9 @@ def test_write_state_is_atomic_and_validated(state_path: pathlib.Path) -> None:
     with pytest.raises(ValueError, match="sm_util"):
         SimProcess(1, 0, sm_util=101)
     with pytest.raises(ValueError, match="kind"):
-        SimProcess(1, 0, kind="mps")
+        SimProcess(1, 0, kind="video")
+    with pytest.raises(ValueError, match="hang key"):
+        SimState(devices=(), hangs=("not a function",))
     with pytest.raises(ValueError, match="together"):
         SimProcess(1, 0, ns_inode=5)
     with pytest.raises(ValueError, match="uuid"):

@@ -24,6 +24,7 @@ from webhook.settings import (
     NamespaceLookup,
 )
 from webhook.shares import ShareError, quote, resolve_shares
+from webhook.sidecar import POD_SECURITY_LABEL
 
 API_VERSION = "admission.k8s.io/v1"
 KIND = "AdmissionReview"
@@ -127,6 +128,7 @@ def _decide(
     if not isinstance(namespace, str) or not namespace:
         namespace = metadata.get("namespace")
     namespace_annotations: dict[str, Any] = {}
+    pod_security: str | None = None
     info = namespaces.get(namespace) if isinstance(namespace, str) and namespace else None
     if info is None:
         # The API server's namespaceSelector already let only opted-in namespaces through.
@@ -138,6 +140,7 @@ def _decide(
         return OUTCOME_SKIPPED, None
     else:
         namespace_annotations = dict(info.annotations)
+        pod_security = info.labels.get(POD_SECURITY_LABEL)
 
     labels = _dict(metadata.get("labels"))
     annotations = _dict(metadata.get("annotations"))
@@ -171,7 +174,7 @@ def _decide(
         policy = namespace_policy(namespace or "", namespace_annotations, settings)
         plan = resolve_shares(annotations, namespace_annotations, settings, gpu_names, all_names, policy)
         warnings.extend(plan.warnings)
-        patch, mutation_warnings = injection_patch(pod, plan, settings)
+        patch, mutation_warnings = injection_patch(pod, plan, settings, pod_security)
     except (ShareError, MutationError) as exc:
         raise _Denied(str(exc)) from None
     warnings.extend(mutation_warnings)

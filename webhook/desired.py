@@ -28,8 +28,11 @@ from webhook.sidecar import (
 )
 
 
-def desired_pod(pod: dict[str, Any], plan: SharePlan, settings: InjectionSettings) -> tuple[dict[str, Any], list[str]]:
+def desired_pod(pod: dict[str, Any], plan: SharePlan, settings: InjectionSettings,
+                pod_security: str | None = None) -> tuple[dict[str, Any], list[str]]:
     """The injected pod (sharing untouched subtrees with ``pod``) and warnings; raises MutationError.
+
+    ``pod_security``: the namespace's enforced Pod Security level (its label), None if unlabelled.
 
     The pod's shape must have been checked (``podshape.check_shape``): dicts and lists where
     this function reads them.
@@ -64,6 +67,7 @@ def desired_pod(pod: dict[str, Any], plan: SharePlan, settings: InjectionSetting
     port = settings.metrics_port
     sidecar_key = "initContainers" if settings.native_sidecar else "containers"
     sidecar_at: int | None = None  # where ours already is in its list (a reinvocation)
+    previous_sidecar: dict[str, Any] | None = None
     for key in ("initContainers", "containers"):
         containers = spec.get(key)
         if not containers:
@@ -76,6 +80,7 @@ def desired_pod(pod: dict[str, Any], plan: SharePlan, settings: InjectionSetting
                 # Linkerd, Vault Agent put theirs first) are never moved or rewritten into ours.
                 if key == sidecar_key and sidecar_at is None:
                     sidecar_at = len(updated)
+                    previous_sidecar = container
                 continue
             for declared in container.get("ports") or ():
                 if isinstance(declared, dict) and declared.get("containerPort") == port:
@@ -91,7 +96,9 @@ def desired_pod(pod: dict[str, Any], plan: SharePlan, settings: InjectionSetting
             updated.append(container)
         spec[key] = updated
 
-    sidecar = build_sidecar(plan, settings, run_as_root=sidecar_runs_as_root(pod["spec"], shares, warnings))
+    sidecar = build_sidecar(plan, settings, run_as_root=sidecar_runs_as_root(pod["spec"], shares, warnings),
+                            pod_security=pod_security)
+    sidecar = with_service_account_token(sidecar, previous_sidecar, pod["spec"])
     others = list(spec.get(sidecar_key) or ())
     if sidecar_at is not None:
         others.insert(sidecar_at, sidecar)
@@ -113,6 +120,43 @@ def desired_pod(pod: dict[str, Any], plan: SharePlan, settings: InjectionSetting
             raise MutationError(f"volume name {quote(volume['name'])} is reserved by gpufence; rename the pod's volume")
     spec["volumes"] = volumes
     return new_pod, warnings
+
+
+# Where the API server's ServiceAccount admission plugin mounts the pod's token.
+SERVICE_ACCOUNT_MOUNT_PATH = "/var/run/secrets/kubernetes.io/serviceaccount"
+
+
+def _token_mount(container: Any) -> dict[str, Any] | None:
+    for mount in (container.get("volumeMounts") or ()) if isinstance(container, dict) else ():
+        if isinstance(mount, dict) and mount.get("mountPath") == SERVICE_ACCOUNT_MOUNT_PATH:
+            return mount
+    return None
+
+
+def with_service_account_token(built: dict[str, Any], previous: dict[str, Any] | None,
+                               spec: dict[str, Any]) -> dict[str, Any]:
+    """Our sidecar with the pod's ServiceAccount token mounted, as the API server mounts it elsewhere.
+
+    The API server's ServiceAccount plugin runs before the webhooks and mounts the token into every
+    container; after a webhook adds one it runs again for the newcomer, and then reinvokes every
+    ``IfNeeded`` webhook. Rebuilding the sidecar on that reinvocation removed the mount (the
+    enforcer lost its credentials for Events). Giving the sidecar the same mount the other
+    containers already have keeps it, and spares the API server the second plugin run and the
+    reinvocation (one webhook call per pod instead of two). Nothing else a pod brings under our
+    sidecar's name survives: a tenant must not add arguments or mount files over the enforcer's code,
+    and a read-only mount at the token path can do neither.
+    """
+    token = _token_mount(previous) if previous is not None else None
+    if token is None:
+        for key in ("initContainers", "containers"):
+            for container in spec.get(key) or ():
+                if isinstance(container, dict) and container.get("name") != SIDECAR_NAME:
+                    token = token or _token_mount(container)
+    ours = {m.get("name") for m in built.get("volumeMounts") or ()}
+    if token is None or token.get("readOnly") is not True or token.get("name") in ours:
+        return built
+    mount = {"name": token["name"], "readOnly": True, "mountPath": SERVICE_ACCOUNT_MOUNT_PATH}
+    return {**built, "volumeMounts": [*(built.get("volumeMounts") or ()), mount]}
 
 
 def _warn_plain_sidecar(spec: dict[str, Any], shares: Container[str], warnings: list[str]) -> None:

@@ -18,13 +18,13 @@ from webhook.shares import SharePlan
 
 
 def injection_patch(
-    pod: dict[str, Any], plan: SharePlan, settings: InjectionSettings
+    pod: dict[str, Any], plan: SharePlan, settings: InjectionSettings, pod_security: str | None = None
 ) -> tuple[bytes | None, list[str]]:
     """The JSON Patch (compact UTF-8 JSON; None when the pod needs none) and the warnings.
 
     Raises ``MutationError`` (a denial). The pod must have passed ``podshape.check_shape``.
     """
-    new_pod, warnings = desired_pod(pod, plan, settings)
+    new_pod, warnings = desired_pod(pod, plan, settings, pod_security)
     ops = diff(pod, new_pod)
     return (dumps(ops) if ops else None), warnings
 

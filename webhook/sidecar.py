@@ -189,8 +189,44 @@ def _probe(path: str, port: int, *, period: int = 10, failures: int = 3) -> dict
     }
 
 
-def build_sidecar(plan: SharePlan, settings: InjectionSettings, *, run_as_root: bool = True) -> dict[str, Any]:
-    """The enforcer container; ``run_as_root`` from ``sidecar_runs_as_root`` (see there why)."""
+# The namespace's Pod Security level decides how the root sidecar reads other users' processes.
+# Reading /proc/<pid>/environ and /proc/<pid>/fd needs ptrace read access: the kernel grants it
+# when the reader holds every capability the target holds, or CAP_SYS_PTRACE. Pod Security
+# `baseline` forbids adding SYS_PTRACE but allows KILL and the runtime's default set, so there the
+# root sidecar keeps the runtime's defaults (the set a default workload holds) and adds KILL: it
+# reads and signals workloads with default capabilities; one granted more (IPC_LOCK, SYS_ADMIN) is
+# reported as out of reach by the enforcer (process_uninspectable). Only a namespace that enforces
+# `privileged` explicitly gets the narrower and stronger "drop everything, add KILL and
+# SYS_PTRACE", which reaches every process. `restricted` allows no root sidecar at all: it works
+# when the pod sets a non-root runAsUser, which the sidecar then shares (drop ALL, RuntimeDefault
+# seccomp, as `restricted` requires).
+POD_SECURITY_LABEL = "pod-security.kubernetes.io/enforce"
+PRIVILEGED = "privileged"
+RESTRICTED = "restricted"
+
+
+def sidecar_security_context(run_as_root: bool, pod_security: str | None) -> dict[str, Any]:
+    """The sidecar's securityContext for its user (``sidecar_runs_as_root``: uid 0, else the pod's
+    user is inherited) and the namespace's enforced Pod Security level (the label's value; None when
+    unlabelled, which Kubernetes treats as `privileged`)."""
+    context: dict[str, Any] = {**(_ROOT_USER if run_as_root else {}), "allowPrivilegeEscalation": False,
+                               "readOnlyRootFilesystem": True}
+    if pod_security in (None, PRIVILEGED):
+        context["capabilities"] = {"drop": ["ALL"], "add": ["KILL", "SYS_PTRACE"]}
+    elif pod_security == RESTRICTED:
+        # Only a non-root sidecar can pass: it shares the pod's user and needs no capability.
+        context["capabilities"] = {"drop": ["ALL"]}
+        context["seccompProfile"] = {"type": "RuntimeDefault"}
+    else:  # baseline, or a level this version does not know: the runtime's defaults and KILL
+        context["capabilities"] = {"add": ["KILL"]}
+        context["seccompProfile"] = {"type": "RuntimeDefault"}
+    return context
+
+
+def build_sidecar(plan: SharePlan, settings: InjectionSettings, *, run_as_root: bool = True,
+                  pod_security: str | None = None) -> dict[str, Any]:
+    """The enforcer container; ``run_as_root`` from ``sidecar_runs_as_root`` (see there why),
+    ``pod_security`` the namespace's enforced Pod Security level (see ``sidecar_security_context``)."""
     port = settings.metrics_port
     env = [
         {"name": ENV_CONFIG, "value": config_json(plan, settings)},
@@ -232,14 +268,7 @@ def build_sidecar(plan: SharePlan, settings: InjectionSettings, *, run_as_root: 
             # containers back until the enforcer is up (up to 60 s), so enforcement starts first.
             "startupProbe": _probe("/healthz", port, period=1, failures=60),
             "livenessProbe": _probe("/healthz", port),
-            # KILL: signal the other containers' processes; SYS_PTRACE: read /proc/<pid>/environ of
-            # processes running as another user. Effective only when the sidecar runs as root.
-            "securityContext": {
-                **(_ROOT_USER if run_as_root else {}),
-                "allowPrivilegeEscalation": False,
-                "readOnlyRootFilesystem": True,
-                "capabilities": {"drop": ["ALL"], "add": ["KILL", "SYS_PTRACE"]},
-            },
+            "securityContext": sidecar_security_context(run_as_root, pod_security),
             "volumeMounts": mounts,
             "terminationMessagePath": "/dev/termination-log",
             "terminationMessagePolicy": "FallbackToLogsOnError",

@@ -1,0 +1,92 @@
+"""enforcer.core: the decision state machine, poll by poll, without processes or signals."""
+
+from __future__ import annotations
+
+from enforcer.attribution import Attribution, PodProcess
+from enforcer.config import ContainerShare, EnforcerConfig, MemoryShare
+from enforcer.core import Core, Transition
+
+GiB = 1 << 30
+CONFIG = EnforcerConfig(
+    containers={
+        "train": ContainerShare(memory=MemoryShare(bytes=4 * GiB), compute_percent=50),
+        "eval": ContainerShare(memory=MemoryShare(bytes=4 * GiB)),
+    }
+)
+TOTALS = {0: 80 * GiB}
+
+
+def proc(pid: int, container: str | None, used: int, sm: int = 0) -> PodProcess:
+    return PodProcess(pid, pid, 1000 + pid, container, 0, "GPU-0", used, sm)
+
+
+def poll(*processes: PodProcess) -> Attribution:
+    return Attribution(tuple(processes), ())
+
+
+def test_memory_episodes_start_once_and_end_once() -> None:
+    core = Core(CONFIG)
+    under = core.step(0.0, poll(proc(1, "train", GiB)), TOTALS)
+    assert under.orders == () and under.episodes_started == () and under.episodes_ended == ()
+    over = poll(proc(1, "train", 5 * GiB), proc(2, None, 5 * GiB))
+    first = core.step(0.5, over, TOTALS)
+    assert [(o.container, [v.pid for v in o.victims]) for o in first.orders] == [(None, [2]), ("train", [1])]
+    assert [o.container for o in first.episodes_started] == [None, "train"]
+    again = core.step(1.0, over, TOTALS)
+    assert len(again.orders) == 2 and again.episodes_started == ()  # same episodes: no new lines
+    back = core.step(1.5, poll(proc(3, "train", GiB)), TOTALS)
+    assert back.episodes_ended == ((None, 0), ("train", 0))
+
+
+def test_unattributed_processes_are_reported_new_once() -> None:
+    core = Core(CONFIG)
+    anon = proc(7, None, GiB)
+    assert core.step(0.0, poll(anon), TOTALS).new_unattributed == (anon,)
+    assert core.step(0.5, poll(anon), TOTALS).new_unattributed == ()
+    assert core.step(1.0, poll(anon), TOTALS).pods[0].unattributed_bytes == GiB
+
+
+def test_throttle_transitions_have_one_owner() -> None:
+    core = Core(CONFIG, compute_window_seconds=2.0, compute_period_seconds=0.5)
+    changes = []
+    now = 0.0
+    for _ in range(4):  # 100 % against a 50 % share, instant plant
+        fraction = core.throttled.get("train", 1.0)
+        decisions = core.step(now, poll(proc(1, "train", 0, sm=round(100 * fraction))), TOTALS)
+        changes += decisions.throttle_changes
+        now += 0.5
+    assert [c.transition for c in changes][:1] == [Transition.START]
+    assert changes[0].share == 0.5 and changes[0].fraction == core.throttled["train"]
+    assert dict(decisions.plan) == dict(core.throttled)
+    # NVML lost: every throttle ends, reported as STOP with the reason; the controller starts afresh.
+    (stop,) = core.release("nvml unavailable")
+    assert (stop.container, stop.transition, stop.reason) == ("train", Transition.STOP, "nvml unavailable")
+    assert core.throttled == {}
+    assert core.step(now, poll(proc(1, "train", 0, sm=100)), TOTALS).plan == {}  # needs a full period again
+
+
+def test_reconfigure_ends_throttles_and_episodes() -> None:
+    core = Core(CONFIG, compute_window_seconds=1.0, compute_period_seconds=0.5)
+    for i in range(3):
+        core.step(i * 0.5, poll(proc(1, "train", 5 * GiB, sm=100)), TOTALS)
+    assert core.throttled
+    changes = core.reconfigure(EnforcerConfig(containers={"train": ContainerShare()}))
+    assert [(c.container, c.transition) for c in changes] == [("train", Transition.STOP)]
+    assert core.config.containers["train"] == ContainerShare()
+    after = core.step(2.0, poll(proc(1, "train", 5 * GiB, sm=100)), TOTALS)
+    assert after.orders == () and after.plan == {}
+
+
+def test_polling_speeds_up_near_a_limit_or_on_fast_growth_and_settles_back() -> None:
+    core = Core(CONFIG)
+    core.step(0.0, poll(proc(1, "train", GiB)), TOTALS)
+    assert core.poll_interval(0.5) == 0.5  # a quarter of its share: at rest
+    core.step(0.5, poll(proc(1, "train", 3 * GiB // 2)), TOTALS)  # +0.5 GiB of a 4 GiB share: fast growth
+    assert core.poll_interval(0.5) == 0.05
+    core = Core(CONFIG)
+    core.step(0.0, poll(proc(1, "train", 37 * GiB // 10)), TOTALS)  # 92 % of its share: close
+    assert core.poll_interval(0.5) == 0.05
+    assert core.poll_interval(0.06) == 0.05  # never under the minimum interval, never slower than base
+    for i in range(25):  # steady, well under: back to the configured interval after the hold
+        core.step(1.0 + i, poll(proc(1, "train", GiB)), TOTALS)
+    assert core.poll_interval(0.5) == 0.5
