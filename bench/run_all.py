@@ -18,6 +18,7 @@ from bench.common import REPO_ROOT, child_env
 FULL = [
     ["bench.mutation_core"],
     ["bench.webhook_tls"],
+    ["bench.cpu_per_request"],
     ["bench.enforcer_tick"],
     ["bench.fuzz_webhook"],
     ["bench.soak"],
@@ -25,6 +26,7 @@ FULL = [
 QUICK = [
     ["bench.mutation_core", "--repeats", "3", "--budget", "0.1"],
     ["bench.webhook_tls", "--duration", "2", "--warmup", "0.5", "--repeats", "1"],
+    ["bench.cpu_per_request", "--repeats", "2", "--duration", "1"],
     ["bench.enforcer_tick", "--counts", "1,16,64", "--ticks", "10", "--cpu-seconds", "5", "--trials", "5"],
     ["bench.fuzz_webhook", "--count", "2000", "--hypothesis", "200", "--https", "100"],
     ["bench.soak", "--duration", "10"],

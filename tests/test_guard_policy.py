@@ -384,6 +384,7 @@ def test_the_guard_agrees_with_the_webhook_on_every_golden_case(case: str) -> No
     """What the webhook mutates passes the guard, and the same pod sent unmutated (the webhook down)
     is denied; what it admits unmutated in an opted-in namespace the guard admits too."""
     from tests.test_golden import GOLDEN, load_case
+    from webhook.podshape import gpu_container_names
 
     pod_in, settings, lookup, operation = load_case(case)
     expected = yaml.safe_load((GOLDEN / f"{case}.out.yaml").read_text())
@@ -393,9 +394,13 @@ def test_the_guard_agrees_with_the_webhook_on_every_golden_case(case: str) -> No
     guard = Guard(POLICY, gpu_resource_names=list(settings.gpu_resource_names), sidecar_image=settings.sidecar_image)
     namespace, labels, ns_annotations = info.name, dict(info.labels), dict(info.annotations)
     outcome = expected["outcome"]
+    requests_gpu = bool(gpu_container_names(pod_in["spec"], settings.gpu_resource_names))
     if outcome == "mutated":
         assert guard.admit(expected["pod"], namespace, labels, ns_annotations)[0], "the output fails the guard"
-        assert not guard.admit(pod_in, namespace, labels, ns_annotations)[0], "a pod it mutates passes unmutated"
+        # A GPU pod the webhook mutates is refused unmutated; a pod without GPUs only gains
+        # NVIDIA_VISIBLE_DEVICES=void, which the guard does not demand (fail open for them).
+        admitted_unmutated = guard.admit(pod_in, namespace, labels, ns_annotations)[0]
+        assert admitted_unmutated is not requests_gpu
     elif outcome in ("unchanged", "skipped"):
         assert guard.admit(pod_in, namespace, labels, ns_annotations)[0], "the guard denies what the webhook admits"
 
@@ -424,7 +429,8 @@ def test_the_guard_and_the_webhook_agree_on_opt_out(label: str | None, ns_annota
     elif outcome == "denied":
         assert not allowed and "gpufence.io/inject" in message
     else:
-        assert outcome == "mutated" and not allowed  # unmutated (webhook down): refused
+        # Unmutated (the webhook down): a GPU pod is refused; one without GPUs only missed its void.
+        assert outcome == "mutated" and allowed is not gpu
 
 
 @pytest.mark.parametrize(
@@ -503,6 +509,7 @@ def test_the_guard_agrees_with_the_webhook_on_generated_pods(candidate: dict[str
     import jsonpatch
 
     from webhook import admission, client
+    from webhook.podshape import gpu_container_names
     from webhook.settings import InjectionSettings, NamespaceInfo
 
     class Lookup:
@@ -521,4 +528,5 @@ def test_the_guard_agrees_with_the_webhook_on_generated_pods(candidate: dict[str
         patch = json.loads(base64.b64decode(result.review["response"]["patch"]))
         mutated = jsonpatch.apply_patch(candidate, patch)
         assert GUARD.admit(mutated, namespace_annotations=ns_annotations)[0], "the webhook's output fails the guard"
-        assert not unmutated, "a pod the webhook mutates passes the guard unmutated"
+        requests_gpu = bool(gpu_container_names(candidate["spec"], (DEFAULT_GPU_RESOURCE,)))
+        assert unmutated is not requests_gpu, "a GPU pod the webhook mutates passes the guard unmutated"

@@ -2,8 +2,9 @@
 
 When Istio, Linkerd or Vault Agent add their init containers, sidecars, volumes and annotations
 after gpufence ran, the API server calls gpufence again. The second review must give no patch
-beyond gpufence's own parts that are still missing, and never rewrite, remove or reorder another
-injector's containers. The shapes below are what those injectors add (names, the native-sidecar
+beyond gpufence's own parts that are still missing (``NVIDIA_VISIBLE_DEVICES=void`` on the
+containers the other injector added, which request no GPU), and never rewrite, remove or reorder
+another injector's containers. The shapes below are what those injectors add (names, the native-sidecar
 field, their volumes and annotations), written out by hand.
 """
 
@@ -121,6 +122,23 @@ def _review(pod: Pod, settings: InjectionSettings) -> tuple[str, list[dict[str, 
     return result.outcome, decode_patch(result.review["response"])
 
 
+VOID = {"name": "NVIDIA_VISIBLE_DEVICES", "value": "void"}
+
+
+def _is_void_addition(op: dict[str, Any]) -> bool:
+    """An operation that only adds NVIDIA_VISIBLE_DEVICES=void to a container's env."""
+    if op["op"] != "add":
+        return False
+    if op["path"].endswith("/env"):
+        return op["value"] == [VOID]
+    return "/env/" in op["path"] and op["value"] == VOID
+
+
+def _without_void(container: dict[str, Any]) -> dict[str, Any]:
+    env = [e for e in container.get("env", []) if e != VOID]
+    return {**{k: v for k, v in container.items() if k != "env"}, **({"env": env} if env else {})}
+
+
 def _names(pod: Pod) -> dict[str, list[str]]:
     return {key: [c["name"] for c in pod["spec"].get(key, [])] for key in ("initContainers", "containers")}
 
@@ -134,7 +152,11 @@ def test_another_injector_after_gpufence_gets_no_patch(injector: str, settings: 
     injected = jsonpatch.apply_patch(pod, patch)
     INJECTORS[injector](injected)
     outcome, patch = _review(injected, settings)
-    assert (outcome, patch) == ("unchanged", None)
+    # Only gpufence's part still missing: void on the other injector's containers, nothing else.
+    assert outcome == "mutated" and patch and all(_is_void_addition(op) for op in patch), patch
+    settled = jsonpatch.apply_patch(injected, patch)
+    assert _names(settled) == _names(injected)
+    assert _review(settled, settings) == ("unchanged", None)
 
 
 @pytest.mark.parametrize("settings", SETTINGS, ids=["native", "plain"])
@@ -153,7 +175,7 @@ def test_gpufence_after_another_injector_adds_only_its_own_parts(injector: str, 
         theirs = {c["name"]: c for c in pod["spec"].get(key, []) if c["name"] not in ("train",)}
         for container in after["spec"].get(key, []):
             if container["name"] in theirs:
-                assert container == theirs[container["name"]]
+                assert _without_void(container) == theirs[container["name"]]
     # And reviewing the result again changes nothing.
     assert _review(after, settings) == ("unchanged", None)
 
@@ -165,6 +187,7 @@ def test_a_stale_sidecar_behind_another_injector_is_patched_in_place(injector: s
     pod = gpu_pod()
     injected = jsonpatch.apply_patch(pod, _review(pod, settings)[1])
     INJECTORS[injector](injected)
+    injected = jsonpatch.apply_patch(injected, _review(injected, settings)[1])  # their containers: void
     containers = injected["spec"]["initContainers"]
     index = next(i for i, c in enumerate(containers) if c["name"] == SIDECAR_NAME)
     containers[index]["image"] = "ghcr.io/gpufence/gpufence:0.0.9"

@@ -38,7 +38,7 @@ EVERY_FIELD = [
     "--nvidia-visible-devices=void", "--nvidia-driver-capabilities=utility,compute", "--mount-host-proc",
     "--host-proc-mount-path=/hp", "--mps-limits=true", "--preload-library=/opt/libvgpu.so",
     "--preload-library-mount-dir=/pre", "--max-memory=40Gi", "--max-compute=25", "--default-mode=audit",
-    "--allow-audit", "--allow-opt-out=true", "--sidecar-cpu-limit=1",
+    "--allow-audit", "--allow-opt-out=true", "--sidecar-cpu-limit=1", "--void-non-gpu-containers=false",
 ]
 
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from webhook.errors import MutationError
-from webhook.mutate import injection_patch
+from webhook.mutate import injection_patch, plain_pod_patch
 from webhook.podshape import check_shape, gpu_container_names, nvidia_side_door
 from webhook.policy import namespace_policy, opt_out_allowed, opt_out_denial
 from webhook.settings import (
@@ -134,7 +134,7 @@ def _decide(
         # The API server's namespaceSelector already let only opted-in namespaces through.
         warnings.append(
             f"gpufence: namespace {quote(namespace or '')} is not in the webhook's cache yet, so its "
-            "default shares (if any) were not applied"
+            "default shares and policy (if any) were not applied; the webhook's flags were"
         )
     elif not info.opted_in:
         return OUTCOME_SKIPPED, None
@@ -151,9 +151,17 @@ def _decide(
     side_door = nvidia_side_door(pod.get("spec"), SIDECAR_NAME if gpu_names else None)
     if side_door is not None:
         raise _Denied(side_door)  # GPU pod or not, opted out or not: the guard denies it too
+    opted_out = labels.get(POD_OPT_OUT_LABEL) == "false"
     if not gpu_names:
-        return OUTCOME_SKIPPED, None
-    if labels.get(POD_OPT_OUT_LABEL) == "false":
+        if not settings.void_non_gpu_containers or (opted_out and opt_out_allowed(namespace_annotations, settings)):
+            return OUTCOME_SKIPPED, None
+        try:
+            check_shape(pod)
+        except MutationError as exc:
+            raise _Denied(str(exc)) from None
+        patch = plain_pod_patch(pod, settings)
+        return (OUTCOME_MUTATED if patch else OUTCOME_UNCHANGED), patch
+    if opted_out:
         # The namespace's admin decides whether a pod may opt out, not the pod (the guard agrees).
         if opt_out_allowed(namespace_annotations, settings):
             return OUTCOME_SKIPPED, None

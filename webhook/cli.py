@@ -179,6 +179,9 @@ FLAGS: tuple[Flag, ...] = (
          "SIGTERM to SIGKILL delay for a container over its memory share"),
     Flag("poll-interval", duration(MIN_POLL_INTERVAL_SECONDS, MAX_POLL_INTERVAL_SECONDS),
          _defaults.poll_interval_seconds, "how often the enforcer polls NVML"),
+    Flag("void-non-gpu-containers", boolean, _defaults.void_non_gpu_containers,
+         "give containers that request no GPU NVIDIA_VISIBLE_DEVICES=void, so no image ENV or envFrom "
+         "can hand them GPUs through the NVIDIA container toolkit"),
     Flag("nvidia-visible-devices", non_empty, _defaults.nvidia_visible_devices,
          "NVIDIA_VISIBLE_DEVICES of the sidecar"),
     Flag("nvidia-driver-capabilities", non_empty, _defaults.nvidia_driver_capabilities,
@@ -262,6 +265,7 @@ def settings_from_args(args: argparse.Namespace) -> InjectionSettings:
         allow_audit=args.allow_audit,
         allow_opt_out=args.allow_opt_out,
         poll_interval_seconds=args.poll_interval,
+        void_non_gpu_containers=args.void_non_gpu_containers,
         nvidia_visible_devices=args.nvidia_visible_devices,
         nvidia_driver_capabilities=args.nvidia_driver_capabilities,
         mount_host_proc=args.mount_host_proc,

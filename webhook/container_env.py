@@ -25,6 +25,7 @@ ENV_MPS_THREADS = "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"
 ENV_HAMI_MEMORY = "CUDA_DEVICE_MEMORY_LIMIT"
 ENV_HAMI_SM = "CUDA_DEVICE_SM_LIMIT"
 ENV_LD_PRELOAD = "LD_PRELOAD"
+ENV_NVIDIA_VISIBLE_DEVICES = "NVIDIA_VISIBLE_DEVICES"
 # Variables whose user-set value the webhook keeps but reports when it differs from the share.
 _LIMIT_VARIABLES = frozenset({ENV_MEMORY_LIMIT, ENV_MPS_MEM_LIMIT, ENV_MPS_THREADS, ENV_HAMI_MEMORY, ENV_HAMI_SM})
 
@@ -150,3 +151,17 @@ def gpu_container(
     if changed:
         container = {**container, "env": env}
     return container
+
+
+def void_container(container: dict[str, Any]) -> dict[str, Any]:
+    """A container that requests no GPU, with ``NVIDIA_VISIBLE_DEVICES=void`` unless it sets the
+    variable itself (to void or none: any other value was denied, ``podshape.nvidia_side_door``).
+
+    An explicit env entry wins over the image's ENV (CUDA base images carry
+    ``NVIDIA_VISIBLE_DEVICES=all``) and over ``envFrom``, so the NVIDIA container toolkit hands this
+    container no GPU however it was built.
+    """
+    env = container.get("env") or ()
+    if any(entry.get("name") == ENV_NVIDIA_VISIBLE_DEVICES for entry in env):
+        return container
+    return {**container, "env": [*env, {"name": ENV_NVIDIA_VISIBLE_DEVICES, "value": "void"}]}

@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Container
 from typing import Any
 
-from webhook.container_env import gpu_container
+from webhook.container_env import gpu_container, void_container
 from webhook.errors import MutationError
 from webhook.settings import ANNOTATION_STATUS, SIDECAR_NAME, InjectionSettings
 from webhook.shares import SharePlan, quote
@@ -91,6 +91,8 @@ def desired_pod(pod: dict[str, Any], plan: SharePlan, settings: InjectionSetting
             share = shares.get(container["name"])
             if share is not None:
                 container = gpu_container(container, share, settings, library, warnings)
+            elif settings.void_non_gpu_containers:
+                container = void_container(container)
             updated.append(container)
         spec[key] = updated
 
@@ -170,3 +172,14 @@ def _warn_plain_sidecar(spec: dict[str, Any], shares: Container[str], warnings: 
                 f"init container {quote(container['name'])} requests a GPU but runs before the enforcer "
                 "starts (native sidecars are disabled), so its share is not enforced"
             )
+
+
+def desired_plain_pod(pod: dict[str, Any], settings: InjectionSettings) -> dict[str, Any]:
+    """A pod that requests no GPU as gpufence wants it: every container with
+    ``NVIDIA_VISIBLE_DEVICES=void`` (``--void-non-gpu-containers``), nothing else. Copy-on-write;
+    the pod's shape must have been checked (``podshape.check_shape``)."""
+    spec = dict(pod["spec"])
+    for key in ("initContainers", "containers"):
+        if spec.get(key):
+            spec[key] = [void_container(container) for container in spec[key]]
+    return {**pod, "spec": spec}

@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 from webhook.codec import dumps
-from webhook.desired import desired_pod
+from webhook.desired import desired_plain_pod, desired_pod
 from webhook.patch import diff
 from webhook.settings import InjectionSettings
 from webhook.shares import SharePlan
@@ -27,3 +27,9 @@ def injection_patch(
     new_pod, warnings = desired_pod(pod, plan, settings, pod_security)
     ops = diff(pod, new_pod)
     return (dumps(ops) if ops else None), warnings
+
+
+def plain_pod_patch(pod: dict[str, Any], settings: InjectionSettings) -> bytes | None:
+    """The same for a pod that requests no GPU: only ``NVIDIA_VISIBLE_DEVICES=void`` where missing."""
+    ops = diff(pod, desired_plain_pod(pod, settings))
+    return dumps(ops) if ops else None

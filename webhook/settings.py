@@ -100,6 +100,8 @@ class InjectionSettings:
     allow_audit: bool = False
     allow_opt_out: bool = False
     poll_interval_seconds: float = DEFAULT_POLL_INTERVAL_SECONDS
+    # Containers that request no GPU get NVIDIA_VISIBLE_DEVICES=void (the toolkit's side door).
+    void_non_gpu_containers: bool = True
     # NVML access for the sidecar through the NVIDIA container toolkit, without a GPU slot.
     nvidia_visible_devices: str = "all"
     nvidia_driver_capabilities: str = "utility"
