@@ -237,6 +237,8 @@ def _run(
         pid_mode, proc_root="/proc", host_proc_root=args.host_proc, device_prefix=device_prefix, own_pid=own_pid,
     )
     metrics = EnforcerMetrics(namespace, pod_name)
+    # The containers are fixed by the pod spec, so the initial config names all of them.
+    metrics.declare_containers(config.containers)
     health = Health(config.poll_interval_seconds)
     pod = PodRef(namespace, pod_name, pod_uid)
     enforcer = Enforcer(
