@@ -6,7 +6,8 @@ PY := $(VENV)/bin/python
 
 .PHONY: venv demo test lint bench clean
 
-$(VENV)/.installed: pyproject.toml requirements/lock.txt
+# gpufence/__init__.py holds the version, which the installed metadata copies.
+$(VENV)/.installed: pyproject.toml requirements/lock.txt gpufence/__init__.py
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --disable-pip-version-check -c requirements/lock.txt -e '.[test]'
 	touch $@

@@ -24,6 +24,7 @@ from typing import Any
 
 from certs import bootstrap as bs
 from certs import files, inspect_cert, pki
+from gpufence import version_line
 
 log = logging.getLogger("gpufence.certs")
 
@@ -75,6 +76,7 @@ def _non_negative_float(text: str) -> float:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="gpufence-certs", description="Certificates for the gpufence webhook.")
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    parser.add_argument("--version", action="version", version=version_line("gpufence-certs"))
     sub = parser.add_subparsers(dest="command", required=True)
 
     gen = sub.add_parser("generate", help="write a CA and a serving certificate as PEM files")

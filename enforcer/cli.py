@@ -49,6 +49,7 @@ from enforcer.config import (
 )
 from enforcer.logs import LEVELS, DecisionLog, forward_stdlib_logging
 from enforcer.procfs import ENV_NVIDIA_DEVICE_PREFIX
+from gpufence import version_line
 
 PROG = "gpufence-enforcer"
 ENV_LOG_LEVEL = "GPUFENCE_LOG_LEVEL"
@@ -84,6 +85,7 @@ def _positive(value: str) -> float:
 def build_parser() -> argparse.ArgumentParser:
     env = os.environ
     p = _Parser(prog=PROG, description="Enforce per-container GPU memory and compute shares in one pod.")
+    p.add_argument("--version", action="version", version=version_line(PROG))
     p.add_argument("--config", metavar="FILE", help=f"config JSON file (default: ${ENV_CONFIG}); re-read on change")
     p.add_argument(
         "--metrics-port", type=_port, default=None,

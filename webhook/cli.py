@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from enforcer.config import MAX_GRACE_PERIOD_SECONDS, MAX_POLL_INTERVAL_SECONDS, MIN_POLL_INTERVAL_SECONDS
+from gpufence import version_line
 from webhook.settings import DEFAULT_GPU_RESOURCE, InjectionSettings
 from webhook.tls import DEFAULT_RELOAD_INTERVAL_SECONDS
 
@@ -168,6 +169,7 @@ FLAGS: tuple[Flag, ...] = (
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="gpufence-webhook",
                                      description="gpufence mutating admission webhook (HTTPS only).")
+    parser.add_argument("--version", action="version", version=version_line("gpufence-webhook"))
     for flag in FLAGS:
         kwargs: dict[str, Any] = {"dest": flag.dest, "default": None, "metavar": "VALUE",
                                   # argparse %-formats help texts
