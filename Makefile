@@ -28,3 +28,12 @@ bench: venv
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis .gpufence-cache
+
+# helm built from its pinned Go module into ${GPUFENCE_CACHE:-~/.cache/gpufence} (minutes when cold);
+# the chart tests use the same binary and skip without Go.
+helm-binary: venv
+	$(PY) -m tests.helm_binary
+
+# The operations checks: alerts with promtool, the Helm chart, the version copies.
+test-ops: venv
+	$(PY) -m pytest tests/test_alerts.py tests/test_helm.py tests/test_version.py

@@ -43,6 +43,9 @@ SITES: tuple[Site, ...] = (
     _site("k8s/base/kustomization.yaml", r'newTag: "', '"'),
     # Image references as written (kustomize's images: rewrites them, but --sidecar-image is an arg).
     _site("k8s/base/*.yaml", r"ghcr\.io/gpufence/gpufence:"),
+    # The Helm chart: its own version and the app's (the default image tag).
+    _site("charts/gpufence/Chart.yaml", r"^version: "),
+    _site("charts/gpufence/Chart.yaml", r'^appVersion: "', '"'),
     # The remote kustomize example pins a release tag.
     _site("docs/install.md", r"\?ref=v"),
     # The webhook's expected output names the default sidecar image, which carries the version.
