@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
-import json
 import logging
 import sys
 from collections.abc import Sequence
@@ -25,25 +24,13 @@ from typing import Any
 from certs import bootstrap as bs
 from certs import files, inspect_cert, pki
 from gpufence import version_line
+from gpufence.logs import JsonFormatter
 
 log = logging.getLogger("gpufence.certs")
 
 EXIT_OK = 0
 EXIT_FAILURE = 1
 EXIT_USAGE = 2
-
-
-class JsonFormatter(logging.Formatter):
-    def format(self, record: logging.LogRecord) -> str:
-        entry: dict[str, Any] = {
-            "time": dt.datetime.fromtimestamp(record.created, dt.UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ"),
-            "level": record.levelname.lower(),
-            "event": record.getMessage(),
-        }
-        entry.update(getattr(record, "fields", None) or {})
-        if record.exc_info:
-            entry["exception"] = self.formatException(record.exc_info)
-        return json.dumps(entry, default=str)
 
 
 def _setup_logging(verbose: bool) -> None:

@@ -49,7 +49,7 @@ from enforcer.config import (
 )
 from enforcer.logs import LEVELS, DecisionLog, forward_stdlib_logging
 from enforcer.procfs import ENV_NVIDIA_DEVICE_PREFIX
-from gpufence import version_line
+from gpufence import __version__, version_line
 
 PROG = "gpufence-enforcer"
 ENV_LOG_LEVEL = "GPUFENCE_LOG_LEVEL"
@@ -176,7 +176,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         config = load_config(args.config)
         port = _metrics_port(args)
     except ConfigError as exc:
-        print(f"{PROG}: invalid configuration: {exc}", file=sys.stderr)
+        # Before anything runs, on stderr (stdout is the decision log), in the shared log format.
+        DecisionLog(level="error", stream=sys.stderr).error(
+            "config_invalid", message=f"{PROG}: invalid configuration: {exc}", error=str(exc))
         return EXIT_USAGE
 
     namespace = os.environ.get(ENV_POD_NAMESPACE) or "default"
@@ -298,7 +300,7 @@ async def _serve(
         return 1
     await asyncio.to_thread(enforcer.open_nvml)
     log.info(
-        "started",
+        "started", version=__version__,
         pid_mode=enforcer.pid_mode, driver_version=enforcer.driver_version, metrics_port=bound_port,
         bind_address=args.bind_address, mode=enforcer.config.mode, enforcer_pid=os.getpid(),
         state_dir=args.state_dir, host_proc=args.host_proc, device_prefix=device_prefix,

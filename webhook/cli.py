@@ -8,20 +8,19 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import datetime as dt
-import json
 import logging
 import os
 import re
 import signal
 import ssl
-import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from enforcer.config import MAX_GRACE_PERIOD_SECONDS, MAX_POLL_INTERVAL_SECONDS, MIN_POLL_INTERVAL_SECONDS
 from gpufence import version_line
+from gpufence.logs import log_event
+from gpufence.logs import setup_logging as _setup_logging
 from webhook.settings import DEFAULT_GPU_RESOURCE, InjectionSettings
 from webhook.tls import DEFAULT_RELOAD_INTERVAL_SECONDS
 
@@ -240,29 +239,10 @@ def settings_from_args(args: argparse.Namespace) -> InjectionSettings:
 
 
 # --- logging -----------------------------------------------------------------------------------------
-_RECORD_FIELDS = frozenset(vars(logging.LogRecord("", 0, "", 0, "", None, None))) | {"message", "asctime", "taskName"}
-
-
-class JsonFormatter(logging.Formatter):
-    """One JSON object per line: time, level, logger, message, any ``extra`` fields, exception."""
-
-    def format(self, record: logging.LogRecord) -> str:
-        entry: dict[str, Any] = {
-            "time": dt.datetime.fromtimestamp(record.created, dt.UTC).isoformat(timespec="milliseconds"),
-            "level": record.levelname.lower(),
-            "logger": record.name,
-            "message": record.getMessage(),
-        }
-        entry.update({k: v for k, v in vars(record).items() if k not in _RECORD_FIELDS})
-        if record.exc_info:
-            entry["exception"] = self.formatException(record.exc_info)
-        return json.dumps(entry, default=str)
-
-
+# The format all three programs share (gpufence/logs.py), on stderr. Libraries stay at warning
+# unless --log-level=debug: aiohttp and the kubernetes client are chatty at info.
 def setup_logging(level: str) -> None:
-    handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(JsonFormatter())
-    logging.basicConfig(level=level.upper(), handlers=[handler], force=True)
+    _setup_logging(level, libraries_level="warning")
 
 
 # --- main --------------------------------------------------------------------------------------------
@@ -289,9 +269,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         asyncio.run(run(args))
     except (OSError, ssl.SSLError, ValueError) as exc:  # unreadable cert, bad key, port in use: no traceback
-        log.critical("cannot start", extra={"error": f"{type(exc).__name__}: {exc}"})
+        log_event(log, "startup_failed", logging.ERROR, error=f"{type(exc).__name__}: {exc}")
         return 1
     except Exception as exc:
-        log.critical("cannot start", exc_info=exc)
+        log_event(log, "startup_failed", logging.ERROR, error=f"{type(exc).__name__}: {exc}", exc_info=exc)
         return 1
     return 0
