@@ -66,3 +66,15 @@ def test_set_version_rewrites_every_site(tmp_path: Path) -> None:
     assert all(versions == {"9.8.7-rc.1"} for versions in found.values()), found  # ... all the new version
     with pytest.raises(ValueError, match="not a version"):
         set_version.rewrite("v1.2", tmp_path)
+
+
+def test_dockerfile_copies_every_package() -> None:
+    """The image's wheel is built from what the Dockerfile copies: a package it misses (gpufence/, which
+    holds the version) would fail the build or the programs' imports only when the image is built."""
+    import re
+    import tomllib
+
+    pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    packages = {p.rstrip("*") for p in pyproject["tool"]["setuptools"]["packages"]["find"]["include"]}
+    copied = set(re.findall(r"^COPY (\w+)/ \1/$", (ROOT / "Dockerfile").read_text(), re.MULTILINE))
+    assert packages == copied
