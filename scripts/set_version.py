@@ -48,6 +48,9 @@ SITES: tuple[Site, ...] = (
     _site("charts/gpufence/Chart.yaml", r'^appVersion: "', '"'),
     # The remote kustomize example pins a release tag.
     _site("docs/install.md", r"\?ref=v"),
+    # docs/install.md's example of pointing the install at your image.
+    _site("docs/install.md", r"/gpufence:"),
+    _site("docs/install.md", r'newTag: "', '"'),
     # The webhook's expected output names the default sidecar image, which carries the version.
     _site("tests/golden/*.yaml", r"ghcr\.io/gpufence/gpufence:"),
 )
