@@ -14,6 +14,7 @@ promtool comes from Debian's ``prometheus`` package; without it the promtool tes
 
 from __future__ import annotations
 
+import copy
 import datetime as dt
 import re
 import shutil
@@ -52,7 +53,8 @@ def rule_groups() -> list[dict[str, Any]]:
     else:
         rule = one(yaml.safe_load_all((K8S / "components" / "monitoring" / "prometheusrule.yaml").read_text()),
                    "PrometheusRule")  # fmt: skip
-    return rule["spec"]["groups"]
+    # A copy: render() is cached for the whole session, and a test here edits the groups.
+    return copy.deepcopy(rule["spec"]["groups"])
 
 
 def alerts() -> list[dict[str, Any]]:
