@@ -114,6 +114,18 @@ class Flag:
     def env(self) -> str:
         return ENV_PREFIX + self.dest.upper()
 
+    @property
+    def shown_default(self) -> str:
+        """The default as one would write it: durations as "5s" or "500ms", not 5.0 or 0.5."""
+        if self.default is None:
+            return "none"
+        if getattr(self.convert, "__name__", "") == "duration":
+            seconds = float(self.default)
+            return f"{seconds * 1000:g}ms" if 0 < seconds < 1 else f"{seconds:g}s"
+        if isinstance(self.default, bool):
+            return "true" if self.default else "false"
+        return str(self.default)
+
 
 FLAGS: tuple[Flag, ...] = (
     # The server.
@@ -170,9 +182,11 @@ def build_parser() -> argparse.ArgumentParser:
                                      description="gpufence mutating admission webhook (HTTPS only).")
     parser.add_argument("--version", action="version", version=version_line("gpufence-webhook"))
     for flag in FLAGS:
+        # A flag whose help explains its default itself (gpu-resource-name) shows only its env var.
+        shown = "" if flag.default is None and "default" in flag.help else f"; default {flag.shown_default}"
+        text = f"{flag.help} [env {flag.env}{shown}]"
         kwargs: dict[str, Any] = {"dest": flag.dest, "default": None, "metavar": "VALUE",
-                                  # argparse %-formats help texts
-                                  "help": f"{flag.help} [env {flag.env}; default {flag.default}]".replace("%", "%%")}
+                                  "help": text.replace("%", "%%")}  # argparse %-formats help texts
         if flag.convert is boolean:
             # --mount-host-proc alone means true; --mount-host-proc=false is accepted too.
             kwargs.update(nargs="?", const="true", metavar="BOOL")
