@@ -69,7 +69,7 @@ def test_env_vars_and_flag_precedence():
     settings = settings_from_args(args)
     assert settings.gpu_resource_names == ("nvidia.com/gpu", "example.com/gpu")
     assert settings.mount_host_proc is True and settings.native_sidecar is False
-    assert parse_args(["--mount-host-proc=false"], environ=environ).mount_host_proc is False
+    assert parse_args(["--mount-host-proc=false"], environ=environ).sidecar_mount_host_proc is False
     assert all(flag.env.startswith("GPUFENCE_WEBHOOK_") for flag in FLAGS)
 
 

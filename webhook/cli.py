@@ -105,6 +105,9 @@ class Flag:
     default: Any
     help: str
     repeat: bool = False
+    # The flag's name before it said what it sets (--poll-interval for --sidecar-poll-interval):
+    # still accepted, as a flag and as an env var, with a "deprecated_flag" warning, for one release.
+    deprecated: str | None = None
 
     @property
     def dest(self) -> str:
@@ -113,6 +116,10 @@ class Flag:
     @property
     def env(self) -> str:
         return ENV_PREFIX + self.dest.upper()
+
+    @property
+    def deprecated_env(self) -> str | None:
+        return ENV_PREFIX + self.deprecated.replace("-", "_").upper() if self.deprecated else None
 
     @property
     def shown_default(self) -> str:
@@ -150,7 +157,8 @@ FLAGS: tuple[Flag, ...] = (
          repeat=True),
     Flag("sidecar-mode", choice("native", "container"), "native" if _defaults.native_sidecar else "container",
          "native sidecar (init container with restartPolicy Always, Kubernetes >= 1.29) or a plain container"),
-    Flag("metrics-port", port, _defaults.metrics_port, "port of the sidecar's /metrics"),
+    Flag("sidecar-metrics-port", port, _defaults.metrics_port, "port of the sidecar's /metrics",
+         deprecated="metrics-port"),
     Flag("sidecar-cpu-request", non_empty, _defaults.sidecar_cpu_request, "CPU request of the sidecar"),
     Flag("sidecar-memory-request", non_empty, _defaults.sidecar_memory_request, "memory request of the sidecar"),
     Flag("sidecar-memory-limit", non_empty, _defaults.sidecar_memory_limit, "memory limit of the sidecar"),
@@ -160,15 +168,17 @@ FLAGS: tuple[Flag, ...] = (
          'compute share when neither pod nor namespace sets one ("50" or "50%")'),
     Flag("default-grace-period", duration(0, MAX_GRACE_PERIOD_SECONDS), _defaults.default_grace_period_seconds,
          "SIGTERM to SIGKILL delay for a container over its memory share"),
-    Flag("poll-interval", duration(MIN_POLL_INTERVAL_SECONDS, MAX_POLL_INTERVAL_SECONDS),
-         _defaults.poll_interval_seconds, "how often the enforcer polls NVML"),
-    Flag("nvidia-visible-devices", non_empty, _defaults.nvidia_visible_devices,
-         "NVIDIA_VISIBLE_DEVICES of the sidecar"),
-    Flag("nvidia-driver-capabilities", non_empty, _defaults.nvidia_driver_capabilities,
-         "NVIDIA_DRIVER_CAPABILITIES of the sidecar"),
-    Flag("mount-host-proc", boolean, _defaults.mount_host_proc,
-         "mount the host's /proc read-only in the sidecar (drivers that report host PIDs)"),
-    Flag("host-proc-mount-path", non_empty, _defaults.host_proc_mount_path, "where the host's /proc is mounted"),
+    Flag("sidecar-poll-interval", duration(MIN_POLL_INTERVAL_SECONDS, MAX_POLL_INTERVAL_SECONDS),
+         _defaults.poll_interval_seconds, "how often the enforcer polls NVML", deprecated="poll-interval"),
+    Flag("sidecar-nvidia-visible-devices", non_empty, _defaults.nvidia_visible_devices,
+         "NVIDIA_VISIBLE_DEVICES of the sidecar", deprecated="nvidia-visible-devices"),
+    Flag("sidecar-nvidia-driver-capabilities", non_empty, _defaults.nvidia_driver_capabilities,
+         "NVIDIA_DRIVER_CAPABILITIES of the sidecar", deprecated="nvidia-driver-capabilities"),
+    Flag("sidecar-mount-host-proc", boolean, _defaults.mount_host_proc,
+         "mount the host's /proc read-only in the sidecar (drivers that report host PIDs)",
+         deprecated="mount-host-proc"),
+    Flag("sidecar-host-proc-mount-path", non_empty, _defaults.host_proc_mount_path,
+         "where the host's /proc is mounted in the sidecar", deprecated="host-proc-mount-path"),
     Flag("mps-limits", boolean, _defaults.mps_limits, "set CUDA MPS per-client limits from the shares"),
     Flag("preload-library", non_empty, _defaults.preload_library_host_path,
          "host path of an LD_PRELOAD GPU limiter (e.g. HAMi-core libvgpu.so) to inject"),
@@ -188,9 +198,15 @@ def build_parser() -> argparse.ArgumentParser:
         kwargs: dict[str, Any] = {"dest": flag.dest, "default": None, "metavar": "VALUE",
                                   "help": text.replace("%", "%%")}  # argparse %-formats help texts
         if flag.convert is boolean:
-            # --mount-host-proc alone means true; --mount-host-proc=false is accepted too.
+            # --mps-limits alone means true; --mps-limits=false is accepted too.
             kwargs.update(nargs="?", const="true", metavar="BOOL")
-        parser.add_argument(f"--{flag.name}", action="append" if flag.repeat else "store", **kwargs)
+        if flag.deprecated:
+            kwargs["help"] += f" (formerly --{flag.deprecated}, deprecated)"
+        action = "append" if flag.repeat else "store"
+        parser.add_argument(f"--{flag.name}", action=action, **kwargs)
+        if flag.deprecated:
+            kwargs.update(dest=f"deprecated__{flag.dest}", help=argparse.SUPPRESS)
+            parser.add_argument(f"--{flag.deprecated}", action=action, **kwargs)
     return parser
 
 
@@ -206,21 +222,33 @@ def parse_args(argv: Sequence[str] | None = None, environ: dict[str, str] | None
     environ = dict(os.environ if environ is None else environ)
     parser = build_parser()
     raw = parser.parse_args(argv)
-    values = {}
+    values: dict[str, Any] = {}
+    deprecated: list[tuple[str, str]] = []  # (the old name used, the name to use)
     for flag in FLAGS:
         given = getattr(raw, flag.dest)
+        old_given = getattr(raw, f"deprecated__{flag.dest}", None)
+        if given is not None and old_given is not None:
+            parser.error(f"--{flag.name} and its deprecated name --{flag.deprecated} are both given")
+        env_name = flag.env
+        if environ.get(env_name, "") == "" and flag.deprecated_env and environ.get(flag.deprecated_env, "") != "":
+            env_name = flag.deprecated_env
+        if given is None and old_given is not None:
+            given = old_given
+            deprecated.append((f"--{flag.deprecated}", f"--{flag.name}"))
         if given is not None:
             texts, source = (given if flag.repeat else [given]), f"--{flag.name}"
-        elif environ.get(flag.env, "") != "":
-            env_value = environ[flag.env]
+        elif environ.get(env_name, "") != "":
+            env_value = environ[env_name]
             texts = [t.strip() for t in env_value.split(",")] if flag.repeat else [env_value]
-            source = flag.env
+            source = env_name
+            if env_name != flag.env:
+                deprecated.append((env_name, flag.env))
         else:
             values[flag.dest] = flag.default
             continue
         converted = [_convert(parser, flag, t, source) for t in texts]
         values[flag.dest] = tuple(converted) if flag.repeat else converted[0]
-    args = argparse.Namespace(**values)
+    args = argparse.Namespace(**values, deprecated=deprecated)
     for required in ("tls_cert_file", "tls_private_key_file"):
         if getattr(args, required) is None:
             flag = next(f for f in FLAGS if f.dest == required)
@@ -234,18 +262,18 @@ def settings_from_args(args: argparse.Namespace) -> InjectionSettings:
         sidecar_image_pull_policy=args.sidecar_image_pull_policy,
         gpu_resource_names=args.gpu_resource_name or (DEFAULT_GPU_RESOURCE,),
         native_sidecar=args.sidecar_mode == "native",
-        metrics_port=args.metrics_port,
+        metrics_port=args.sidecar_metrics_port,
         sidecar_cpu_request=args.sidecar_cpu_request,
         sidecar_memory_request=args.sidecar_memory_request,
         sidecar_memory_limit=args.sidecar_memory_limit,
         default_memory=args.default_memory,
         default_compute=args.default_compute,
         default_grace_period_seconds=args.default_grace_period,
-        poll_interval_seconds=args.poll_interval,
-        nvidia_visible_devices=args.nvidia_visible_devices,
-        nvidia_driver_capabilities=args.nvidia_driver_capabilities,
-        mount_host_proc=args.mount_host_proc,
-        host_proc_mount_path=args.host_proc_mount_path,
+        poll_interval_seconds=args.sidecar_poll_interval,
+        nvidia_visible_devices=args.sidecar_nvidia_visible_devices,
+        nvidia_driver_capabilities=args.sidecar_nvidia_driver_capabilities,
+        mount_host_proc=args.sidecar_mount_host_proc,
+        host_proc_mount_path=args.sidecar_host_proc_mount_path,
         mps_limits=args.mps_limits,
         preload_library_host_path=args.preload_library,
         preload_library_mount_dir=args.preload_library_mount_dir,
@@ -280,6 +308,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     setup_logging(args.log_level)
     log = logging.getLogger("webhook")
+    for old, new in args.deprecated:
+        log_event(log, "deprecated_flag", logging.WARNING, flag=old, use=new,
+                  message=f"{old} is deprecated and will be removed in the next release; use {new}")
     try:
         asyncio.run(run(args))
     except (OSError, ssl.SSLError, ValueError) as exc:  # unreadable cert, bad key, port in use: no traceback
