@@ -27,6 +27,10 @@ from tests.test_alerts import PROMTOOL_MISSING, write_rules
 from tests.test_manifests import BUILDS, K8S_VERSION, render, validate
 from webhook.cli import parse_args, settings_from_args
 
+# The first test that asks for helm builds it when the cache lacks it: minutes with a cold Go build
+# cache, more than the suite's per-test limit. Every helm and kubectl call has its own 120 s limit.
+pytestmark = pytest.mark.timeout(helm_binary.BUILD_TIMEOUT_SECONDS + 300)
+
 ROOT = Path(__file__).resolve().parents[1]
 CHART = ROOT / "charts" / "gpufence"
 HELM_LABELS = {"helm.sh/chart", "app.kubernetes.io/managed-by", "app.kubernetes.io/instance"}
