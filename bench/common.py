@@ -150,7 +150,7 @@ class Pki:
 # --- sample pods and reviews ----------------------------------------------------------------------
 def admission_review(pod: dict[str, Any], uid: str = "00000000-0000-0000-0000-000000000001",
                      namespace: str = "team-a", operation: str = "CREATE") -> dict[str, Any]:
-    from webhook.admission import pod_admission_review
+    from webhook.client import pod_admission_review
 
     return pod_admission_review(pod, uid=uid, namespace=namespace, operation=operation)
 

@@ -8,7 +8,7 @@ Both servers run as subprocesses for the whole run, pinned to one CPU; the load 
 The body is the typical training pod of ``bench.mutation_core``; the floor answers with gpufence's
 own answer for it (same size). For each load point the two servers are measured back to back,
 alternating which goes first, so machine-load drift hits both; saturation (closed loop) is repeated
-``--repeats`` times and the median taken. Targets: gpufence >= 0.7 x the floor's saturated
+``--repeats`` times and the median taken. Targets: gpufence >= 0.5 x the floor's saturated
 throughput, p99 < 10 ms at 300 req/s.
 """
 
@@ -33,7 +33,7 @@ from bench.common import (
     write_section,
 )
 
-TARGET_RATIO = 0.7
+TARGET_RATIO = 0.5  # issue 9: with one patch path, at least half of a bare aiohttp endpoint
 TARGET_P99_300_MS = 10.0
 
 

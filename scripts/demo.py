@@ -42,7 +42,7 @@ import jsonpatch  # the demo runs from the repo's dev environment (make demo ins
 from certs.pki import make_ca, make_serving_cert
 from enforcer.config import ENV_CONFIG, ENV_CONTAINER, ENV_POD_NAME, ENV_POD_NAMESPACE, ENV_POD_UID
 from simnvml import SimDevice, SimProcess, SimState, build_library, write_state
-from webhook.admission import decode_patch, pod_admission_review
+from webhook.client import decode_patch, pod_admission_review
 
 GIB = 1024**3
 DEVICE_UUID = "GPU-6a1f0c2e-5d3b-4b1d-9d7c-0000000000aa"

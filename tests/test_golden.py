@@ -24,8 +24,9 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from webhook import mutate
-from webhook.admission import decode_patch, pod_admission_review, review
+from webhook import sidecar
+from webhook.admission import review
+from webhook.client import decode_patch, pod_admission_review
 from webhook.settings import INJECTION_ENABLED, INJECTION_LABEL, InjectionSettings, NamespaceInfo
 
 GOLDEN = Path(__file__).parent / "golden"
@@ -45,7 +46,7 @@ class _Lookup:
 @pytest.fixture(autouse=True)
 def _fixed_version(monkeypatch: pytest.MonkeyPatch) -> None:
     # The status annotation records the package version; goldens must not change with each release.
-    monkeypatch.setattr(mutate, "GPUFENCE_VERSION", "0.0.0-test")
+    monkeypatch.setattr(sidecar, "GPUFENCE_VERSION", "0.0.0-test")
 
 
 def load_case(case: str) -> tuple[dict[str, Any], InjectionSettings, _Lookup, str]:

@@ -23,9 +23,15 @@ import celpy
 import pytest
 import yaml
 from celpy import celtypes
+from hypothesis import event, given
+from hypothesis import settings as hypothesis_settings
+from hypothesis import strategies as st
 
+from tests.test_admission import good_pods
 from webhook.settings import (
+    ANNOTATION_STATUS,
     DEFAULT_GPU_RESOURCE,
+    DEFAULT_SIDECAR_IMAGE,
     INJECTION_ENABLED,
     INJECTION_LABEL,
     MIRROR_POD_ANNOTATION,
@@ -59,7 +65,8 @@ def _compile(expression: str) -> celpy.Runner:
 class Guard:
     """A compiled copy of the policy; ``gpu_resource_names`` replaces the admin's variable."""
 
-    def __init__(self, policy: dict[str, Any], gpu_resource_names: list[str] | None = None) -> None:
+    def __init__(self, policy: dict[str, Any], gpu_resource_names: list[str] | None = None,
+                 sidecar_image: str | None = None) -> None:
         spec = policy["spec"]
         self.spec = spec
         self.match_conditions = [(m["name"], _compile(m["expression"])) for m in spec.get("matchConditions", [])]
@@ -68,6 +75,8 @@ class Guard:
             expression = v["expression"]
             if v["name"] == "gpuResourceNames" and gpu_resource_names is not None:
                 expression = json.dumps(gpu_resource_names)
+            if v["name"] == "sidecarImage" and sidecar_image is not None:
+                expression = json.dumps(sidecar_image)
             self.variables.append((v["name"], _compile(expression)))
         self.validations = [
             (_compile(v["expression"]), _compile(v["messageExpression"]) if "messageExpression" in v else None, v)
@@ -80,14 +89,19 @@ class Guard:
             constraints.get("objectSelector", {}), pod.get("metadata", {}).get("labels", {})
         )
 
-    def admit(self, pod: dict[str, Any], namespace: str = "team-a", namespace_labels: dict[str, str] | None = None):
+    def admit(self, pod: dict[str, Any], namespace: str = "team-a", namespace_labels: dict[str, str] | None = None,
+              namespace_annotations: dict[str, str] | None = None):
         """(allowed, message): the outcome for a pod CREATE in ``namespace``."""
         if namespace_labels is None:
             namespace_labels = {INJECTION_LABEL: INJECTION_ENABLED}
         namespace_labels = {**namespace_labels, "kubernetes.io/metadata.name": namespace}
         if not self.selected(namespace_labels, pod):
             return True, "not selected"
-        activation: dict[str, Any] = {"object": celpy.json_to_cel(pod)}
+        namespace_object: dict[str, Any] = {"metadata": {"name": namespace, "labels": namespace_labels}}
+        if namespace_annotations is not None:
+            namespace_object["metadata"]["annotations"] = namespace_annotations
+        activation: dict[str, Any] = {"object": celpy.json_to_cel(pod),
+                                      "namespaceObject": celpy.json_to_cel(namespace_object)}
         for name, program in self.match_conditions:
             if not _boolean(program.evaluate(activation), f"matchCondition {name}"):
                 return True, f"matchCondition {name} is false"
@@ -133,6 +147,7 @@ def _selector_matches(selector: dict[str, Any], labels: dict[str, str]) -> bool:
 
 
 GUARD = Guard(POLICY)
+STATUS = '{"containers":["train"],"mode":"enforce","sidecar":"gpufence-enforcer","version":"0.1.0"}'
 
 
 def pod(
@@ -154,7 +169,8 @@ def pod(
         spec["initContainers"] = [
             {"name": "warmup", "image": "cuda:12", "resources": {"limits": {resource: "1"}}},
         ]
-    enforcer = {"name": SIDECAR_NAME, "image": "ghcr.io/gpufence/gpufence:0.1.0"}
+    # The parts of a real injection the guard checks: the sidecar's image and command, the status.
+    enforcer = {"name": SIDECAR_NAME, "image": DEFAULT_SIDECAR_IMAGE, "command": ["gpufence-enforcer"]}
     if sidecar == "native":
         spec.setdefault("initContainers", []).insert(0, {**enforcer, "restartPolicy": "Always"})
     elif sidecar == "container":
@@ -164,6 +180,8 @@ def pod(
     metadata: dict[str, Any] = {"generateName": "job-", "namespace": "team-a"}
     if labels:
         metadata["labels"] = labels
+    if sidecar:
+        annotations = {ANNOTATION_STATUS: STATUS, **(annotations or {})}
     if annotations:
         metadata["annotations"] = annotations
     return {"apiVersion": "v1", "kind": "Pod", "metadata": metadata, "spec": spec}
@@ -203,6 +221,45 @@ def test_gpu_in_init_container_only_is_checked() -> None:
     assert GUARD.admit(pod(gpu_in=None, init_gpu=True, sidecar="native", share=True))[0]
 
 
+@pytest.mark.parametrize("gpu_in", ["limits", "requests"])
+def test_zero_gpus_is_no_gpu_for_the_guard_and_the_webhook(gpu_in: str) -> None:
+    """`nvidia.com/gpu: 0` (canonical, as the API server passes it) asks for no GPU: one definition."""
+    from webhook.podshape import gpu_container_names
+
+    zero = pod(gpu_in=gpu_in)
+    zero["spec"]["containers"][0]["resources"][gpu_in][DEFAULT_GPU_RESOURCE] = "0"
+    assert gpu_container_names(zero["spec"], (DEFAULT_GPU_RESOURCE,)) == []
+    assert GUARD.admit(zero) == (True, "allowed")
+    one = pod(gpu_in=gpu_in)
+    assert gpu_container_names(one["spec"], (DEFAULT_GPU_RESOURCE,)) == ["train"]
+    assert not GUARD.admit(one)[0]
+
+
+@pytest.mark.parametrize(
+    "forgery",
+    [
+        lambda p: p["metadata"].pop("annotations"),  # no status annotation
+        lambda p: p["spec"]["initContainers"][0].update(image="busybox"),  # another image
+        lambda p: p["spec"]["initContainers"][0].update(command=["sleep", "inf"]),  # another command
+        lambda p: p["spec"]["initContainers"][0].pop("command"),
+        lambda p: p["metadata"]["annotations"].update({ANNOTATION_STATUS: "{}"}),  # a status without the sidecar
+    ],
+)
+def test_a_container_merely_named_like_the_sidecar_does_not_pass(forgery: Any) -> None:
+    """While the webhook is down, a user container named gpufence-enforcer is not the enforcer."""
+    real = pod(sidecar="native", share=True)
+    assert GUARD.admit(real) == (True, "allowed")
+    forged = copy.deepcopy(real)
+    forgery(forged)
+    allowed, message = GUARD.admit(forged)
+    assert not allowed and "has no gpufence-enforcer sidecar" in message
+
+
+def test_the_sidecar_image_is_kept_in_step_with_the_webhook() -> None:
+    (variable,) = [v for v in POLICY["spec"]["variables"] if v["name"] == "sidecarImage"]
+    assert variable["expression"] == f"'{DEFAULT_SIDECAR_IMAGE}'"
+
+
 def test_non_gpu_pod_is_allowed() -> None:
     assert GUARD.admit(pod(gpu_in=None)) == (True, "allowed")
 
@@ -220,10 +277,33 @@ def test_absent_fields_do_not_cause_evaluation_errors(spec: dict[str, Any]) -> N
     assert GUARD.admit({"metadata": {"name": "p"}, "spec": spec}) == (True, "allowed")
 
 
-def test_opted_out_pod_is_not_selected() -> None:
-    assert GUARD.admit(pod(labels={POD_OPT_OUT_LABEL: "false"})) == (True, "not selected")
-    # Any other value of the label does not opt out (same as the webhook's objectSelector).
-    assert not GUARD.admit(pod(labels={POD_OPT_OUT_LABEL: "true"}))[0]
+def test_opt_out_is_honoured_only_where_the_namespace_allows_it() -> None:
+    opted_out = pod(labels={POD_OPT_OUT_LABEL: "false"})
+    allowed, message = GUARD.admit(opted_out)
+    assert not allowed
+    assert 'gpufence.io/inject="false"' in message and '"team-a" does not allow' in message
+    assert "gpufence.io/allow-opt-out" in message
+    assert not GUARD.admit(opted_out, namespace_annotations={"gpufence.io/allow-opt-out": "false"})[0]
+    assert GUARD.admit(opted_out, namespace_annotations={"gpufence.io/allow-opt-out": "true"}) == (True, "allowed")
+    # Any other value of the label does not opt out (same as the webhook).
+    labelled = pod(labels={POD_OPT_OUT_LABEL: "true"})
+    assert not GUARD.admit(labelled, namespace_annotations={"gpufence.io/allow-opt-out": "true"})[0]
+    # A pod that requests no GPU is never the guard's business, opted out or not.
+    assert GUARD.admit(pod(gpu_in=None, labels={POD_OPT_OUT_LABEL: "false"})) == (True, "allowed")
+
+
+def test_the_cluster_wide_opt_out_is_an_admin_variable() -> None:
+    (variable,) = [v for v in POLICY["spec"]["variables"] if v["name"] == "clusterAllowsOptOut"]
+    assert variable["expression"] == "false"  # the safe default, like the webhook's --allow-opt-out
+    policy = copy.deepcopy(POLICY)
+    for v in policy["spec"]["variables"]:
+        if v["name"] == "clusterAllowsOptOut":
+            v["expression"] = "true"
+    widened = Guard(policy)
+    opted_out = pod(labels={POD_OPT_OUT_LABEL: "false"})
+    assert widened.admit(opted_out) == (True, "allowed")
+    # The namespace's own "false" still wins over the cluster-wide default.
+    assert not widened.admit(opted_out, namespace_annotations={"gpufence.io/allow-opt-out": "false"})[0]
 
 
 def test_mirror_pods_are_excluded_by_a_match_condition() -> None:
@@ -260,7 +340,7 @@ def test_policy_scope_matches_the_webhook_configuration() -> None:
     (webhook,) = config["webhooks"]
     constraints = POLICY["spec"]["matchConstraints"]
     assert constraints["namespaceSelector"] == webhook["namespaceSelector"]
-    assert constraints["objectSelector"] == webhook["objectSelector"]
+    assert "objectSelector" not in constraints and "objectSelector" not in webhook  # opt-out is decided inside
     assert constraints["resourceRules"] == webhook["rules"]
     assert POLICY["spec"]["failurePolicy"] == "Fail"
     (binding,) = [d for d in _docs(POLICY_FILE) if d["kind"] == "ValidatingAdmissionPolicyBinding"]
@@ -272,12 +352,12 @@ def test_a_pod_mutated_by_the_webhook_passes_the_guard() -> None:
     """Contract between webhook/admission.py and the policy: mutation output satisfies the guard."""
     import jsonpatch
 
-    from webhook import admission
+    from webhook import admission, client
     from webhook.settings import AllNamespacesOptedIn, InjectionSettings
 
     original = pod()
     original["metadata"]["annotations"] = {"gpufence.io/memory": "4Gi"}
-    payload = admission.pod_admission_review(
+    payload = client.pod_admission_review(
         copy.deepcopy(original), uid="0b0c7c1e-0000-4000-8000-000000000001", namespace="team-a", username="alice"
     )
     for settings in (InjectionSettings(), InjectionSettings(native_sidecar=False)):
@@ -288,3 +368,157 @@ def test_a_pod_mutated_by_the_webhook_passes_the_guard() -> None:
         patch = json.loads(base64.b64decode(response["patch"]))
         mutated = jsonpatch.apply_patch(copy.deepcopy(original), patch)
         assert GUARD.admit(mutated) == (True, "allowed")
+
+
+# --- the guard and the webhook on the same inputs ---------------------------------------------
+
+
+def _golden_cases() -> list[str]:
+    from tests.test_golden import CASES
+
+    return CASES
+
+
+@pytest.mark.parametrize("case", _golden_cases())
+def test_the_guard_agrees_with_the_webhook_on_every_golden_case(case: str) -> None:
+    """What the webhook mutates passes the guard, and the same pod sent unmutated (the webhook down)
+    is denied; what it admits unmutated in an opted-in namespace the guard admits too."""
+    from tests.test_golden import GOLDEN, load_case
+
+    pod_in, settings, lookup, operation = load_case(case)
+    expected = yaml.safe_load((GOLDEN / f"{case}.out.yaml").read_text())
+    info = lookup.get(pod_in["metadata"].get("namespace", ""))
+    if operation != "CREATE" or info is None or not info.opted_in:
+        return  # outside the guard's scope (it matches CREATE in opted-in namespaces only)
+    guard = Guard(POLICY, gpu_resource_names=list(settings.gpu_resource_names), sidecar_image=settings.sidecar_image)
+    namespace, labels, ns_annotations = info.name, dict(info.labels), dict(info.annotations)
+    outcome = expected["outcome"]
+    if outcome == "mutated":
+        assert guard.admit(expected["pod"], namespace, labels, ns_annotations)[0], "the output fails the guard"
+        assert not guard.admit(pod_in, namespace, labels, ns_annotations)[0], "a pod it mutates passes unmutated"
+    elif outcome in ("unchanged", "skipped"):
+        assert guard.admit(pod_in, namespace, labels, ns_annotations)[0], "the guard denies what the webhook admits"
+
+
+@pytest.mark.parametrize("label", [None, "false", "true"])
+@pytest.mark.parametrize("ns_annotations", [{}, {"gpufence.io/allow-opt-out": "true"},
+                                            {"gpufence.io/allow-opt-out": "false"}])
+@pytest.mark.parametrize("gpu", [True, False])
+def test_the_guard_and_the_webhook_agree_on_opt_out(label: str | None, ns_annotations: dict[str, str],
+                                                    gpu: bool) -> None:
+    """A pod the webhook skips is admitted by the guard unmutated; one it denies, the guard denies."""
+    from webhook import admission, client
+    from webhook.settings import InjectionSettings, NamespaceInfo
+
+    class Lookup:
+        def get(self, name: str) -> NamespaceInfo:
+            return NamespaceInfo(name=name, labels={INJECTION_LABEL: INJECTION_ENABLED}, annotations=ns_annotations)
+
+    candidate = pod(gpu_in="limits" if gpu else None, labels={POD_OPT_OUT_LABEL: label} if label else None,
+                    annotations={"gpufence.io/memory": "4Gi"})
+    payload = client.pod_admission_review(copy.deepcopy(candidate), uid="u", namespace="team-a")
+    outcome = admission.review(payload, InjectionSettings(), Lookup()).outcome
+    allowed, message = GUARD.admit(candidate, namespace_annotations=ns_annotations)
+    if outcome == "skipped":
+        assert allowed, message
+    elif outcome == "denied":
+        assert not allowed and "gpufence.io/inject" in message
+    else:
+        assert outcome == "mutated" and not allowed  # unmutated (webhook down): refused
+
+
+@pytest.mark.parametrize(
+    ("gpu", "container", "entry", "denied"),
+    [
+        (False, "app", {"name": "NVIDIA_VISIBLE_DEVICES", "value": "all"}, True),
+        (False, "app", {"name": "NVIDIA_VISIBLE_DEVICES", "value": "void"}, False),
+        (False, "app", {"name": "NVIDIA_DRIVER_CAPABILITIES", "value": "none"}, False),
+        (False, "app", {"name": "NVIDIA_DRIVER_CAPABILITIES", "value": "compute,utility"}, True),
+        (False, "app", {"name": "NVIDIA_VISIBLE_DEVICES", "valueFrom": {"configMapKeyRef": {"name": "c", "key": "k"}}},
+         True),
+        (True, "train", {"name": "NVIDIA_VISIBLE_DEVICES", "value": "0,1,2,3"}, True),
+        (False, SIDECAR_NAME, {"name": "NVIDIA_VISIBLE_DEVICES", "value": "all"}, True),  # no GPU pod, no exception
+        (False, "app", {"name": "OTHER", "value": "all"}, False),
+    ],
+)
+def test_the_guard_and_the_webhook_close_the_nvidia_side_door(gpu: bool, container: str, entry: dict[str, Any],
+                                                               denied: bool) -> None:
+    from webhook import admission, client
+    from webhook.settings import AllNamespacesOptedIn, InjectionSettings
+
+    candidate = pod(gpu_in="limits" if gpu else None, annotations={"gpufence.io/memory": "4Gi"})
+    candidate["spec"]["containers"].append({"name": container, "image": "cuda:12", "env": [entry]})
+    if gpu and container == "train":
+        candidate["spec"]["containers"] = [candidate["spec"]["containers"][0]]
+        candidate["spec"]["containers"][0]["env"] = [entry]
+    payload = client.pod_admission_review(copy.deepcopy(candidate), uid="u", namespace="team-a")
+    result = admission.review(payload, InjectionSettings(), AllNamespacesOptedIn())
+    allowed, message = GUARD.admit(candidate)
+    if denied:
+        assert result.outcome == "denied"
+        webhook_message = result.review["response"]["status"]["message"]
+        for text in (webhook_message, message):
+            assert f'container "{container}"' in text and entry["name"][:10] in text and '"void"' in text
+        assert not allowed
+    else:
+        assert result.outcome != "denied"
+        assert allowed == (not gpu)  # a GPU pod sent unmutated is refused for want of the sidecar
+    if gpu and not denied:
+        patch = json.loads(base64.b64decode(result.review["response"]["patch"]))
+        import jsonpatch
+
+        assert GUARD.admit(jsonpatch.apply_patch(candidate, patch)) == (True, "allowed")
+
+
+def test_the_sidecar_of_a_mutated_pod_keeps_its_nvml_access() -> None:
+    """The injected sidecar sets NVIDIA_VISIBLE_DEVICES=all; in a GPU pod that is the one exception."""
+    import jsonpatch
+
+    from webhook import admission, client
+    from webhook.settings import AllNamespacesOptedIn, InjectionSettings
+
+    original = pod(annotations={"gpufence.io/memory": "4Gi"})
+    payload = client.pod_admission_review(copy.deepcopy(original), uid="u", namespace="team-a")
+    result = admission.review(payload, InjectionSettings(), AllNamespacesOptedIn())
+    mutated = jsonpatch.apply_patch(original, json.loads(base64.b64decode(result.review["response"]["patch"])))
+    assert GUARD.admit(mutated) == (True, "allowed")
+    again = admission.review(client.pod_admission_review(mutated, uid="u", namespace="team-a"),
+                             InjectionSettings(), AllNamespacesOptedIn())
+    assert again.outcome == "unchanged"
+
+
+_namespace_variants = st.sampled_from([
+    {}, {"gpufence.io/allow-opt-out": "true"}, {"gpufence.io/allow-audit": "true"},
+    {"gpufence.io/max-memory": "25%", "gpufence.io/mode": "audit"},
+])
+_label_variants = st.sampled_from([None, {POD_OPT_OUT_LABEL: "false"}, {POD_OPT_OUT_LABEL: "true"}, {"app": "x"}])
+
+
+@hypothesis_settings(max_examples=200)
+@given(good_pods, _namespace_variants, _label_variants)
+def test_the_guard_agrees_with_the_webhook_on_generated_pods(candidate: dict[str, Any], ns_annotations: dict[str, str],
+                                                             labels: dict[str, str] | None) -> None:
+    """What the webhook admits as is the guard admits; what it mutates passes the guard; a GPU pod it
+    would mutate is refused by the guard when sent unmutated (the webhook down)."""
+    import jsonpatch
+
+    from webhook import admission, client
+    from webhook.settings import InjectionSettings, NamespaceInfo
+
+    class Lookup:
+        def get(self, name: str) -> NamespaceInfo:
+            return NamespaceInfo(name=name, labels={INJECTION_LABEL: INJECTION_ENABLED}, annotations=ns_annotations)
+
+    if labels is not None:
+        candidate["metadata"]["labels"] = labels
+    payload = client.pod_admission_review(copy.deepcopy(candidate), uid="u", namespace="team-a")
+    result = admission.review(payload, InjectionSettings(), Lookup())
+    event(result.outcome)
+    unmutated, _ = GUARD.admit(candidate, namespace_annotations=ns_annotations)
+    if result.outcome in ("skipped", "unchanged"):
+        assert unmutated, "the guard refuses a pod the webhook admits as it is"
+    elif result.outcome == "mutated":
+        patch = json.loads(base64.b64decode(result.review["response"]["patch"]))
+        mutated = jsonpatch.apply_patch(candidate, patch)
+        assert GUARD.admit(mutated, namespace_annotations=ns_annotations)[0], "the webhook's output fails the guard"
+        assert not unmutated, "a pod the webhook mutates passes the guard unmutated"

@@ -49,3 +49,6 @@ def test_image_kustomization_example_renders_the_new_image_everywhere(tmp_path: 
     assert images == {wanted}
     (deployment,) = [o for o in objects if o["kind"] == "Deployment"]
     assert f"--sidecar-image={wanted}" in deployment["spec"]["template"]["spec"]["containers"][0]["args"]
+    (guard,) = [o for o in objects if o["kind"] == "ValidatingAdmissionPolicy"]
+    (variable,) = [v for v in guard["spec"]["variables"] if v["name"] == "sidecarImage"]
+    assert variable["expression"] == f"'{wanted}'"

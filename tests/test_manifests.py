@@ -31,7 +31,6 @@ from webhook.settings import (
     DEFAULT_SIDECAR_IMAGE,
     INJECTION_ENABLED,
     INJECTION_LABEL,
-    POD_OPT_OUT_LABEL,
 )
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -381,9 +380,9 @@ def test_webhook_configuration_is_safe(directory: str) -> None:
     (exclusion,) = [e for e in expressions if e["key"] == "kubernetes.io/metadata.name"]
     assert exclusion["operator"] == "NotIn"
     assert {NAMESPACE, *SYSTEM_NAMESPACES} <= set(exclusion["values"])
-    assert webhook["objectSelector"] == {
-        "matchExpressions": [{"key": POD_OPT_OUT_LABEL, "operator": "NotIn", "values": ["false"]}]
-    }
+    # No objectSelector: pods labelled gpufence.io/inject=false reach the webhook, which honours the
+    # label only where the namespace allows opt-out (issue 10).
+    assert "objectSelector" not in webhook
     service = webhook["clientConfig"]["service"]
     assert service == {"namespace": NAMESPACE, "name": SERVICE, "path": "/mutate", "port": 443}
     assert "url" not in webhook["clientConfig"]

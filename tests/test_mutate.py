@@ -1,34 +1,31 @@
-"""The desired pod and the JSON Patch diff."""
+"""The desired pod, the sidecar and each GPU container's part of the injection."""
 
 from __future__ import annotations
 
 import copy
 import json
-import operator
-from typing import Any
 
 import jsonpatch
 import pytest
-from hypothesis import given
-from hypothesis import strategies as st
 
 from enforcer.config import ContainerShare, EnforcerConfig, MemoryShare, Mode
-from webhook import mutate as mutate_module
-from webhook.mutate import (
+from webhook import sidecar as sidecar_module
+from webhook.codec import dumps
+from webhook.desired import desired_pod
+from webhook.errors import MutationError
+from webhook.mutate import injection_patch
+from webhook.patch import diff
+from webhook.settings import SIDECAR_NAME, SIDECAR_PORT_NAME, InjectionSettings
+from webhook.shares import SharePlan
+from webhook.sidecar import (
     PRELOAD_VOLUME,
-    MutationError,
     build_sidecar,
-    desired_pod,
-    diff,
+    config_json,
     enforcer_config,
-    escape,
-    injection_patch,
     preload_library_path,
     sidecar_runs_as_root,
     status_annotation,
 )
-from webhook.settings import SIDECAR_NAME, SIDECAR_PORT_NAME, InjectionSettings
-from webhook.shares import SharePlan
 
 PLAN = SharePlan(
     containers=(("train", ContainerShare(MemoryShare(bytes=8 * 2**30), 50.0)),),
@@ -62,14 +59,6 @@ def apply(pod: dict, settings: InjectionSettings = DEFAULT, plan: SharePlan = PL
 
 def env_of(container: dict) -> dict:
     return {e["name"]: e.get("value", e.get("valueFrom")) for e in container.get("env", [])}
-
-
-def test_escape_rfc6901() -> None:
-    assert escape("gpufence.io/status") == "gpufence.io~1status"
-    assert escape("a~b/c") == "a~0b~1c"
-    ops = diff({"a/b": {"~x": 1}}, {"a/b": {"~x": 2}})
-    assert ops == [{"op": "replace", "path": "/a~1b/~0x", "value": 2}]
-    assert jsonpatch.apply_patch({"a/b": {"~x": 1}}, ops) == {"a/b": {"~x": 2}}
 
 
 def test_desired_pod_does_not_mutate_its_input() -> None:
@@ -227,77 +216,31 @@ def test_stale_sidecar_is_rebuilt() -> None:
         gpu_pod(securityContext={"runAsNonRoot": True}),
     ],
 )
-def test_injection_patch_is_the_compact_json_of_the_diff(pod: dict, settings: InjectionSettings) -> None:
-    """The sidecar's JSON is spliced in from a cache: the text must be json.dumps's, byte for byte."""
+def test_injection_patch_is_the_json_of_the_diff(pod: dict, settings: InjectionSettings) -> None:
+    """One path: the patch is the diff of the pod and the desired pod, encoded; a fixed point after."""
     new, warnings = desired_pod(pod, PLAN, settings)
     ops = diff(pod, new)
     text, warnings_ = injection_patch(pod, PLAN, settings)
-    assert text == json.dumps(ops, separators=(",", ":")) and warnings_ == warnings
-    # A stale sidecar is patched field by field (no whole sidecar in the patch); nothing for a fixed point.
+    assert text == dumps(ops) and json.loads(text) == ops and warnings_ == warnings
     injected = jsonpatch.apply_patch(pod, ops)
+    assert injected == new
     assert injection_patch(injected, PLAN, settings) == (None, warnings)
+    # A stale sidecar is patched field by field (no whole sidecar in the patch).
     containers = (injected["spec"].get("initContainers") or []) + injected["spec"]["containers"]
     sidecar = next(c for c in containers if c["name"] == SIDECAR_NAME)
     sidecar["image"] = "stale"
-    new, _ = desired_pod(injected, PLAN, settings)
     text, _ = injection_patch(injected, PLAN, settings)
-    assert text == json.dumps(diff(injected, new), separators=(",", ":"))
+    assert text is not None
+    (op,) = json.loads(text)
+    assert op["op"] == "replace" and op["path"].endswith("/image") and op["value"] == settings.sidecar_image
 
 
-@pytest.mark.parametrize(
-    ("old", "new"),
-    [
-        ([1, 2, 3], [1, 3]),
-        ([], [{"name": "a"}]),
-        ([{"name": "a"}, {"name": "b"}], [{"name": "s"}, {"name": "a"}, {"name": "b", "x": 1}]),
-        ([{"name": "a"}, {"name": "b"}], [{"name": "b"}, {"name": "a"}]),
-        ({"a": True}, {"a": 1}),
-        ({"a": None}, {"a": {"b": []}}),
-        ({"a": [1]}, {"b": [1]}),
-    ],
-)
-def test_diff_applies(old, new) -> None:
-    assert jsonpatch.apply_patch(old, diff(old, new)) == new
-    assert json.dumps(jsonpatch.apply_patch(old, diff(old, new))) == json.dumps(new)
-
-
-json_values = st.recursive(
-    st.none() | st.booleans() | st.integers() | st.text(max_size=5),
-    lambda children: st.lists(children, max_size=4) | st.dictionaries(st.text(max_size=4), children, max_size=4),
-    max_leaves=20,
-)
-named_lists = st.lists(
-    st.fixed_dictionaries({"name": st.sampled_from("abcdef")}, optional={"v": json_values}), max_size=5
-)
-
-
-@given(json_values | named_lists, json_values | named_lists)
-def test_diff_is_correct_for_any_json(old, new) -> None:
-    assert jsonpatch.apply_patch(old, diff(old, new)) == new
-
-
-@given(json_values | named_lists, json_values | named_lists, st.data())
-def test_diff_of_a_copy_on_write_update(old, new, data) -> None:
-    """The shapes desired_pod makes: a dict or list copied from the input, shared values, additions."""
-    if isinstance(old, list):
-        extra = new if isinstance(new, list) else [new]
-        updated: Any = old[: data.draw(st.integers(0, len(old)))] + extra  # shared prefix, new tail
-    elif isinstance(old, dict):
-        updated = {**old, **(new if isinstance(new, dict) else {"added/~": new})}
-    else:
-        updated = new
-    ops = diff(old, updated)
-    assert jsonpatch.apply_patch(old, ops) == updated
-    if isinstance(old, list) and len(updated) >= len(old) and all(map(operator.is_, old, updated)):
-        assert all(op["op"] == "add" for op in ops) and len(ops) == len(updated) - len(old)
-
-
-# --- per-plan caches (status annotation, enforcer config, shared sidecar) --------------------
+# --- per-plan caches (status annotation, enforcer config) ----------------------------------
 
 
 def _uncached_status(plan: SharePlan) -> str:
     doc = {"containers": [n for n, _ in plan.containers], "mode": plan.mode.value,
-           "sidecar": SIDECAR_NAME, "version": mutate_module.GPUFENCE_VERSION}
+           "sidecar": SIDECAR_NAME, "version": sidecar_module.GPUFENCE_VERSION}
     return json.dumps(doc, separators=(",", ":"), sort_keys=True)
 
 
@@ -316,34 +259,44 @@ def _uncached_status(plan: SharePlan) -> str:
 def test_cached_plan_texts_equal_the_uncached(plan: SharePlan) -> None:
     for settings in (InjectionSettings(), InjectionSettings(poll_interval_seconds=0.25)):
         for _ in range(2):  # a miss, then a hit
-            assert mutate_module._config_json(plan, settings) == enforcer_config(plan, settings).to_json()
+            assert config_json(plan, settings) == enforcer_config(plan, settings).to_json()
             assert status_annotation(plan) == _uncached_status(plan)
-            for run_as_root in (True, False):
-                config = enforcer_config(plan, settings).to_json()
-                sidecar, text = mutate_module._shared_sidecar(settings, run_as_root, config)
-                assert sidecar == build_sidecar(plan, settings, run_as_root=run_as_root)
-                assert text == json.dumps(sidecar, separators=(",", ":"))
 
 
 def test_status_annotation_cache_follows_the_version(monkeypatch: pytest.MonkeyPatch) -> None:
     before = status_annotation(PLAN)
-    monkeypatch.setattr(mutate_module, "GPUFENCE_VERSION", "9.9.9-other")
+    monkeypatch.setattr(sidecar_module, "GPUFENCE_VERSION", "9.9.9-other")
     assert '"version":"9.9.9-other"' in status_annotation(PLAN)
     monkeypatch.undo()
     assert status_annotation(PLAN) == before
 
 
-def test_the_shared_sidecar_is_never_mutated_nor_returned() -> None:
-    settings = InjectionSettings()
-    config = enforcer_config(PLAN, settings).to_json()
-    shared, _ = mutate_module._shared_sidecar(settings, True, config)
-    pristine = copy.deepcopy(shared)
+def test_reinvocation_keeps_the_service_account_token_mount_and_nothing_else() -> None:
+    """What the API server's ServiceAccount plugin adds to our sidecar between two invocations stays;
+    a mount of the pod's own volume elsewhere in the enforcer is removed."""
+    pod = apply(gpu_pod())
+    sidecar = pod["spec"]["initContainers"][0]
+    token = {"name": "kube-api-access-x1y2z", "readOnly": True,
+             "mountPath": "/var/run/secrets/kubernetes.io/serviceaccount"}
+    sidecar["volumeMounts"] = [*sidecar["volumeMounts"], token]
+    new, _ = desired_pod(pod, PLAN, InjectionSettings())
+    assert diff(pod, new) == []
+
+    sidecar["volumeMounts"] = [*sidecar["volumeMounts"], {"name": "code", "mountPath": "/usr/lib/python3"}]
+    new, _ = desired_pod(pod, PLAN, InjectionSettings())
+    ops = diff(pod, new)
+    fixed = jsonpatch.apply_patch(pod, ops)
+    assert fixed["spec"]["initContainers"][0]["volumeMounts"][-1] == token
+    assert all(m["name"] != "code" for m in fixed["spec"]["initContainers"][0]["volumeMounts"])
+
+
+def test_first_injection_mounts_the_token_the_api_server_gave_the_other_containers() -> None:
+    """So that the API server's ServiceAccount plugin finds nothing to add to the new sidecar, and
+    does not reinvoke the webhooks (one call per pod instead of two)."""
     pod = gpu_pod()
-    text, _ = injection_patch(pod, PLAN, settings)
-    injected = jsonpatch.apply_patch(pod, json.loads(text))
-    injected["spec"]["initContainers"][0]["image"] = "changed"  # the patch is text: no alias to the cache
-    new, _ = desired_pod(pod, PLAN, settings)
-    assert new["spec"]["initContainers"][0] is not shared  # desired_pod builds its own
-    new["spec"]["initContainers"][0]["env"].clear()
-    assert injection_patch(injected, PLAN, settings)[0] is not None
-    assert shared == pristine and mutate_module._shared_sidecar(settings, True, config)[0] is shared
+    token = {"name": "kube-api-access-q8r9s", "readOnly": True,
+             "mountPath": "/var/run/secrets/kubernetes.io/serviceaccount"}
+    pod["spec"]["containers"][0]["volumeMounts"] = [token]
+    new, _ = desired_pod(pod, PLAN, InjectionSettings())
+    assert new["spec"]["initContainers"][0]["volumeMounts"][-1] == token
+    assert diff(new, desired_pod(new, PLAN, InjectionSettings())[0]) == []

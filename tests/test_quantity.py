@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 from webhook.quantity import (
     MAX_BYTES,
     QuantityError,
+    canonical_quantity,
     is_positive_quantity,
     mebibytes_floor,
     parse_bytes,
@@ -83,11 +84,20 @@ def test_parse_bytes(text: str, expected: int) -> None:
         "1_000",
         "--1",
         "e3",
+        # kubernetes.utils.parse_quantity accepts these (Decimal syntax); the API server does not.
+        "NaN",
+        "Infinity",
+        "1e3Ki",
     ],
 )
 def test_parse_bytes_rejects(text: str) -> None:
     with pytest.raises(QuantityError):
         parse_bytes(text)
+
+
+def test_precision_beyond_28_digits_rounds_up() -> None:
+    # A 28-digit Decimal context (kubernetes.utils.parse_quantity's) would give exactly 1 GiB.
+    assert parse_bytes("1.0000000000000000000000000000001Gi") == 2**30 + 1
 
 
 def test_largest_value_is_accepted() -> None:
@@ -220,3 +230,22 @@ def test_is_positive_quantity(value: object, expected: bool) -> None:
 def test_mebibytes_floor() -> None:
     assert mebibytes_floor(5 * 10**9) == 4768
     assert mebibytes_floor(2**20 - 1) == 0
+
+
+@pytest.mark.parametrize(
+    ("text", "canonical"),
+    [
+        ("1024Mi", "1Gi"), ("1536Mi", "1536Mi"), ("1.5Gi", "1536Mi"), ("48Mi", "48Mi"), ("1Ki", "1Ki"),
+        ("0.5", "500m"), ("500m", "500m"), ("2000m", "2"), ("1000", "1k"), ("1500", "1500"), ("0.0001", "100u"),
+        ("1e3", "1e3"), ("1.5e3", "1500"), ("0", "0"), ("1025", "1025"),
+    ],
+)
+def test_canonical_quantity(text: str, canonical: str) -> None:
+    assert canonical_quantity(text) == canonical
+    assert canonical_quantity(canonical) == canonical  # a fixed point, like the API server's
+
+
+@pytest.mark.parametrize("text", ["-1", "lots", "1E999999999", "1 Gi"])
+def test_canonical_quantity_rejects(text: str) -> None:
+    with pytest.raises(QuantityError):
+        canonical_quantity(text)

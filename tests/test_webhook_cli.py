@@ -38,7 +38,8 @@ EVERY_FIELD = [
     "--default-compute=50", "--default-grace-period=30s", "--poll-interval=250ms",
     "--nvidia-visible-devices=void", "--nvidia-driver-capabilities=utility,compute", "--mount-host-proc",
     "--host-proc-mount-path=/hp", "--mps-limits=true", "--preload-library=/opt/libvgpu.so",
-    "--preload-library-mount-dir=/pre",
+    "--preload-library-mount-dir=/pre", "--max-memory=40Gi", "--max-compute=25", "--default-mode=audit",
+    "--allow-audit", "--allow-opt-out=true", "--sidecar-cpu-limit=1",
 ]
 
 
@@ -78,6 +79,10 @@ def test_env_vars_and_flag_precedence():
     (["--port", "x"], {}, "not a port number"),
     (["--sidecar-mode", "sidecar"], {}, "native, container"),
     (["--default-memory", "1E999999999"], {}, "--default-memory"),
+    (["--default-memory", "500m"], {}, "--default-memory"),
+    (["--sidecar-cpu-request", "lots"], {}, "--sidecar-cpu-request"),
+    (["--sidecar-memory-limit", "-1Gi"], {}, "--sidecar-memory-limit"),
+    (["--sidecar-cpu-limit", "0"], {}, "--sidecar-cpu-limit"),
     (["--default-compute", "150"], {}, "--default-compute"),
     (["--poll-interval", "1ms"], {}, "between"),
     (["--mps-limits=maybe"], {}, '"true" or "false"'),
@@ -177,3 +182,20 @@ async def test_process_rejects_a_bad_flag(tmp_path: Path):
     _, err = await asyncio.wait_for(proc.communicate(), 20)
     assert proc.returncode == 2
     assert b"--sidecar-mode" in err and b"native, container" in err
+
+
+@pytest.mark.parametrize(
+    ("flag", "given", "stored"),
+    [
+        ("--sidecar-memory-limit", "1024Mi", "1Gi"),
+        ("--sidecar-memory-request", "0.5Gi", "512Mi"),
+        ("--sidecar-cpu-request", "0.5", "500m"),
+        ("--sidecar-cpu-limit", "2000m", "2"),
+        ("--sidecar-cpu-limit", "none", None),
+    ],
+)
+def test_sidecar_resources_are_written_as_the_api_server_stores_them(flag: str, given: str, stored: str | None) -> None:
+    """The API server canonicalises quantities; a non-canonical flag would make every reinvocation patch."""
+    settings = settings_from_args(parse_args([*TLS, f"{flag}={given}"], environ={}))
+    field = flag.removeprefix("--").replace("-", "_")
+    assert getattr(settings, field) == stored

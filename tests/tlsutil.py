@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from certs.pki import KeyPair, make_ca, make_serving_cert
-from webhook.admission import pod_admission_review
+from webhook.client import pod_admission_review
 from webhook.metrics import WebhookMetrics
 from webhook.server import RunningServer, ServerLimits, create_app, start_server
 from webhook.settings import AllNamespacesOptedIn, InjectionSettings, NamespaceLookup

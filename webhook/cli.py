@@ -83,6 +83,22 @@ def non_empty(text: str) -> str:
     return text
 
 
+def resource_quantity(text: str) -> str:
+    """A container resource quantity, written back canonically (the API server's form), so that a
+    reinvocation after the API server canonicalised the pod sees the same value and patches nothing."""
+    from webhook.quantity import canonical_quantity
+
+    canonical = canonical_quantity(text.strip())
+    if canonical == "0":
+        raise ValueError("must be greater than zero")
+    return canonical
+
+
+def optional_resource_quantity(text: str) -> str | None:
+    """``resource_quantity``, or None for "none" (no such limit)."""
+    return None if text.strip().lower() == "none" else resource_quantity(text)
+
+
 def memory_share(text: str) -> str:
     from webhook.shares import parse_memory_share  # the core's own parser: the same rules as annotations
 
@@ -159,13 +175,26 @@ FLAGS: tuple[Flag, ...] = (
          "native sidecar (init container with restartPolicy Always, Kubernetes >= 1.29) or a plain container"),
     Flag("sidecar-metrics-port", port, _defaults.metrics_port, "port of the sidecar's /metrics",
          deprecated="metrics-port"),
-    Flag("sidecar-cpu-request", non_empty, _defaults.sidecar_cpu_request, "CPU request of the sidecar"),
-    Flag("sidecar-memory-request", non_empty, _defaults.sidecar_memory_request, "memory request of the sidecar"),
-    Flag("sidecar-memory-limit", non_empty, _defaults.sidecar_memory_limit, "memory limit of the sidecar"),
+    Flag("sidecar-cpu-request", resource_quantity, _defaults.sidecar_cpu_request, "CPU request of the sidecar"),
+    Flag("sidecar-cpu-limit", optional_resource_quantity, _defaults.sidecar_cpu_limit,
+         'CPU limit of the sidecar ("none": no CPU limit; a ResourceQuota on limits.cpu then rejects GPU pods)'),
+    Flag("sidecar-memory-request", resource_quantity, _defaults.sidecar_memory_request,
+         "memory request of the sidecar"),
+    Flag("sidecar-memory-limit", resource_quantity, _defaults.sidecar_memory_limit, "memory limit of the sidecar"),
     Flag("default-memory", memory_share, _defaults.default_memory,
          'memory share when neither pod nor namespace sets one ("8Gi" or "25%")'),
     Flag("default-compute", compute_share, _defaults.default_compute,
          'compute share when neither pod nor namespace sets one ("50" or "50%")'),
+    Flag("max-memory", memory_share, _defaults.max_memory,
+         "ceiling on each GPU container's memory share where the namespace sets none (\"8Gi\" or \"25%\")"),
+    Flag("max-compute", compute_share, _defaults.max_compute,
+         "ceiling on each GPU container's compute share where the namespace sets none (\"25\")"),
+    Flag("default-mode", choice("enforce", "audit"), _defaults.default_mode,
+         "mode of namespaces that do not set gpufence.io/mode"),
+    Flag("allow-audit", boolean, _defaults.allow_audit,
+         "let pods choose audit mode where the namespace does not set gpufence.io/allow-audit"),
+    Flag("allow-opt-out", boolean, _defaults.allow_opt_out,
+         "honour the pod label gpufence.io/inject=false where the namespace does not set gpufence.io/allow-opt-out"),
     Flag("default-grace-period", duration(0, MAX_GRACE_PERIOD_SECONDS), _defaults.default_grace_period_seconds,
          "SIGTERM to SIGKILL delay for a container over its memory share"),
     Flag("sidecar-poll-interval", duration(MIN_POLL_INTERVAL_SECONDS, MAX_POLL_INTERVAL_SECONDS),
@@ -264,11 +293,17 @@ def settings_from_args(args: argparse.Namespace) -> InjectionSettings:
         native_sidecar=args.sidecar_mode == "native",
         metrics_port=args.sidecar_metrics_port,
         sidecar_cpu_request=args.sidecar_cpu_request,
+        sidecar_cpu_limit=args.sidecar_cpu_limit,
         sidecar_memory_request=args.sidecar_memory_request,
         sidecar_memory_limit=args.sidecar_memory_limit,
         default_memory=args.default_memory,
         default_compute=args.default_compute,
         default_grace_period_seconds=args.default_grace_period,
+        max_memory=args.max_memory,
+        max_compute=args.max_compute,
+        default_mode=args.default_mode,
+        allow_audit=args.allow_audit,
+        allow_opt_out=args.allow_opt_out,
         poll_interval_seconds=args.sidecar_poll_interval,
         nvidia_visible_devices=args.sidecar_nvidia_visible_devices,
         nvidia_driver_capabilities=args.sidecar_nvidia_driver_capabilities,

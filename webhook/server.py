@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import time
 from collections.abc import AsyncIterator, Iterator
@@ -26,6 +25,7 @@ from aiohttp.web_protocol import RequestPayloadError
 
 from gpufence import __version__
 from gpufence.logs import log_event
+from webhook import codec
 from webhook.admission import InvalidReview, review
 from webhook.decisions import log_decision, log_review_failed
 from webhook.metrics import WebhookMetrics
@@ -69,8 +69,10 @@ METRICS = web.AppKey("metrics", WebhookMetrics)
 LIMITS = web.AppKey("limits", ServerLimits)
 OUTCOME = web.RequestKey("outcome", str)  # the review's outcome, for the metrics
 
-# json.dumps with arguments builds a new encoder per call; this one is built once (same bytes).
-_dumps = json.JSONEncoder(separators=(",", ":")).encode
+
+
+def _dumps(value: object) -> str:
+    return codec.dumps(value).decode()
 
 
 class Rejected(Exception):
@@ -191,8 +193,8 @@ async def _read_body(request: web.Request, limits: ServerLimits) -> bytes:
 
 def _decode(body: bytes) -> Any:
     try:
-        return json.loads(body)
-    except (ValueError, RecursionError) as exc:  # JSONDecodeError, UnicodeDecodeError, huge ints, deep nesting
+        return codec.loads(body)
+    except (ValueError, RecursionError) as exc:  # bad JSON or UTF-8, NaN, nesting deeper than 1024
         raise Rejected(400, f"malformed JSON: {exc}") from None
 
 
@@ -207,7 +209,7 @@ def _answer(body: bytes, settings: InjectionSettings, namespaces: NamespaceLooku
         log_review_failed(payload, exc)
         raise
     log_decision(payload, result)
-    return result.outcome, _dumps(result.review).encode("ascii")  # ensure_ascii: the JSON is ASCII
+    return result.outcome, codec.dumps(result.review)
 
 
 async def mutate(request: web.Request) -> web.Response:

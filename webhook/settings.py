@@ -32,6 +32,11 @@ ANNOTATION_GRACE_PERIOD = "gpufence.io/grace-period"
 ANNOTATION_STATUS = "gpufence.io/status"
 NAMESPACE_DEFAULT_MEMORY = "gpufence.io/default-memory"
 NAMESPACE_DEFAULT_COMPUTE = "gpufence.io/default-compute"
+# Admin-owned policy on the Namespace (webhook/policy.py); the mode uses ANNOTATION_MODE's key.
+NAMESPACE_MAX_MEMORY = "gpufence.io/max-memory"
+NAMESPACE_MAX_COMPUTE = "gpufence.io/max-compute"
+NAMESPACE_ALLOW_AUDIT = "gpufence.io/allow-audit"
+NAMESPACE_ALLOW_OPT_OUT = "gpufence.io/allow-opt-out"
 
 SIDECAR_NAME = "gpufence-enforcer"
 # The sidecar's metrics port name, which the enforcer PodMonitor selects. Kubernetes limits port
@@ -79,13 +84,23 @@ class InjectionSettings:
     # Native sidecar (initContainers[0], restartPolicy Always; Kubernetes >= 1.29) or a plain container.
     native_sidecar: bool = True
     metrics_port: int = DEFAULT_METRICS_PORT
+    # Canonical quantities (webhook.cli canonicalises the flags): the API server stores them so.
+    # Limits by default, so that a namespace whose ResourceQuota covers limits.cpu / limits.memory
+    # admits the mutated pod; None: no CPU limit.
     sidecar_cpu_request: str = "10m"
+    sidecar_cpu_limit: str | None = "250m"
     sidecar_memory_request: str = "48Mi"
     sidecar_memory_limit: str = "128Mi"
     # Webhook-level fallbacks when neither the pod nor its namespace sets a share.
     default_memory: str | None = None
     default_compute: str | None = None
     default_grace_period_seconds: float = DEFAULT_GRACE_PERIOD_SECONDS
+    # Cluster-wide policy where the Namespace says nothing (webhook/policy.py); safe defaults.
+    max_memory: str | None = None
+    max_compute: str | None = None
+    default_mode: str = "enforce"
+    allow_audit: bool = False
+    allow_opt_out: bool = False
     poll_interval_seconds: float = DEFAULT_POLL_INTERVAL_SECONDS
     # NVML access for the sidecar through the NVIDIA container toolkit, without a GPU slot.
     nvidia_visible_devices: str = "all"

@@ -22,7 +22,7 @@ import json
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from decimal import Decimal, InvalidOperation
-from typing import TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
 from enforcer.config import MAX_GRACE_PERIOD_SECONDS, ContainerShare, MemoryShare, Mode
 from webhook.quantity import QuantityError, parse_bytes, parse_percent
@@ -51,6 +51,9 @@ _KNOWN_ANNOTATIONS = frozenset(
 _MAX_SHOWN = 64  # characters of a user's value quoted back in a message
 _MAX_CACHED = 128  # longest annotation value whose parse is cached
 T = TypeVar("T")
+
+if TYPE_CHECKING:  # policy.py imports this module; only the type is needed here
+    from webhook.policy import NamespacePolicy
 
 
 class ShareError(ValueError):
@@ -94,12 +97,37 @@ def _memoized(parse: Callable[[str], T]) -> Callable[[str], T]:
     return wrapper
 
 
+# The smallest absolute memory share. Below it a value is a typo, never a real GPU share: "500m"
+# is half a byte in Kubernetes quantity syntax (m = thousandths), "100k" a hundred kilobytes; as a
+# share it would get every process of the container killed. Denied with a suggestion instead.
+MIN_MEMORY_SHARE_BYTES = 1024 * 1024
+
+
+class MemoryShareTooSmall(QuantityError):
+    """A valid quantity below ``MIN_MEMORY_SHARE_BYTES``."""
+
+    def __init__(self, num_bytes: int) -> None:
+        super().__init__(f"{num_bytes} byte{'' if num_bytes == 1 else 's'}, below the smallest GPU memory share (1Mi)")
+        self.num_bytes = num_bytes
+
+
 @_memoized
 def parse_memory_share(text: str) -> MemoryShare:
     text = text.strip()
     if text.endswith("%"):
         return MemoryShare(percent=parse_percent(text, require_sign=True))
-    return MemoryShare(bytes=parse_bytes(text))
+    num_bytes = parse_bytes(text)
+    if num_bytes < MIN_MEMORY_SHARE_BYTES:
+        raise MemoryShareTooSmall(num_bytes)
+    return MemoryShare(bytes=num_bytes)
+
+
+def _too_small_example(text: str) -> str:
+    """What the user probably meant: "500m" -> "500M" or "500Mi"; else a generic example."""
+    text = text.strip()
+    if text.endswith("m") and text[:-1].isdigit() and len(text) <= 16:
+        return f'use "{text[:-1]}M" or "{text[:-1]}Mi" (in Kubernetes quantities "m" means thousandths)'
+    return 'use a quantity such as "500M", "500Mi" or "8Gi"'
 
 
 @_memoized
@@ -132,16 +160,23 @@ def _describe_source(source: str, key: str) -> str:
     return f"annotation {key}"
 
 
-def _memory(value: object, source: str, key: str) -> MemoryShare:
+def memory_from(value: object, source: str, key: str) -> MemoryShare:
+    """``value`` from ``source`` ("pod", "namespace" or "flag") at ``key`` as a memory share; ShareError."""
     if isinstance(value, str):
         try:
             return parse_memory_share(value)
+        except MemoryShareTooSmall as exc:
+            raise ShareError(
+                f"{_describe_source(source, key)}={quote(value)} is {exc}, so it is taken for a typo: "
+                f"{_too_small_example(value)}"
+            ) from None
         except QuantityError:
             pass
     raise ShareError(f"{_describe_source(source, key)}={quote(value)} is not a valid memory share: {MEMORY_EXAMPLE}")
 
 
-def _compute(value: object, source: str, key: str) -> float:
+def compute_from(value: object, source: str, key: str) -> float:
+    """``value`` from ``source`` at ``key`` as a compute share (percent); raises ShareError."""
     if isinstance(value, str):
         try:
             return parse_compute_share(value)
@@ -156,8 +191,12 @@ def resolve_shares(
     settings: InjectionSettings,
     gpu_containers: Sequence[str],
     all_containers: Sequence[str],
+    policy: NamespacePolicy | None = None,
 ) -> SharePlan:
-    """The share of every GPU container, the mode and the grace period; raises ``ShareError``."""
+    """The share of every GPU container, the mode and the grace period; raises ``ShareError``.
+
+    ``policy`` (``webhook.policy``): the admin's mode and ceilings; None: no bounds (unit tests).
+    """
     warnings: list[str] = []
     gpu_set = set(gpu_containers)
     memory_overrides: dict[str, object] = {}
@@ -202,31 +241,36 @@ def resolve_shares(
     parsed_memory_default: MemoryShare | None = None
     parsed_compute_default: float | None = None
     if memory_default is not None and len(memory_overrides) < len(gpu_set):
-        parsed_memory_default = _memory(*memory_default)
+        parsed_memory_default = memory_from(*memory_default)
     if compute_default is not None and len(compute_overrides) < len(gpu_set):
-        parsed_compute_default = _compute(*compute_default)
+        parsed_compute_default = compute_from(*compute_default)
     # Overrides are validated even where they shadow nothing, so a typo is never silently ignored.
-    memory_by_name = {n: _memory(v, "pod", _MEMORY_OVERRIDE_PREFIX + n) for n, v in memory_overrides.items()}
-    compute_by_name = {n: _compute(v, "pod", _COMPUTE_OVERRIDE_PREFIX + n) for n, v in compute_overrides.items()}
+    memory_by_name = {n: memory_from(v, "pod", _MEMORY_OVERRIDE_PREFIX + n) for n, v in memory_overrides.items()}
+    compute_by_name = {n: compute_from(v, "pod", _COMPUTE_OVERRIDE_PREFIX + n) for n, v in compute_overrides.items()}
 
-    containers = tuple(
-        (
-            name,
-            ContainerShare(
-                memory=memory_by_name.get(name, parsed_memory_default),
-                compute_percent=compute_by_name.get(name, parsed_compute_default),
-            ),
+    shares = []
+    for name in gpu_containers:
+        share = ContainerShare(
+            memory=memory_by_name.get(name, parsed_memory_default),
+            compute_percent=compute_by_name.get(name, parsed_compute_default),
         )
-        for name in gpu_containers
-    )
+        if policy is not None:
+            share = policy.bound(
+                share,
+                _origin(memory_overrides, name, _MEMORY_OVERRIDE_PREFIX, memory_default),
+                _origin(compute_overrides, name, _COMPUTE_OVERRIDE_PREFIX, compute_default),
+            )
+        shares.append((name, share))
+    containers = tuple(shares)
 
-    mode = Mode.ENFORCE
+    requested: Mode | None = None
     if ANNOTATION_MODE in annotations:
         raw = annotations[ANNOTATION_MODE]
         try:
-            mode = Mode(raw.strip() if isinstance(raw, str) else raw)
+            requested = Mode(raw.strip() if isinstance(raw, str) else raw)
         except ValueError:
             raise ShareError(f"annotation {ANNOTATION_MODE}={quote(raw)} is not a valid mode: {MODE_EXAMPLE}") from None
+    mode = policy.mode_for(requested) if policy is not None else (requested or Mode.ENFORCE)
 
     grace = settings.default_grace_period_seconds
     if ANNOTATION_GRACE_PERIOD in annotations:
@@ -248,6 +292,18 @@ def resolve_shares(
             f"(measured, never limited); set {ANNOTATION_MEMORY} and/or {ANNOTATION_COMPUTE} to enforce a share"
         )
     return SharePlan(containers=containers, mode=mode, grace_period_seconds=grace, warnings=tuple(warnings))
+
+
+def _origin(
+    overrides: Mapping[str, object], name: str, prefix: str, default: tuple[object, str, str] | None
+) -> str:
+    """Where a container's share came from, as a message names it (empty when it has none)."""
+    if name in overrides:
+        return f"annotation {prefix}{name}={quote(overrides[name])}"
+    if default is not None:
+        value, source, key = default
+        return f"{_describe_source(source, key)}={quote(value)}"
+    return ""
 
 
 def _fallback(

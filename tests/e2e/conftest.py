@@ -1,0 +1,75 @@
+"""Fixtures for the end-to-end tests: one real control plane per tested Kubernetes version.
+
+Every test here runs once against each version in ``KUBERNETES_VERSIONS``; pytest groups them so
+that one control plane runs at a time. Where Go (or the module proxy) is missing the binaries
+cannot be built and the tests skip with that reason (``-ra`` prints it).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from kubernetes import client
+
+from tests.e2e import kube
+from tests.e2e.binaries import KUBERNETES_VERSIONS, GoMissing, control_plane
+from tests.e2e.controlplane import ControlPlane, running_control_plane
+from tests.e2e.gpufence_install import WebhookProcess, start_gpufence
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    here = Path(__file__).parent
+    for item in items:
+        if here in Path(str(item.fspath)).parents:
+            item.add_marker(pytest.mark.e2e)
+            # Starting a control plane is part of the first test's setup.
+            item.add_marker(pytest.mark.timeout(600))
+
+
+@pytest.fixture(scope="session", params=KUBERNETES_VERSIONS, ids=lambda v: f"k8s-{v}")
+def cluster(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ControlPlane]:
+    if os.environ.get("GPUFENCE_SKIP_E2E"):
+        pytest.skip(f"GPUFENCE_SKIP_E2E={os.environ['GPUFENCE_SKIP_E2E']} set")
+    try:
+        binaries = control_plane(request.param)
+    except GoMissing as exc:
+        pytest.skip(f"cannot build Kubernetes {request.param}: {exc}")
+    with running_control_plane(binaries, tmp_path_factory.mktemp(f"k8s-{request.param}")) as cp:
+        yield cp
+
+
+@pytest.fixture(scope="session")
+def gpufence(cluster: ControlPlane) -> Iterator[WebhookProcess]:
+    hook = start_gpufence(cluster, cluster.workdir / "gpufence")
+    try:
+        yield hook
+    finally:
+        hook.stop()
+
+
+@pytest.fixture
+def webhook(gpufence: WebhookProcess) -> Iterator[WebhookProcess]:
+    """The installed webhook, running (restarted if an earlier test stopped it)."""
+    if gpufence.component is None or gpufence.component.process.poll() is not None:
+        gpufence.start()
+    yield gpufence
+    if gpufence.component is None or gpufence.component.process.poll() is not None:
+        gpufence.start()
+
+
+@pytest.fixture(scope="session")
+def admin(cluster: ControlPlane) -> client.ApiClient:
+    return kube.api_client(cluster.admin_kubeconfig)
+
+
+@pytest.fixture
+def opted_in(admin: client.ApiClient, gpufence: WebhookProcess) -> str:
+    return kube.create_namespace(admin, "team", kube.OPT_IN)
+
+
+@pytest.fixture
+def not_opted_in(admin: client.ApiClient, gpufence: WebhookProcess) -> str:
+    return kube.create_namespace(admin, "plain")

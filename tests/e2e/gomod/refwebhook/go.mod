@@ -1,0 +1,3 @@
+module gpufence.test/e2e/refwebhook
+
+go 1.22

@@ -1,0 +1,60 @@
+"""The shipped manifests against the API server's own validation: server-side apply and dry runs."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+
+from tests.e2e.binaries import crd_files
+from tests.e2e.controlplane import ControlPlane
+from tests.e2e.gpufence_install import REPO, WEBHOOK_CONFIGURATION, WebhookProcess, apply_objects, install, rendered
+
+OVERLAYS = sorted(p.name for p in (REPO / "k8s" / "overlays").iterdir() if p.is_dir())
+CRDS_FOR = {"cert-manager": ["cert-manager"], "monitoring": ["prometheus-operator"],
+            "cert-manager-monitoring": ["cert-manager", "prometheus-operator"]}
+
+
+def test_server_side_apply_is_accepted_and_repeatable(cluster: ControlPlane, gpufence: WebhookProcess):
+    bundle = _ca_bundle(cluster)
+    again = install(cluster, gpufence.url)  # the fixture applied it once; a second apply must converge
+    lines = [line for line in again.stdout.splitlines() if line.strip()]
+    assert lines and all(line.endswith("serverside-applied") for line in lines), again.stdout
+    assert _ca_bundle(cluster) == bundle, "re-applying the install must keep the caBundle the certs Job set"
+    for kind in ("deployments", "services", "serviceaccounts", "jobs"):
+        items = json.loads(cluster.kubectl("get", kind, "-A", "-l", "app.kubernetes.io/part-of=gpufence",
+                                           "-o", "json").stdout)["items"]
+        assert items, f"the install created no {kind}"
+    for kind, name in (("mutatingwebhookconfiguration", "gpufence"), ("validatingadmissionpolicy", "gpufence-guard"),
+                       ("validatingadmissionpolicybinding", "gpufence-guard"), ("clusterrole", "gpufence-webhook"),
+                       ("clusterrole", "gpufence-enforcer-events"), ("namespace", "gpufence")):
+        cluster.kubectl("get", kind, name)
+
+
+def _ca_bundle(cluster: ControlPlane) -> str:
+    config = json.loads(cluster.kubectl("get", "mutatingwebhookconfiguration", WEBHOOK_CONFIGURATION,
+                                        "-o", "json").stdout)
+    return config["webhooks"][0]["clientConfig"]["caBundle"]
+
+
+def test_shipped_webhook_configuration_passes_a_server_dry_run(cluster: ControlPlane, gpufence: WebhookProcess):
+    """The installed copy points at a URL; validate the shipped Service form under another name."""
+    shipped = next(o for o in yaml.safe_load_all(cluster.kubectl("kustomize", str(REPO / "k8s")).stdout)
+                   if o and o["kind"] == "MutatingWebhookConfiguration")
+    shipped["metadata"]["name"] = "gpufence-dry-run"
+    result = cluster.kubectl("create", "--dry-run=server", "-f", "-", input=yaml.safe_dump(shipped))
+    assert "created (server dry run)" in result.stdout, result.stdout
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_overlay_with_its_crds_passes_a_server_dry_run(cluster: ControlPlane, gpufence: WebhookProcess,
+                                                       overlay: str, tmp_path: Path):
+    for source in CRDS_FOR.get(overlay, []):
+        for crd in crd_files(source):
+            cluster.kubectl("apply", "--server-side", "-f", str(crd))
+    cluster.kubectl("wait", "--for=condition=Established", "--timeout=60s", "crd", "--all")
+    objects = rendered(cluster, REPO / "k8s" / "overlays" / overlay, gpufence.url)
+    result = apply_objects(cluster, objects, "--dry-run=server")
+    assert "serverside-applied" in result.stdout, result.stdout

@@ -1,0 +1,51 @@
+"""Pod Security Admission's own verdict on mutated pods, level by level.
+
+The expectations are what docs/install.md ("Pod Security of the namespaces you opt in") promises;
+the API server's PodSecurity plugin is the oracle. Each workload pod is itself compliant with the
+level under test, so a refusal can only come from what gpufence injected.
+"""
+
+from __future__ import annotations
+
+import pytest
+from kubernetes import client
+
+from tests.e2e import kube
+from tests.e2e.gpufence_install import WebhookProcess
+
+# (level, workload runs as a set non-root user) -> does the mutated pod pass?  Keep in step with
+# docs/install.md.
+DOCUMENTED = {
+    ("privileged", False): True,
+    ("privileged", True): True,
+    ("baseline", False): False,  # the root sidecar adds SYS_PTRACE, which baseline forbids
+    ("baseline", True): False,
+    ("restricted", False): False,  # restricted forbids added capabilities and root
+    ("restricted", True): False,
+}
+
+
+@pytest.mark.parametrize(("level", "non_root"), sorted(DOCUMENTED))
+def test_mutated_pod_meets_the_documented_pod_security_level(
+    admin: client.ApiClient, webhook: WebhookProcess, level: str, non_root: bool,
+):
+    namespace = kube.create_namespace(admin, f"pss-{level}", {
+        **kube.OPT_IN, "pod-security.kubernetes.io/enforce": level,
+        "pod-security.kubernetes.io/enforce-version": "latest",
+    }, annotations={"gpufence.io/allow-opt-out": "true"})  # for the workload-alone check below
+    pod = kube.gpu_pod(restricted=non_root)
+    # The workload alone passes the level (checked with the webhook out of the picture).
+    alone = kube.create_pod(admin, namespace, {**pod, "metadata": {**pod["metadata"],
+                            "labels": {"gpufence.io/inject": "false"}}}, dry_run=True)
+    if level != "restricted" or non_root:
+        assert alone.admitted, f"test workload itself violates {level}: {alone.message}"
+
+    created = kube.create_pod(admin, namespace, pod)
+    expected = DOCUMENTED[(level, non_root)]
+    if expected:
+        assert created.admitted, created.message
+        assert kube.is_mutated(created.obj)
+    else:
+        assert not created.admitted, "docs/install.md says this level rejects mutated pods: update it"
+        assert created.status == 403 and "violates PodSecurity" in created.message, created.message
+        assert "gpufence-enforcer" in created.message, created.message

@@ -1,0 +1,168 @@
+"""The desired pod: the submitted pod as gpufence wants it, from the pod and the share plan (pure).
+
+``desired_pod`` is idempotent by construction: every field it writes is either fully determined
+by the settings and the plan (the sidecar, the volumes, the status annotation, the enforcer
+config) or added only when absent (the GPU containers' environment), so ``desired_pod`` of its
+own output equals that output and the patch between them is empty (reinvocation).
+
+Copy-on-write: the desired pod shares every untouched subtree with the input (no deep copy), which
+keeps a review cheap and lets ``webhook.patch.diff`` skip shared subtrees by identity. The input
+is never modified.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Container
+from typing import Any
+
+from webhook.container_env import gpu_container
+from webhook.errors import MutationError
+from webhook.settings import ANNOTATION_STATUS, SIDECAR_NAME, InjectionSettings
+from webhook.shares import SharePlan, quote
+from webhook.sidecar import (
+    build_sidecar,
+    pod_volumes,
+    preload_library_path,
+    sidecar_runs_as_root,
+    status_annotation,
+)
+
+
+def desired_pod(pod: dict[str, Any], plan: SharePlan, settings: InjectionSettings) -> tuple[dict[str, Any], list[str]]:
+    """The injected pod (sharing untouched subtrees with ``pod``) and warnings; raises MutationError.
+
+    The pod's shape must have been checked (``podshape.check_shape``): dicts and lists where
+    this function reads them.
+    """
+    warnings: list[str] = []
+    shares = dict(plan.containers)
+    spec = dict(pod["spec"])
+    new_pod = dict(pod)
+    new_pod["spec"] = spec
+
+    metadata = dict(pod.get("metadata") or {})
+    annotations = dict(metadata.get("annotations") or {})
+    annotations[ANNOTATION_STATUS] = status_annotation(plan)
+    metadata["annotations"] = annotations
+    new_pod["metadata"] = metadata
+
+    if spec.get("hostPID") is True:
+        raise MutationError(
+            "gpufence needs spec.shareProcessNamespace, which Kubernetes does not allow together with "
+            'spec.hostPID: true; remove hostPID, or, where the namespace allows opt-out, label the pod '
+            'gpufence.io/inject="false"'
+        )
+    if spec.get("shareProcessNamespace") is False:
+        raise MutationError(
+            "spec.shareProcessNamespace: false conflicts with gpufence, whose enforcer must see the GPU "
+            "containers' processes; remove the field (gpufence sets it to true), or, where the namespace "
+            'allows opt-out, label the pod gpufence.io/inject="false"'
+        )
+    spec["shareProcessNamespace"] = True
+
+    library = preload_library_path(settings)
+    port = settings.metrics_port
+    sidecar_key = "initContainers" if settings.native_sidecar else "containers"
+    sidecar_at: int | None = None  # where ours already is in its list (a reinvocation)
+    previous_sidecar: dict[str, Any] | None = None
+    for key in ("initContainers", "containers"):
+        containers = spec.get(key)
+        if not containers:
+            continue
+        updated = []
+        for container in containers:
+            if container.get("name") == SIDECAR_NAME:
+                # Ours (a reinvocation, or a copied pod): rebuilt below. In the list it belongs to
+                # it keeps its index, so that another injector's containers added since (Istio,
+                # Linkerd, Vault Agent put theirs first) are never moved or rewritten into ours.
+                if key == sidecar_key and sidecar_at is None:
+                    sidecar_at = len(updated)
+                    previous_sidecar = container
+                continue
+            for declared in container.get("ports") or ():
+                if isinstance(declared, dict) and declared.get("containerPort") == port:
+                    warnings.append(
+                        f"container {quote(container['name'])} declares port {port}, which the gpufence "
+                        "enforcer uses for its metrics in the same network namespace"
+                    )
+            share = shares.get(container["name"])
+            if share is not None:
+                container = gpu_container(container, share, settings, library, warnings)
+            updated.append(container)
+        spec[key] = updated
+
+    sidecar = build_sidecar(plan, settings, run_as_root=sidecar_runs_as_root(pod["spec"], shares, warnings))
+    sidecar = with_service_account_token(sidecar, previous_sidecar, pod["spec"])
+    others = list(spec.get(sidecar_key) or ())
+    if sidecar_at is not None:
+        others.insert(sidecar_at, sidecar)
+    elif settings.native_sidecar:
+        others.insert(0, sidecar)  # first: the enforcer is up before the workload starts
+    else:
+        others.append(sidecar)
+    spec[sidecar_key] = others
+    if not settings.native_sidecar:
+        _warn_plain_sidecar(spec, shares, warnings)
+
+    volumes = list(spec.get("volumes") or ())
+    existing = {v["name"]: v for v in volumes if isinstance(v.get("name"), str)}
+    for volume in pod_volumes(settings):
+        present = existing.get(volume["name"])
+        if present is None:
+            volumes.append(volume)
+        elif present != volume:
+            raise MutationError(f"volume name {quote(volume['name'])} is reserved by gpufence; rename the pod's volume")
+    spec["volumes"] = volumes
+    return new_pod, warnings
+
+
+# Where the API server's ServiceAccount admission plugin mounts the pod's token.
+SERVICE_ACCOUNT_MOUNT_PATH = "/var/run/secrets/kubernetes.io/serviceaccount"
+
+
+def _token_mount(container: Any) -> dict[str, Any] | None:
+    for mount in (container.get("volumeMounts") or ()) if isinstance(container, dict) else ():
+        if isinstance(mount, dict) and mount.get("mountPath") == SERVICE_ACCOUNT_MOUNT_PATH:
+            return mount
+    return None
+
+
+def with_service_account_token(built: dict[str, Any], previous: dict[str, Any] | None,
+                               spec: dict[str, Any]) -> dict[str, Any]:
+    """Our sidecar with the pod's ServiceAccount token mounted, as the API server mounts it elsewhere.
+
+    The API server's ServiceAccount plugin runs before the webhooks and mounts the token into every
+    container; after a webhook adds one it runs again for the newcomer, and then reinvokes every
+    ``IfNeeded`` webhook. Rebuilding the sidecar on that reinvocation removed the mount (the
+    enforcer lost its credentials for Events). Giving the sidecar the same mount the other
+    containers already have keeps it, and spares the API server the second plugin run and the
+    reinvocation (one webhook call per pod instead of two). Nothing else a pod brings under our
+    sidecar's name survives: a tenant must not add arguments or mount files over the enforcer's code,
+    and a read-only mount at the token path can do neither.
+    """
+    token = _token_mount(previous) if previous is not None else None
+    if token is None:
+        for key in ("initContainers", "containers"):
+            for container in spec.get(key) or ():
+                if isinstance(container, dict) and container.get("name") != SIDECAR_NAME:
+                    token = token or _token_mount(container)
+    ours = {m.get("name") for m in built.get("volumeMounts") or ()}
+    if token is None or token.get("readOnly") is not True or token.get("name") in ours:
+        return built
+    mount = {"name": token["name"], "readOnly": True, "mountPath": SERVICE_ACCOUNT_MOUNT_PATH}
+    return {**built, "volumeMounts": [*(built.get("volumeMounts") or ()), mount]}
+
+
+def _warn_plain_sidecar(spec: dict[str, Any], shares: Container[str], warnings: list[str]) -> None:
+    """What a regular-container enforcer (native sidecars off) cannot do, said to the user."""
+    if spec.get("restartPolicy") in ("Never", "OnFailure"):
+        warnings.append(
+            "the gpufence enforcer runs as a regular container (native sidecars are disabled), so this "
+            "pod keeps running after its other containers finish (a Job would not complete)"
+        )
+    for container in spec.get("initContainers") or ():
+        if container["name"] in shares:
+            warnings.append(
+                f"init container {quote(container['name'])} requests a GPU but runs before the enforcer "
+                "starts (native sidecars are disabled), so its share is not enforced"
+            )

@@ -1,0 +1,109 @@
+"""RFC 6902 JSON Patch between the submitted pod and the desired pod (pure).
+
+Why our own diff rather than ``jsonpatch.make_patch``: both give correct patches, but
+* ``make_patch`` compares values by equality, so it walks every subtree of the pod (milliseconds
+  for a 1 MiB pod); ``diff`` follows the desired pod only where it is not the *same object* as the
+  input (``desired_pod`` is copy-on-write), so its cost is the size of what changed;
+* ``make_patch`` aligns lists by value and may express a change as ``move`` / ``copy`` or as a
+  replacement of a whole entry. A patch for Kubernetes lists (containers, env, volumes) should be
+  list-index-safe against what it was computed from and never touch another container's entries:
+  ``diff`` aligns lists of uniquely named objects by ``name`` (removals from the end first, then
+  insertions and in-place updates in the new order), and otherwise by position, and emits only
+  ``add`` / ``remove`` / ``replace``. For the shapes ``desired_pod`` makes (a sidecar inserted at
+  ``initContainers[0]``, env entries appended, fields added) it is minimal: one ``add`` per new
+  value, nothing for a fixed point. tests/test_patch.py checks it on arbitrary JSON against
+  ``jsonpatch.apply_patch``.
+"""
+
+from __future__ import annotations
+
+from operator import is_
+from typing import Any
+
+_MISSING = object()
+
+
+def escape(token: str) -> str:
+    """An RFC 6901 reference token."""
+    if "~" in token or "/" in token:
+        return token.replace("~", "~0").replace("/", "~1")
+    return token
+
+
+def diff(old: Any, new: Any, path: str = "") -> list[dict[str, Any]]:
+    """RFC 6902 operations turning ``old`` into ``new``.
+
+    Recursion follows ``new`` only where it differs from ``old`` (shared subtrees are skipped by
+    identity), so its depth is bounded by the webhook's own objects, not by the user's.
+    """
+    ops: list[dict[str, Any]] = []
+    _diff(old, new, path, ops)
+    return ops
+
+
+def _diff(old: Any, new: Any, path: str, ops: list[dict[str, Any]]) -> None:
+    if old is new:
+        return
+    if isinstance(old, dict) and isinstance(new, dict):
+        for key in old:
+            if key not in new:
+                ops.append({"op": "remove", "path": f"{path}/{escape(key)}"})
+        get = old.get
+        for key, value in new.items():
+            previous = get(key, _MISSING)
+            if previous is value:
+                continue  # shared with the input (the common case): nothing below can differ
+            if previous is _MISSING:
+                ops.append({"op": "add", "path": f"{path}/{escape(key)}", "value": value})
+            else:
+                _diff(previous, value, f"{path}/{escape(key)}", ops)
+        return
+    if isinstance(old, list) and isinstance(new, list):
+        _diff_list(old, new, path, ops)
+        return
+    if type(old) is not type(new) or old != new:
+        ops.append({"op": "replace", "path": path, "value": new})
+
+
+def _names(items: list[Any]) -> list[str] | None:
+    """The entries' names when every entry is an object with a unique string name, else None."""
+    names = []
+    for item in items:
+        if not isinstance(item, dict) or not isinstance(item.get("name"), str):
+            return None
+        names.append(item["name"])
+    return names if len(set(names)) == len(names) else None
+
+
+def _diff_list(old: list[Any], new: list[Any], path: str, ops: list[dict[str, Any]]) -> None:
+    n = len(old)
+    if len(new) >= n and all(map(is_, old, new)):
+        # Appended to (a GPU container's env, the pod's volumes): the named and the positional
+        # alignments below both reduce to adding the tail.
+        for i in range(n, len(new)):
+            ops.append({"op": "add", "path": f"{path}/{i}", "value": new[i]})
+        return
+    old_names, new_names = _names(old), _names(new)
+    if old_names is not None and new_names is not None:
+        # Align named entries (containers, env, volumes) when the kept ones keep their order:
+        # removals (from the end, so earlier indices stay valid), then insertions and updates.
+        new_set, old_set = set(new_names), set(old_names)
+        kept = [name for name in old_names if name in new_set]
+        if kept == [name for name in new_names if name in old_set]:
+            for i in range(len(old) - 1, -1, -1):
+                if old_names[i] not in new_set:
+                    ops.append({"op": "remove", "path": f"{path}/{i}"})
+            by_name = dict(zip(old_names, old, strict=True))
+            for i, (name, item) in enumerate(zip(new_names, new, strict=True)):
+                if name in old_set:
+                    _diff(by_name[name], item, f"{path}/{i}", ops)
+                else:
+                    ops.append({"op": "add", "path": f"{path}/{i}", "value": item})
+            return
+    # Positional: update the common part in place, then append or trim the tail.
+    for i, (a, b) in enumerate(zip(old, new, strict=False)):
+        _diff(a, b, f"{path}/{i}", ops)
+    for i in range(len(old), len(new)):
+        ops.append({"op": "add", "path": f"{path}/{i}", "value": new[i]})
+    for i in range(len(old) - 1, len(new) - 1, -1):
+        ops.append({"op": "remove", "path": f"{path}/{i}"})
