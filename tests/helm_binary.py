@@ -2,7 +2,7 @@
 
 tests/helm/go.mod pins ``helm.sh/helm/v3`` (a ``tool`` directive, so go.sum covers every
 dependency of ``cmd/helm``); the binary is built with ``GOFLAGS=-mod=mod`` into
-``${GPUFENCE_CACHE:-~/.cache/gpufence}/helm-<version>-<key>/helm``, where the key hashes go.mod,
+``${GPUFENCE_CACHE:-${XDG_CACHE_HOME:-~/.cache}/gpufence}/helm-<version>-<key>/helm``, where the key hashes go.mod,
 go.sum, the Go version and the link flags, so a changed pin builds a new binary and an unchanged
 one is built once per machine. ``build.json`` beside it records how long the build took.
 
@@ -57,7 +57,9 @@ def ldflags() -> str:
 
 
 def cache_root() -> Path:
-    return Path(os.environ.get("GPUFENCE_CACHE") or Path.home() / ".cache" / "gpufence")
+    # The same root as the e2e binaries (tests/e2e/binaries.py).
+    xdg = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(os.environ.get("GPUFENCE_CACHE") or Path(xdg) / "gpufence")
 
 
 def missing_reason() -> str | None:
