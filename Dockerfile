@@ -18,6 +18,7 @@ ENV PIP_DISABLE_PIP_VERSION_CHECK=1 \
 WORKDIR /src
 COPY requirements/lock.txt requirements/lock.txt
 COPY pyproject.toml README.md ./
+COPY gpufence/ gpufence/
 COPY webhook/ webhook/
 COPY enforcer/ enforcer/
 COPY certs/ certs/

@@ -6,7 +6,8 @@ PY := $(VENV)/bin/python
 
 .PHONY: venv demo test lint bench clean e2e e2e-binaries bench-pods
 
-$(VENV)/.installed: pyproject.toml requirements/lock.txt
+# gpufence/__init__.py holds the version, which the installed metadata copies.
+$(VENV)/.installed: pyproject.toml requirements/lock.txt gpufence/__init__.py
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --disable-pip-version-check -c requirements/lock.txt -e '.[test]'
 	touch $@
@@ -38,3 +39,12 @@ bench-pods: venv e2e-binaries
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis .gpufence-cache
+
+# helm built from its pinned Go module into ${GPUFENCE_CACHE:-~/.cache/gpufence} (minutes when cold);
+# the chart tests use the same binary and skip without Go.
+helm-binary: venv
+	$(PY) -m tests.helm_binary
+
+# The operations checks: alerts with promtool, the Helm chart, the version copies.
+test-ops: venv
+	$(PY) -m pytest tests/test_alerts.py tests/test_helm.py tests/test_version.py

@@ -50,6 +50,7 @@ from cryptography.x509 import verification
 
 from certs import pki
 from certs.files import CA_CERT, CA_KEY, TLS_CERT, TLS_KEY
+from gpufence.logs import log_event as _log_event
 
 log = logging.getLogger("gpufence.certs")
 
@@ -77,7 +78,7 @@ RENEW_REASON_ANNOTATION = "gpufence.io/certs-renew-reason"
 
 
 def log_event(event: str, level: int = logging.INFO, **fields: Any) -> None:
-    log.log(level, event, extra={"fields": fields})
+    _log_event(log, event, level, **fields)
 
 
 # --------------------------------------------------------------------------------------------

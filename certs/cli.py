@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
-import json
 import logging
 import sys
 from collections.abc import Sequence
@@ -24,25 +23,14 @@ from typing import Any
 
 from certs import bootstrap as bs
 from certs import files, inspect_cert, pki
+from gpufence import version_line
+from gpufence.logs import JsonFormatter
 
 log = logging.getLogger("gpufence.certs")
 
 EXIT_OK = 0
 EXIT_FAILURE = 1
 EXIT_USAGE = 2
-
-
-class JsonFormatter(logging.Formatter):
-    def format(self, record: logging.LogRecord) -> str:
-        entry: dict[str, Any] = {
-            "time": dt.datetime.fromtimestamp(record.created, dt.UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ"),
-            "level": record.levelname.lower(),
-            "event": record.getMessage(),
-        }
-        entry.update(getattr(record, "fields", None) or {})
-        if record.exc_info:
-            entry["exception"] = self.formatException(record.exc_info)
-        return json.dumps(entry, default=str)
 
 
 def _setup_logging(verbose: bool) -> None:
@@ -72,42 +60,68 @@ def _non_negative_float(text: str) -> float:
     return value
 
 
+class _HelpFormatter(argparse.HelpFormatter):
+    """Appends an option's default to its help text, unless it has none worth showing or says it already."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help or ""
+        if "(default" in text or action.required or action.default in (None, [], False, argparse.SUPPRESS):
+            return text
+        return f"{text} (default: %(default)s)"
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="gpufence-certs", description="Certificates for the gpufence webhook.")
+    # Every option has a help text with its default, so --help is the reference.
+    fmt = _HelpFormatter
+    parser = argparse.ArgumentParser(prog="gpufence-certs", description="Certificates for the gpufence webhook.",
+                                     formatter_class=fmt)
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    parser.add_argument("--version", action="version", version=version_line("gpufence-certs"))
     sub = parser.add_subparsers(dest="command", required=True)
 
-    gen = sub.add_parser("generate", help="write a CA and a serving certificate as PEM files")
-    gen.add_argument("--out-dir", required=True, type=Path)
-    gen.add_argument("--service", default=bs.DEFAULT_SERVICE)
-    gen.add_argument("--namespace", default=bs.DEFAULT_NAMESPACE)
-    gen.add_argument("--dns-name", action="append", default=[], help="extra DNS name or IP (repeatable)")
-    gen.add_argument("--ca-days", type=_positive_int, default=bs.DEFAULT_CA_DAYS)
-    gen.add_argument("--days", type=_positive_int, default=bs.DEFAULT_DAYS)
+    service_help = "the webhook's Service: the certificate is valid for its in-cluster DNS names"
+    namespace_help = "namespace of the webhook's Service (and of the Secret)"
+    dns_help = "extra DNS name or IP address in the serving certificate (repeatable)"
+    days_help = "validity of the serving certificate, days"
+    ca_days_help = "validity of a new CA certificate, days"
+
+    gen = sub.add_parser("generate", help="write a CA and a serving certificate as PEM files", formatter_class=fmt)
+    gen.add_argument("--out-dir", required=True, type=Path,
+                     help="directory to write ca.crt, ca.key, tls.crt, tls.key to")
+    gen.add_argument("--service", default=bs.DEFAULT_SERVICE, help=service_help)
+    gen.add_argument("--namespace", default=bs.DEFAULT_NAMESPACE, help=namespace_help)
+    gen.add_argument("--dns-name", action="append", default=[], help=dns_help)
+    gen.add_argument("--ca-days", type=_positive_int, default=bs.DEFAULT_CA_DAYS, help=ca_days_help)
+    gen.add_argument("--days", type=_positive_int, default=bs.DEFAULT_DAYS, help=days_help)
     gen.add_argument("--ca-cert", type=Path, help="sign with this existing CA certificate (needs --ca-key)")
     gen.add_argument("--ca-key", type=Path, help="private key of --ca-cert (not copied to --out-dir)")
     gen.add_argument("--force", action="store_true", help="replace existing files")
 
-    boot = sub.add_parser("bootstrap", help="create/renew the TLS Secret and set the webhook caBundle")
+    boot = sub.add_parser("bootstrap", help="create/renew the TLS Secret and set the webhook caBundle",
+                          formatter_class=fmt)
     boot.add_argument("--kubeconfig", help="kubeconfig file (default: in-cluster config, else ~/.kube/config)")
-    boot.add_argument("--context", help="kubeconfig context")
-    boot.add_argument("--namespace", default=bs.DEFAULT_NAMESPACE)
-    boot.add_argument("--secret", default=bs.DEFAULT_SECRET)
-    boot.add_argument("--service", default=bs.DEFAULT_SERVICE)
-    boot.add_argument("--webhook-configuration", default=bs.DEFAULT_WEBHOOK_CONFIGURATION)
-    boot.add_argument("--dns-name", action="append", default=[], help="extra DNS name or IP (repeatable)")
-    boot.add_argument("--renew-before-days", type=_non_negative_float, default=bs.DEFAULT_RENEW_BEFORE_DAYS)
-    boot.add_argument("--days", type=_positive_int, default=bs.DEFAULT_DAYS)
-    boot.add_argument("--ca-days", type=_positive_int, default=bs.DEFAULT_CA_DAYS)
+    boot.add_argument("--context", help="kubeconfig context (default: the current context)")
+    boot.add_argument("--namespace", default=bs.DEFAULT_NAMESPACE, help=namespace_help)
+    boot.add_argument("--secret", default=bs.DEFAULT_SECRET, help="the kubernetes.io/tls Secret to create or renew")
+    boot.add_argument("--service", default=bs.DEFAULT_SERVICE, help=service_help)
+    boot.add_argument("--webhook-configuration", default=bs.DEFAULT_WEBHOOK_CONFIGURATION,
+                      help="MutatingWebhookConfiguration whose caBundle is set to the CA")
+    boot.add_argument("--dns-name", action="append", default=[], help=dns_help)
+    boot.add_argument("--renew-before-days", type=_non_negative_float, default=bs.DEFAULT_RENEW_BEFORE_DAYS,
+                      help="renew the serving certificate when it expires within this many days")
+    boot.add_argument("--days", type=_positive_int, default=bs.DEFAULT_DAYS, help=days_help)
+    boot.add_argument("--ca-days", type=_positive_int, default=bs.DEFAULT_CA_DAYS, help=ca_days_help)
 
-    ins = sub.add_parser("inspect", help="print certificate details; exit 1 if expiring within --warn-days")
+    ins = sub.add_parser("inspect", help="print certificate details; exit 1 if expiring within --warn-days",
+                         formatter_class=fmt)
     src = ins.add_mutually_exclusive_group(required=True)
-    src.add_argument("--cert-file", type=Path)
-    src.add_argument("--secret")
-    ins.add_argument("--namespace", default=bs.DEFAULT_NAMESPACE)
-    ins.add_argument("--kubeconfig")
-    ins.add_argument("--context")
-    ins.add_argument("--warn-days", type=_non_negative_float, default=inspect_cert.DEFAULT_WARN_DAYS)
+    src.add_argument("--cert-file", type=Path, help="a PEM certificate file")
+    src.add_argument("--secret", help="a Secret holding tls.crt (and ca.crt)")
+    ins.add_argument("--namespace", default=bs.DEFAULT_NAMESPACE, help="namespace of --secret")
+    ins.add_argument("--kubeconfig", help="kubeconfig file (default: in-cluster config, else ~/.kube/config)")
+    ins.add_argument("--context", help="kubeconfig context (default: the current context)")
+    ins.add_argument("--warn-days", type=_non_negative_float, default=inspect_cert.DEFAULT_WARN_DAYS,
+                     help="exit 1 when a certificate expires within this many days")
     return parser
 
 

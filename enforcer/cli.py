@@ -49,6 +49,7 @@ from enforcer.config import (
 )
 from enforcer.logs import LEVELS, DecisionLog, forward_stdlib_logging
 from enforcer.procfs import ENV_NVIDIA_DEVICE_PREFIX
+from gpufence import __version__, version_line
 
 PROG = "gpufence-enforcer"
 ENV_LOG_LEVEL = "GPUFENCE_LOG_LEVEL"
@@ -84,6 +85,7 @@ def _positive(value: str) -> float:
 def build_parser() -> argparse.ArgumentParser:
     env = os.environ
     p = _Parser(prog=PROG, description="Enforce per-container GPU memory and compute shares in one pod.")
+    p.add_argument("--version", action="version", version=version_line(PROG))
     p.add_argument("--config", metavar="FILE", help=f"config JSON file (default: ${ENV_CONFIG}); re-read on change")
     p.add_argument(
         "--metrics-port", type=_port, default=None,
@@ -178,7 +180,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         config = load_config(args.config)
         port = _metrics_port(args)
     except ConfigError as exc:
-        print(f"{PROG}: invalid configuration: {exc}", file=sys.stderr)
+        # Before anything runs, on stderr (stdout is the decision log), in the shared log format.
+        DecisionLog(level="error", stream=sys.stderr).error(
+            "config_invalid", message=f"{PROG}: invalid configuration: {exc}", error=str(exc))
         return EXIT_USAGE
 
     namespace = os.environ.get(ENV_POD_NAMESPACE) or "default"
@@ -241,6 +245,8 @@ def _run(
         pid_mode, proc_root="/proc", host_proc_root=args.host_proc, device_prefix=device_prefix, own_pid=own_pid,
     )
     metrics = EnforcerMetrics(namespace, pod_name)
+    # The containers are fixed by the pod spec, so the initial config names all of them.
+    metrics.declare_containers(config.containers)
     health = Health(config.poll_interval_seconds)
     pod = PodRef(namespace, pod_name, pod_uid)
     enforcer = Enforcer(
@@ -301,7 +307,7 @@ async def _serve(
         return 1
     await asyncio.to_thread(enforcer.open_nvml)
     log.info(
-        "started",
+        "started", version=__version__,
         pid_mode=enforcer.pid_mode, driver_version=enforcer.driver_version, metrics_port=bound_port,
         bind_address=args.bind_address, mode=enforcer.config.mode, enforcer_pid=os.getpid(),
         state_dir=args.state_dir, host_proc=args.host_proc, device_prefix=device_prefix,

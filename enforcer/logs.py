@@ -8,29 +8,17 @@ the pod's identity (``namespace``, ``pod``) and whatever the caller adds (``cont
 Lines are written whole under a lock and flushed at once, so the log can be read line by line
 from a pipe (the tests do) and interleaves safely between the poll loop, the throttle thread and
 the HTTP server. Messages from libraries that use :mod:`logging` are forwarded as ``event="log"``.
+The line format is the one all three programs share (gpufence/logs.py).
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import sys
 import threading
-from datetime import UTC, datetime
 from typing import Any, TextIO
 
-LEVELS = {"debug": logging.DEBUG, "info": logging.INFO, "warning": logging.WARNING, "error": logging.ERROR}
-
-
-def _now_rfc3339() -> str:
-    return datetime.now(UTC).isoformat(timespec="milliseconds").replace("+00:00", "Z")
-
-
-def _default(value: Any) -> Any:
-    # Enums (StrEnum) serialise as their value; anything else unusual as its str().
-    if isinstance(value, (set, frozenset, tuple)):
-        return list(value)
-    return value.value if hasattr(value, "value") else str(value)
+from gpufence.logs import LEVELS, encode, entry
 
 
 class DecisionLog:
@@ -57,16 +45,9 @@ class DecisionLog:
     def emit(self, event: str, *, level: str = "info", **fields: Any) -> None:
         if LEVELS[level] < self._threshold:
             return
-        record: dict[str, Any] = {"time": _now_rfc3339(), "level": level, "event": event}
-        for key, value in self._base.items():
-            record.setdefault(key, value)
-        for key, value in fields.items():
-            if value is not None:
-                record[key] = value
-        try:
-            line = json.dumps(record, default=_default, separators=(",", ":"))
-        except (TypeError, ValueError):
-            line = json.dumps({k: str(v) for k, v in record.items()}, separators=(",", ":"))
+        merged = dict(self._base)
+        merged.update((key, value) for key, value in fields.items() if value is not None)
+        line = encode(entry(event, level, merged))
         with self._lock:
             try:
                 self._stream.write(line + "\n")

@@ -20,6 +20,13 @@ if TYPE_CHECKING:
 
 ACTIONS = ("sigterm", "sigkill", "throttle_start", "throttle_stop", "audit")
 RESOURCES = ("memory", "compute")
+# The (action, resource) pairs the loop can count for a container. Created at zero per configured
+# container so that the first kill is an increase from 0 to 1: a counter series that appears at 1
+# has no earlier sample, and ``increase()`` over it is 0, so the kill alert would never fire.
+ACTION_KINDS = (
+    ("sigterm", "memory"), ("sigkill", "memory"), ("audit", "memory"),
+    ("throttle_start", "compute"), ("throttle_stop", "compute"), ("audit", "compute"),
+)
 
 
 @dataclass(frozen=True)
@@ -131,6 +138,16 @@ class EnforcerMetrics:
         self._pod_series: set[tuple[str, str]] = set()
 
     # -- helpers -----------------------------------------------------------------------------
+
+    def declare_containers(self, containers: Iterable[str]) -> None:
+        """Export every action counter of these containers at zero (see ACTION_KINDS).
+
+        All pairs for every container, not only those its current shares allow: a config reload
+        may add a share, and a zero series costs nothing.
+        """
+        for container in containers:
+            for action, resource in ACTION_KINDS:
+                self.actions.labels(self.namespace, self.pod, container, action, resource)
 
     def action(self, container: str, action: str, resource: str) -> None:
         self.actions.labels(self.namespace, self.pod, container, action, resource).inc()

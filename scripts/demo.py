@@ -105,7 +105,7 @@ def start_webhook(cert: Path, key: Path, procs: list[subprocess.Popen[str]]) -> 
     """Starts ``python -m webhook`` on a free port and returns the port it logged."""
     proc = subprocess.Popen(
         [sys.executable, "-m", "webhook", "--port", "0", "--bind-address", "127.0.0.1", "--shutdown-delay", "0",
-         "--tls-cert-file", str(cert), "--tls-private-key-file", str(key), "--poll-interval", "0.2"],
+         "--tls-cert-file", str(cert), "--tls-private-key-file", str(key), "--sidecar-poll-interval", "0.2"],
         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
     )
     procs.append(proc)

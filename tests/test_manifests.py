@@ -58,7 +58,7 @@ BUILDS = {
 BASE_KINDS = {
     "Namespace", "ServiceAccount", "ClusterRole", "ClusterRoleBinding", "Role", "RoleBinding", "Deployment",
     "PodDisruptionBudget", "Service", "Job", "CronJob", "MutatingWebhookConfiguration",
-    "ValidatingAdmissionPolicy", "ValidatingAdmissionPolicyBinding",
+    "ValidatingAdmissionPolicy", "ValidatingAdmissionPolicyBinding", "PriorityClass",
 }  # fmt: skip
 
 
@@ -346,7 +346,8 @@ def test_build_contents(directory: str) -> None:
     for obj in objects:
         assert obj["metadata"]["labels"]["app.kubernetes.io/part-of"] == "gpufence"
         if obj["kind"] not in {"Namespace", "ClusterRole", "ClusterRoleBinding", "MutatingWebhookConfiguration",
-                               "ValidatingAdmissionPolicy", "ValidatingAdmissionPolicyBinding"}:  # fmt: skip
+                               "ValidatingAdmissionPolicy", "ValidatingAdmissionPolicyBinding",
+                               "PriorityClass"}:  # fmt: skip
             assert obj["metadata"].get("namespace") == NAMESPACE, obj["metadata"]["name"]
 
 
@@ -766,3 +767,16 @@ def test_podmonitor_port_name_is_the_one_the_webhook_injects() -> None:
 
     assert settings.SIDECAR_PORT_NAME == SIDECAR_METRICS_PORT_NAME
     assert re.fullmatch(r"[a-z0-9]([a-z0-9-]{0,13}[a-z0-9])?", SIDECAR_METRICS_PORT_NAME), "IANA_SVC_NAME"
+
+
+def test_webhook_has_a_priority_class_above_workloads_and_a_disruption_budget() -> None:
+    """The guard blocks GPU pods while the webhook is down: it must not be evicted first or drained all at once."""
+    objects = objects_of("k8s")
+    deployment = one(objects, "Deployment", "gpufence-webhook")
+    name = deployment["spec"]["template"]["spec"]["priorityClassName"]
+    priority = one(objects, "PriorityClass", name)
+    assert 0 < priority["value"] <= 1_000_000_000 and not priority["globalDefault"]  # user range, not system
+    pdb = one(objects, "PodDisruptionBudget", "gpufence-webhook")
+    assert pdb["spec"]["minAvailable"] == 1 < deployment["spec"]["replicas"]
+    pod_labels = deployment["spec"]["template"]["metadata"]["labels"]
+    assert pdb["spec"]["selector"]["matchLabels"].items() <= pod_labels.items()

@@ -14,8 +14,9 @@ from pathlib import Path
 import aiohttp
 import pytest
 
+from gpufence.logs import JsonFormatter
 from tests.tlsutil import LocalPKI, make_pki, pod_review
-from webhook.cli import FLAGS, JsonFormatter, parse_args, settings_from_args
+from webhook.cli import FLAGS, parse_args, settings_from_args
 from webhook.settings import InjectionSettings
 
 REPO = Path(__file__).resolve().parent.parent
@@ -69,7 +70,7 @@ def test_env_vars_and_flag_precedence():
     settings = settings_from_args(args)
     assert settings.gpu_resource_names == ("nvidia.com/gpu", "example.com/gpu")
     assert settings.mount_host_proc is True and settings.native_sidecar is False
-    assert parse_args(["--mount-host-proc=false"], environ=environ).mount_host_proc is False
+    assert parse_args(["--mount-host-proc=false"], environ=environ).sidecar_mount_host_proc is False
     assert all(flag.env.startswith("GPUFENCE_WEBHOOK_") for flag in FLAGS)
 
 
@@ -113,7 +114,8 @@ def test_json_log_lines():
     assert "\n" not in line
     entry = json.loads(line)
     assert entry["message"] == "failed here" and entry["level"] == "error" and entry["port"] == 8443
-    assert "ValueError: boom" in entry["exception"] and entry["time"].endswith("+00:00")
+    assert entry["event"] == "log" and entry["logger"] == "webhook.x"
+    assert "ValueError: boom" in entry["exception"] and entry["time"].endswith("Z")
 
 
 def outside_cluster_env(tmp_path: Path) -> dict[str, str]:
@@ -136,12 +138,12 @@ async def test_process_serves_outside_a_cluster_and_stops_on_sigterm(pki: LocalP
     lines: list[dict] = []
     try:
         async with asyncio.timeout(20):
-            while not any(entry["message"] == "serving" for entry in lines):
+            while not any(entry["event"] == "serving" for entry in lines):
                 raw = await proc.stderr.readline()
                 assert raw, f"process exited early: {lines}"
                 lines.append(json.loads(raw))  # every line is one JSON object
-        port = next(entry["port"] for entry in lines if entry["message"] == "serving")
-        assert any("namespace defaults are off" in entry["message"] for entry in lines)
+        port = next(entry["port"] for entry in lines if entry["event"] == "serving")
+        assert any("namespace defaults are off" in entry.get("message", "") for entry in lines)
 
         connector = aiohttp.TCPConnector(ssl=pki.client_context())
         async with aiohttp.ClientSession(connector=connector) as session:
@@ -154,7 +156,7 @@ async def test_process_serves_outside_a_cluster_and_stops_on_sigterm(pki: LocalP
             # reviews are still answered (the API server may still pick it until they do).
             proc.send_signal(signal.SIGTERM)
             async with asyncio.timeout(20):
-                while (raw := await proc.stderr.readline()) and json.loads(raw)["message"] != "draining":
+                while (raw := await proc.stderr.readline()) and json.loads(raw)["event"] != "draining":
                     pass
             assert raw, "the process exited without draining"
             async with session.get(f"https://localhost:{port}/readyz") as resp:
@@ -165,8 +167,8 @@ async def test_process_serves_outside_a_cluster_and_stops_on_sigterm(pki: LocalP
         async with asyncio.timeout(20):
             rest = await proc.stderr.read()
             assert await proc.wait() == 0
-        messages = [json.loads(line)["message"] for line in rest.decode().splitlines()]
-        assert "shutting down" in messages and "stopped" in messages
+        events = [json.loads(line)["event"] for line in rest.decode().splitlines()]
+        assert "shutting_down" in events and "stopped" in events
     finally:
         if proc.returncode is None:
             proc.kill()

@@ -8,19 +8,19 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import datetime as dt
-import json
 import logging
 import os
 import re
 import signal
 import ssl
-import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from enforcer.config import MAX_GRACE_PERIOD_SECONDS, MAX_POLL_INTERVAL_SECONDS, MIN_POLL_INTERVAL_SECONDS
+from gpufence import version_line
+from gpufence.logs import log_event
+from gpufence.logs import setup_logging as _setup_logging
 from webhook.settings import DEFAULT_GPU_RESOURCE, InjectionSettings
 from webhook.tls import DEFAULT_RELOAD_INTERVAL_SECONDS
 
@@ -121,6 +121,9 @@ class Flag:
     default: Any
     help: str
     repeat: bool = False
+    # The flag's name before it said what it sets (--poll-interval for --sidecar-poll-interval):
+    # still accepted, as a flag and as an env var, with a "deprecated_flag" warning, for one release.
+    deprecated: str | None = None
 
     @property
     def dest(self) -> str:
@@ -129,6 +132,22 @@ class Flag:
     @property
     def env(self) -> str:
         return ENV_PREFIX + self.dest.upper()
+
+    @property
+    def deprecated_env(self) -> str | None:
+        return ENV_PREFIX + self.deprecated.replace("-", "_").upper() if self.deprecated else None
+
+    @property
+    def shown_default(self) -> str:
+        """The default as one would write it: durations as "5s" or "500ms", not 5.0 or 0.5."""
+        if self.default is None:
+            return "none"
+        if getattr(self.convert, "__name__", "") == "duration":
+            seconds = float(self.default)
+            return f"{seconds * 1000:g}ms" if 0 < seconds < 1 else f"{seconds:g}s"
+        if isinstance(self.default, bool):
+            return "true" if self.default else "false"
+        return str(self.default)
 
 
 FLAGS: tuple[Flag, ...] = (
@@ -154,7 +173,8 @@ FLAGS: tuple[Flag, ...] = (
          repeat=True),
     Flag("sidecar-mode", choice("native", "container"), "native" if _defaults.native_sidecar else "container",
          "native sidecar (init container with restartPolicy Always, Kubernetes >= 1.29) or a plain container"),
-    Flag("metrics-port", port, _defaults.metrics_port, "port of the sidecar's /metrics"),
+    Flag("sidecar-metrics-port", port, _defaults.metrics_port, "port of the sidecar's /metrics",
+         deprecated="metrics-port"),
     Flag("sidecar-cpu-request", resource_quantity, _defaults.sidecar_cpu_request, "CPU request of the sidecar"),
     Flag("sidecar-cpu-limit", optional_resource_quantity, _defaults.sidecar_cpu_limit,
          'CPU limit of the sidecar ("none": no CPU limit; a ResourceQuota on limits.cpu then rejects GPU pods)'),
@@ -177,18 +197,20 @@ FLAGS: tuple[Flag, ...] = (
          "honour the pod label gpufence.io/inject=false where the namespace does not set gpufence.io/allow-opt-out"),
     Flag("default-grace-period", duration(0, MAX_GRACE_PERIOD_SECONDS), _defaults.default_grace_period_seconds,
          "SIGTERM to SIGKILL delay for a container over its memory share"),
-    Flag("poll-interval", duration(MIN_POLL_INTERVAL_SECONDS, MAX_POLL_INTERVAL_SECONDS),
-         _defaults.poll_interval_seconds, "how often the enforcer polls NVML"),
+    Flag("sidecar-poll-interval", duration(MIN_POLL_INTERVAL_SECONDS, MAX_POLL_INTERVAL_SECONDS),
+         _defaults.poll_interval_seconds, "how often the enforcer polls NVML", deprecated="poll-interval"),
+    Flag("sidecar-nvidia-visible-devices", non_empty, _defaults.nvidia_visible_devices,
+         "NVIDIA_VISIBLE_DEVICES of the sidecar", deprecated="nvidia-visible-devices"),
+    Flag("sidecar-nvidia-driver-capabilities", non_empty, _defaults.nvidia_driver_capabilities,
+         "NVIDIA_DRIVER_CAPABILITIES of the sidecar", deprecated="nvidia-driver-capabilities"),
+    Flag("sidecar-mount-host-proc", boolean, _defaults.mount_host_proc,
+         "mount the host's /proc read-only in the sidecar (drivers that report host PIDs)",
+         deprecated="mount-host-proc"),
+    Flag("sidecar-host-proc-mount-path", non_empty, _defaults.host_proc_mount_path,
+         "where the host's /proc is mounted in the sidecar", deprecated="host-proc-mount-path"),
     Flag("void-non-gpu-containers", boolean, _defaults.void_non_gpu_containers,
          "give containers that request no GPU NVIDIA_VISIBLE_DEVICES=void, so no image ENV or envFrom "
          "can hand them GPUs through the NVIDIA container toolkit"),
-    Flag("nvidia-visible-devices", non_empty, _defaults.nvidia_visible_devices,
-         "NVIDIA_VISIBLE_DEVICES of the sidecar"),
-    Flag("nvidia-driver-capabilities", non_empty, _defaults.nvidia_driver_capabilities,
-         "NVIDIA_DRIVER_CAPABILITIES of the sidecar"),
-    Flag("mount-host-proc", boolean, _defaults.mount_host_proc,
-         "mount the host's /proc read-only in the sidecar (drivers that report host PIDs)"),
-    Flag("host-proc-mount-path", non_empty, _defaults.host_proc_mount_path, "where the host's /proc is mounted"),
     Flag("mps-limits", boolean, _defaults.mps_limits, "set CUDA MPS per-client limits from the shares"),
     Flag("preload-library", non_empty, _defaults.preload_library_host_path,
          "host path of an LD_PRELOAD GPU limiter (e.g. HAMi-core libvgpu.so) to inject"),
@@ -200,14 +222,23 @@ FLAGS: tuple[Flag, ...] = (
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="gpufence-webhook",
                                      description="gpufence mutating admission webhook (HTTPS only).")
+    parser.add_argument("--version", action="version", version=version_line("gpufence-webhook"))
     for flag in FLAGS:
+        # A flag whose help explains its default itself (gpu-resource-name) shows only its env var.
+        shown = "" if flag.default is None and "default" in flag.help else f"; default {flag.shown_default}"
+        text = f"{flag.help} [env {flag.env}{shown}]"
         kwargs: dict[str, Any] = {"dest": flag.dest, "default": None, "metavar": "VALUE",
-                                  # argparse %-formats help texts
-                                  "help": f"{flag.help} [env {flag.env}; default {flag.default}]".replace("%", "%%")}
+                                  "help": text.replace("%", "%%")}  # argparse %-formats help texts
         if flag.convert is boolean:
-            # --mount-host-proc alone means true; --mount-host-proc=false is accepted too.
+            # --mps-limits alone means true; --mps-limits=false is accepted too.
             kwargs.update(nargs="?", const="true", metavar="BOOL")
-        parser.add_argument(f"--{flag.name}", action="append" if flag.repeat else "store", **kwargs)
+        if flag.deprecated:
+            kwargs["help"] += f" (formerly --{flag.deprecated}, deprecated)"
+        action = "append" if flag.repeat else "store"
+        parser.add_argument(f"--{flag.name}", action=action, **kwargs)
+        if flag.deprecated:
+            kwargs.update(dest=f"deprecated__{flag.dest}", help=argparse.SUPPRESS)
+            parser.add_argument(f"--{flag.deprecated}", action=action, **kwargs)
     return parser
 
 
@@ -223,21 +254,33 @@ def parse_args(argv: Sequence[str] | None = None, environ: dict[str, str] | None
     environ = dict(os.environ if environ is None else environ)
     parser = build_parser()
     raw = parser.parse_args(argv)
-    values = {}
+    values: dict[str, Any] = {}
+    deprecated: list[tuple[str, str]] = []  # (the old name used, the name to use)
     for flag in FLAGS:
         given = getattr(raw, flag.dest)
+        old_given = getattr(raw, f"deprecated__{flag.dest}", None)
+        if given is not None and old_given is not None:
+            parser.error(f"--{flag.name} and its deprecated name --{flag.deprecated} are both given")
+        env_name = flag.env
+        if environ.get(env_name, "") == "" and flag.deprecated_env and environ.get(flag.deprecated_env, "") != "":
+            env_name = flag.deprecated_env
+        if given is None and old_given is not None:
+            given = old_given
+            deprecated.append((f"--{flag.deprecated}", f"--{flag.name}"))
         if given is not None:
             texts, source = (given if flag.repeat else [given]), f"--{flag.name}"
-        elif environ.get(flag.env, "") != "":
-            env_value = environ[flag.env]
+        elif environ.get(env_name, "") != "":
+            env_value = environ[env_name]
             texts = [t.strip() for t in env_value.split(",")] if flag.repeat else [env_value]
-            source = flag.env
+            source = env_name
+            if env_name != flag.env:
+                deprecated.append((env_name, flag.env))
         else:
             values[flag.dest] = flag.default
             continue
         converted = [_convert(parser, flag, t, source) for t in texts]
         values[flag.dest] = tuple(converted) if flag.repeat else converted[0]
-    args = argparse.Namespace(**values)
+    args = argparse.Namespace(**values, deprecated=deprecated)
     for required in ("tls_cert_file", "tls_private_key_file"):
         if getattr(args, required) is None:
             flag = next(f for f in FLAGS if f.dest == required)
@@ -251,7 +294,7 @@ def settings_from_args(args: argparse.Namespace) -> InjectionSettings:
         sidecar_image_pull_policy=args.sidecar_image_pull_policy,
         gpu_resource_names=args.gpu_resource_name or (DEFAULT_GPU_RESOURCE,),
         native_sidecar=args.sidecar_mode == "native",
-        metrics_port=args.metrics_port,
+        metrics_port=args.sidecar_metrics_port,
         sidecar_cpu_request=args.sidecar_cpu_request,
         sidecar_cpu_limit=args.sidecar_cpu_limit,
         sidecar_memory_request=args.sidecar_memory_request,
@@ -264,12 +307,12 @@ def settings_from_args(args: argparse.Namespace) -> InjectionSettings:
         default_mode=args.default_mode,
         allow_audit=args.allow_audit,
         allow_opt_out=args.allow_opt_out,
-        poll_interval_seconds=args.poll_interval,
+        poll_interval_seconds=args.sidecar_poll_interval,
+        nvidia_visible_devices=args.sidecar_nvidia_visible_devices,
+        nvidia_driver_capabilities=args.sidecar_nvidia_driver_capabilities,
+        mount_host_proc=args.sidecar_mount_host_proc,
+        host_proc_mount_path=args.sidecar_host_proc_mount_path,
         void_non_gpu_containers=args.void_non_gpu_containers,
-        nvidia_visible_devices=args.nvidia_visible_devices,
-        nvidia_driver_capabilities=args.nvidia_driver_capabilities,
-        mount_host_proc=args.mount_host_proc,
-        host_proc_mount_path=args.host_proc_mount_path,
         mps_limits=args.mps_limits,
         preload_library_host_path=args.preload_library,
         preload_library_mount_dir=args.preload_library_mount_dir,
@@ -277,29 +320,10 @@ def settings_from_args(args: argparse.Namespace) -> InjectionSettings:
 
 
 # --- logging -----------------------------------------------------------------------------------------
-_RECORD_FIELDS = frozenset(vars(logging.LogRecord("", 0, "", 0, "", None, None))) | {"message", "asctime", "taskName"}
-
-
-class JsonFormatter(logging.Formatter):
-    """One JSON object per line: time, level, logger, message, any ``extra`` fields, exception."""
-
-    def format(self, record: logging.LogRecord) -> str:
-        entry: dict[str, Any] = {
-            "time": dt.datetime.fromtimestamp(record.created, dt.UTC).isoformat(timespec="milliseconds"),
-            "level": record.levelname.lower(),
-            "logger": record.name,
-            "message": record.getMessage(),
-        }
-        entry.update({k: v for k, v in vars(record).items() if k not in _RECORD_FIELDS})
-        if record.exc_info:
-            entry["exception"] = self.formatException(record.exc_info)
-        return json.dumps(entry, default=str)
-
-
+# The format all three programs share (gpufence/logs.py), on stderr. Libraries stay at warning
+# unless --log-level=debug: aiohttp and the kubernetes client are chatty at info.
 def setup_logging(level: str) -> None:
-    handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(JsonFormatter())
-    logging.basicConfig(level=level.upper(), handlers=[handler], force=True)
+    _setup_logging(level, libraries_level="warning")
 
 
 # --- main --------------------------------------------------------------------------------------------
@@ -323,12 +347,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     setup_logging(args.log_level)
     log = logging.getLogger("webhook")
+    for old, new in args.deprecated:
+        log_event(log, "deprecated_flag", logging.WARNING, flag=old, use=new,
+                  message=f"{old} is deprecated and will be removed in the next release; use {new}")
     try:
         asyncio.run(run(args))
     except (OSError, ssl.SSLError, ValueError) as exc:  # unreadable cert, bad key, port in use: no traceback
-        log.critical("cannot start", extra={"error": f"{type(exc).__name__}: {exc}"})
+        log_event(log, "startup_failed", logging.ERROR, error=f"{type(exc).__name__}: {exc}")
         return 1
     except Exception as exc:
-        log.critical("cannot start", exc_info=exc)
+        log_event(log, "startup_failed", logging.ERROR, error=f"{type(exc).__name__}: {exc}", exc_info=exc)
         return 1
     return 0

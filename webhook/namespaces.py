@@ -18,6 +18,7 @@ from collections.abc import Callable, Iterator, Mapping
 from types import MappingProxyType
 from typing import Any, Protocol, runtime_checkable
 
+from gpufence.logs import log_event
 from webhook.settings import AllNamespacesOptedIn, NamespaceInfo, NamespaceLookup
 
 log = logging.getLogger(__name__)
@@ -133,7 +134,7 @@ class NamespaceCache:
         # Swap in a new dict rather than clear+update, so a concurrent get never sees it empty.
         self._publish(lambda: setattr(self, "_items", items))
         self._synced.set()
-        log.info("namespaces listed", extra={"count": len(items)})
+        log_event(log, "namespaces_listed", count=len(items))
         return str(body["metadata"]["resourceVersion"])
 
     def _watch_from(self, resource_version: str) -> str:
@@ -197,8 +198,8 @@ def load_namespace_lookup(kubeconfig: str | None = None) -> NamespaceLookup:
     except (ConfigException, OSError) as exc:
         if kubeconfig:
             raise  # an explicit kubeconfig that does not load is an error, not a fallback
-        log.warning("no Kubernetes configuration found: namespace defaults are off and every "
-                    "namespace is treated as opted in", extra={"reason": str(exc)})
+        log_event(log, "no_kubernetes_configuration", logging.WARNING, reason=str(exc),
+                  message="namespace defaults are off and every namespace is treated as opted in")
         return AllNamespacesOptedIn()
-    log.info("watching namespaces", extra={"source": source, "host": configuration.host})
+    log_event(log, "watching_namespaces", source=source, host=configuration.host)
     return NamespaceCache(client.CoreV1Api(client.ApiClient(configuration)))

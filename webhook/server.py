@@ -23,8 +23,11 @@ from aiohttp import web
 from aiohttp.web_exceptions import HTTPException
 from aiohttp.web_protocol import RequestPayloadError
 
+from gpufence import __version__
+from gpufence.logs import log_event
 from webhook import codec
 from webhook.admission import InvalidReview, review
+from webhook.decisions import log_decision, log_review_failed
 from webhook.metrics import WebhookMetrics
 from webhook.namespaces import BackgroundLookup
 from webhook.settings import AllNamespacesOptedIn, InjectionSettings, NamespaceLookup
@@ -153,7 +156,7 @@ async def error_middleware(request: web.Request, handler: Any) -> web.StreamResp
         outcome = "invalid"  # the client went away mid-request; nobody to answer
         raise
     except Exception:
-        log.exception("unhandled error", extra={"path": request.path, "method": request.method})
+        log_event(log, "request_failed", logging.ERROR, path=request.path, method=request.method, exc_info=True)
         return error_response(500, "internal server error")
     finally:
         if request.path == MUTATE_PATH:
@@ -202,6 +205,10 @@ def _answer(body: bytes, settings: InjectionSettings, namespaces: NamespaceLooku
         result = review(payload, settings, namespaces)
     except InvalidReview as exc:
         raise Rejected(400, str(exc)) from None
+    except Exception as exc:
+        log_review_failed(payload, exc)
+        raise
+    log_decision(payload, result)
     return result.outcome, codec.dumps(result.review)
 
 
@@ -357,15 +364,15 @@ async def serve(settings: InjectionSettings, namespaces: NamespaceLookup, reload
     """Run until ``stop`` is set, then shut down gracefully."""
     app = create_app(settings, namespaces, reloader, limits=limits)
     running = await start_server(app, host=host, port=port)
-    log.info("serving", extra={"address": host, "port": running.port,
-                               "serial": format(reloader.cert.serial_number, "x")})
+    log_event(log, "serving", address=host, port=running.port, serial=format(reloader.cert.serial_number, "x"),
+              version=__version__)
     try:
         await stop.wait()
         if limits.shutdown_delay > 0:
             app[DRAINING].set()
-            log.info("draining", extra={"seconds": limits.shutdown_delay})
+            log_event(log, "draining", seconds=limits.shutdown_delay)
             await asyncio.sleep(limits.shutdown_delay)  # the delay itself is the point: endpoints catch up
-        log.info("shutting down")
+        log_event(log, "shutting_down")
     finally:
         await running.close()
-    log.info("stopped")
+    log_event(log, "stopped")

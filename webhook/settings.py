@@ -17,6 +17,7 @@ from enforcer.config import (
     DEFAULT_METRICS_PORT,
     DEFAULT_POLL_INTERVAL_SECONDS,
 )
+from gpufence import IMAGE
 
 INJECTION_LABEL = "gpufence.io/injection"
 INJECTION_ENABLED = "enabled"
@@ -41,7 +42,8 @@ SIDECAR_NAME = "gpufence-enforcer"
 # The sidecar's metrics port name, which the enforcer PodMonitor selects. Kubernetes limits port
 # names to 15 characters (IANA_SVC_NAME), so not "gpufence-metrics" (16).
 SIDECAR_PORT_NAME = "gpufence-metric"
-DEFAULT_SIDECAR_IMAGE = "ghcr.io/gpufence/gpufence:0.1.0"
+# The image of this very version (gpufence/__init__.py): webhook and sidecar come from one build.
+DEFAULT_SIDECAR_IMAGE = IMAGE
 DEFAULT_GPU_RESOURCE = "nvidia.com/gpu"
 
 

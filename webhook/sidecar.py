@@ -13,7 +13,6 @@ import functools
 import json
 import posixpath
 from collections.abc import Container
-from importlib import metadata
 from types import MappingProxyType
 from typing import Any
 
@@ -29,13 +28,12 @@ from enforcer.config import (
     EnforcerConfig,
     Mode,
 )
+from gpufence import __version__
 from webhook.settings import SIDECAR_NAME, SIDECAR_PORT_NAME, InjectionSettings
 from webhook.shares import SharePlan, quote
 
-try:
-    GPUFENCE_VERSION = metadata.version("gpufence")
-except metadata.PackageNotFoundError:  # pragma: no cover - running from a bare checkout
-    GPUFENCE_VERSION = "unknown"
+# The one version source (gpufence/__init__.py), also right in a bare checkout.
+GPUFENCE_VERSION = __version__
 
 STATE_VOLUME = "gpufence-state"
 HOST_PROC_VOLUME = "gpufence-host-proc"

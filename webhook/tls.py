@@ -20,6 +20,8 @@ from pathlib import Path
 
 from cryptography import x509
 
+from gpufence.logs import log_event
+
 log = logging.getLogger(__name__)
 
 DEFAULT_RELOAD_INTERVAL_SECONDS = 1.0
@@ -109,7 +111,7 @@ class CertReloader:
             digest, _ = await asyncio.to_thread(_digest, self.cert_file, self.key_file)
         except OSError as exc:
             # Mid-rotation a path can briefly be missing; not a new pair yet.
-            log.warning("cannot read certificate files", extra={"error": str(exc)})
+            log_event(log, "certificate_unreadable", logging.WARNING, error=str(exc))
             return None
         if digest == self._last_seen:
             return None
@@ -118,17 +120,15 @@ class CertReloader:
             pair = await asyncio.to_thread(load_pair, self.cert_file, self.key_file)
         except (ssl.SSLError, OSError, ValueError) as exc:
             self.failures += 1
-            log.error("certificate reload failed; still serving the previous certificate",
-                      extra={"error": str(exc), "serial": format(self.cert.serial_number, "x")})
+            log_event(log, "certificate_reload_failed", logging.ERROR, error=str(exc),
+                      serial=format(self.cert.serial_number, "x"), message="still serving the previous certificate")
             await self._attempt_done()
             return False
         self._current = pair
         self._last_seen = pair.digest
         self.successes += 1
-        log.info("certificate reloaded", extra={
-            "serial": format(pair.cert.serial_number, "x"),
-            "not_after": pair.cert.not_valid_after_utc.isoformat(),
-        })
+        log_event(log, "certificate_reloaded", serial=format(pair.cert.serial_number, "x"),
+                  not_after=pair.cert.not_valid_after_utc.isoformat())
         await self._attempt_done()
         return True
 
@@ -149,4 +149,4 @@ class CertReloader:
             try:
                 await self.check()
             except Exception:  # a bug here must not stop future reloads
-                log.exception("certificate check crashed")
+                log_event(log, "certificate_check_crashed", logging.ERROR, exc_info=True)
