@@ -4,7 +4,7 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: venv demo test lint bench clean e2e e2e-binaries bench-pods
+.PHONY: venv demo test lint bench clean e2e e2e-binaries bench-pods helm-binary test-ops system-deps
 
 # gpufence/__init__.py holds the version, which the installed metadata copies.
 $(VENV)/.installed: pyproject.toml requirements/lock.txt gpufence/__init__.py
@@ -25,7 +25,11 @@ lint: venv
 e2e-binaries: venv
 	$(PY) -m tests.e2e.binaries
 
-test: venv lint e2e-binaries
+# Debian packages some tests use (promtool); installed when missing and root, else those tests skip.
+system-deps:
+	./scripts/install_system_deps.sh
+
+test: venv lint system-deps e2e-binaries helm-binary
 	$(PY) -m pytest
 
 e2e: venv e2e-binaries

@@ -119,8 +119,9 @@ def ensure_helm() -> Path:
 def main() -> int:
     reason = missing_reason()
     if reason:
-        print(reason, file=sys.stderr)
-        return 1
+        # Not a failure of `make test`: the helm tests skip with this same reason.
+        print(f"helm: not building, the chart tests will skip: {reason}", file=sys.stderr)
+        return 0
     path = ensure_helm()
     print(path)
     record = path.parent / "build.json"
