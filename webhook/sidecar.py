@@ -24,12 +24,13 @@ from enforcer.config import (
     ENV_METRICS_PORT,
     ENV_POD_NAME,
     ENV_POD_NAMESPACE,
+    ENV_POD_STATUS,
     ENV_POD_UID,
     ENV_STATE_DIR,
     EnforcerConfig,
     Mode,
 )
-from webhook.settings import SIDECAR_NAME, SIDECAR_PORT_NAME, InjectionSettings
+from webhook.settings import ANNOTATION_STATUS, SIDECAR_NAME, SIDECAR_PORT_NAME, InjectionSettings
 from webhook.shares import SharePlan, quote
 
 try:
@@ -245,6 +246,9 @@ def build_sidecar(plan: SharePlan, settings: InjectionSettings, *, run_as_root: 
         _field_env(ENV_POD_NAME, "metadata.name"),
         _field_env(ENV_POD_NAMESPACE, "metadata.namespace"),
         _field_env(ENV_POD_UID, "metadata.uid"),
+        # Admission warnings reach only the pod's creator (a Deployment's controller); the enforcer
+        # turns the ones recorded in the status annotation into Events on the pod.
+        _field_env(ENV_POD_STATUS, f"metadata.annotations['{ANNOTATION_STATUS}']"),
         {"name": ENV_METRICS_PORT, "value": str(port)},
         {"name": ENV_STATE_DIR, "value": DEFAULT_STATE_DIR},
         {"name": "NVIDIA_VISIBLE_DEVICES", "value": settings.nvidia_visible_devices},
