@@ -17,8 +17,9 @@ frameworks' sources:
   with "Unrecognized CachingAllocator option", hence opt-in. In 2.10
   ``c10/cuda/CUDAAllocatorConfig.h`` (``instance()``) reads ``PYTORCH_CUDA_ALLOC_CONF`` and only
   when it is absent ``PYTORCH_ALLOC_CONF``, so the key is merged into whichever the user set.
-  ``PYTORCH_NO_CUDA_MEMORY_CACHING`` bypasses the caching allocator (and its cap): releases
-  before 2.x's ``check_env`` took any value, even "0", as on (``getenv(...) != nullptr``).
+  ``PYTORCH_NO_CUDA_MEMORY_CACHING`` bypasses the caching allocator (and its cap); older
+  ``c10/cuda/CUDACachingAllocator.cpp`` (``forceUncachedAllocator``: ``getenv(...) != nullptr``)
+  takes any value, even "0", as on, newer ones ``check_env``'s true values, so any value is reported.
 * Text Generation Inference: ``CUDA_MEMORY_FRACTION`` is the launcher's ``--cuda-memory-fraction``
   (default 1.0; "the allowed value equals the total visible memory multiplied by
   cuda-memory-fraction", docs/source/basic_tutorials/launcher.md); its shards pass it to
