@@ -177,3 +177,12 @@ def test_byte_share_of_unknown_gpu_warns_with_the_rule_for_defaults_only() -> No
     assert server_warnings("llm", vllm("--gpu-memory-utilization", "0.1"), share, None, InjectionSettings()) == []
     fits = server_warnings("llm", vllm("--gpu-memory-utilization", "0.5"), share, GPU_80, InjectionSettings())
     assert len(fits) == 1 and "use --gpu-memory-utilization=0.0937" in fits[0]
+
+
+def test_jax_platform_allocator_is_reported() -> None:
+    result = framework_env("c", QUARTER, env_of(("XLA_PYTHON_CLIENT_ALLOCATOR", "platform")), None,
+                           InjectionSettings(), False)
+    (warning,) = result.warnings
+    assert 'XLA_PYTHON_CLIENT_ALLOCATOR="platform"' in warning and len(warning) <= 256
+    assert framework_env("c", QUARTER, env_of(("XLA_PYTHON_CLIENT_ALLOCATOR", "bfc")), None,
+                         InjectionSettings(), False).warnings == []

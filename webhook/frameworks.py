@@ -9,9 +9,10 @@ frameworks' sources:
   only ``XLA_PYTHON_CLIENT_MEM_FRACTION``; jaxlib 0.5.0 to 0.10.2 (the newest checked) read
   ``XLA_CLIENT_MEM_FRACTION``, fall back to ``XLA_PYTHON_CLIENT_MEM_FRACTION``, and raise
   ``ValueError`` when both are set. So gpufence sets the old name (read by every version) and
-  neither name when the user set either. The fraction sizes XLA's BFC allocator (total memory x
-  fraction; its ``allow_growth`` follows ``XLA_PYTHON_CLIENT_PREALLOCATE=false``), so it caps a
-  growing allocator too; without it the default is 0.75 of the device.
+  neither name when the user set either. The fraction sizes XLA's BFC allocator
+  (``xla/pjrt/gpu/gpu_helpers.cc``, ``CreateBFCAllocator``: total memory x fraction, with
+  ``allow_growth = !preallocate``), so it caps a growing allocator too; without it the default is
+  0.75 of the device. ``XLA_PYTHON_CLIENT_ALLOCATOR=platform`` has no pool and so no cap (reported).
 * PyTorch: ``per_process_memory_fraction`` in the caching allocator's config is new in PyTorch
   2.10 (pytorch#161035, in the 2.10.0 release notes); 2.9 and older stop CUDA initialisation
   with "Unrecognized CachingAllocator option", hence opt-in. In 2.10
@@ -51,6 +52,7 @@ from webhook.shares import quote
 
 ENV_XLA_FRACTION = "XLA_PYTHON_CLIENT_MEM_FRACTION"  # every jaxlib reads it
 ENV_XLA_FRACTION_NEW = "XLA_CLIENT_MEM_FRACTION"  # jaxlib >= 0.5.0; an error together with the old name
+ENV_XLA_ALLOCATOR = "XLA_PYTHON_CLIENT_ALLOCATOR"
 ENV_TGI_FRACTION = "CUDA_MEMORY_FRACTION"
 ENV_TORCH_ALLOC_CONF = "PYTORCH_CUDA_ALLOC_CONF"
 ENV_TORCH_ALLOC_CONF_NEW = "PYTORCH_ALLOC_CONF"  # read by the CUDA allocator only without the above
@@ -202,6 +204,12 @@ def framework_env(name: str, memory: MemoryShare | None, env: Mapping[str, Mappi
         )
     if memory is None:
         return result
+    allocator = env.get(ENV_XLA_ALLOCATOR, {}).get("value")
+    if isinstance(allocator, str) and allocator.strip().lower() == "platform":
+        result.warnings.append(
+            f"container {quote(name)} sets {ENV_XLA_ALLOCATOR}={quote(allocator)}: JAX then allocates on demand "
+            f"without a pool, so no memory fraction caps it; remove it to let {ENV_XLA_FRACTION} apply"
+        )
     cap = memory_cap(memory, device, settings.framework_memory_headroom_bytes)
     if cap is None:
         if device is None:
