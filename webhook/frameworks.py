@@ -39,6 +39,7 @@ workspaces live outside each framework's allocator, but NVML, and so the enforce
 from __future__ import annotations
 
 import itertools
+import re
 import shlex
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -296,6 +297,11 @@ def recorded_warnings(warnings: Sequence[str]) -> list[str]:
 
 # --- inference servers that size themselves from the GPU's total memory ---------------------------
 
+_SPACE = re.compile(r"\s")
+# A container none of whose words or image contains one of these is no inference server we know.
+_SERVER_MARKERS = ("vllm", "sglang", "text-generation", "--gpu-memory-utilization", "--gpu_memory_utilization",
+                   "--mem-fraction-static", "--mem_fraction_static", "--cuda-memory-fraction", "--kv-cache-memory")
+
 def _tokens(container: Mapping[str, Any]) -> list[str]:
     """command + args as words; an item with spaces (``sh -c "vllm serve ..."``) is split like a shell."""
     words: list[str] = []
@@ -306,7 +312,7 @@ def _tokens(container: Mapping[str, Any]) -> list[str]:
         for item in items:
             if not isinstance(item, str):
                 continue
-            if any(c.isspace() for c in item):
+            if _SPACE.search(item):
                 try:
                     words.extend(shlex.split(item))
                 except ValueError:
@@ -353,6 +359,9 @@ def server_warnings(name: str, container: Mapping[str, Any], memory: MemoryShare
         return []
     words = _tokens(container)
     image = container.get("image") if isinstance(container.get("image"), str) else ""
+    text = "\n".join((image, *words))
+    if not any(marker in text for marker in _SERVER_MARKERS):
+        return []
     cap = memory_cap(memory, device, settings.framework_memory_headroom_bytes)
     fit = cap.text if cap is not None else None
     share = describe_share(memory)
