@@ -186,3 +186,13 @@ def test_jax_platform_allocator_is_reported() -> None:
     assert 'XLA_PYTHON_CLIENT_ALLOCATOR="platform"' in warning and len(warning) <= 256
     assert framework_env("c", QUARTER, env_of(("XLA_PYTHON_CLIENT_ALLOCATOR", "bfc")), None,
                          InjectionSettings(), False).warnings == []
+
+
+def test_huge_command_lines_are_scanned_in_bounded_time() -> None:
+    import time
+
+    container = vllm("vllm serve " + "a " * 500_000 + "'unterminated quote")
+    started = time.perf_counter()
+    warnings = server_warnings("llm", container, QUARTER, None, InjectionSettings())
+    assert time.perf_counter() - started < 0.5
+    assert len(warnings) == 1  # still a vLLM container with the default utilisation

@@ -298,6 +298,8 @@ def recorded_warnings(warnings: Sequence[str]) -> list[str]:
 # --- inference servers that size themselves from the GPU's total memory ---------------------------
 
 _SPACE = re.compile(r"\s")
+_MAX_WORDS = 4096  # command-line words scanned for flags: real server command lines have far fewer
+_MAX_SHELL_SPLIT = 4096  # characters of one command/args item parsed with shlex (pure Python, per character)
 # A container none of whose words or image contains one of these is no inference server we know.
 _SERVER_MARKERS = ("vllm", "sglang", "text-generation", "--gpu-memory-utilization", "--gpu_memory_utilization",
                    "--mem-fraction-static", "--mem_fraction_static", "--cuda-memory-fraction", "--kv-cache-memory")
@@ -312,11 +314,13 @@ def _tokens(container: Mapping[str, Any]) -> list[str]:
         for item in items:
             if not isinstance(item, str):
                 continue
-            if _SPACE.search(item):
+            if _SPACE.search(item) and len(item) <= _MAX_SHELL_SPLIT:
                 try:
                     words.extend(shlex.split(item))
                 except ValueError:
                     words.extend(item.split())
+            elif _SPACE.search(item):
+                words.extend(item.split())  # too long to parse like a shell within a review's budget
             else:
                 words.append(item)
     return words
@@ -357,11 +361,16 @@ def server_warnings(name: str, container: Mapping[str, Any], memory: MemoryShare
     """
     if memory is None:
         return []
-    words = _tokens(container)
     image = container.get("image") if isinstance(container.get("image"), str) else ""
-    text = "\n".join((image, *words))
+    raw = [image]
+    for key in ("command", "args"):
+        items = container.get(key)
+        if isinstance(items, list):
+            raw.extend(item for item in items if isinstance(item, str))
+    text = "\n".join(raw)
     if not any(marker in text for marker in _SERVER_MARKERS):
         return []
+    words = _tokens(container)[:_MAX_WORDS]
     cap = memory_cap(memory, device, settings.framework_memory_headroom_bytes)
     fit = cap.text if cap is not None else None
     share = describe_share(memory)
