@@ -41,7 +41,7 @@ from __future__ import annotations
 import itertools
 import re
 import shlex
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from decimal import ROUND_DOWN, Decimal, InvalidOperation
 from typing import Any
@@ -263,7 +263,7 @@ def framework_env(name: str, memory: MemoryShare | None, env: Mapping[str, Mappi
 
 
 def _pytorch(name: str, cap: Cap, env: Mapping[str, Mapping[str, Any]], result: FrameworkResult,
-             above: Any) -> None:
+             above: Callable[[str, object, str | None], None]) -> None:
     entry_name = ENV_TORCH_ALLOC_CONF
     if ENV_TORCH_ALLOC_CONF not in env and ENV_TORCH_ALLOC_CONF_NEW in env:
         entry_name = ENV_TORCH_ALLOC_CONF_NEW  # the user's choice; a new variable would shadow it
