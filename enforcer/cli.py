@@ -42,6 +42,7 @@ from enforcer.config import (
     ENV_METRICS_PORT,
     ENV_POD_NAME,
     ENV_POD_NAMESPACE,
+    ENV_POD_STATUS,
     ENV_POD_UID,
     ENV_STATE_DIR,
     ConfigError,
@@ -219,6 +220,7 @@ def _run(
     args: argparse.Namespace, config: EnforcerConfig, port: int, log: DecisionLog,
     namespace: str, pod_name: str, pod_uid: str | None,
 ) -> int:
+    from enforcer.admission_warnings import report as report_admission_warnings
     from enforcer.attribution import Attributor, choose_mode
     from enforcer.events import EventRecorder, PodRef
     from enforcer.health import Health
@@ -249,6 +251,8 @@ def _run(
     metrics.declare_containers(config.containers)
     health = Health(config.poll_interval_seconds)
     pod = PodRef(namespace, pod_name, pod_uid)
+    events = EventRecorder.from_environment(log, pod)
+    report_admission_warnings(log, events, os.environ.get(ENV_POD_STATUS))
     enforcer = Enforcer(
         config,
         pid_mode=pid_mode,
@@ -260,7 +264,7 @@ def _run(
         log=log,
         metrics=metrics,
         health=health,
-        events=EventRecorder.from_environment(log, pod),
+        events=events,
         config_source=_FileWatcher(args.config, log) if args.config else None,
         compute_window_seconds=args.compute_window,
         compute_period_seconds=args.compute_period,

@@ -55,6 +55,8 @@ def load_case(case: str) -> tuple[dict[str, Any], InjectionSettings, _Lookup, st
     overrides = dict(doc.get("settings") or {})
     if "gpu_resource_names" in overrides:
         overrides["gpu_resource_names"] = tuple(overrides["gpu_resource_names"])
+    if "gpu_memory" in overrides:
+        overrides["gpu_memory"] = tuple((name, int(size)) for name, size in overrides["gpu_memory"])
     settings = InjectionSettings(**overrides)
     ns_doc = doc.get("namespace")
     if ns_doc == "unknown":

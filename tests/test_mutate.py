@@ -89,7 +89,8 @@ def test_sidecar_contract() -> None:
 
 
 def sidecar_context(pod: dict) -> tuple[dict, list[str]]:
-    new, warnings = desired_pod(pod, PLAN, InjectionSettings())
+    # The GPU's memory is known, so PLAN's byte share adds no framework warning to the sidecar's.
+    new, warnings = desired_pod(pod, PLAN, InjectionSettings(gpu_memory=(("nvidia.com/gpu", 80 << 30),)))
     (sidecar,) = [c for c in new["spec"]["initContainers"] if c["name"] == SIDECAR_NAME]
     return sidecar["securityContext"], warnings
 

@@ -40,6 +40,8 @@ EVERY_FIELD = [
     "--host-proc-mount-path=/hp", "--mps-limits=true", "--preload-library=/opt/libvgpu.so",
     "--preload-library-mount-dir=/pre", "--max-memory=40Gi", "--max-compute=25", "--default-mode=audit",
     "--allow-audit", "--allow-opt-out=true", "--sidecar-cpu-limit=1", "--void-non-gpu-containers=false",
+    "--gpu-memory=nvidia.com/gpu=80Gi", "--gpu-memory=nvidia.com/mig-1g.10gb=10Gi",
+    "--pytorch-memory-fraction", "--framework-memory-headroom=1Gi",
 ]
 
 
@@ -52,6 +54,25 @@ def test_every_settings_field_has_a_flag():
     assert settings.gpu_resource_names == ("nvidia.com/gpu", "nvidia.com/mig-1g.10gb")
     assert settings.native_sidecar is False and settings.mount_host_proc is True
     assert (settings.default_grace_period_seconds, settings.poll_interval_seconds) == (30.0, 0.25)
+    assert settings.gpu_memory == (("nvidia.com/gpu", 80 << 30), ("nvidia.com/mig-1g.10gb", 10 << 30))
+    assert settings.framework_memory_headroom_bytes == 1 << 30
+
+
+@pytest.mark.parametrize(("value", "reason"), [
+    ("80Gi", "RESOURCE=QUANTITY"), ("nvidia.com/gpu=lots", "is not a quantity"),
+    ("nvidia.com/gpu=512Mi", "at least 1Gi"), ("=80Gi", "RESOURCE=QUANTITY"),
+])
+def test_bad_gpu_memory_is_refused(value: str, reason: str, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exited:
+        parse_args([*TLS, f"--gpu-memory={value}"], environ={})
+    assert exited.value.code == 2
+    err = capsys.readouterr().err
+    assert "--gpu-memory" in err and reason in err
+
+
+def test_gpu_memory_from_env_is_comma_separated() -> None:
+    args = parse_args(TLS, environ={"GPUFENCE_WEBHOOK_GPU_MEMORY": "nvidia.com/gpu=80Gi, nvidia.com/gpu.shared=40Gi"})
+    assert settings_from_args(args).gpu_memory == (("nvidia.com/gpu", 80 << 30), ("nvidia.com/gpu.shared", 40 << 30))
 
 
 def test_env_vars_and_flag_precedence():

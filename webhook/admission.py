@@ -174,7 +174,7 @@ def _decide(
         policy = namespace_policy(namespace or "", namespace_annotations, settings)
         plan = resolve_shares(annotations, namespace_annotations, settings, gpu_names, all_names, policy)
         warnings.extend(plan.warnings)
-        patch, mutation_warnings = injection_patch(pod, plan, settings, pod_security)
+        patch, mutation_warnings = injection_patch(pod, plan, settings, pod_security, namespace_annotations)
     except (ShareError, MutationError) as exc:
         raise _Denied(str(exc)) from None
     warnings.extend(mutation_warnings)

@@ -113,6 +113,34 @@ def compute_share(text: str) -> str:
     return text
 
 
+def gpu_memory(text: str) -> tuple[str, int]:
+    """RESOURCE=QUANTITY, e.g. "nvidia.com/gpu=80Gi": the memory of one GPU of that resource."""
+    from webhook.quantity import QuantityError, parse_bytes
+
+    name, sep, amount = text.strip().partition("=")
+    if not sep or not name.strip() or not amount.strip():
+        raise ValueError('use RESOURCE=QUANTITY such as "nvidia.com/gpu=80Gi"')
+    try:
+        num_bytes = parse_bytes(amount.strip())
+    except QuantityError:
+        raise ValueError(f'{amount.strip()!r} is not a quantity such as "80Gi"') from None
+    if num_bytes < 1 << 30:
+        raise ValueError("a GPU's memory must be at least 1Gi")
+    return name.strip(), num_bytes
+
+
+def headroom(text: str) -> int:
+    from webhook.quantity import QuantityError, parse_bytes
+
+    try:
+        num_bytes = parse_bytes(text.strip())
+    except QuantityError:
+        raise ValueError('use a quantity such as "512Mi" or "0"') from None
+    if num_bytes < 0:
+        raise ValueError("must not be negative")
+    return num_bytes
+
+
 # --- the flag table ---------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Flag:
@@ -216,6 +244,15 @@ FLAGS: tuple[Flag, ...] = (
          "host path of an LD_PRELOAD GPU limiter (e.g. HAMi-core libvgpu.so) to inject"),
     Flag("preload-library-mount-dir", non_empty, _defaults.preload_library_mount_dir,
          "where the preload library's directory is mounted in GPU containers"),
+    Flag("gpu-memory", gpu_memory, None,
+         'memory of one GPU of a resource, for homogeneous pools ("nvidia.com/gpu=80Gi"; repeatable): turns '
+         "byte shares into the frameworks' memory fractions", repeat=True),
+    Flag("pytorch-memory-fraction", boolean, _defaults.pytorch_memory_fraction,
+         "cap PyTorch's allocator (PYTORCH_CUDA_ALLOC_CONF per_process_memory_fraction; PyTorch >= 2.10 only) "
+         "where the namespace does not set gpufence.io/pytorch-memory-fraction"),
+    Flag("framework-memory-headroom", headroom, _defaults.framework_memory_headroom_bytes,
+         "taken off a share before it becomes a framework's memory fraction, for the CUDA context (bytes or a "
+         'quantity such as "512Mi")'),
 )
 
 
@@ -316,6 +353,9 @@ def settings_from_args(args: argparse.Namespace) -> InjectionSettings:
         mps_limits=args.mps_limits,
         preload_library_host_path=args.preload_library,
         preload_library_mount_dir=args.preload_library_mount_dir,
+        gpu_memory=tuple(args.gpu_memory or ()),
+        pytorch_memory_fraction=args.pytorch_memory_fraction,
+        framework_memory_headroom_bytes=args.framework_memory_headroom,
     )
 
 

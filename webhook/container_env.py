@@ -8,11 +8,13 @@ shared with the input, so ``webhook.patch.diff`` skips them by identity.
 from __future__ import annotations
 
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 from enforcer.config import ENV_CONTAINER, ENV_MEMORY_LIMIT, ContainerShare
 from webhook.errors import MutationError
+from webhook.frameworks import DeviceMemory, framework_env, server_warnings
 from webhook.quantity import mebibytes_floor
 from webhook.settings import InjectionSettings
 from webhook.shares import quote
@@ -37,16 +39,20 @@ def add_share_env(
     library: str | None,
     warnings: list[str],
     add: Callable[[str, str], None],
+    framework_caps: Sequence[tuple[str, str]] = (),
 ) -> None:
     """Adds through ``add``, in this order, the variables a GPU container gets for its share, and
     appends the warnings the limits cause. LD_PRELOAD is left to ``gpu_container``: it appends to
-    a user's value rather than adding a variable."""
+    a user's value rather than adding a variable. ``framework_caps``: the allocation-time caps
+    ``webhook.frameworks.framework_env`` chose (variables the container lacks)."""
     add(ENV_CONTAINER, name)
     memory = share.memory
     if memory is not None:
         add(ENV_MEMORY_LIMIT, memory.describe())
     add(ENV_TF_ALLOW_GROWTH, "true")
     add(ENV_XLA_PREALLOCATE, "false")
+    for var, value in framework_caps:
+        add(var, value)
     compute = None if share.compute_percent is None else max(1, int(share.compute_percent))
 
     if settings.mps_limits:
@@ -81,21 +87,47 @@ def add_share_env(
             add(ENV_HAMI_SM, str(compute))
 
 
+@dataclass
+class FrameworkRecord:
+    """What the framework rules decided, across the pod's GPU containers, for the status annotation
+    (and, through it, the enforcer's Event)."""
+
+    caps: dict[str, dict[str, str]] = field(default_factory=dict)  # container -> variable -> cap
+    warnings: list[str] = field(default_factory=list)
+
+
 def gpu_container(
     container: dict[str, Any],
     share: ContainerShare,
     settings: InjectionSettings,
     library: str | None,
     warnings: list[str],
+    *,
+    device: DeviceMemory | None = None,
+    pytorch: bool = False,
+    record: FrameworkRecord | None = None,
 ) -> dict[str, Any]:
     """``container`` with its share's variables (and the preload mount) added, or ``container``
-    itself when it has them all; ``library`` from ``sidecar.preload_library_path``. Raises
-    ``MutationError`` when the container sets GPUFENCE_CONTAINER to another value or takes a
-    mount gpufence reserves."""
+    itself when it has them all; ``library`` from ``sidecar.preload_library_path``; ``device``
+    and ``pytorch`` for the framework caps (``webhook.frameworks``), whose decisions go to
+    ``record``. Raises ``MutationError`` when the container sets GPUFENCE_CONTAINER to another
+    value or takes a mount gpufence reserves."""
     name = container["name"]
     env = list(container.get("env") or ())
     index = {entry["name"]: i for i, entry in enumerate(env)}  # the last duplicate is the effective one
     changed = False
+
+    frameworks = framework_env(name, share.memory, {var: env[i] for var, i in index.items()}, device,
+                               settings, pytorch)
+    found = frameworks.warnings + server_warnings(name, container, share.memory, device, settings)
+    warnings.extend(found)
+    if record is not None:
+        record.warnings.extend(found)
+        if frameworks.caps:
+            record.caps[name] = frameworks.caps
+    for var, value in frameworks.replace_env:  # the user's alloc conf, with gpufence's key appended
+        env[index[var]] = {**env[index[var]], "value": value}
+        changed = True
 
     def add(var: str, value: str) -> None:
         nonlocal changed
@@ -119,7 +151,7 @@ def gpu_container(
                 f"container {quote(name)} sets {ENV_CONTAINER}={quote(entry.get('value', ''))}; gpufence sets "
                 f"it to the container's name to attribute GPU use, so remove it or set it to {quote(name)}"
             )
-    add_share_env(name, share, settings, library, warnings, add)
+    add_share_env(name, share, settings, library, warnings, add, frameworks.set_env)
     if library is not None:
         if ENV_LD_PRELOAD not in index:
             add(ENV_LD_PRELOAD, library)

@@ -12,11 +12,12 @@ is never modified.
 
 from __future__ import annotations
 
-from collections.abc import Container
+from collections.abc import Container, Mapping
 from typing import Any
 
-from webhook.container_env import gpu_container, void_container
+from webhook.container_env import FrameworkRecord, gpu_container, void_container
 from webhook.errors import MutationError
+from webhook.frameworks import device_memory, pytorch_cap_enabled, recorded_warnings
 from webhook.settings import ANNOTATION_STATUS, SIDECAR_NAME, InjectionSettings
 from webhook.shares import SharePlan, quote
 from webhook.sidecar import (
@@ -29,10 +30,12 @@ from webhook.sidecar import (
 
 
 def desired_pod(pod: dict[str, Any], plan: SharePlan, settings: InjectionSettings,
-                pod_security: str | None = None) -> tuple[dict[str, Any], list[str]]:
+                pod_security: str | None = None,
+                namespace_annotations: Mapping[str, object] | None = None) -> tuple[dict[str, Any], list[str]]:
     """The injected pod (sharing untouched subtrees with ``pod``) and warnings; raises MutationError.
 
     ``pod_security``: the namespace's enforced Pod Security level (its label), None if unlabelled.
+    ``namespace_annotations``: the Namespace's (its opt-in to PyTorch's allocator cap).
 
     The pod's shape must have been checked (``podshape.check_shape``): dicts and lists where
     this function reads them.
@@ -45,9 +48,10 @@ def desired_pod(pod: dict[str, Any], plan: SharePlan, settings: InjectionSetting
 
     metadata = dict(pod.get("metadata") or {})
     annotations = dict(metadata.get("annotations") or {})
-    annotations[ANNOTATION_STATUS] = status_annotation(plan)
     metadata["annotations"] = annotations
     new_pod["metadata"] = metadata
+    record = FrameworkRecord()
+    pytorch = pytorch_cap_enabled(namespace_annotations or {}, settings)
 
     if spec.get("hostPID") is True:
         raise MutationError(
@@ -90,7 +94,9 @@ def desired_pod(pod: dict[str, Any], plan: SharePlan, settings: InjectionSetting
                     )
             share = shares.get(container["name"])
             if share is not None:
-                container = gpu_container(container, share, settings, library, warnings)
+                container = gpu_container(container, share, settings, library, warnings,
+                                          device=device_memory(pod["spec"], container, settings),
+                                          pytorch=pytorch, record=record)
             elif settings.void_non_gpu_containers:
                 container = void_container(container)
             updated.append(container)
@@ -119,6 +125,7 @@ def desired_pod(pod: dict[str, Any], plan: SharePlan, settings: InjectionSetting
         elif present != volume:
             raise MutationError(f"volume name {quote(volume['name'])} is reserved by gpufence; rename the pod's volume")
     spec["volumes"] = volumes
+    annotations[ANNOTATION_STATUS] = status_annotation(plan, record.caps, recorded_warnings(record.warnings))
     return new_pod, warnings
 
 

@@ -8,6 +8,7 @@ as gpufence wants it), ``patch`` (the RFC 6902 difference), ``codec`` (JSON byte
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 from webhook.codec import dumps
@@ -18,13 +19,14 @@ from webhook.shares import SharePlan
 
 
 def injection_patch(
-    pod: dict[str, Any], plan: SharePlan, settings: InjectionSettings, pod_security: str | None = None
+    pod: dict[str, Any], plan: SharePlan, settings: InjectionSettings, pod_security: str | None = None,
+    namespace_annotations: Mapping[str, object] | None = None,
 ) -> tuple[bytes | None, list[str]]:
     """The JSON Patch (compact UTF-8 JSON; None when the pod needs none) and the warnings.
 
     Raises ``MutationError`` (a denial). The pod must have passed ``podshape.check_shape``.
     """
-    new_pod, warnings = desired_pod(pod, plan, settings, pod_security)
+    new_pod, warnings = desired_pod(pod, plan, settings, pod_security, namespace_annotations)
     ops = diff(pod, new_pod)
     return (dumps(ops) if ops else None), warnings
 

@@ -37,6 +37,8 @@ NAMESPACE_MAX_MEMORY = "gpufence.io/max-memory"
 NAMESPACE_MAX_COMPUTE = "gpufence.io/max-compute"
 NAMESPACE_ALLOW_AUDIT = "gpufence.io/allow-audit"
 NAMESPACE_ALLOW_OPT_OUT = "gpufence.io/allow-opt-out"
+# "true"/"false": inject PyTorch's allocator cap in this namespace (else --pytorch-memory-fraction).
+NAMESPACE_PYTORCH_MEMORY_FRACTION = "gpufence.io/pytorch-memory-fraction"
 
 SIDECAR_NAME = "gpufence-enforcer"
 # The sidecar's metrics port name, which the enforcer PodMonitor selects. Kubernetes limits port
@@ -115,3 +117,12 @@ class InjectionSettings:
     # LD_PRELOAD in-process limiter (HAMi-core's libvgpu.so), mounted from the node.
     preload_library_host_path: str | None = None
     preload_library_mount_dir: str = "/usr/local/gpufence/preload"
+    # Framework caps (webhook/frameworks.py). The memory of one GPU per GPU resource name, for
+    # homogeneous pools: (resource name, bytes) pairs, so that byte shares become fractions.
+    gpu_memory: tuple[tuple[str, int], ...] = ()
+    # PyTorch's allocator cap (PYTORCH_CUDA_ALLOC_CONF per_process_memory_fraction, PyTorch >= 2.10;
+    # older releases refuse to initialise CUDA with it): off unless the operator or namespace opts in.
+    pytorch_memory_fraction: bool = False
+    # Taken off the share before it becomes a framework's fraction (where the GPU's memory is
+    # known): the CUDA context and library workspaces, outside the allocator, count in NVML.
+    framework_memory_headroom_bytes: int = 512 << 20

@@ -12,7 +12,7 @@ from __future__ import annotations
 import functools
 import json
 import posixpath
-from collections.abc import Container
+from collections.abc import Container, Mapping, Sequence
 from types import MappingProxyType
 from typing import Any
 
@@ -23,13 +23,14 @@ from enforcer.config import (
     ENV_METRICS_PORT,
     ENV_POD_NAME,
     ENV_POD_NAMESPACE,
+    ENV_POD_STATUS,
     ENV_POD_UID,
     ENV_STATE_DIR,
     EnforcerConfig,
     Mode,
 )
 from gpufence import __version__
-from webhook.settings import SIDECAR_NAME, SIDECAR_PORT_NAME, InjectionSettings
+from webhook.settings import ANNOTATION_STATUS, SIDECAR_NAME, SIDECAR_PORT_NAME, InjectionSettings
 from webhook.shares import SharePlan, quote
 
 # The one version source (gpufence/__init__.py), also right in a bare checkout.
@@ -88,9 +89,21 @@ def enforcer_config(plan: SharePlan, settings: InjectionSettings) -> EnforcerCon
 _encode_sorted = json.JSONEncoder(separators=(",", ":"), sort_keys=True).encode
 
 
-def status_annotation(plan: SharePlan) -> str:
-    # Cached on the names, the mode and the version (read at call time: tests replace it).
+def status_annotation(plan: SharePlan, caps: Mapping[str, Mapping[str, str]] | None = None,
+                      warnings: Sequence[str] = ()) -> str:
+    """What gpufence did, as one JSON object: the GPU containers, the mode, the sidecar, the version,
+    and, when there are any, the framework caps in force per container (``caps``: variable -> value)
+    and the share-aware warnings (``warnings``, which the enforcer can turn into an Event)."""
     names = tuple(name for name, _ in plan.containers)
+    if caps or warnings:
+        status: dict[str, Any] = {"containers": list(names), "mode": plan.mode.value, "sidecar": SIDECAR_NAME,
+                                  "version": GPUFENCE_VERSION}
+        if caps:
+            status["caps"] = caps
+        if warnings:
+            status["warnings"] = list(warnings)
+        return _encode_sorted(status)
+    # Cached on the names, the mode and the version (read at call time: tests replace it).
     if sum(map(len, names)) <= _MAX_CACHED_NAMES:
         return _status_annotation(names, plan.mode, GPUFENCE_VERSION)
     return _status_annotation.__wrapped__(names, plan.mode, GPUFENCE_VERSION)
@@ -231,6 +244,9 @@ def build_sidecar(plan: SharePlan, settings: InjectionSettings, *, run_as_root: 
         _field_env(ENV_POD_NAME, "metadata.name"),
         _field_env(ENV_POD_NAMESPACE, "metadata.namespace"),
         _field_env(ENV_POD_UID, "metadata.uid"),
+        # Admission warnings reach only the pod's creator (a Deployment's controller); the enforcer
+        # turns the ones recorded in the status annotation into Events on the pod.
+        _field_env(ENV_POD_STATUS, f"metadata.annotations['{ANNOTATION_STATUS}']"),
         {"name": ENV_METRICS_PORT, "value": str(port)},
         {"name": ENV_STATE_DIR, "value": DEFAULT_STATE_DIR},
         {"name": "NVIDIA_VISIBLE_DEVICES", "value": settings.nvidia_visible_devices},

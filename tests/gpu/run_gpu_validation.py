@@ -94,6 +94,46 @@ while True:
         time.sleep(0.01)
 """
 
+# The framework-cap scenario's workloads (PyTorch only). argv: role ("greedy"|"steady"), MiB, seconds.
+# greedy: allocates MiB-sized blocks until its own allocation fails (OOM) or it holds the whole GPU;
+# steady: holds MiB, then allocates and frees one MiB block over and over for the given seconds.
+# stdout: "READY <t>", then greedy "OOM <held MiB>" | "NOOM <held MiB>", steady "STEADY <ok> <failed>".
+CAP_WORKLOAD = r"""
+import sys, time, torch
+
+role, mib, seconds = sys.argv[1], int(sys.argv[2]), float(sys.argv[3])
+block = mib << 20
+if role == "greedy":
+    total = torch.cuda.get_device_properties(0).total_memory
+    held = []
+    print(f"READY {time.monotonic():.6f}", flush=True)
+    try:
+        while sum(t.numel() for t in held) + block <= total:
+            held.append(torch.empty(block, dtype=torch.uint8, device="cuda"))
+            torch.cuda.synchronize()
+    except torch.cuda.OutOfMemoryError:
+        print(f"OOM {sum(t.numel() for t in held) >> 20}", flush=True)
+    else:
+        print(f"NOOM {sum(t.numel() for t in held) >> 20}", flush=True)
+    time.sleep(seconds)
+else:
+    base = torch.empty(block, dtype=torch.uint8, device="cuda")
+    print(f"READY {time.monotonic():.6f}", flush=True)
+    ok = failed = 0
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        try:
+            extra = torch.empty(block, dtype=torch.uint8, device="cuda")
+            torch.cuda.synchronize()
+            del extra
+            torch.cuda.empty_cache()
+            ok += 1
+        except torch.cuda.OutOfMemoryError:
+            failed += 1
+        time.sleep(0.01)
+    print(f"STEADY {ok} {failed}", flush=True)
+"""
+
 INTERESTING = {
     "started",
     "nvml_opened",
@@ -243,8 +283,73 @@ def stop(proc: subprocess.Popen[str] | None) -> None:
         proc.wait(timeout=10)
 
 
+def framework_cap_scenario(args: argparse.Namespace) -> int:
+    """Two PyTorch processes on one GPU: ``greedy`` with the allocator cap the webhook injects for its
+    share (``PYTORCH_CUDA_ALLOC_CONF=per_process_memory_fraction:<f>``, PyTorch >= 2.10) allocates
+    until its own allocation fails; ``steady`` (no cap) keeps allocating and freeing a block. Pass:
+    greedy got the OOM at about its share and steady never failed. No enforcer runs: this is the
+    prevention alone."""
+    import pynvml
+
+    if importlib.util.find_spec("torch") is None:
+        return skip("the framework-cap scenario needs PyTorch")
+    import torch
+
+    major, minor = (int(part) for part in torch.__version__.split("+")[0].split(".")[:2])
+    if (major, minor) < (2, 10):
+        return skip(f"torch {torch.__version__} has no per_process_memory_fraction in PYTORCH_CUDA_ALLOC_CONF (2.10+)")
+    from enforcer.config import MemoryShare
+    from webhook.frameworks import DeviceMemory, framework_env
+    from webhook.settings import InjectionSettings
+
+    pynvml.nvmlInit()
+    try:
+        total = pynvml.nvmlDeviceGetMemoryInfo(pynvml.nvmlDeviceGetHandleByIndex(0)).total
+    finally:
+        pynvml.nvmlShutdown()
+    # The webhook's own rule, as for a pod with this byte share on a GPU of this memory.
+    decided = framework_env("greedy", MemoryShare(bytes=args.share_mib * MiB), {}, DeviceMemory(total, "NVML"),
+                            InjectionSettings(), pytorch=True)
+    cap_env = dict(decided.set_env)
+    print(f"GPU memory {total >> 20} MiB, share {args.share_mib} MiB: greedy gets {cap_env}")
+    base = {k: v for k, v in os.environ.items() if not k.startswith(("PYTORCH_", "XLA_", "CUDA_MEMORY"))}
+    seconds = args.timeout
+    procs: dict[str, subprocess.Popen[str]] = {}
+    try:
+        steady = subprocess.Popen([sys.executable, "-c", CAP_WORKLOAD, "steady", str(args.initial_mib), str(seconds)],
+                                  env=base, stdout=subprocess.PIPE, text=True)
+        procs["steady"] = steady
+        assert steady.stdout is not None
+        if not steady.stdout.readline().startswith("READY"):
+            print("error: steady did not get ready (CUDA init failed?)")
+            return 2
+        greedy = subprocess.Popen([sys.executable, "-c", CAP_WORKLOAD, "greedy", "256", "2"],
+                                  env={**base, **cap_env}, stdout=subprocess.PIPE, text=True)
+        procs["greedy"] = greedy
+        greedy_out, _ = greedy.communicate(timeout=seconds + 60)
+        steady_out, _ = steady.communicate(timeout=seconds + 60)
+    finally:
+        for proc in procs.values():
+            stop(proc)
+    last = greedy_out.strip().splitlines()[-1].split() if greedy_out.strip() else ["none", "0"]
+    counts = steady_out.strip().splitlines()[-1].split() if steady_out.strip() else ["STEADY", "0", "-1"]
+    summary = {
+        "scenario": "framework-cap", "torch": torch.__version__, "cap": cap_env,
+        "greedy_own_oom": last[0] == "OOM", "greedy_held_mib": int(last[1]), "share_mib": args.share_mib,
+        "steady_allocations_ok": int(counts[1]), "steady_allocations_failed": int(counts[2]),
+    }
+    ok = (summary["greedy_own_oom"] and summary["greedy_held_mib"] <= args.share_mib
+          and summary["steady_allocations_failed"] == 0 and summary["steady_allocations_ok"] > 0)
+    summary["result"] = "pass" if ok else "fail"
+    print("summary: " + json.dumps(summary, sort_keys=True))
+    return 0 if ok else 1
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--scenario", choices=("enforcer", "framework-cap"), default="enforcer",
+                        help="enforcer: the enforcer against two CUDA workloads (default); framework-cap: two "
+                             "PyTorch processes, one with the webhook's allocator cap, no enforcer")
     parser.add_argument("--share-mib", type=int, default=4096, help="memory share of each container (default 4096)")
     parser.add_argument("--initial-mib", type=int, default=1024, help="allocation inside the share (default 1024)")
     parser.add_argument("--over-mib", type=int, default=4096, help="b's extra allocation beyond it (default 4096)")
@@ -259,6 +364,8 @@ def main(argv: list[str] | None = None) -> int:
     why = gpu_present()
     if why:
         return skip(why)
+    if args.scenario == "framework-cap":
+        return framework_cap_scenario(args)
     backend = cuda_backend()
     if backend is None:
         return skip("neither torch nor cupy is importable")

@@ -1,0 +1,35 @@
+"""The enforcer turns the webhook's recorded warnings into Events (enforcer/admission_warnings.py)."""
+
+from __future__ import annotations
+
+import io
+import json
+
+import pytest
+
+from enforcer.admission_warnings import REASON, report, warnings_from_status
+from enforcer.logs import DecisionLog
+
+
+class Recorder:
+    def __init__(self) -> None:
+        self.events: list[tuple[str, str, str]] = []
+
+    def record(self, reason: str, message: str, *, event_type: str = "Warning", action: str = "") -> None:
+        self.events.append((reason, message, event_type))
+
+
+@pytest.mark.parametrize("text", [None, "", "not json", "[]", '{"warnings": "x"}', '{"containers": ["a"]}'])
+def test_no_warnings(text: str | None) -> None:
+    assert warnings_from_status(text) == []
+
+
+def test_each_recorded_warning_becomes_a_warning_event_and_a_log_line() -> None:
+    status = json.dumps({"containers": ["llm"], "warnings": ["container \"llm\": vLLM ... use 0.25", 7, "second"]})
+    out = io.StringIO()
+    recorder = Recorder()
+    assert report(DecisionLog(namespace="ns", pod="p", stream=out), recorder, status) == 2
+    assert recorder.events == [(REASON, 'container "llm": vLLM ... use 0.25', "Warning"), (REASON, "second", "Warning")]
+    lines = [json.loads(line) for line in out.getvalue().splitlines()]
+    assert [line["event"] for line in lines] == ["admission_warning", "admission_warning"]
+    assert lines[1]["detail"] == "second"
