@@ -4,7 +4,7 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: venv demo test lint bench clean e2e e2e-binaries bench-pods helm-binary test-ops system-deps
+.PHONY: venv demo test lint bench clean e2e e2e-binaries bench-pods helm-binary test-ops system-deps framework-python
 
 # gpufence/__init__.py holds the version, which the installed metadata copies.
 $(VENV)/.installed: pyproject.toml requirements/lock.txt gpufence/__init__.py
@@ -29,8 +29,18 @@ e2e-binaries: venv
 system-deps:
 	./scripts/install_system_deps.sh
 
-test: venv lint system-deps e2e-binaries helm-binary
-	$(PY) -m pytest
+# A separate interpreter with the CPU jaxlib, for the tests that check what real jaxlib reads
+# from the injected environment (tests/test_framework_env_real.py). Not a gpufence dependency;
+# about 15 s and 620 MB the first time, cached; where pip cannot fetch it those tests skip.
+CACHE_DIR := $(or $(GPUFENCE_CACHE),$(or $(XDG_CACHE_HOME),$(HOME)/.cache)/gpufence)
+FRAMEWORK_VENV := $(CACHE_DIR)/framework-venv-jax-0.10.2
+framework-python:
+	@[ -f $(FRAMEWORK_VENV)/.ok ] || { $(PYTHON) -m venv $(FRAMEWORK_VENV) && \
+	  $(FRAMEWORK_VENV)/bin/pip install --quiet --disable-pip-version-check jax==0.10.2 jaxlib==0.10.2 && \
+	  touch $(FRAMEWORK_VENV)/.ok; } || echo "framework-python: jax not installed; its tests will skip" >&2
+
+test: venv lint system-deps e2e-binaries helm-binary framework-python
+	GPUFENCE_FRAMEWORK_PYTHON=$(FRAMEWORK_VENV)/bin/python $(PY) -m pytest
 
 e2e: venv e2e-binaries
 	$(PY) -m pytest tests/e2e
