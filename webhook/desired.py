@@ -125,7 +125,10 @@ def desired_pod(pod: dict[str, Any], plan: SharePlan, settings: InjectionSetting
         elif present != volume:
             raise MutationError(f"volume name {quote(volume['name'])} is reserved by gpufence; rename the pod's volume")
     spec["volumes"] = volumes
-    annotations[ANNOTATION_STATUS] = status_annotation(plan, record.caps, recorded_warnings(record.warnings))
+    # Every admission warning, not only the frameworks': warnings reach only whoever created the pod (for
+    # a Deployment its ReplicaSet controller), so the enforcer turns these into Events on the pod.
+    recorded = recorded_warnings([*plan.warnings, *warnings])
+    annotations[ANNOTATION_STATUS] = status_annotation(plan, record.caps, recorded)
     return new_pod, warnings
 
 
