@@ -49,6 +49,7 @@ from enforcer.config import (
     EnforcerConfig,
 )
 from enforcer.logs import LEVELS, DecisionLog, forward_stdlib_logging
+from enforcer.probe import probe, write_port
 from enforcer.procfs import ENV_NVIDIA_DEVICE_PREFIX
 from gpufence import __version__, version_line
 
@@ -93,6 +94,8 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"port of /metrics, /healthz, /readyz (default: ${ENV_METRICS_PORT} or {DEFAULT_METRICS_PORT}; 0: any)",
     )
     p.add_argument("--bind-address", default="0.0.0.0", help="address to serve HTTP on (default 0.0.0.0)")
+    p.add_argument("--probe", action="store_true",
+                   help="exit 0 if the enforcer running with this --state-dir is healthy (an exec probe)")
     p.add_argument(
         "--host-proc", default=env.get(ENV_HOST_PROC) or None,
         help=f"host /proc mount for legacy drivers that report host PIDs (default: ${ENV_HOST_PROC})",
@@ -177,6 +180,8 @@ class _FileWatcher:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.probe:
+        return probe(args.state_dir)
     try:
         config = load_config(args.config)
         port = _metrics_port(args)
@@ -309,6 +314,10 @@ async def _serve(
     except OSError as exc:
         log.error("http_failed", error=f"cannot serve on {args.bind_address}:{port}: {exc}")
         return 1
+    try:
+        write_port(args.state_dir, bound_port)
+    except OSError as exc:
+        log.warning("port_file_failed", error=str(exc), reason="an exec probe (--probe) cannot find the port")
     await asyncio.to_thread(enforcer.open_nvml)
     log.info(
         "started", version=__version__,

@@ -72,6 +72,7 @@ def desired_pod(pod: dict[str, Any], plan: SharePlan, settings: InjectionSetting
     sidecar_key = "initContainers" if settings.native_sidecar else "containers"
     sidecar_at: int | None = None  # where ours already is in its list (a reinvocation)
     previous_sidecar: dict[str, Any] | None = None
+    port_taken_by: str | None = None  # a container of the pod that declares the metrics port
     for key in ("initContainers", "containers"):
         containers = spec.get(key)
         if not containers:
@@ -88,10 +89,7 @@ def desired_pod(pod: dict[str, Any], plan: SharePlan, settings: InjectionSetting
                 continue
             for declared in container.get("ports") or ():
                 if isinstance(declared, dict) and declared.get("containerPort") == port:
-                    warnings.append(
-                        f"container {quote(container['name'])} declares port {port}, which the gpufence "
-                        "enforcer uses for its metrics in the same network namespace"
-                    )
+                    port_taken_by = port_taken_by or container["name"]
             share = shares.get(container["name"])
             if share is not None:
                 container = gpu_container(container, share, settings, library, warnings,
@@ -102,8 +100,21 @@ def desired_pod(pod: dict[str, Any], plan: SharePlan, settings: InjectionSetting
             updated.append(container)
         spec[key] = updated
 
+    # The metrics port is fixed unless the pod's network namespace may already hold it: with
+    # hostNetwork every GPU pod on the node shares one (a second pod's enforcer could not bind it,
+    # and its startup probe would never pass), and a container of the pod may declare it.
+    host_network = spec.get("hostNetwork") is True
+    fixed_port = not (host_network or port_taken_by)
+    if not fixed_port:
+        why = "the pod uses the host's network" if host_network else (
+            f"container {quote(port_taken_by or '')} declares port {port}")
+        warnings.append(
+            f"gpufence: {why}, so the enforcer serves its metrics and health on a free port it picks at "
+            "start (probed with gpufence-enforcer --probe) and Prometheus does not scrape it; its "
+            "decisions still reach the log and the pod's Events"
+        )
     sidecar = build_sidecar(plan, settings, run_as_root=sidecar_runs_as_root(pod["spec"], shares, warnings),
-                            pod_security=pod_security)
+                            pod_security=pod_security, fixed_port=fixed_port)
     sidecar = with_service_account_token(sidecar, previous_sidecar, pod["spec"])
     others = list(spec.get(sidecar_key) or ())
     if sidecar_at is not None:

@@ -191,6 +191,12 @@ def _field_env(name: str, field_path: str) -> dict[str, Any]:
 
 
 def _probe(path: str, port: int, *, period: int = 10, failures: int = 3) -> dict[str, Any]:
+    """An HTTP probe of ``path`` on ``port``; for port 0 (any free port, see ``enforcer.probe``) the
+    exec probe ``gpufence-enforcer --probe``, which asks the same /healthz on the port it bound."""
+    if port == 0:
+        # The exec'd probe waits up to 2 s for /healthz; the kubelet's timeout covers its start-up.
+        return {"exec": {"command": ["gpufence-enforcer", "--probe"]}, "periodSeconds": period,
+                "timeoutSeconds": 5, "successThreshold": 1, "failureThreshold": failures}
     return {
         "httpGet": {"path": path, "port": port, "scheme": "HTTP"},
         "periodSeconds": period,
@@ -235,10 +241,12 @@ def sidecar_security_context(run_as_root: bool, pod_security: str | None) -> dic
 
 
 def build_sidecar(plan: SharePlan, settings: InjectionSettings, *, run_as_root: bool = True,
-                  pod_security: str | None = None) -> dict[str, Any]:
+                  pod_security: str | None = None, fixed_port: bool = True) -> dict[str, Any]:
     """The enforcer container; ``run_as_root`` from ``sidecar_runs_as_root`` (see there why),
-    ``pod_security`` the namespace's enforced Pod Security level (see ``sidecar_security_context``)."""
-    port = settings.metrics_port
+    ``pod_security`` the namespace's enforced Pod Security level (see ``sidecar_security_context``);
+    ``fixed_port`` False where the pod's network namespace may already hold the metrics port (host
+    network, or a container declaring it): the enforcer then binds any free port (0)."""
+    port = settings.metrics_port if fixed_port else 0
     env = [
         {"name": ENV_CONFIG, "value": config_json(plan, settings)},
         _field_env(ENV_POD_NAME, "metadata.name"),
@@ -288,4 +296,6 @@ def build_sidecar(plan: SharePlan, settings: InjectionSettings, *, run_as_root: 
             "terminationMessagePolicy": "FallbackToLogsOnError",
         }
     )
+    if not fixed_port:
+        del sidecar["ports"]  # nothing to name for the PodMonitor: this enforcer is not scraped
     return sidecar

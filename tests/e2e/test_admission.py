@@ -154,3 +154,16 @@ def test_reinvocation_after_the_service_account_plugin_keeps_its_token_mount(
     # gpufence mounts the token itself, so the ServiceAccount plugin changes nothing and the API
     # server has no reason to reinvoke: one call per pod.
     assert after["unchanged"] - before["unchanged"] == 0, (before, after)
+
+
+def test_host_network_pod_gets_a_sidecar_that_binds_no_fixed_port(admin: client.ApiClient, opted_in: str,
+                                                                    webhook: WebhookProcess):
+    pod = kube.gpu_pod(annotations={"gpufence.io/memory": "8Gi"})
+    pod["spec"]["hostNetwork"] = True
+    created = kube.create_pod(admin, opted_in, pod)
+    assert created.admitted, created.message
+    sidecar = created.obj["spec"]["initContainers"][0]
+    assert "ports" not in sidecar
+    assert sidecar["startupProbe"]["exec"]["command"] == ["gpufence-enforcer", "--probe"]
+    assert kube.env_of(sidecar)["GPUFENCE_METRICS_PORT"] == "0"
+    assert_stable(webhook, opted_in, created.obj)
