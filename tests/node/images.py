@@ -185,24 +185,38 @@ def _debian_rootfs() -> Path:
     with _Locked(directory):
         if done.exists():
             return rootfs
-        debootstrap = _need("debootstrap")
         started = time.monotonic()
-        shutil.rmtree(rootfs, ignore_errors=True)
-        result = subprocess.run(
-            [debootstrap, "--variant=minbase", f"--include={','.join(DEBIAN_PACKAGES)}", DEBIAN_SUITE,
-             str(rootfs), DEBIAN_MIRROR], capture_output=True, text=True)
-        if result.returncode != 0:
-            raise RuntimeError(f"debootstrap failed:\n{result.stdout[-2000:]}{result.stderr[-2000:]}")
-        shutil.copy("/etc/resolv.conf", rootfs / "etc" / "resolv.conf")  # pip inside the chroot
+        debootstrapped = directory / "DEBOOTSTRAPPED"
+        if not debootstrapped.exists():
+            debootstrap = _need("debootstrap")
+            shutil.rmtree(rootfs, ignore_errors=True)
+            result = subprocess.run(
+                [debootstrap, "--variant=minbase", f"--include={','.join(DEBIAN_PACKAGES)}", DEBIAN_SUITE,
+                 str(rootfs), DEBIAN_MIRROR], capture_output=True, text=True)
+            if result.returncode != 0:
+                raise RuntimeError(f"debootstrap failed:\n{result.stdout[-2000:]}{result.stderr[-2000:]}")
+            debootstrapped.touch()
+        # The wheels come through the host's own pip (its index and certificates); the image's pip
+        # then installs them offline. Both are CPython 3.11 on glibc 2.36 (bookworm), so the same
+        # wheels fit.
+        wheels = rootfs / "tmp" / "wheels"
+        shutil.rmtree(wheels, ignore_errors=True)
         (rootfs / "tmp" / "lock.txt").write_bytes(lock.read_bytes())
-        # The project's runtime dependencies only (the lock file as constraints, as the Dockerfile does).
-        deps = _runtime_dependencies()
+        result = subprocess.run(
+            [sys.executable, "-m", "pip", "download", "--quiet", "--disable-pip-version-check",
+             "--only-binary=:all:", "-c", str(lock), "-d", str(wheels), *_runtime_dependencies()],
+            capture_output=True, text=True)
+        if result.returncode != 0:
+            raise RuntimeError(f"pip download of the runtime dependencies failed:\n{result.stderr[-2000:]}")
         for argv in (["python3", "-m", "venv", "/opt/gpufence"],
                      ["/opt/gpufence/bin/pip", "install", "--quiet", "--disable-pip-version-check",
-                      "--no-cache-dir", "-c", "/tmp/lock.txt", *deps]):
-            result = subprocess.run(["chroot", str(rootfs), *argv], capture_output=True, text=True)
+                      "--no-cache-dir", "--no-index", "--find-links", "/tmp/wheels", "-c", "/tmp/lock.txt",
+                      *_runtime_dependencies()]):
+            result = subprocess.run(["chroot", str(rootfs), *argv], capture_output=True, text=True,
+                                    env={"PATH": "/usr/sbin:/usr/bin:/sbin:/bin", "HOME": "/root"})
             if result.returncode != 0:
                 raise RuntimeError(f"{argv} in the image root failed:\n{result.stdout[-2000:]}{result.stderr[-2000:]}")
+        shutil.rmtree(wheels)
         # Shrink: apt lists and caches are not needed at run time.
         for junk in ("var/cache/apt", "var/lib/apt/lists", "usr/share/doc", "usr/share/man", "usr/share/locale"):
             shutil.rmtree(rootfs / junk, ignore_errors=True)
@@ -239,13 +253,22 @@ def gpufence_image() -> OciImage:
                     shutil.copytree(path, src / name, ignore=shutil.ignore_patterns("__pycache__", "*.so*"))
                 else:
                     shutil.copy(path, src / name)
+            # No build isolation (it would fetch setuptools from an index the chroot cannot reach):
+            # the wheel is built on the host, installed offline in the image.
+            wheel_dir = rootfs / "tmp" / "wheel"
             result = subprocess.run(
-                ["chroot", str(rootfs), "/opt/gpufence/bin/pip", "install", "--quiet", "--no-deps",
-                 "--disable-pip-version-check", "--no-cache-dir", "/tmp/src"],
-                capture_output=True, text=True)
+                [sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps", "--disable-pip-version-check",
+                 "-w", str(wheel_dir), str(src)], capture_output=True, text=True)
+            if result.returncode != 0:
+                raise RuntimeError(f"building the gpufence wheel failed:\n{result.stderr[-2000:]}")
+            result = subprocess.run(
+                ["chroot", str(rootfs), "sh", "-c", "/opt/gpufence/bin/pip install --quiet --no-deps --no-index "
+                 "--disable-pip-version-check --no-cache-dir /tmp/wheel/*.whl"],
+                capture_output=True, text=True, env={"PATH": "/usr/sbin:/usr/bin:/sbin:/bin", "HOME": "/root"})
             if result.returncode != 0:
                 raise RuntimeError(f"installing gpufence into the image failed:\n{result.stderr[-2000:]}")
             shutil.rmtree(src)
+            shutil.rmtree(wheel_dir)
             subprocess.run(["chroot", str(rootfs), "/opt/gpufence/bin/python", "-m", "compileall", "-q",
                             "/opt/gpufence/lib"], check=True)
             write_oci_tarball(
