@@ -175,6 +175,12 @@ state = "{workdir / 'containerd-state'}"
   address = "{socket}"
 [plugins."io.containerd.grpc.v1.cri"]
   sandbox_image = "{images.PAUSE_IMAGE}"
+  # These machines withhold CAP_SYS_RESOURCE even from root (CapBnd 0x1fffeffffff: bit 24 clear),
+  # so nobody may lower an oom_score_adj below their own (0). containerd asks runc for -998 on
+  # every sandbox, and runc's nsexec then dies: "failed to update /proc/self/oom_score_adj:
+  # Permission denied" ("can't get final child's PID from pipe: EOF"). This option, meant for
+  # rootless containerd, clamps the requested scores to containerd's own.
+  restrict_oom_score_adj = true
   [plugins."io.containerd.grpc.v1.cri".containerd]
     snapshotter = "overlayfs"
     default_runtime_name = "runc"
@@ -182,6 +188,7 @@ state = "{workdir / 'containerd-state'}"
       runtime_type = "io.containerd.runc.v2"
       [plugins."io.containerd.grpc.v1.cri".containerd.runtimes.runc.options]
         SystemdCgroup = false
+        BinaryName = "{os.environ.get('GPUFENCE_NODE_RUNC') or _which('runc')}"
   [plugins."io.containerd.grpc.v1.cri".cni]
     bin_dir = "{cni_bin_dir()}"
     conf_dir = "{cni_conf}"
