@@ -15,7 +15,8 @@ Configured like a kubeadm node where it matters to gpufence, with what this mach
 * the images come from ``tests.node.images`` (imported, never pulled).
 
 Only NVML is simulated: the simulator's library and state file are in a host directory that the
-test-only injector (``tests.node.siminjector``) mounts into the sidecar.
+node's OCI runtime wrapper (``tests.node.simruntime``) mounts into the sidecar, as the NVIDIA
+container toolkit mounts the real driver's.
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ from certs import pki
 from simnvml import build_library
 from tests.e2e.cluster_pki import client_cert
 from tests.e2e.controlplane import Component, ControlPlane, StartupFailed, free_port, start, write_kubeconfig
-from tests.node import images
+from tests.node import images, simruntime
 
 NODE_NAME = "gf-node"
 BRIDGE = "gfcni0"
@@ -165,7 +166,7 @@ def _wait(what: str, condition, node: Node | None = None, timeout: float = START
     raise StartupFailed(f"timed out after {timeout:.0f}s waiting for {what}")
 
 
-def _containerd_config(workdir: Path, socket: Path, cni_conf: Path) -> str:
+def _containerd_config(workdir: Path, socket: Path, cni_conf: Path, runtime: str) -> str:
     # Version 2 config of containerd 1.6 (Debian bookworm). runc through the v2 shim with cgroupfs
     # (SystemdCgroup false), like the kubelet's cgroupDriver; overlayfs snapshots; our CNI config.
     return f"""version = 2
@@ -188,7 +189,7 @@ state = "{workdir / 'containerd-state'}"
       runtime_type = "io.containerd.runc.v2"
       [plugins."io.containerd.grpc.v1.cri".containerd.runtimes.runc.options]
         SystemdCgroup = false
-        BinaryName = "{os.environ.get('GPUFENCE_NODE_RUNC') or _which('runc')}"
+        BinaryName = "{runtime}"
   [plugins."io.containerd.grpc.v1.cri".cni]
     bin_dir = "{cni_bin_dir()}"
     conf_dir = "{cni_conf}"
@@ -259,7 +260,11 @@ def start_node(cp: ControlPlane, name: str = NODE_NAME) -> Node:
         subprocess.run(["ip", "link", "delete", BRIDGE], capture_output=True)  # a previous run's leftover
         node.cleanups.append(["ip", "link", "delete", BRIDGE])
         config = workdir / "containerd.toml"
-        config.write_text(_containerd_config(workdir, socket, cni_conf))
+        # runc behind the simulated driver's runtime wrapper (what the NVIDIA container toolkit
+        # does for the real driver); GPUFENCE_NODE_RUNC swaps runc for another OCI runtime.
+        runtime = simruntime.install(str(workdir / "runc-simnvml"), str(sim_dir),
+                                     os.environ.get("GPUFENCE_NODE_RUNC") or _which("runc"))
+        config.write_text(_containerd_config(workdir, socket, cni_conf, runtime))
         node.components.append(start("containerd", [_which("containerd"), "--config", str(config)], workdir))
         _wait("containerd's socket", lambda: subprocess.run(
             [*node.ctr, "version"], capture_output=True).returncode == 0, node, 30)

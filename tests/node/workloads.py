@@ -47,13 +47,18 @@ while True:
 """
 
 
-def workload_container(name: str, script: str = WORKLOAD, **extra: Any) -> dict[str, Any]:
-    return {
+def workload_container(name: str, script: str = WORKLOAD, *, user: int | None = 0, **extra: Any) -> dict[str, Any]:
+    """A GPU container. ``user`` 0 by default: most CUDA images run as root (the image's own user,
+    65532, is what ``user=None`` gives)."""
+    container: dict[str, Any] = {
         "name": name, "image": GPUFENCE_IMAGE, "imagePullPolicy": "Never",
         "command": ["python3", "-u", "-c", script],
         "resources": {"limits": {"nvidia.com/gpu": "1"}, "requests": {"cpu": "10m", "memory": "32Mi"}},
         **extra,
     }
+    if user is not None:
+        container.setdefault("securityContext", {})["runAsUser"] = user
+    return container
 
 
 def gpu_pod(containers: list[dict[str, Any]], annotations: dict[str, str] | None = None,

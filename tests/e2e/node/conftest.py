@@ -20,7 +20,6 @@ from tests.e2e.gpufence_install import WebhookProcess
 from tests.node.binaries import NODE_VERSION
 from tests.node.images import ImageBuildUnavailable
 from tests.node.node import Node, NodeUnavailable, running_node
-from tests.node.siminjector import SimInjector
 from tests.node.workloads import write_gpu_state
 
 MAX_KUBELET_SKEW = 3  # minors, https://kubernetes.io/releases/version-skew-policy/#kubelet
@@ -45,14 +44,14 @@ def node(cluster: ControlPlane, gpufence: WebhookProcess) -> Iterator[Node]:
 
 
 @pytest.fixture(scope="session")
-def sim(cluster: ControlPlane, node: Node) -> Iterator[SimInjector]:
-    write_gpu_state(node, ())  # one idle simulated GPU until a test puts processes on it
-    with SimInjector(cluster, node.sim_dir, node.workdir / "siminjector") as injector:
-        yield injector
+def sim(node: Node) -> Node:
+    """The node with one idle simulated GPU (tests put processes on it with ``write_gpu_state``)."""
+    write_gpu_state(node, ())
+    return node
 
 
 @pytest.fixture
-def gpu_namespace(admin: client.ApiClient, cluster: ControlPlane, node: Node, sim: SimInjector) -> Iterator[str]:
+def gpu_namespace(admin: client.ApiClient, cluster: ControlPlane, node: Node, sim: Node) -> Iterator[str]:
     """An opted-in namespace whose pods may record Events (the install's documented RoleBinding)."""
     namespace = kube.create_namespace(admin, "node", kube.OPT_IN)
     cluster.kubectl("-n", namespace, "create", "rolebinding", "gpufence-enforcer-events",

@@ -12,11 +12,12 @@ import time
 
 from kubernetes import client
 
-from tests.e2e.controlplane import ControlPlane
 from tests.e2e import kube
+from tests.e2e.controlplane import ControlPlane
 from tests.node.node import Node
-from tests.node.siminjector import DEVICE_PATH, SimInjector
+from tests.node.simruntime import DEVICE_PATH
 from tests.node.workloads import (
+    SPINNER,
     container_log,
     enforcer_records,
     events,
@@ -29,7 +30,6 @@ from tests.node.workloads import (
     wait_running,
     workload_container,
     write_gpu_state,
-    SPINNER,
 )
 from webhook.settings import SIDECAR_NAME
 
@@ -43,7 +43,7 @@ def _create(admin: client.ApiClient, namespace: str, pod: dict) -> dict:
 
 
 def test_gpu_pod_starts_sidecar_first_with_healthy_probes(admin: client.ApiClient, cluster: ControlPlane,
-                                                          node: Node, sim: SimInjector, gpu_namespace: str):
+                                                          node: Node, sim: Node, gpu_namespace: str):
     pod = _create(admin, gpu_namespace, gpu_pod([workload_container("trainer"), workload_container("eval")],
                                                 {"gpufence.io/memory": "8Gi"}))
     assert pod["spec"]["initContainers"][0]["name"] == SIDECAR_NAME, "gpufence did not inject its sidecar"
@@ -71,7 +71,7 @@ def test_gpu_pod_starts_sidecar_first_with_healthy_probes(admin: client.ApiClien
 
 
 def test_container_over_memory_share_is_terminated_and_restarted(admin: client.ApiClient, cluster: ControlPlane,
-                                                                 node: Node, sim: SimInjector, gpu_namespace: str):
+                                                                 node: Node, sim: Node, gpu_namespace: str):
     pod = _create(admin, gpu_namespace, gpu_pod([workload_container("steady"), workload_container("greedy")],
                                                 {"gpufence.io/memory": "8Gi", "gpufence.io/grace-period": "5"}))
     name = pod["metadata"]["name"]
@@ -84,7 +84,12 @@ def test_container_over_memory_share_is_terminated_and_restarted(admin: client.A
         status = statuses(current).get("greedy", {})
         return current if status.get("restartCount", 0) >= 1 and "running" in status.get("state", {}) else None
 
-    restarted = kube.wait_for(greedy_restarted, "greedy terminated and restarted by the kubelet", 60, 0.3)
+    try:
+        restarted = kube.wait_for(greedy_restarted, "greedy terminated and restarted by the kubelet", 60, 0.3)
+    except AssertionError as exc:
+        current = get_pod(cluster, gpu_namespace, name)
+        raise AssertionError(f"{exc}\nstatuses: {statuses(current)}\nenforcer log:\n"
+                             f"{container_log(current, SIDECAR_NAME)[-5000:]}") from None
     # The restarted greedy is a new process: it holds no memory yet.
     write_gpu_state(node, [(steady, 4 * GIB, 10)])
     found = statuses(restarted)
@@ -100,6 +105,23 @@ def test_container_over_memory_share_is_terminated_and_restarted(admin: client.A
     assert not [r for r in enforcer_records(restarted) if r.get("container") == "steady"
                 and r.get("event") in ("sigterm", "sigkill", "memory_over_share")]
 
+
+def test_memory_over_share_event_in_pod_events(admin: client.ApiClient, cluster: ControlPlane,
+                                              node: Node, sim: Node, gpu_namespace: str):
+    """gpufence's Event reaches the pod's Events (the enforcer posts it with the pod's ServiceAccount
+    token, through the `kubernetes` Service, under the install's gpufence-enforcer-events role)."""
+    pod = _create(admin, gpu_namespace, gpu_pod([workload_container("greedy")],
+                                                {"gpufence.io/memory": "8Gi", "gpufence.io/grace-period": "5"}))
+    name = pod["metadata"]["name"]
+    running = wait_running(cluster, node, gpu_namespace, name)
+    greedy = host_pid(node, running, "greedy")
+    write_gpu_state(node, [(greedy, 9 * GIB, 10)])
+    wait_record(running, lambda r: r.get("event") == "sigterm" and r.get("container") == "greedy",
+                "the enforcer's sigterm record")
+    write_gpu_state(node, [])
+    disabled = [r for r in enforcer_records(running) if r.get("event") in ("events_disabled", "events_forbidden")]
+    assert not disabled, f"the enforcer cannot record Events: {disabled}"
+
     def over_share_event() -> dict | None:
         return next((e for e in events(cluster, gpu_namespace, name) if e["reason"] == "GPUMemoryOverShare"), None)
 
@@ -110,7 +132,7 @@ def test_container_over_memory_share_is_terminated_and_restarted(admin: client.A
 
 
 def test_container_over_compute_share_is_stopped_and_continued(admin: client.ApiClient, cluster: ControlPlane,
-                                                               node: Node, sim: SimInjector, gpu_namespace: str):
+                                                               node: Node, sim: Node, gpu_namespace: str):
     pod = _create(admin, gpu_namespace, gpu_pod(
         [workload_container("hog", SPINNER), workload_container("modest", SPINNER)],
         {"gpufence.io/memory": "8Gi", "gpufence.io/compute.hog": "25", "gpufence.io/compute.modest": "50"}))
@@ -135,7 +157,7 @@ def test_container_over_compute_share_is_stopped_and_continued(admin: client.Api
 
 
 def test_nothing_left_stopped_after_sidecar_restart(admin: client.ApiClient, cluster: ControlPlane,
-                                                    node: Node, sim: SimInjector, gpu_namespace: str):
+                                                    node: Node, sim: Node, gpu_namespace: str):
     pod = _create(admin, gpu_namespace, gpu_pod([workload_container("hog", SPINNER)],
                                                 {"gpufence.io/memory": "8Gi", "gpufence.io/compute": "20"}))
     name = pod["metadata"]["name"]
