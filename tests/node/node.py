@@ -46,7 +46,7 @@ BRIDGE = "gfcni0"
 POD_SUBNET = "10.244.0.0/24"
 CLUSTER_IP = "10.96.0.1"  # the `kubernetes` Service (first address of --service-cluster-ip-range)
 GPU_RESOURCE = "nvidia.com/gpu"
-GPUS = 4  # what the node advertises (time-slicing replicas of one simulated GPU, as the device plugin would)
+GPUS = 16  # what the node advertises (time-slicing replicas of one simulated GPU, as the device plugin would)
 CNI_DIRS = ("/usr/lib/cni", "/opt/cni/bin")
 STARTUP_TIMEOUT_S = 120.0
 

@@ -170,3 +170,37 @@ def sample_states(pid: int, seconds: float) -> set[str]:
         seen.add(process_state(pid))
         time.sleep(0.01)
     return seen
+
+
+# Run as root in a GPU container: finds the enforcer in the shared PID namespace and sends it
+# the signal named by argv[1]; then holds the device like any workload.
+SABOTEUR = """
+import os, signal, sys, time
+device = open("/dev/nvidia0")
+sig = getattr(signal, sys.argv[1])
+for pid in os.listdir("/proc"):
+    if pid.isdigit():
+        try:
+            cmdline = open(f"/proc/{pid}/cmdline", "rb").read()
+        except OSError:
+            continue
+        if b"gpufence-enforcer" in cmdline:
+            os.kill(int(pid), sig)
+            print(f"sent {sys.argv[1]} to enforcer pid {pid}", flush=True)
+while True:
+    time.sleep(3600)
+"""
+
+
+def metrics(pod: dict[str, Any], port: int = 9401) -> dict[str, float]:
+    """The sidecar's Prometheus metrics (no labels kept: name{labels} -> value), from the pod IP."""
+    import urllib.request
+
+    with urllib.request.urlopen(f"http://{pod['status']['podIP']}:{port}/metrics", timeout=5) as resp:
+        text = resp.read().decode()
+    values = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            key, _, value = line.rpartition(" ")
+            values[key] = float(value)
+    return values

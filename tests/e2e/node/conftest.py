@@ -58,5 +58,6 @@ def gpu_namespace(admin: client.ApiClient, cluster: ControlPlane, node: Node, si
                     "--clusterrole=gpufence-enforcer-events", f"--group=system:serviceaccounts:{namespace}")
     yield namespace
     write_gpu_state(node, ())
-    # Pods of a finished test must not keep running (their processes would stay on the shared GPU state).
+    # A finished test's pods must be gone before the next starts (GPUs, CPU of 2-core machines).
+    cluster.kubectl("-n", namespace, "delete", "pods", "--all", "--wait=true", "--timeout=90s", check=False)
     cluster.kubectl("delete", "namespace", namespace, "--wait=false", check=False)
