@@ -179,12 +179,12 @@ import os, signal, sys, time
 device = open("/dev/nvidia0")
 sig = getattr(signal, sys.argv[1])
 for pid in os.listdir("/proc"):
-    if pid.isdigit():
+    if pid.isdigit() and int(pid) != os.getpid():  # this script's own text names the enforcer
         try:
-            cmdline = open(f"/proc/{pid}/cmdline", "rb").read()
+            argv = open(f"/proc/{pid}/cmdline", "rb").read().split(b"\\0")
         except OSError:
             continue
-        if b"gpufence-enforcer" in cmdline:
+        if any(arg.rsplit(b"/", 1)[-1] == b"gpufence-enforcer" for arg in argv):
             os.kill(int(pid), sig)
             print(f"sent {sys.argv[1]} to enforcer pid {pid}", flush=True)
 while True:
