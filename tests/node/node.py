@@ -138,12 +138,32 @@ class Node:
         for task in tasks.stdout.split():
             subprocess.run([*self.ctr, "-n", "k8s.io", "tasks", "kill", "-s", "SIGKILL", "--all", task],
                            capture_output=True)
+        for task in tasks.stdout.split():
+            # Deleting a task reaps it and lets its shim exit (stopping containerd alone does not).
+            subprocess.run([*self.ctr, "-n", "k8s.io", "tasks", "delete", "--force", task], capture_output=True)
         for component in self.components:
             if component.name != "kubelet":
                 component.stop()
+        _stop_shims(self.containerd_socket)
         for argv in reversed(self.cleanups):
             subprocess.run(argv, capture_output=True)
         _unmount_below(self.workdir)
+
+
+def _stop_shims(socket: Path) -> None:
+    """containerd-shim-runc-v2 processes of this node's containerd (their -address is our socket)
+    that outlived it: each runs in a session of its own, so nothing else ends them."""
+    marker = f"-address\0{socket}\0".encode()
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            cmdline = (entry / "cmdline").read_bytes()
+        except OSError:
+            continue
+        if b"containerd-shim" in cmdline and marker in cmdline:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(int(entry.name), signal.SIGKILL)
 
 
 def _unmount_below(directory: Path) -> None:
@@ -338,7 +358,3 @@ def running_node(cp: ControlPlane) -> Iterator[Node]:
     finally:
         node.stop()
         shutil.rmtree(node.workdir, ignore_errors=True)
-
-
-def stop_signal_name(sig: int) -> str:
-    return signal.Signals(sig).name
