@@ -293,8 +293,9 @@ def start_node(cp: ControlPlane, name: str = NODE_NAME) -> Node:
 
         _route_cluster_ip(node)
 
-        ca = pki.KeyPair(pki.load_cert(cp.pki.ca_cert.read_bytes()),
-                         pki.load_key(cp.pki.ca_key.read_bytes()))  # type: ignore[union-attr]
+        if cp.pki.ca_key is None:
+            raise NodeUnavailable("the control plane's PKI kept no CA key to sign the kubelet's certificate")
+        ca = pki.KeyPair(pki.load_cert(cp.pki.ca_cert.read_bytes()), pki.load_key(cp.pki.ca_key.read_bytes()))
         identity = client_cert(ca, f"system:node:{name}", ("system:nodes",))
         (workdir / "kubelet.crt").write_bytes(identity.cert_pem)
         (workdir / "kubelet.key").write_bytes(identity.key_pem)
