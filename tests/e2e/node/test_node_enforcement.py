@@ -36,6 +36,12 @@ from webhook.settings import SIDECAR_NAME
 GIB = 1 << 30
 
 
+def _instant(cri_timestamp: str) -> tuple[str, int]:
+    """A CRI log timestamp (RFC 3339, up to 9 fractional digits, trailing zeros dropped) as a sortable key."""
+    seconds, _, fraction = cri_timestamp.rstrip("Z").partition(".")
+    return seconds, int(fraction.ljust(9, "0") or 0)
+
+
 def _create(admin: client.ApiClient, namespace: str, pod: dict) -> dict:
     created = kube.create_pod(admin, namespace, pod)
     assert created.admitted, created.message
@@ -63,9 +69,14 @@ def test_gpu_pod_starts_sidecar_first_with_healthy_probes(admin: client.ApiClien
     started = wait_record(running, lambda r: r.get("event") == "started", "the enforcer's started record")
     wait_record(running, lambda r: r.get("event") == "nvml_opened", "NVML opened (simulator loaded)")
     assert started.get("pod") == pod["metadata"]["name"], started
-    # The workloads see the stand-in device and run as the image's user.
+    # The workloads hold the stand-in device, and their first output comes after the enforcer's
+    # started record (CRI log timestamps, nanoseconds, one clock): enforcement was up first.
+    started_at = next(line.split(" ", 1)[0] for line in container_log(running, SIDECAR_NAME).splitlines()
+                      if '"event":"started"' in line)
     for name in ("trainer", "eval"):
         kube.wait_for(lambda n=name: "gpu process" in container_log(running, n), f"{name} holding {DEVICE_PATH}")
+        first = container_log(running, name).splitlines()[0].split(" ", 1)[0]
+        assert _instant(first) > _instant(started_at), (name, first, started_at)
     ready = {c["type"]: c["status"] for c in running["status"]["conditions"]}
     assert ready.get("Ready") == "True", running["status"]["conditions"]
 
