@@ -194,7 +194,9 @@ def _debian_rootfs() -> Path:
                 [debootstrap, "--variant=minbase", f"--include={','.join(DEBIAN_PACKAGES)}", DEBIAN_SUITE,
                  str(rootfs), DEBIAN_MIRROR], capture_output=True, text=True)
             if result.returncode != 0:
-                raise RuntimeError(f"debootstrap failed:\n{result.stdout[-2000:]}{result.stderr[-2000:]}")
+                # Almost always the Debian mirror out of reach: a missing prerequisite, said as such.
+                raise ImageBuildUnavailable(
+                    f"debootstrap {DEBIAN_SUITE} from {DEBIAN_MIRROR} failed: {(result.stdout + result.stderr)[-600:]}")
             debootstrapped.touch()
         # The wheels come through the host's own pip (its index and certificates); the image's pip
         # then installs them offline. Both are CPython 3.11 on glibc 2.36 (bookworm), so the same
@@ -207,7 +209,7 @@ def _debian_rootfs() -> Path:
              "--only-binary=:all:", "-c", str(lock), "-d", str(wheels), *_runtime_dependencies()],
             capture_output=True, text=True)
         if result.returncode != 0:
-            raise RuntimeError(f"pip download of the runtime dependencies failed:\n{result.stderr[-2000:]}")
+            raise ImageBuildUnavailable(f"pip download of the runtime dependencies failed: {result.stderr[-600:]}")
         for argv in (["python3", "-m", "venv", "/opt/gpufence"],
                      ["/opt/gpufence/bin/pip", "install", "--quiet", "--disable-pip-version-check",
                       "--no-cache-dir", "--no-index", "--find-links", "/tmp/wheels", "-c", "/tmp/lock.txt",
