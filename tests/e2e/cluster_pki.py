@@ -54,6 +54,8 @@ class ClusterPki:
     admin_key: Path
     kcm_cert: Path  # system:kube-controller-manager, bound by RBAC's bootstrap policy
     kcm_key: Path
+    # The CA's key: the node tests sign the kubelet's system:node:<name> client certificate with it.
+    ca_key: Path | None = None
 
 
 def _write(path: Path, data: bytes) -> Path:
@@ -85,4 +87,5 @@ def make_cluster_pki(directory: Path) -> ClusterPki:
         admin_key=_write(directory / "admin.key", admin.key_pem),
         kcm_cert=_write(directory / "kcm.crt", kcm.cert_pem),
         kcm_key=_write(directory / "kcm.key", kcm.key_pem),
+        ca_key=_write(directory / "ca.key", ca.key_pem),
     )

@@ -1,0 +1,63 @@
+"""Fixtures for the node tests: a real kubelet + containerd + runc joined to the e2e control plane.
+
+The node runs with the oldest tested control plane only: the kubelet is v1.30.14 (cgroup v1, which
+these machines mount), and the version skew policy allows a kubelet at most three minors older
+than the API server, so against v1.37 the node tests skip and say so.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+
+import pytest
+from kubernetes import client
+
+from tests.e2e import kube
+from tests.e2e.binaries import GoMissing
+from tests.e2e.controlplane import ControlPlane
+from tests.e2e.gpufence_install import WebhookProcess
+from tests.node.binaries import NODE_VERSION
+from tests.node.images import ImageBuildUnavailable
+from tests.node.node import Node, NodeUnavailable, running_node
+from tests.node.workloads import write_gpu_state
+
+MAX_KUBELET_SKEW = 3  # minors, https://kubernetes.io/releases/version-skew-policy/#kubelet
+
+
+def _minor(version: str) -> int:
+    return int(version.lstrip("v").split(".")[1])
+
+
+@pytest.fixture(scope="session")
+def node(cluster: ControlPlane, gpufence: WebhookProcess) -> Iterator[Node]:
+    if os.environ.get("GPUFENCE_SKIP_NODE"):
+        pytest.skip(f"GPUFENCE_SKIP_NODE={os.environ['GPUFENCE_SKIP_NODE']} set")
+    if _minor(cluster.version) - _minor(NODE_VERSION) > MAX_KUBELET_SKEW:
+        pytest.skip(f"kubelet {NODE_VERSION} is more than {MAX_KUBELET_SKEW} minors older than the "
+                    f"API server {cluster.version} (unsupported skew); the node runs with v1.30 only")
+    try:
+        with running_node(cluster) as running:
+            yield running
+    except (NodeUnavailable, ImageBuildUnavailable, GoMissing) as exc:
+        pytest.skip(f"no node: {exc}")
+
+
+@pytest.fixture(scope="session")
+def sim(node: Node) -> Node:
+    """The node with one idle simulated GPU (tests put processes on it with ``write_gpu_state``)."""
+    write_gpu_state(node, ())
+    return node
+
+
+@pytest.fixture
+def gpu_namespace(admin: client.ApiClient, cluster: ControlPlane, node: Node, sim: Node) -> Iterator[str]:
+    """An opted-in namespace whose pods may record Events (the install's documented RoleBinding)."""
+    namespace = kube.create_namespace(admin, "node", kube.OPT_IN)
+    cluster.kubectl("-n", namespace, "create", "rolebinding", "gpufence-enforcer-events",
+                    "--clusterrole=gpufence-enforcer-events", f"--group=system:serviceaccounts:{namespace}")
+    yield namespace
+    write_gpu_state(node, ())
+    # A finished test's pods must be gone before the next starts (GPUs, CPU of 2-core machines).
+    cluster.kubectl("-n", namespace, "delete", "pods", "--all", "--wait=true", "--timeout=90s", check=False)
+    cluster.kubectl("delete", "namespace", namespace, "--wait=false", check=False)

@@ -1,0 +1,199 @@
+"""The mutated pod on a real node (kubelet, containerd, runc): the sidecar enforces inside it.
+
+Only NVML is simulated (the simulator's library loaded by the real pynvml in the real sidecar); the
+webhook, the pod as it mutates it, the shared PID namespace with our pause as PID 1, the native
+sidecar's ordering and probes, runc's securityContext, the kernel's kill and ptrace checks between
+containers and the kubelet's restarts are the real ones.
+"""
+
+from __future__ import annotations
+
+import time
+
+from kubernetes import client
+
+from tests.e2e import kube
+from tests.e2e.controlplane import ControlPlane
+from tests.node.node import Node
+from tests.node.simruntime import DEVICE_PATH
+from tests.node.workloads import (
+    SPINNER,
+    container_log,
+    enforcer_records,
+    events,
+    get_pod,
+    gpu_pod,
+    host_pid,
+    sample_states,
+    statuses,
+    wait_record,
+    wait_running,
+    workload_container,
+    write_gpu_state,
+)
+from webhook.settings import SIDECAR_NAME
+
+GIB = 1 << 30
+
+
+def _instant(cri_timestamp: str) -> tuple[str, int]:
+    """A CRI log timestamp (RFC 3339, up to 9 fractional digits, trailing zeros dropped) as a sortable key."""
+    seconds, _, fraction = cri_timestamp.rstrip("Z").partition(".")
+    return seconds, int(fraction.ljust(9, "0") or 0)
+
+
+def _create(admin: client.ApiClient, namespace: str, pod: dict) -> dict:
+    created = kube.create_pod(admin, namespace, pod)
+    assert created.admitted, created.message
+    return created.obj
+
+
+def test_gpu_pod_starts_sidecar_first_with_healthy_probes(admin: client.ApiClient, cluster: ControlPlane,
+                                                          node: Node, sim: Node, gpu_namespace: str):
+    pod = _create(admin, gpu_namespace, gpu_pod([workload_container("trainer"), workload_container("eval")],
+                                                {"gpufence.io/memory": "8Gi"}))
+    assert pod["spec"]["initContainers"][0]["name"] == SIDECAR_NAME, "gpufence did not inject its sidecar"
+    assert pod["spec"]["shareProcessNamespace"] is True
+    running = wait_running(cluster, node, gpu_namespace, pod["metadata"]["name"])
+    found = statuses(running)
+    sidecar = found[SIDECAR_NAME]
+    # Native sidecar: started (its startupProbe passed) and ready, never restarted.
+    assert sidecar["started"] is True and sidecar["ready"] is True and sidecar["restartCount"] == 0, sidecar
+    sidecar_started = sidecar["state"]["running"]["startedAt"]
+    for name in ("trainer", "eval"):
+        assert found[name]["restartCount"] == 0, found[name]
+        # RFC 3339 seconds in UTC compare as strings; the startupProbe (period 1 s) holds the
+        # workloads back until /healthz answers, so they cannot start before the sidecar.
+        assert found[name]["state"]["running"]["startedAt"] >= sidecar_started
+    # The real pynvml in the sidecar loaded the simulator and the enforcer is polling.
+    started = wait_record(running, lambda r: r.get("event") == "started", "the enforcer's started record")
+    wait_record(running, lambda r: r.get("event") == "nvml_opened", "NVML opened (simulator loaded)")
+    assert started.get("pod") == pod["metadata"]["name"], started
+    # The workloads hold the stand-in device, and their first output comes after the enforcer's
+    # started record (CRI log timestamps, nanoseconds, one clock): enforcement was up first.
+    started_at = next(line.split(" ", 1)[0] for line in container_log(running, SIDECAR_NAME).splitlines()
+                      if '"event":"started"' in line)
+    for name in ("trainer", "eval"):
+        kube.wait_for(lambda n=name: "gpu process" in container_log(running, n), f"{name} holding {DEVICE_PATH}")
+        first = container_log(running, name).splitlines()[0].split(" ", 1)[0]
+        assert _instant(first) > _instant(started_at), (name, first, started_at)
+    ready = {c["type"]: c["status"] for c in running["status"]["conditions"]}
+    assert ready.get("Ready") == "True", running["status"]["conditions"]
+
+
+def test_container_over_memory_share_is_terminated_and_restarted(admin: client.ApiClient, cluster: ControlPlane,
+                                                                 node: Node, sim: Node, gpu_namespace: str):
+    pod = _create(admin, gpu_namespace, gpu_pod([workload_container("steady"), workload_container("greedy")],
+                                                {"gpufence.io/memory": "8Gi", "gpufence.io/grace-period": "5"}))
+    name = pod["metadata"]["name"]
+    running = wait_running(cluster, node, gpu_namespace, name)
+    steady, greedy = host_pid(node, running, "steady"), host_pid(node, running, "greedy")
+    write_gpu_state(node, [(steady, 4 * GIB, 10), (greedy, 9 * GIB, 10)])
+
+    def greedy_restarted() -> dict | None:
+        current = get_pod(cluster, gpu_namespace, name)
+        status = statuses(current).get("greedy", {})
+        return current if status.get("restartCount", 0) >= 1 and "running" in status.get("state", {}) else None
+
+    try:
+        restarted = kube.wait_for(greedy_restarted, "greedy terminated and restarted by the kubelet", 60, 0.3)
+    except AssertionError as exc:
+        current = get_pod(cluster, gpu_namespace, name)
+        raise AssertionError(f"{exc}\nstatuses: {statuses(current)}\nenforcer log:\n"
+                             f"{container_log(current, SIDECAR_NAME)[-5000:]}") from None
+    # The restarted greedy is a new process: it holds no memory yet.
+    write_gpu_state(node, [(steady, 4 * GIB, 10)])
+    found = statuses(restarted)
+    last = found["greedy"]["lastState"]["terminated"]
+    # It ended on the enforcer's SIGTERM (its handler exits 143 and says so), not the kubelet's.
+    assert last["exitCode"] == 143, last
+    assert "got SIGTERM" in container_log(restarted, "greedy", restart=0)
+    assert found["steady"]["restartCount"] == 0 and "running" in found["steady"]["state"], found["steady"]
+    assert host_pid(node, restarted, "steady") == steady, "the container under its share was touched"
+    record = wait_record(restarted, lambda r: r.get("event") == "sigterm" and r.get("container") == "greedy",
+                         "the enforcer's sigterm record")
+    assert record.get("used_bytes") == 9 * GIB and record.get("limit_bytes") == 8 * GIB, record
+    assert not [r for r in enforcer_records(restarted) if r.get("container") == "steady"
+                and r.get("event") in ("sigterm", "sigkill", "memory_over_share")]
+
+
+def test_memory_over_share_event_in_pod_events(admin: client.ApiClient, cluster: ControlPlane,
+                                              node: Node, sim: Node, gpu_namespace: str):
+    """gpufence's Event reaches the pod's Events (the enforcer posts it with the pod's ServiceAccount
+    token, through the `kubernetes` Service, under the install's gpufence-enforcer-events role)."""
+    pod = _create(admin, gpu_namespace, gpu_pod([workload_container("greedy")],
+                                                {"gpufence.io/memory": "8Gi", "gpufence.io/grace-period": "5"}))
+    name = pod["metadata"]["name"]
+    running = wait_running(cluster, node, gpu_namespace, name)
+    greedy = host_pid(node, running, "greedy")
+    write_gpu_state(node, [(greedy, 9 * GIB, 10)])
+    wait_record(running, lambda r: r.get("event") == "sigterm" and r.get("container") == "greedy",
+                "the enforcer's sigterm record")
+    write_gpu_state(node, [])
+    disabled = [r for r in enforcer_records(running) if r.get("event") in ("events_disabled", "events_forbidden")]
+    assert not disabled, f"the enforcer cannot record Events: {disabled}"
+
+    def over_share_event() -> dict | None:
+        return next((e for e in events(cluster, gpu_namespace, name) if e["reason"] == "GPUMemoryOverShare"), None)
+
+    event = kube.wait_for(over_share_event, "gpufence's GPUMemoryOverShare Event on the pod", 30, 0.3)
+    assert event["source"]["component"] == "gpufence-enforcer", event
+    assert str(9 * GIB) in event["message"] and str(8 * GIB) in event["message"], event["message"]
+    assert "greedy" in event["message"], event["message"]
+
+
+def test_container_over_compute_share_is_stopped_and_continued(admin: client.ApiClient, cluster: ControlPlane,
+                                                               node: Node, sim: Node, gpu_namespace: str):
+    pod = _create(admin, gpu_namespace, gpu_pod(
+        [workload_container("hog", SPINNER), workload_container("modest", SPINNER)],
+        {"gpufence.io/memory": "8Gi", "gpufence.io/compute.hog": "25", "gpufence.io/compute.modest": "50"}))
+    name = pod["metadata"]["name"]
+    running = wait_running(cluster, node, gpu_namespace, name)
+    hog, modest = host_pid(node, running, "hog"), host_pid(node, running, "modest")
+    write_gpu_state(node, [(hog, 1 * GIB, 90), (modest, 1 * GIB, 10)])
+    wait_record(running, lambda r: r.get("event") == "throttle_start" and r.get("container") == "hog",
+                "throttle_start for hog", timeout=40)
+    # The kernel shows hog both stopped (T) and running (R/S) within a few duty-cycle periods.
+    seen = sample_states(hog, 3.0)
+    assert "T" in seen and ({"R", "S"} & seen), seen
+    assert "T" not in sample_states(modest, 1.0), "the container under its compute share was stopped"
+    # Back under its share: throttling ends and hog is left running.
+    write_gpu_state(node, [(hog, 1 * GIB, 5), (modest, 1 * GIB, 10)])
+    wait_record(get_pod(cluster, gpu_namespace, name),
+                lambda r: r.get("event") == "throttle_stop" and r.get("container") == "hog",
+                "throttle_stop for hog", timeout=40)
+    assert "T" not in sample_states(hog, 1.5), "hog left stopped after throttling ended"
+    assert "gap" in container_log(get_pod(cluster, gpu_namespace, name), "hog"), \
+        "hog saw no stopped interval of its own"
+
+
+def test_nothing_left_stopped_after_sidecar_restart(admin: client.ApiClient, cluster: ControlPlane,
+                                                    node: Node, sim: Node, gpu_namespace: str):
+    pod = _create(admin, gpu_namespace, gpu_pod([workload_container("hog", SPINNER)],
+                                                {"gpufence.io/memory": "8Gi", "gpufence.io/compute": "20"}))
+    name = pod["metadata"]["name"]
+    running = wait_running(cluster, node, gpu_namespace, name)
+    hog = host_pid(node, running, "hog")
+    write_gpu_state(node, [(hog, 1 * GIB, 95)])
+    wait_record(running, lambda r: r.get("event") == "throttle_start", "throttle_start for hog", timeout=40)
+    # Kill the sidecar at a moment hog is held stopped: the worst case for a crash.
+    sidecar = host_pid(node, running, SIDECAR_NAME)
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        if sample_states(hog, 0.01) == {"T"}:
+            break
+    import os
+    import signal
+
+    os.kill(sidecar, signal.SIGKILL)
+
+    def sidecar_restarted() -> dict | None:
+        current = get_pod(cluster, gpu_namespace, name)
+        status = statuses(current)[SIDECAR_NAME]
+        return current if status["restartCount"] >= 1 and status.get("started") else None
+
+    restarted = kube.wait_for(sidecar_restarted, "the kubelet restarting the sidecar", 60, 0.3)
+    # No compute demand any more: the restarted enforcer must continue what its predecessor stopped.
+    write_gpu_state(node, [(hog, 1 * GIB, 0)])
+    kube.wait_for(lambda: "T" not in sample_states(hog, 1.5), "hog continued after the sidecar restart", 30, 0)
+    assert statuses(restarted)["hog"]["restartCount"] == 0

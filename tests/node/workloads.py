@@ -1,0 +1,206 @@
+"""Pods, workloads and observations for the node tests (what a user submits, what the node shows)."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import Any
+
+from simnvml import SimDevice, SimProcess, SimState, write_state
+from tests.e2e import kube
+from tests.e2e.controlplane import ControlPlane
+from tests.node.images import GPUFENCE_IMAGE
+from tests.node.node import NODE_NAME, Node
+from webhook.settings import SIDECAR_NAME
+
+GPU_UUID = "GPU-5e1f0c0d-0000-4000-8000-000000000000"
+GPU_MEMORY = 80 << 30
+
+# A GPU process as far as the enforcer can tell: it holds the (stand-in) device open. It says when
+# it got SIGTERM, so the test can tell the enforcer's signal from the kubelet's.
+WORKLOAD = """
+import os, signal, sys, time
+device = open("/dev/nvidia0")
+def on_term(signum, frame):
+    print("got SIGTERM", flush=True)
+    sys.exit(143)
+signal.signal(signal.SIGTERM, on_term)
+print(f"gpu process {os.getpid()} uid {os.getuid()}", flush=True)
+while True:
+    time.sleep(3600)
+"""
+
+# Burns CPU and reports, once a second, how much wall time passed without it running: a process
+# held stopped (SIGSTOP) sees gaps.
+SPINNER = """
+import os, time
+device = open("/dev/nvidia0")
+print(f"gpu process {os.getpid()}", flush=True)
+last = time.monotonic()
+while True:
+    now = time.monotonic()
+    if now - last > 0.2:
+        print(f"gap {now - last:.2f}", flush=True)
+    last = now
+"""
+
+
+def workload_container(name: str, script: str = WORKLOAD, *, user: int | None = 0, **extra: Any) -> dict[str, Any]:
+    """A GPU container. ``user`` 0 by default: most CUDA images run as root (the image's own user,
+    65532, is what ``user=None`` gives)."""
+    container: dict[str, Any] = {
+        "name": name, "image": GPUFENCE_IMAGE, "imagePullPolicy": "Never",
+        "command": ["python3", "-u", "-c", script],
+        "resources": {"limits": {"nvidia.com/gpu": "1"}, "requests": {"cpu": "10m", "memory": "32Mi"}},
+        **extra,
+    }
+    if user is not None:
+        container.setdefault("securityContext", {})["runAsUser"] = user
+    return container
+
+
+def gpu_pod(containers: list[dict[str, Any]], annotations: dict[str, str] | None = None,
+            **spec: Any) -> dict[str, Any]:
+    return {
+        "apiVersion": "v1", "kind": "Pod",
+        "metadata": {"name": kube.unique("gpu"), "annotations": annotations or {}},
+        # No scheduler in the test bed: bound to the node as the scheduler would.
+        "spec": {"nodeName": NODE_NAME, "containers": containers, **spec},
+    }
+
+
+def get_pod(cp: ControlPlane, namespace: str, name: str) -> dict[str, Any]:
+    return json.loads(cp.kubectl("-n", namespace, "get", "pod", name, "-o", "json").stdout)
+
+
+def statuses(pod: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    status = pod.get("status") or {}
+    return {s["name"]: s for s in (status.get("initContainerStatuses") or []) + (status.get("containerStatuses") or [])}
+
+
+def all_running(pod: dict[str, Any]) -> bool:
+    found = statuses(pod)
+    names = kube.container_names(pod)
+    return all(n in found and "running" in (found[n].get("state") or {}) and found[n].get("started") for n in names)
+
+
+def wait_running(cp: ControlPlane, node: Node, namespace: str, name: str, timeout: float = 90.0) -> dict[str, Any]:
+    def ready() -> dict[str, Any] | None:
+        node.check_alive()
+        pod = get_pod(cp, namespace, name)
+        return pod if all_running(pod) else None
+    try:
+        return kube.wait_for(ready, f"pod {namespace}/{name} running", timeout, interval=0.3)
+    except AssertionError:
+        pod = get_pod(cp, namespace, name)
+        raise AssertionError(f"pod not running: {json.dumps(pod.get('status'), indent=1)[-3000:]}\n"
+                             f"events: {events(cp, namespace, name)}\nkubelet: {node.log('kubelet')[-3000:]}") from None
+
+
+def host_pid(node: Node, pod: dict[str, Any], container: str) -> int:
+    cid = statuses(pod)[container]["containerID"]
+    pid = node.task_pid(cid)
+    assert pid is not None, f"container {container} ({cid}) has no running task"
+    return pid
+
+
+def write_gpu_state(node: Node, processes: Iterable[tuple[int, int, int]]) -> None:
+    """The simulated GPU's processes: (host pid, bytes used, SM %); the simulator maps the host pid
+    to the one the sidecar sees in the pod's PID namespace, as the driver does."""
+    write_state(node.state_file, SimState(devices=(SimDevice(
+        GPU_UUID, GPU_MEMORY, tuple(SimProcess.for_pid(pid, used, sm_util=sm) for pid, used, sm in processes)),)))
+
+
+def events(cp: ControlPlane, namespace: str, pod: str) -> list[dict[str, Any]]:
+    items = json.loads(cp.kubectl("-n", namespace, "get", "events", "-o", "json").stdout)["items"]
+    return [e for e in items if e["involvedObject"].get("name") == pod]
+
+
+def container_log(pod: dict[str, Any], container: str, restart: int | None = None) -> str:
+    """The container's log file on this node (the API server has no kubelet client credentials
+    here, so ``kubectl logs`` is not available; the files are the same the kubelet serves)."""
+    meta = pod["metadata"]
+    directory = Path("/var/log/pods") / f"{meta['namespace']}_{meta['name']}_{meta['uid']}" / container
+    if restart is None:
+        files = sorted(directory.glob("*.log"), key=lambda p: int(p.name.split(".")[0]))
+    else:
+        files = [directory / f"{restart}.log"]
+    return "".join(p.read_text(errors="replace") for p in files if p.exists())
+
+
+def enforcer_records(pod: dict[str, Any]) -> list[dict[str, Any]]:
+    """The enforcer's JSON decision log (CRI log lines: time stream tag message)."""
+    records = []
+    for line in container_log(pod, SIDECAR_NAME).splitlines():
+        parts = line.split(" ", 3)
+        if len(parts) == 4:
+            try:
+                records.append(json.loads(parts[3]))
+            except ValueError:
+                continue
+    return records
+
+
+def wait_record(pod: dict[str, Any], predicate: Callable[[dict[str, Any]], bool], what: str,
+                timeout: float = 30.0) -> dict[str, Any]:
+    def found() -> dict[str, Any] | None:
+        return next((r for r in enforcer_records(pod) if predicate(r)), None)
+    try:
+        return kube.wait_for(found, what, timeout, interval=0.2)
+    except AssertionError:
+        raise AssertionError(f"no enforcer record: {what}; log:\n{container_log(pod, SIDECAR_NAME)[-4000:]}") from None
+
+
+def process_state(pid: int) -> str:
+    """The kernel's state letter for ``pid`` (``T`` = stopped), "" when it is gone."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return ""
+    return stat.rsplit(")", 1)[1].split()[0]
+
+
+def sample_states(pid: int, seconds: float) -> set[str]:
+    """The states ``pid`` was seen in over ``seconds`` (polled every 10 ms: a duty cycle has no event)."""
+    seen = set()
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        seen.add(process_state(pid))
+        time.sleep(0.01)
+    return seen
+
+
+# Run as root in a GPU container: finds the enforcer in the shared PID namespace and sends it
+# the signal named by argv[1]; then holds the device like any workload.
+SABOTEUR = """
+import os, signal, sys, time
+device = open("/dev/nvidia0")
+sig = getattr(signal, sys.argv[1])
+for pid in os.listdir("/proc"):
+    if pid.isdigit() and int(pid) != os.getpid():  # this script's own text names the enforcer
+        try:
+            argv = open(f"/proc/{pid}/cmdline", "rb").read().split(b"\\0")
+        except OSError:
+            continue
+        if any(arg.rsplit(b"/", 1)[-1] == b"gpufence-enforcer" for arg in argv):
+            os.kill(int(pid), sig)
+            print(f"sent {sys.argv[1]} to enforcer pid {pid}", flush=True)
+while True:
+    time.sleep(3600)
+"""
+
+
+def metrics(pod: dict[str, Any], port: int = 9401) -> dict[str, float]:
+    """The sidecar's Prometheus metrics (no labels kept: name{labels} -> value), from the pod IP."""
+    import urllib.request
+
+    with urllib.request.urlopen(f"http://{pod['status']['podIP']}:{port}/metrics", timeout=5) as resp:
+        text = resp.read().decode()
+    values = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            key, _, value = line.rpartition(" ")
+            values[key] = float(value)
+    return values
