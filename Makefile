@@ -25,7 +25,8 @@ lint: venv
 e2e-binaries: venv
 	$(PY) -m tests.e2e.binaries
 
-# Debian packages some tests use (promtool); installed when missing and root, else those tests skip.
+# Debian packages some tests use (promtool, the node's runtime); installed when missing and root, else
+# those tests skip.
 system-deps:
 	./scripts/install_system_deps.sh
 
@@ -42,7 +43,7 @@ framework-python:
 test: venv lint system-deps e2e-binaries helm-binary framework-python
 	GPUFENCE_FRAMEWORK_PYTHON=$(FRAMEWORK_VENV)/bin/python $(PY) -m pytest
 
-e2e: venv e2e-binaries
+e2e: venv system-deps e2e-binaries
 	$(PY) -m pytest tests/e2e
 
 bench: venv

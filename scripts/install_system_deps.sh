@@ -1,25 +1,31 @@
 #!/usr/bin/env bash
-# Debian packages the test suite uses beyond Python, a C compiler and Go. Installed only when
+# The Debian packages the test suite uses beyond Python, a C compiler and Go, installed when
 # missing and only where we may (root with apt-get); elsewhere the tests that need them skip and
-# name the package.
-#   prometheus: promtool, for `promtool check rules` / `promtool test rules` (tests/test_alerts.py)
+# name what is missing. `make test` runs this first; it is idempotent (a second run installs
+# nothing and takes milliseconds).
+#   prometheus                  promtool: `promtool check/test rules` (tests/test_alerts.py)
+#   containerd, runc            the node's container runtime (tests/e2e/node); containerd's own
+#                               service is never started: the tests run theirs with their own config
+#   containernetworking-plugins pod networking on the node: bridge, host-local, loopback
+#   debootstrap                 the gpufence image's root filesystem (tests/node/images.py)
+#   iptables                    the node's route to the `kubernetes` Service (no kube-proxy)
 set -euo pipefail
 
-need=()
-command -v promtool >/dev/null 2>&1 || need+=(prometheus)
-for extra in "$@"; do
-    dpkg -s "$extra" >/dev/null 2>&1 || need+=("$extra")
+PACKAGES=(prometheus containerd runc containernetworking-plugins debootstrap iptables)
+missing=()
+for p in "${PACKAGES[@]}"; do
+    dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
 done
-[ ${#need[@]} -eq 0 ] && exit 0
+[ ${#missing[@]} -eq 0 ] && exit 0
 
 if [ "$(id -u)" != 0 ] || ! command -v apt-get >/dev/null 2>&1; then
-    echo "system deps: not installing ${need[*]} (needs root and apt-get); the tests that use them will skip" >&2
+    echo "system deps: not installing ${missing[*]} (needs root and apt-get); the tests that use them will skip" >&2
     exit 0
 fi
 export DEBIAN_FRONTEND=noninteractive
 start=$(date +%s)
-if ! apt-get install -y --no-install-recommends "${need[@]}" >/dev/null 2>&1; then
+if ! apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null 2>&1; then
     apt-get update -qq >/dev/null
-    apt-get install -y --no-install-recommends "${need[@]}" >/dev/null
+    apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
 fi
-echo "system deps: installed ${need[*]} in $(( $(date +%s) - start )) s" >&2
+echo "system deps: installed ${missing[*]} in $(( $(date +%s) - start )) s" >&2

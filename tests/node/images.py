@@ -27,19 +27,29 @@ import subprocess
 import sys
 import tarfile
 import time
+import tomllib
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
+from webhook.settings import DEFAULT_SIDECAR_IMAGE
+
 REPO = Path(__file__).resolve().parents[2]
 HERE = Path(__file__).resolve().parent
 PAUSE_IMAGE = "registry.k8s.io/pause:3.9"  # the name the kubelet and containerd ask for by default
-GPUFENCE_IMAGE = "ghcr.io/gpufence/gpufence:0.1.0"  # the install's and the webhook's default name
+GPUFENCE_IMAGE = DEFAULT_SIDECAR_IMAGE  # the install's and the webhook's default name (one version source)
 DEBIAN_SUITE = "bookworm"
 DEBIAN_MIRROR = os.environ.get("GPUFENCE_DEBIAN_MIRROR", "http://deb.debian.org/debian")
 # What the project's image needs besides its virtualenv: python3 (+ venv to create it).
 DEBIAN_PACKAGES = ("python3", "python3-venv")
-PROJECT_SOURCES = ("pyproject.toml", "README.md", "webhook", "enforcer", "certs", "simnvml", "scripts")
+def _project_sources() -> tuple[str, ...]:
+    """What the wheel is built from: pyproject's packages (one list, not a copy kept here by hand)."""
+    with open(REPO / "pyproject.toml", "rb") as f:
+        include = tomllib.load(f)["tool"]["setuptools"]["packages"]["find"]["include"]
+    return ("pyproject.toml", "README.md", *(pattern.rstrip("*") for pattern in include))
+
+
+PROJECT_SOURCES = _project_sources()
 
 
 class ImageBuildUnavailable(RuntimeError):
@@ -67,7 +77,7 @@ def _digest_files(paths: Iterable[Path], extra: bytes = b"") -> str:
 def _need(tool: str) -> str:
     path = shutil.which(tool)
     if path is None:
-        raise ImageBuildUnavailable(f"{tool} is not installed (tests/node/setup.sh installs it)")
+        raise ImageBuildUnavailable(f"{tool} is not installed (scripts/install_system_deps.sh installs it)")
     return path
 
 

@@ -24,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shlex
 import shutil
 import signal
 import subprocess
@@ -58,7 +59,7 @@ class NodeUnavailable(RuntimeError):
 def _which(name: str) -> str:
     path = shutil.which(name) or shutil.which(name, path="/usr/sbin:/sbin")
     if path is None:
-        raise NodeUnavailable(f"{name} is not installed (run tests/node/setup.sh as root)")
+        raise NodeUnavailable(f"{name} is not installed (run scripts/install_system_deps.sh as root, or make test)")
     return path
 
 
@@ -67,7 +68,7 @@ def cni_bin_dir() -> str:
         if all(os.path.exists(os.path.join(directory, p)) for p in ("bridge", "host-local", "loopback")):
             return directory
     raise NodeUnavailable("the CNI plugins are not installed (Debian's containernetworking-plugins; "
-                          "run tests/node/setup.sh as root)")
+                          "run scripts/install_system_deps.sh as root, or make test)")
 
 
 def check_prerequisites() -> None:
@@ -327,6 +328,12 @@ def _route_cluster_ip(node: Node) -> None:
     port = node.cp.server.rsplit(":", 1)[1]
     rule = ["PREROUTING", "-t", "nat", "-p", "tcp", "-d", CLUSTER_IP, "--dport", "443",
             "-j", "DNAT", "--to-destination", f"127.0.0.1:{port}", "-m", "comment", "--comment", "gpufence-node"]
+    # A run killed before its teardown (a CI timeout) leaves its rule behind, pointing at a dead
+    # port; it would match first. Remove every rule of ours before adding this run's.
+    listed = subprocess.run(["iptables", "-t", "nat", "-S", "PREROUTING"], check=True, capture_output=True, text=True)
+    for line in listed.stdout.splitlines():
+        if "gpufence-node" in line and line.startswith("-A "):
+            subprocess.run(["iptables", "-t", "nat", "-D", *shlex.split(line)[1:]], check=False, capture_output=True)
     subprocess.run(["iptables", "-A", *rule], check=True, capture_output=True)
     node.cleanups.append(["iptables", "-D", *rule])
     previous = Path("/proc/sys/net/ipv4/conf/all/route_localnet").read_text().strip()

@@ -96,7 +96,17 @@ def wait_running(cp: ControlPlane, node: Node, namespace: str, name: str, timeou
     except AssertionError:
         pod = get_pod(cp, namespace, name)
         raise AssertionError(f"pod not running: {json.dumps(pod.get('status'), indent=1)[-3000:]}\n"
-                             f"events: {events(cp, namespace, name)}\nkubelet: {node.log('kubelet')[-3000:]}") from None
+                             f"events: {events(cp, namespace, name)}\n"
+                             f"container logs: {container_logs(namespace, name)[-4000:]}\n"
+                             f"kubelet: {node.log('kubelet')[-3000:]}") from None
+
+
+def container_logs(namespace: str, name: str) -> str:
+    """What the containers wrote, read from the kubelet's log files (no kubelet API client here)."""
+    out = []
+    for log in sorted(Path("/var/log/pods").glob(f"{namespace}_{name}_*/*/*.log")):
+        out.append(f"--- {log.parent.name}/{log.name}\n" + log.read_text(errors="replace")[-1500:])
+    return "\n".join(out)
 
 
 def host_pid(node: Node, pod: dict[str, Any], container: str) -> int:
