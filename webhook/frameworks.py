@@ -47,7 +47,8 @@ from decimal import ROUND_DOWN, Decimal, InvalidOperation
 from typing import Any
 
 from enforcer.config import MemoryShare
-from webhook.quantity import QuantityError, is_positive_quantity, parse_bytes
+from webhook.podshape import gpu_resource_of
+from webhook.quantity import QuantityError, parse_bytes
 from webhook.settings import NAMESPACE_PYTORCH_MEMORY_FRACTION, InjectionSettings
 from webhook.shares import quote
 
@@ -103,19 +104,6 @@ def describe_share(memory: MemoryShare) -> str:
     return human_bytes(memory.bytes) if memory.bytes is not None else memory.describe()
 
 
-def _gpu_resource(container: Mapping[str, Any], resource_names: Sequence[str]) -> str | None:
-    resources = container.get("resources")
-    if not isinstance(resources, dict):
-        return None
-    for section in ("limits", "requests"):
-        amounts = resources.get(section)
-        if isinstance(amounts, dict):
-            for name in resource_names:
-                if name in amounts and is_positive_quantity(amounts[name]):
-                    return name
-    return None
-
-
 def device_memory(spec: Mapping[str, Any], container: Mapping[str, Any],
                   settings: InjectionSettings) -> DeviceMemory | None:
     """The memory of the GPU the container will get, when the pod or the operator says it.
@@ -129,7 +117,7 @@ def device_memory(spec: Mapping[str, Any], container: Mapping[str, Any],
         value = selector.get(GFD_MEMORY_LABEL)
         if isinstance(value, str) and value.isdigit() and 0 < int(value) < (1 << 40):
             return DeviceMemory(int(value) * MiB, f"node selector {GFD_MEMORY_LABEL}={quote(value)}")
-    resource = _gpu_resource(container, settings.gpu_resource_names)
+    resource = gpu_resource_of(container, settings.gpu_resource_names)
     for name, num_bytes in settings.gpu_memory:
         if name == resource:
             return DeviceMemory(num_bytes, f"webhook flag --gpu-memory {name}={human_bytes(num_bytes)}")

@@ -7,6 +7,7 @@ from hand-made requests; checking it once here keeps the rest of the core free o
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from itertools import repeat
 from typing import Any
 
@@ -15,20 +16,26 @@ from webhook.quantity import is_positive_quantity
 from webhook.shares import quote
 
 
-def container_requests_gpu(container: Any, resource_names: tuple[str, ...]) -> bool:
-    """Whether a container asks for a positive amount of one of the GPU resources (tolerant of garbage)."""
+def gpu_resource_of(container: Any, resource_names: Sequence[str]) -> str | None:
+    """The first GPU resource the container asks a positive amount of (limits, then requests), or
+    None: the one definition of "requests a GPU" (the guard's CEL mirrors it). Tolerant of garbage."""
     if not isinstance(container, dict):
-        return False
+        return None
     resources = container.get("resources")
     if not isinstance(resources, dict):
-        return False
+        return None
     for section in ("limits", "requests"):
         amounts = resources.get(section)
         if isinstance(amounts, dict):
             for name in resource_names:
                 if name in amounts and is_positive_quantity(amounts[name]):
-                    return True
-    return False
+                    return name
+    return None
+
+
+def container_requests_gpu(container: Any, resource_names: tuple[str, ...]) -> bool:
+    """Whether a container asks for a positive amount of one of the GPU resources."""
+    return gpu_resource_of(container, resource_names) is not None
 
 
 def gpu_container_names(spec: dict[str, Any], resource_names: tuple[str, ...]) -> list[Any]:
