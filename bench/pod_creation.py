@@ -40,7 +40,6 @@ from typing import Any
 import aiohttp
 import jsonpatch
 import psutil
-from prometheus_client.parser import text_string_to_metric_families
 
 from bench.common import median, percentile, table, write_section
 from tests.e2e import kube
@@ -202,7 +201,8 @@ def main(argv: list[str] | None = None) -> int:
             def gpufence(concurrency: int, pods: int) -> Phase:
                 point_webhook_at(cp, gpufence_url)
                 return run_phase(cp, "gpufence", pods, concurrency, expect_mutated=True,
-                                 webhook_pid=hook.component.process.pid, webhook_calls=lambda: _webhook_calls(hook))
+                                 webhook_pid=hook.component.process.pid,
+                                 webhook_calls=lambda: sum(hook.request_counts().values()))
 
             def reference(concurrency: int, pods: int) -> Phase:
                 point_webhook_at(cp, ref_url)
@@ -291,14 +291,6 @@ def start_reference(cp: ControlPlane, hook: WebhookProcess, binary: Path, workdi
                                "-key", str(hook.secret.key_file), "-patch", str(patch_file)], workdir)
     kube.wait_for(lambda: _ready(port, ref, hook.client_context()), "the reference webhook", timeout=30)
     return Reference(ref, port)
-
-
-def _webhook_calls(hook: WebhookProcess) -> float:
-    with urllib.request.urlopen(hook.url + "/metrics", context=hook.client_context(), timeout=10) as resp:
-        text = resp.read().decode()
-    return sum(sample.value for family in text_string_to_metric_families(text)
-               if family.name == "gpufence_webhook_requests" for sample in family.samples
-               if sample.name.endswith("_total"))
 
 
 def _ready(port: int, component: Any, ctx: ssl.SSLContext) -> bool:

@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+from prometheus_client.parser import text_string_to_metric_families
 
 from tests.e2e.controlplane import Component, ControlPlane, StartupFailed, free_port, start, write_kubeconfig
 from tests.tlsutil import SecretVolume
@@ -117,6 +118,15 @@ class WebhookProcess:
             answer = json.loads(resp.read())["response"]
         assert answer["allowed"] is True, answer
         return json.loads(base64.b64decode(answer["patch"])) if "patch" in answer else None
+
+    def request_counts(self) -> dict[str, float]:
+        """The webhook's own count of the reviews it answered, by outcome (its /metrics)."""
+        with urllib.request.urlopen(self.url + "/metrics", context=self.client_context(), timeout=10) as resp:
+            text = resp.read().decode()
+        for family in text_string_to_metric_families(text):
+            if family.name == "gpufence_webhook_requests":
+                return {s.labels["outcome"]: s.value for s in family.samples if s.name.endswith("_total")}
+        raise AssertionError("the webhook exports no request counter")
 
     def stop(self, sig: str = "TERM") -> None:
         if self.component is None:

@@ -10,7 +10,6 @@ canonical forms).
 from __future__ import annotations
 
 import json
-import urllib.request
 from typing import Any
 
 import pytest
@@ -125,17 +124,6 @@ def test_pods_made_by_controllers_are_mutated(admin: client.ApiClient, opted_in:
         assert_stable(webhook, opted_in, pod)
 
 
-def _outcomes(hook: WebhookProcess) -> dict[str, float]:
-    from prometheus_client.parser import text_string_to_metric_families
-
-    with urllib.request.urlopen(hook.url + "/metrics", context=hook.client_context(), timeout=10) as resp:
-        text = resp.read().decode()
-    for family in text_string_to_metric_families(text):
-        if family.name == "gpufence_webhook_requests":
-            return {s.labels["outcome"]: s.value for s in family.samples if s.name.endswith("_total")}
-    raise AssertionError("the webhook exports no request counter")
-
-
 def test_reinvocation_after_the_service_account_plugin_keeps_its_token_mount(
     admin: client.ApiClient, opted_in: str, webhook: WebhookProcess,
 ):
@@ -143,10 +131,10 @@ def test_reinvocation_after_the_service_account_plugin_keeps_its_token_mount(
     token into the sidecar), then reinvokes gpufence (reinvocationPolicy IfNeeded). gpufence must
     answer that second call with no patch; removing the mount would leave the enforcer without
     credentials to post Events."""
-    before = _outcomes(webhook)
+    before = webhook.request_counts()
     created = kube.create_pod(admin, opted_in, kube.gpu_pod())
     assert created.admitted, created.message
-    after = _outcomes(webhook)
+    after = webhook.request_counts()
     sidecar = created.obj["spec"]["initContainers"][0]
     mounts = {m["mountPath"] for m in sidecar.get("volumeMounts", [])}
     assert "/var/run/secrets/kubernetes.io/serviceaccount" in mounts, sidecar.get("volumeMounts")
