@@ -17,8 +17,11 @@ Wire format (version 1), keys in camelCase as in Kubernetes objects::
       }
     }
 
-A container appears when it asks for a GPU. ``memoryBytes`` and ``memoryPercent`` are mutually
-exclusive; both absent means no memory limit; ``computePercent`` absent means no compute limit.
+A container appears when it asks for a GPU. ``memoryBytes`` or ``memoryPercent`` is its memory
+share; both present means the smaller of the two on each device (a pod's share and a namespace
+ceiling in different units, which cannot be compared at admission because the device's memory is
+not known there); both absent means no memory limit; ``computePercent`` absent means no compute
+limit.
 """
 
 from __future__ import annotations
@@ -69,29 +72,58 @@ class Mode(StrEnum):
     AUDIT = "audit"
 
 
+class LimitUnit(StrEnum):
+    """Which part of a memory share is the limit on a device."""
+
+    BYTES = "bytes"
+    PERCENT = "percent"
+
+
 @dataclass(frozen=True)
 class MemoryShare:
-    """A memory share: an absolute byte count or a percentage of the device's total memory."""
+    """A memory share: an absolute byte count, a percentage of the device's total memory, or both,
+    in which case the smaller of the two applies on each device."""
 
     bytes: int | None = None
     percent: float | None = None
 
     def __post_init__(self) -> None:
-        if (self.bytes is None) == (self.percent is None):
-            raise ConfigError("a memory share needs exactly one of bytes or percent")
+        if self.bytes is None and self.percent is None:
+            raise ConfigError("a memory share needs bytes, a percent or both")
         if self.bytes is not None and self.bytes <= 0:
             raise ConfigError(f"memoryBytes must be a positive integer, got {self.bytes!r}")
         if self.percent is not None and not (0 < self.percent <= 100):
             raise ConfigError(f"memoryPercent must be in (0, 100], got {self.percent!r}")
 
+    @property
+    def two_units(self) -> bool:
+        return self.bytes is not None and self.percent is not None
+
+    def limit_on(self, device_total_bytes: int | None) -> tuple[int, LimitUnit] | None:
+        """The limit on a device of the given size and the unit it comes from; None when it depends
+        on a total that is unknown (or nonsensical). A percentage is floored to whole bytes; with
+        both units the smaller wins (bytes on a tie), and an unknown total leaves the bytes."""
+        known = device_total_bytes is not None and device_total_bytes > 0
+        from_percent = None
+        if self.percent is not None and known:
+            assert device_total_bytes is not None
+            from_percent = int(device_total_bytes * self.percent / 100)
+        if self.bytes is not None and (from_percent is None or self.bytes <= from_percent):
+            return self.bytes, LimitUnit.BYTES
+        if from_percent is not None:
+            return from_percent, LimitUnit.PERCENT
+        return None
+
     def limit_bytes(self, device_total_bytes: int) -> int:
-        """The limit on a device of the given size (a percentage is floored to whole bytes)."""
-        if self.bytes is not None:
-            return self.bytes
-        assert self.percent is not None
-        return int(device_total_bytes * self.percent / 100)
+        """The limit on a device of the given (known, positive) size."""
+        found = self.limit_on(device_total_bytes)
+        assert found is not None
+        return found[0]
 
     def describe(self) -> str:
+        """``8589934592``, ``25%``, or ``min(8589934592,25%)`` for a share in two units."""
+        if self.bytes is not None and self.percent is not None:
+            return f"min({self.bytes},{self.percent:g}%)"
         return f"{self.bytes}" if self.bytes is not None else f"{self.percent:g}%"
 
 
@@ -144,7 +176,7 @@ class EnforcerConfig:
             if share.memory is not None:
                 if share.memory.bytes is not None:
                     entry["memoryBytes"] = share.memory.bytes
-                else:
+                if share.memory.percent is not None:
                     entry["memoryPercent"] = _plain_number(share.memory.percent)
             if share.compute_percent is not None:
                 entry["computePercent"] = _plain_number(share.compute_percent)
@@ -204,15 +236,15 @@ def _container_from_dict(name: str, entry: Any) -> ContainerShare:
         raise ConfigError(f"containers.{name}: unknown field(s): {', '.join(sorted(unknown))}")
     memory: MemoryShare | None = None
     try:
-        if "memoryBytes" in entry and "memoryPercent" in entry:
-            raise ConfigError("memoryBytes and memoryPercent are mutually exclusive")
+        num_bytes = percent = None
         if "memoryBytes" in entry:
-            value = entry["memoryBytes"]
-            if isinstance(value, bool) or not isinstance(value, int):
-                raise ConfigError(f"memoryBytes must be an integer, got {value!r}")
-            memory = MemoryShare(bytes=value)
-        elif "memoryPercent" in entry:
-            memory = MemoryShare(percent=_number(entry, "memoryPercent", None))
+            num_bytes = entry["memoryBytes"]
+            if isinstance(num_bytes, bool) or not isinstance(num_bytes, int):
+                raise ConfigError(f"memoryBytes must be an integer, got {num_bytes!r}")
+        if "memoryPercent" in entry:
+            percent = _number(entry, "memoryPercent", None)
+        if num_bytes is not None or percent is not None:
+            memory = MemoryShare(bytes=num_bytes, percent=percent)
         compute = _number(entry, "computePercent", None) if "computePercent" in entry else None
         return ContainerShare(memory=memory, compute_percent=compute)
     except ConfigError as exc:

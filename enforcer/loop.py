@@ -327,6 +327,7 @@ class Enforcer:
             if share is not None:
                 self._metrics.set_throttled(name, False)
         self._health.set_interval(self.config.poll_interval_seconds)
+        self._report.two_unit_shares(self.config)
 
     def _maybe_reload(self) -> None:
         if self._config_source is None:

@@ -39,6 +39,7 @@ class UsageSample:
     used_bytes: int
     limit_bytes: int | None
     sm_utilization: float | None  # 0-1, None when the driver does not report it
+    limit_from_percent: bool = False  # the limit is the percentage part of the share
 
 
 class EnforcerMetrics:
@@ -57,6 +58,12 @@ class EnforcerMetrics:
         self.memory_limit = Gauge(
             "gpufence_container_gpu_memory_limit_bytes",
             "The container's GPU memory share on the device",
+            device_labels, registry=r,
+        )
+        self.limit_from_percent = Gauge(
+            "gpufence_container_gpu_memory_limit_from_percent",
+            "1 when the memory limit on the device is the percentage part of the share, 0 when it is "
+            "the bytes (a share in two units, a pod's share and a namespace ceiling: the smaller applies)",
             device_labels, registry=r,
         )
         self.sm_utilization = Gauge(
@@ -173,15 +180,17 @@ class EnforcerMetrics:
             self.memory_used.labels(*labels).set(row.used_bytes)
             if row.limit_bytes is not None:
                 self.memory_limit.labels(*labels).set(row.limit_bytes)
+                self.limit_from_percent.labels(*labels).set(1 if row.limit_from_percent else 0)
             else:
                 _remove(self.memory_limit, labels)
+                _remove(self.limit_from_percent, labels)
             if row.sm_utilization is not None:
                 self.sm_utilization.labels(*labels).set(row.sm_utilization)
             else:
                 _remove(self.sm_utilization, labels)
         for key in self._device_series - seen:
             labels = (self.namespace, self.pod, *key)
-            for gauge in (self.memory_used, self.memory_limit, self.sm_utilization):
+            for gauge in (self.memory_used, self.memory_limit, self.limit_from_percent, self.sm_utilization):
                 _remove(gauge, labels)
         self._device_series = seen
 

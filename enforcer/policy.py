@@ -13,7 +13,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 from enforcer.attribution import Attribution, PodProcess
-from enforcer.config import EnforcerConfig
+from enforcer.config import EnforcerConfig, LimitUnit
 
 # -- memory ----------------------------------------------------------------------------------------
 
@@ -27,6 +27,8 @@ class ContainerDeviceUsage:
     limit_bytes: int | None  # None: no memory share, or total unknown for a % share
     processes: tuple[PodProcess, ...]
     unknown_usage: bool = False  # the flag: some process's used memory was None (counted as 0)
+    # Which part of the share is the limit here (a share in two units: the smaller on this device).
+    limit_unit: LimitUnit | None = None
 
 
 @dataclass(frozen=True)
@@ -121,27 +123,31 @@ def _usage(
     container: str, processes: list[PodProcess], config: EnforcerConfig, device_total: int | None
 ) -> ContainerDeviceUsage:
     processes.sort(key=lambda p: p.pid)
+    limit = _limit(config, container, device_total)
     return ContainerDeviceUsage(
         container=container,
         device_index=processes[0].device_index,
         device_uuid=processes[0].device_uuid,
         used_bytes=sum(p.used_memory_bytes or 0 for p in processes),
-        limit_bytes=_limit_bytes(config, container, device_total),
+        limit_bytes=None if limit is None else limit[0],
         processes=tuple(processes),
         unknown_usage=any(p.used_memory_bytes is None for p in processes),
+        limit_unit=None if limit is None else limit[1],
     )
 
 
-def _limit_bytes(config: EnforcerConfig, container: str, device_total: int | None) -> int | None:
+def _limit(config: EnforcerConfig, container: str, device_total: int | None) -> tuple[int, LimitUnit] | None:
+    """The container's limit on a device and its unit. A percentage of an unknown (or nonsensical)
+    total is no limit: never kill on a guess (a share in two units keeps its bytes)."""
     share = config.containers.get(container)
     if share is None or share.memory is None:
         return None
-    if share.memory.bytes is not None:
-        return share.memory.bytes
-    # A percentage of an unknown (or nonsensical) total is no limit: never kill on a guess.
-    if device_total is None or device_total <= 0:
-        return None
-    return share.memory.limit_bytes(device_total)
+    return share.memory.limit_on(device_total)
+
+
+def _limit_bytes(config: EnforcerConfig, container: str, device_total: int | None) -> int | None:
+    found = _limit(config, container, device_total)
+    return None if found is None else found[0]
 
 
 def memory_orders(

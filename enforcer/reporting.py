@@ -7,7 +7,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from enforcer.attribution import Attribution, PodProcess
-from enforcer.config import Mode
+from enforcer.config import EnforcerConfig, LimitUnit, Mode
 from enforcer.core import ThrottleChange, Transition
 from enforcer.events import EventRecorder
 from enforcer.logs import DecisionLog
@@ -29,6 +29,18 @@ class Reporter:
                 cgroup=p.cgroup,
                 reason="no certain container: counts against the pod budget, first to go when the pod is over it",
             )
+
+    def two_unit_shares(self, config: EnforcerConfig) -> None:
+        """Say, once per config, which containers have a memory share in two units and what that means
+        (the per-device outcome is the metric gpufence_container_gpu_memory_limit_from_percent)."""
+        for name, share in config.containers.items():
+            if share.memory is not None and share.memory.two_units:
+                self.log.info(
+                    "memory_share_two_units", container=name, share_bytes=share.memory.bytes,
+                    share_percent=share.memory.percent,
+                    reason="the pod's share and the namespace's ceiling are in different units (bytes and percent); "
+                    "on each device the smaller of the two is the limit",
+                )
 
     def mig(self, sample: NvmlSample, indexes: Iterable[int]) -> None:
         """Say once per device, in the log, a metric and an Event, that MIG is left to MIG."""
@@ -59,7 +71,7 @@ class Reporter:
         rows = [
             UsageSample(
                 container=u.container, uuid=u.device_uuid, gpu=u.device_index, used_bytes=u.used_bytes,
-                limit_bytes=u.limit_bytes,
+                limit_bytes=u.limit_bytes, limit_from_percent=u.limit_unit is LimitUnit.PERCENT,
                 sm_utilization=(min(sm[(u.container, u.device_index)], 100) / 100)
                 if (u.container, u.device_index) in sm else None,
             )

@@ -177,3 +177,19 @@ def test_simulate_flag(gpu, make_config):
     assert enforcer.started["driver_version"]
     hog.wait_line("got SIGTERM", 5)
     assert enforcer.stop() == 0
+
+
+def test_a_share_in_two_units_is_the_smaller_and_says_so(gpu, make_config):
+    """10Gi asked under a 25% ceiling on a 16 GiB GPU: the limit is 4 GiB, from the percentage;
+    the log says the share has two units and the metric which one is the limit here."""
+    hog = gpu.workload("train", ignore_term=True)  # alive through the grace period: its series stay
+    gpu.write(gpu.device_with(gpu.proc(hog, 5 * GIB), uuid="GPU-abc", total=16 * GIB))
+    config = make_config({"train": {"memoryBytes": 10 * GIB, "memoryPercent": 25}}, grace=30, interval=0.1)
+    enforcer = gpu.enforcer(config, env={"GPUFENCE_POD_NAME": "train-0", "GPUFENCE_POD_NAMESPACE": "team"})
+    said = enforcer.wait_event("memory_share_two_units", 5)
+    assert said["container"] == "train" and said["share_bytes"] == 10 * GIB and said["share_percent"] == 25
+    hog.wait_line("got SIGTERM", 5)  # 5 GiB is under 10 GiB but over 25% of 16 GiB
+    labels = {"namespace": "team", "pod": "train-0", "container": "train", "UUID": "GPU-abc", "gpu": "0"}
+    assert enforcer.metric("gpufence_container_gpu_memory_limit_bytes", **labels) == 4 * GIB
+    assert enforcer.metric("gpufence_container_gpu_memory_limit_from_percent", **labels) == 1
+    assert enforcer.stop() == 0

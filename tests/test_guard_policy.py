@@ -27,6 +27,8 @@ from hypothesis import event, given
 from hypothesis import settings as hypothesis_settings
 from hypothesis import strategies as st
 
+from enforcer.config import ContainerShare, EnforcerConfig, MemoryShare
+from tests.k8s_cel import FUNCTIONS as K8S_FUNCTIONS
 from tests.test_admission import good_pods
 from webhook.settings import (
     ANNOTATION_STATUS,
@@ -59,24 +61,29 @@ POLICY = _policy()
 
 
 def _compile(expression: str) -> celpy.Runner:
-    return _ENV.program(_ENV.compile(expression))
+    return _ENV.program(_ENV.compile(expression), functions=K8S_FUNCTIONS)
 
 
 class Guard:
     """A compiled copy of the policy; ``gpu_resource_names`` replaces the admin's variable."""
 
     def __init__(self, policy: dict[str, Any], gpu_resource_names: list[str] | None = None,
-                 sidecar_image: str | None = None) -> None:
+                 sidecar_image: str | None = None, **admin_variables: object) -> None:
+        """``admin_variables``: values (as JSON) for the variables an admin edits, by name."""
         spec = policy["spec"]
         self.spec = spec
         self.match_conditions = [(m["name"], _compile(m["expression"])) for m in spec.get("matchConditions", [])]
         self.variables = []
+        names = {v["name"] for v in spec.get("variables", [])}
+        assert set(admin_variables) <= names, f"no such variables: {set(admin_variables) - names}"
         for v in spec.get("variables", []):
             expression = v["expression"]
             if v["name"] == "gpuResourceNames" and gpu_resource_names is not None:
                 expression = json.dumps(gpu_resource_names)
             if v["name"] == "sidecarImage" and sidecar_image is not None:
                 expression = json.dumps(sidecar_image)
+            if v["name"] in admin_variables:
+                expression = json.dumps(admin_variables[v["name"]])
             self.variables.append((v["name"], _compile(expression)))
         self.validations = [
             (_compile(v["expression"]), _compile(v["messageExpression"]) if "messageExpression" in v else None, v)
@@ -170,7 +177,12 @@ def pod(
             {"name": "warmup", "image": "cuda:12", "resources": {"limits": {resource: "1"}}},
         ]
     # The parts of a real injection the guard checks: the sidecar's image and command, the status.
-    enforcer = {"name": SIDECAR_NAME, "image": DEFAULT_SIDECAR_IMAGE, "command": ["gpufence-enforcer"]}
+    # and the GPUFENCE_CONFIG it would write (an 8Gi share per GPU container).
+    gpu_names = (["train"] if gpu_in else []) + (["warmup"] if init_gpu else [])
+    config = EnforcerConfig(containers={n: ContainerShare(memory=MemoryShare(bytes=8 << 30)) for n in gpu_names})
+    enforcer = {"name": SIDECAR_NAME, "image": DEFAULT_SIDECAR_IMAGE, "command": ["gpufence-enforcer"],
+                "env": [{"name": "GPUFENCE_CONFIG", "value": config.to_json()},
+                        {"name": "NVIDIA_VISIBLE_DEVICES", "value": "all"}]}
     if sidecar == "native":
         spec.setdefault("initContainers", []).insert(0, {**enforcer, "restartPolicy": "Always"})
     elif sidecar == "container":
@@ -496,6 +508,9 @@ def test_the_sidecar_of_a_mutated_pod_keeps_its_nvml_access() -> None:
 _namespace_variants = st.sampled_from([
     {}, {"gpufence.io/allow-opt-out": "true"}, {"gpufence.io/allow-audit": "true"},
     {"gpufence.io/max-memory": "25%", "gpufence.io/mode": "audit"},
+    {"gpufence.io/max-memory": "20Gi", "gpufence.io/max-compute": "50"},
+    {"gpufence.io/max-memory": "30%", "gpufence.io/default-compute": "25%"},
+    {"gpufence.io/default-memory": "4Gi", "gpufence.io/allow-audit": "true"},
 ])
 _label_variants = st.sampled_from([None, {POD_OPT_OUT_LABEL: "false"}, {POD_OPT_OUT_LABEL: "true"}, {"app": "x"}])
 

@@ -19,8 +19,10 @@ import subprocess
 from pathlib import Path
 from typing import Any
 
+import celpy
 import pytest
 import yaml
+from celpy import celtypes
 
 from gpufence import __version__
 from tests import helm_binary
@@ -54,7 +56,9 @@ CUSTOM: dict[str, Any] = {
         "replicas": 3,
         "resources": {"requests": {"cpu": "100m", "memory": "128Mi"}, "limits": {"memory": "512Mi"}},
         "priorityClassName": "system-cluster-critical",
-        "flags": {"default-memory": "25%", "poll-interval": "1s", "mps-limits": True, "port": 9443},
+        "flags": {"default-memory": "25%", "poll-interval": "1s", "mps-limits": True, "port": 9443,
+                  "max-memory": "16Gi", "max-compute": "50%", "default-compute": "20", "default-mode": "audit",
+                  "allow-audit": True, "allow-opt-out": "true", "sidecar-nvidia-visible-devices": "all"},
     },
     "gpuResourceNames": ["nvidia.com/gpu", "nvidia.com/mig-1g.10gb"],
     "certManager": {"enabled": True},
@@ -196,6 +200,21 @@ def test_values_change_what_they_say(helm: Path, tmp_path: Path) -> None:
     assert names["expression"] == "['nvidia.com/gpu', 'nvidia.com/mig-1g.10gb']"
     (image,) = [v for v in guard["spec"]["variables"] if v["name"] == "sidecarImage"]
     assert image["expression"] == f"'{CUSTOM_IMAGE}'"  # the guard accepts the sidecar the webhook injects
+    # The guard's copies of the policy flags hold what the webhook parses from its args.
+    env = celpy.Environment()
+    copies = ("cluster", "sidecarPoll", "sidecarVisible")
+    guard_vars = {v["name"]: env.program(env.compile(v["expression"])).evaluate({})
+                  for v in guard["spec"]["variables"] if v["name"].startswith(copies)}
+    assert isinstance(guard_vars["sidecarPollIntervalSeconds"], celtypes.DoubleType)  # compared with a double
+    assert guard_vars == {
+        "clusterDefaultMode": settings.default_mode, "clusterAllowsAudit": settings.allow_audit,
+        "clusterAllowsOptOut": settings.allow_opt_out, "clusterMaxMemory": settings.max_memory,
+        "clusterMaxCompute": settings.max_compute, "clusterDefaultMemory": settings.default_memory,
+        "clusterDefaultCompute": settings.default_compute,
+        "sidecarPollIntervalSeconds": settings.poll_interval_seconds,
+        "sidecarVisibleDevices": settings.nvidia_visible_devices,
+    }
+    assert settings.max_memory == "16Gi" and settings.allow_audit and settings.allow_opt_out
 
     monitoring = [o for o in objects.values() if o["kind"] in {"PodMonitor", "ServiceMonitor", "PrometheusRule"}]
     assert len(monitoring) == 3

@@ -75,7 +75,8 @@ def test_sidecar_contract() -> None:
     assert sidecar["securityContext"]["runAsUser"] == 0 and sidecar["securityContext"]["runAsNonRoot"] is False
     inheriting = build_sidecar(PLAN, InjectionSettings(), run_as_root=False)["securityContext"]
     assert "runAsUser" not in inheriting and "runAsNonRoot" not in inheriting
-    assert sidecar["securityContext"]["capabilities"] == {"drop": ["ALL"], "add": ["KILL", "SYS_PTRACE"]}
+    capabilities = sidecar["securityContext"]["capabilities"]
+    assert capabilities == {"drop": ["ALL"], "add": ["DAC_READ_SEARCH", "KILL", "SYS_PTRACE"]}
     env = env_of(sidecar)
     assert EnforcerConfig.from_json(env["GPUFENCE_CONFIG"]) == EnforcerConfig(
         containers=dict(PLAN.containers), mode=Mode.ENFORCE, grace_period_seconds=10.0
@@ -118,7 +119,7 @@ def test_sidecar_user(pod_context, container_context, root: bool, warning: str |
     assert ("runAsUser" in context) is root
     if root:
         assert context["runAsUser"] == 0 and context["runAsNonRoot"] is False
-    assert context["capabilities"] == {"drop": ["ALL"], "add": ["KILL", "SYS_PTRACE"]}
+    assert context["capabilities"] == {"drop": ["ALL"], "add": ["DAC_READ_SEARCH", "KILL", "SYS_PTRACE"]}
     if warning is None:
         assert warnings == []
     else:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from enforcer.attribution import Attribution, PodProcess
-from enforcer.config import ContainerShare, EnforcerConfig, MemoryShare
+from enforcer.config import ContainerShare, EnforcerConfig, LimitUnit, MemoryShare
 from enforcer.policy import (
     ContainerDeviceUsage,
     TerminateOrder,
@@ -158,6 +158,29 @@ def test_percent_share_with_unknown_total_is_no_limit(totals: dict[int, int | No
     usages = usage_by_container(Attribution(tuple(processes), ()), config(eval=memory(percent=10)), totals)
     assert [u.limit_bytes for u in usages] == [None]
     assert memory_orders(usages) == ()
+
+
+def test_a_share_in_two_units_is_the_smaller_on_each_device() -> None:
+    """A pod's 10Gi under a namespace ceiling of 25% (or the other way round): the config carries
+    both and each device's limit is the smaller, with its unit, which the metrics report."""
+    cfg = config(eval=memory(bytes_=10 * GiB, percent=25))
+    processes = [proc(1, "eval", 5 * GiB), proc(2, "eval", 11 * GiB, device=1), proc(3, "eval", 9 * GiB, device=2)]
+    totals = {0: 16 * GiB, 1: 80 * GiB, 2: None}
+    usages = usage_by_container(Attribution(tuple(processes), ()), cfg, totals)
+    assert [(u.limit_bytes, u.limit_unit) for u in usages] == [
+        (4 * GiB, LimitUnit.PERCENT),  # 25% of 16 GiB < 10 GiB
+        (10 * GiB, LimitUnit.BYTES),  # 10 GiB < 25% of 80 GiB
+        (10 * GiB, LimitUnit.BYTES),  # total unknown: the bytes still bound it, never the guess
+    ]
+    assert [(o.device_index, o.limit_bytes) for o in memory_orders(usages)] == [(0, 4 * GiB), (1, 10 * GiB)]
+
+
+def test_a_share_in_two_units_round_trips_through_the_wire_format() -> None:
+    cfg = config(eval=memory(bytes_=10 * GiB, percent=25))
+    doc = cfg.to_dict()
+    assert doc["containers"]["eval"] == {"memoryBytes": 10 * GiB, "memoryPercent": 25}
+    assert EnforcerConfig.from_json(cfg.to_json()) == cfg
+    assert MemoryShare(bytes=10 * GiB, percent=25).describe() == f"min({10 * GiB},25%)"
 
 
 def test_byte_share_does_not_need_the_total() -> None:

@@ -67,6 +67,8 @@ def add_share_env(
                 warnings.append(f"container {quote(name)}: the memory share is below 1Mi, too small for MPS")
             else:
                 add(ENV_MPS_MEM_LIMIT, f"0={mib}M")
+                if memory.two_units:
+                    warnings.append(_percent_part_left(name, "MPS", memory.describe()))
         if compute is not None:
             add(ENV_MPS_THREADS, str(compute))
 
@@ -83,8 +85,15 @@ def add_share_env(
                 )
             else:
                 add(ENV_HAMI_MEMORY, f"{mebibytes_floor(memory.bytes)}m")
+                if memory.two_units:
+                    warnings.append(_percent_part_left(name, "the preload limiter", memory.describe()))
         if compute is not None:
             add(ENV_HAMI_SM, str(compute))
+
+
+def _percent_part_left(name: str, limiter: str, share: str) -> str:
+    return (f"container {quote(name)}: {limiter} takes the byte part of the share {share}; its percentage "
+            "part, where it is the smaller, is enforced by the gpufence enforcer only")
 
 
 @dataclass

@@ -101,6 +101,8 @@ def human_bytes(num: int) -> str:
 
 
 def describe_share(memory: MemoryShare) -> str:
+    if memory.two_units:
+        return f"the smaller of {human_bytes(memory.bytes)} and {memory.percent:g}%"
     return human_bytes(memory.bytes) if memory.bytes is not None else memory.describe()
 
 
@@ -133,11 +135,12 @@ def memory_cap(memory: MemoryShare, device: DeviceMemory | None, headroom_bytes:
     """The fraction a framework may allocate for ``memory`` (rounded down), or None when it cannot
     be computed (a byte share on a GPU of unknown memory) or leaves nothing after the headroom."""
     if device is None:
+        # A share in two units: the percentage is an upper bound of the smaller of the two.
         if memory.percent is None:
             return None
         fraction = (Decimal(repr(memory.percent)) / 100).quantize(_STEP, rounding=ROUND_DOWN)
     else:
-        share = memory.bytes if memory.bytes is not None else int(device.bytes * memory.percent / 100)
+        share = memory.limit_bytes(device.bytes)
         allowed = min(share, device.bytes) - headroom_bytes
         if allowed <= 0:
             return None

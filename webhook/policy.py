@@ -12,7 +12,9 @@ flags' defaults are the safe ones (no audit by the pod's choice, no opt-out).
   ``--max-compute``): ceilings on each GPU container's share. A share above the ceiling is denied;
   a container without a share gets the ceiling as its share, so nothing runs above it. A memory
   share and a ceiling in different units (bytes vs percent) cannot be compared at admission (the
-  device's memory is unknown there): denied, with the ceiling's unit suggested.
+  device's memory is unknown there): the config carries both and the enforcer applies the smaller
+  on each device (``MemoryShare.limit_on``), which the admission warning, the enforcer's log and
+  its metric ``gpufence_container_gpu_memory_limit_from_percent`` say.
 * ``gpufence.io/allow-opt-out: "true"`` (else ``--allow-opt-out``): only then does the pod label
   ``gpufence.io/inject: "false"`` exempt a GPU pod.
 """
@@ -74,19 +76,25 @@ class NamespacePolicy:
             )
         return requested
 
-    def bound(self, share: ContainerShare, memory_origin: str, compute_origin: str) -> ContainerShare:
-        """``share`` within the ceilings (a missing share becomes the ceiling); raises ShareError."""
+    def bound(self, share: ContainerShare, memory_origin: str, compute_origin: str,
+              warnings: list[str] | None = None, container: str = "") -> ContainerShare:
+        """``share`` within the ceilings (a missing share becomes the ceiling); raises ShareError.
+        A memory share in the other unit than the ceiling keeps both (the smaller applies on each
+        device) and adds a warning for ``container`` to ``warnings``."""
         memory, compute = share.memory, share.compute_percent
         ceiling = self.max_memory
         if ceiling is not None:
             if memory is None:
                 memory = ceiling.share
             elif (memory.bytes is None) != (ceiling.share.bytes is None):
-                unit = "a quantity of bytes" if ceiling.share.bytes is not None else "a percentage"
-                raise ShareError(
-                    f"{memory_origin} cannot be checked against the ceiling of namespace {quote(self.namespace)} "
-                    f"({ceiling.origin}), which is {unit}: give the share as {unit} of at most {quote(ceiling.text)}"
-                )
+                memory = MemoryShare(bytes=memory.bytes if memory.bytes is not None else ceiling.share.bytes,
+                                     percent=memory.percent if memory.percent is not None else ceiling.share.percent)
+                if warnings is not None:
+                    warnings.append(
+                        f"container {quote(container)}: {memory_origin} and the memory ceiling of namespace "
+                        f"{quote(self.namespace)} ({ceiling.origin}) are in different units, so both apply: on "
+                        f"each GPU the smaller is the limit"
+                    )
             elif _memory_above(memory, ceiling.share):
                 raise ShareError(
                     f"{memory_origin} is above the memory ceiling of namespace {quote(self.namespace)} "

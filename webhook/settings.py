@@ -91,8 +91,10 @@ class InjectionSettings:
     # admits the mutated pod; None: no CPU limit.
     sidecar_cpu_request: str = "10m"
     sidecar_cpu_limit: str | None = "250m"
-    sidecar_memory_request: str = "48Mi"
-    sidecar_memory_limit: str = "128Mi"
+    # Measured on the real node (tests/e2e/node, cgroup v1): the enforcer's resident memory is
+    # 130-145 MiB once the Kubernetes client for Events is loaded; 128Mi got it OOM-killed at start.
+    sidecar_memory_request: str = "160Mi"
+    sidecar_memory_limit: str = "256Mi"
     # Webhook-level fallbacks when neither the pod nor its namespace sets a share.
     default_memory: str | None = None
     default_compute: str | None = None

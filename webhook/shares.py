@@ -259,6 +259,7 @@ def resolve_shares(
                 share,
                 _origin(memory_overrides, name, _MEMORY_OVERRIDE_PREFIX, memory_default),
                 _origin(compute_overrides, name, _COMPUTE_OVERRIDE_PREFIX, compute_default),
+                warnings, name,
             )
         shares.append((name, share))
     containers = tuple(shares)

@@ -144,8 +144,8 @@ def _config_json_cached(key: tuple[Any, ...]) -> str:
 #   capability for them (kill(2) and ptrace read access compare real/effective/saved ids; reading
 #   environ also needs the same group). A GPU container that sets another runAsUser or runAsGroup
 #   of its own is out of a non-root sidecar's reach: warned about, as nothing else can be done;
-# * otherwise the sidecar runs as uid 0 with every capability dropped but KILL and SYS_PTRACE
-#   (no DAC_OVERRIDE, SETUID, ...), which reaches processes of any user;
+# * otherwise the sidecar runs as uid 0 with every capability dropped but KILL, SYS_PTRACE and
+#   DAC_READ_SEARCH (read-only; no DAC_OVERRIDE, SETUID, ...), which reaches processes of any user;
 # * except under a pod-level runAsNonRoot: true, where uid 0 would keep the pod from starting; the
 #   sidecar then runs as its image's user, and the pod is admitted with a warning.
 _ROOT_USER = MappingProxyType({"runAsUser": 0, "runAsNonRoot": False})
@@ -213,8 +213,8 @@ def _probe(path: str, port: int, *, period: int = 10, failures: int = 3) -> dict
 # root sidecar keeps the runtime's defaults (the set a default workload holds) and adds KILL: it
 # reads and signals workloads with default capabilities; one granted more (IPC_LOCK, SYS_ADMIN) is
 # reported as out of reach by the enforcer (process_uninspectable). Only a namespace that enforces
-# `privileged` explicitly gets the narrower and stronger "drop everything, add KILL and
-# SYS_PTRACE", which reaches every process. `restricted` allows no root sidecar at all: it works
+# `privileged` explicitly gets the narrower and stronger "drop everything, add KILL, SYS_PTRACE
+# and DAC_READ_SEARCH", which reaches every process. `restricted` allows no root sidecar at all: it works
 # when the pod sets a non-root runAsUser, which the sidecar then shares (drop ALL, RuntimeDefault
 # seccomp, as `restricted` requires).
 POD_SECURITY_LABEL = "pod-security.kubernetes.io/enforce"
@@ -229,7 +229,10 @@ def sidecar_security_context(run_as_root: bool, pod_security: str | None) -> dic
     context: dict[str, Any] = {**(_ROOT_USER if run_as_root else {}), "allowPrivilegeEscalation": False,
                                "readOnlyRootFilesystem": True}
     if pod_security in (None, PRIVILEGED):
-        context["capabilities"] = {"drop": ["ALL"], "add": ["KILL", "SYS_PTRACE"]}
+        # SYS_PTRACE passes the ptrace check on /proc/<pid>/fd and environ; DAC_READ_SEARCH passes the
+        # file mode (0500/0400, owned by the process's uid): without it a root sidecar cannot list the
+        # fds of a workload running as another user (seen on the real node: image-user workloads).
+        context["capabilities"] = {"drop": ["ALL"], "add": ["DAC_READ_SEARCH", "KILL", "SYS_PTRACE"]}
     elif pod_security == RESTRICTED:
         # Only a non-root sidecar can pass: it shares the pod's user and needs no capability.
         context["capabilities"] = {"drop": ["ALL"]}

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from tests.e2e import kube
 from tests.e2e.binaries import crd_files
 from tests.e2e.controlplane import ControlPlane
 from tests.e2e.gpufence_install import REPO, WEBHOOK_CONFIGURATION, WebhookProcess, apply_objects, install, rendered
@@ -54,7 +55,12 @@ def test_overlay_with_its_crds_passes_a_server_dry_run(cluster: ControlPlane, gp
     for source in CRDS_FOR.get(overlay, []):
         for crd in crd_files(source):
             cluster.kubectl("apply", "--server-side", "-f", str(crd))
-    cluster.kubectl("wait", "--for=condition=Established", "--timeout=60s", "crd", "--all")
+    # Not `kubectl wait --for=condition=Established crd --all`: it fails at once on a CRD the API
+    # server has not given status.conditions yet (".status.conditions accessor error: <nil>").
+    kube.wait_for(lambda: all(
+        any(c["type"] == "Established" and c["status"] == "True" for c in crd.get("status", {}).get("conditions") or [])
+        for crd in json.loads(cluster.kubectl("get", "crd", "-o", "json").stdout)["items"]),
+        "the CRDs to be established")
     objects = rendered(cluster, REPO / "k8s" / "overlays" / overlay, gpufence.url)
     result = apply_objects(cluster, objects, "--dry-run=server")
     assert "serverside-applied" in result.stdout, result.stdout
