@@ -12,7 +12,7 @@ Wire format (version 1), keys in camelCase as in Kubernetes objects::
       "gracePeriodSeconds": 10,          # SIGTERM -> SIGKILL delay
       "pollIntervalSeconds": 0.5,
       "containers": {
-        "train": {"memoryBytes": 8589934592, "computePercent": 50},
+        "train": {"memoryBytes": 8589934592, "computePercent": 50, "gpus": 1},
         "eval":  {"memoryPercent": 25}
       }
     }
@@ -21,7 +21,9 @@ A container appears when it asks for a GPU. ``memoryBytes`` or ``memoryPercent``
 share; both present means the smaller of the two on each device (a pod's share and a namespace
 ceiling in different units, which cannot be compared at admission because the device's memory is
 not known there); both absent means no memory limit; ``computePercent`` absent means no compute
-limit.
+limit. ``gpus``: how many GPUs the container requested; processes of the container on more GPUs
+than that (NVIDIA_VISIBLE_DEVICES taken from a ConfigMap through envFrom, which admission cannot
+see) get the container terminated; absent means no such check.
 """
 
 from __future__ import annotations
@@ -131,10 +133,13 @@ class MemoryShare:
 class ContainerShare:
     memory: MemoryShare | None = None
     compute_percent: float | None = None
+    gpus: int | None = None  # the GPUs the container requested (its device plugin resources)
 
     def __post_init__(self) -> None:
         if self.compute_percent is not None and not (0 < self.compute_percent <= 100):
             raise ConfigError(f"computePercent must be in (0, 100], got {self.compute_percent!r}")
+        if self.gpus is not None and (isinstance(self.gpus, bool) or not isinstance(self.gpus, int) or self.gpus < 1):
+            raise ConfigError(f"gpus must be a positive integer, got {self.gpus!r}")
 
 
 @dataclass(frozen=True)
@@ -180,6 +185,8 @@ class EnforcerConfig:
                     entry["memoryPercent"] = _plain_number(share.memory.percent)
             if share.compute_percent is not None:
                 entry["computePercent"] = _plain_number(share.compute_percent)
+            if share.gpus is not None:
+                entry["gpus"] = share.gpus
             containers[name] = entry
         return {
             "version": SCHEMA_VERSION,
@@ -231,7 +238,7 @@ class EnforcerConfig:
 def _container_from_dict(name: str, entry: Any) -> ContainerShare:
     if not isinstance(entry, dict):
         raise ConfigError(f"containers.{name} must be an object")
-    unknown = set(entry) - {"memoryBytes", "memoryPercent", "computePercent"}
+    unknown = set(entry) - {"memoryBytes", "memoryPercent", "computePercent", "gpus"}
     if unknown:
         raise ConfigError(f"containers.{name}: unknown field(s): {', '.join(sorted(unknown))}")
     memory: MemoryShare | None = None
@@ -246,7 +253,7 @@ def _container_from_dict(name: str, entry: Any) -> ContainerShare:
         if num_bytes is not None or percent is not None:
             memory = MemoryShare(bytes=num_bytes, percent=percent)
         compute = _number(entry, "computePercent", None) if "computePercent" in entry else None
-        return ContainerShare(memory=memory, compute_percent=compute)
+        return ContainerShare(memory=memory, compute_percent=compute, gpus=entry.get("gpus"))
     except ConfigError as exc:
         raise ConfigError(f"containers.{name}: {exc}") from None
 

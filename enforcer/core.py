@@ -28,6 +28,7 @@ from enforcer.policy import (
     ContainerDeviceUsage,
     PodDeviceUsage,
     TerminateOrder,
+    device_orders,
     memory_orders,
     pod_usage,
     usage_by_container,
@@ -117,7 +118,7 @@ class Core:
             )
         usages = usage_by_container(attribution, config, device_totals)
         pods = pod_usage(attribution, config, device_totals)
-        orders = memory_orders(usages, pods)
+        orders = memory_orders(usages, pods) + device_orders(usages, config)
         over = frozenset((o.container, o.device_index) for o in orders)
         started = tuple(o for o in orders if (o.container, o.device_index) not in self._over)
         ended = tuple(sorted(self._over - over, key=lambda k: (k[1], k[0] or "")))

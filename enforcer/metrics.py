@@ -19,13 +19,14 @@ if TYPE_CHECKING:
     from enforcer.policy import PodDeviceUsage
 
 ACTIONS = ("sigterm", "sigkill", "throttle_start", "throttle_stop", "audit")
-RESOURCES = ("memory", "compute")
+RESOURCES = ("memory", "compute", "gpus")
 # The (action, resource) pairs the loop can count for a container. Created at zero per configured
 # container so that the first kill is an increase from 0 to 1: a counter series that appears at 1
 # has no earlier sample, and ``increase()`` over it is 0, so the kill alert would never fire.
 ACTION_KINDS = (
     ("sigterm", "memory"), ("sigkill", "memory"), ("audit", "memory"),
     ("throttle_start", "compute"), ("throttle_stop", "compute"), ("audit", "compute"),
+    ("sigterm", "gpus"), ("sigkill", "gpus"), ("audit", "gpus"),
 )
 
 

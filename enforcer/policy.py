@@ -3,7 +3,8 @@
 No I/O and no clock reads: every function here is a function of its arguments (the compute
 controller, ``enforcer/compute.py``, keeps a window and its state, and the time is passed in). The invariant this module
 guards: a process is chosen for termination only if its container is strictly over its share on
-the device concerned, or it is unattributed and the pod is strictly over its budget there.
+the device concerned, or it is unattributed and the pod is strictly over its budget there, or its
+container runs on more GPUs than it requested.
 """
 
 from __future__ import annotations
@@ -59,6 +60,10 @@ class TerminateOrder:
     used_bytes: int
     limit_bytes: int
     victims: tuple[PodProcess, ...]
+    # Set when the container runs on more GPUs than it requested (``device_orders``): how many it
+    # requested and the devices it runs on; ``device_index`` is then the first one beyond the count.
+    gpus_requested: int | None = None
+    devices_used: tuple[int, ...] = ()
 
 
 def usage_by_container(
@@ -188,6 +193,35 @@ def memory_orders(
     return tuple(orders)
 
 
+def device_orders(usages: Iterable[ContainerDeviceUsage], config: EnforcerConfig) -> tuple[TerminateOrder, ...]:
+    """Containers whose processes run on more GPUs than they requested, to terminate as a whole.
+
+    A GPU container that takes NVIDIA_VISIBLE_DEVICES=all from a ConfigMap (envFrom: admission
+    sees the reference, not the value) gets every GPU of the node from the container toolkit,
+    outside the scheduler's count. NVML's view of where its processes are cannot be forged from
+    inside the pod. Which of its GPUs the device plugin assigned is not visible here, so the order
+    names the devices beyond the first ``gpus`` by index. A container that uses one GPU it was not
+    assigned is not caught: that needs the assignment (see docs/limitations.md).
+    """
+    rows_of: dict[str, list[ContainerDeviceUsage]] = defaultdict(list)
+    for usage in usages:
+        rows_of[usage.container].append(usage)
+    orders = []
+    for container in sorted(rows_of):
+        share = config.containers.get(container)
+        rows = sorted(rows_of[container], key=lambda u: u.device_index)
+        if share is None or share.gpus is None or len(rows) <= share.gpus:
+            continue
+        extra = rows[share.gpus :]
+        victims = tuple(sorted((p for u in rows for p in u.processes if p.container == container), key=_largest_newest))
+        orders.append(TerminateOrder(
+            container=container, device_index=extra[0].device_index, device_uuid=extra[0].device_uuid,
+            used_bytes=sum(u.used_bytes for u in extra), limit_bytes=0, victims=victims,
+            gpus_requested=share.gpus, devices_used=tuple(u.device_index for u in rows),
+        ))
+    return tuple(orders)
+
+
 def _pod_order(pod: PodDeviceUsage) -> TerminateOrder | None:
     if pod.budget_bytes is None or pod.used_bytes <= pod.budget_bytes:
         return None
@@ -237,6 +271,7 @@ __all__ = [
     "PodDeviceUsage",
     "TerminateOrder",
     "container_sm_utilization",
+    "device_orders",
     "memory_orders",
     "pod_budget_bytes",
     "pod_usage",

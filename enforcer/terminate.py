@@ -47,6 +47,18 @@ class _Why:
     device_index: int
     used_bytes: int
     limit_bytes: int
+    gpus_requested: int | None = None  # set: the container runs on more GPUs than it requested
+    devices_used: tuple[int, ...] = ()
+
+    @property
+    def resource(self) -> str:
+        return "gpus" if self.gpus_requested is not None else "memory"
+
+    @property
+    def event_reason(self) -> str:
+        if self.gpus_requested is not None:
+            return "GPUDevicesOverRequest"
+        return "GPUMemoryOverShare" if self.container is not None else "GPUPodOverBudget"
 
 
 @dataclass
@@ -104,7 +116,8 @@ class Terminator:
         if mode is Mode.AUDIT:
             return
         for order in decisions.orders:
-            why = _Why(order.container, order.device_uuid, order.device_index, order.used_bytes, order.limit_bytes)
+            why = _Why(order.container, order.device_uuid, order.device_index, order.used_bytes, order.limit_bytes,
+                       order.gpus_requested, order.devices_used)
             if order.container is None:
                 for victim in order.victims:
                     self._sigterm(SignalTarget.of(victim), why, grace, victim.used_memory_bytes)
@@ -128,6 +141,14 @@ class Terminator:
                 reason="the pod's GPU processes use more than the sum of its containers' shares: "
                 "unattributed processes go first, largest first", **common,
             )
+        elif order.gpus_requested is not None:
+            self._log.warning(
+                "gpus_over_request", container=order.container, gpus_requested=order.gpus_requested,
+                gpus_used=list(order.devices_used),
+                victims=sorted({p.pid for p in attribution.processes if p.container == order.container}),
+                reason="the container's processes run on more GPUs than it requested (NVIDIA_VISIBLE_DEVICES "
+                "from envFrom?): it is terminated as a whole", **common,
+            )
         else:
             self._log.warning(
                 "memory_over_share", container=order.container,
@@ -135,7 +156,8 @@ class Terminator:
                 **common,
             )
         if mode is Mode.AUDIT:
-            self._metrics.action(order.container or UNATTRIBUTED, "audit", "memory")
+            self._metrics.action(order.container or UNATTRIBUTED, "audit",
+                                 "gpus" if order.gpus_requested is not None else "memory")
 
     def _terminate_container(self, container: str, why: _Why, attribution: Attribution, grace: float) -> None:
         """SIGTERM every process of the container the enforcer can find (GPU processes on every
@@ -160,10 +182,15 @@ class Terminator:
         used = {(p.pid, p.start_time_ticks): p.used_memory_bytes for p in mine if p.device_index == why.device_index}
         sent = [t.pid for t in sorted(fresh, key=lambda t: t.pid) if self._sigterm(t, why, grace, used.get(t.key))]
         if sent:
+            if why.gpus_requested is not None:
+                what = (f"container {container} runs on GPUs {list(why.devices_used)}, more than the "
+                        f"{why.gpus_requested} it requested")
+            else:
+                what = (f"container {container} uses {why.used_bytes} bytes of GPU memory on {why.device_uuid}, "
+                        f"over its share of {why.limit_bytes}")
             self._events.record(
-                "GPUMemoryOverShare",
-                f"container {container} uses {why.used_bytes} bytes of GPU memory on {why.device_uuid}, over its "
-                f"share of {why.limit_bytes}: container terminated (SIGTERM to pids {sent}, SIGKILL after {grace:g}s)",
+                why.event_reason,
+                f"{what}: container terminated (SIGTERM to pids {sent}, SIGKILL after {grace:g}s)",
                 action="Terminate",
             )
 
@@ -172,7 +199,8 @@ class Terminator:
             return False
         # A process we hold stopped would not act on SIGTERM: continue it, never stop it again.
         self._throttle.exempt(target)
-        reason = "memory_over_share" if why.container is not None else "pod_over_budget"
+        reason = ("gpus_over_request" if why.gpus_requested is not None
+                  else "memory_over_share" if why.container is not None else "pod_over_budget")
         outcome = self._signaller.send(
             target, signal.SIGTERM, reason=reason, uuid=why.device_uuid, gpu=why.device_index,
             used_bytes=why.used_bytes, limit_bytes=why.limit_bytes, process_used_bytes=process_used,
@@ -184,7 +212,7 @@ class Terminator:
             return False
         # The grace period counts from the SIGTERM actually sent (the poll's ``now`` is earlier).
         self._pending[target.key] = _Pending(target, self._clock() + grace, why)
-        self._metrics.action(target.container or UNATTRIBUTED, "sigterm", "memory")
+        self._metrics.action(target.container or UNATTRIBUTED, "sigterm", why.resource)
         if why.container is None:
             self._events.record(
                 "GPUPodOverBudget",
@@ -234,9 +262,9 @@ class Terminator:
             limit_bytes=why.limit_bytes, action="sigkill",
         )
         if outcome is Outcome.SENT:
-            self._metrics.action(target.container or UNATTRIBUTED, "sigkill", "memory")
+            self._metrics.action(target.container or UNATTRIBUTED, "sigkill", why.resource)
             self._events.record(
-                "GPUMemoryOverShare" if why.container is not None else "GPUPodOverBudget",
+                why.event_reason,
                 f"container {target.container}: pid {target.pid} still alive after the grace period: SIGKILL"
                 if why.container is not None
                 else f"unattributed pid {target.pid} still alive after the grace period: SIGKILL",

@@ -6,7 +6,8 @@ uses these (all available from Kubernetes 1.30, the oldest version we support):
 * strings extension (cel-go ``ext.Strings``): ``s.split(sep)``, ``s.trim()``, ``s.replace(a, b)``;
 * regex library (``k8s.io/apiserver/pkg/cel/library/regex.go``): ``s.find(re)``, the first match
   or ``''``;
-* quantity library (``.../library/quantity.go``): ``isQuantity(s)``, ``quantity(s).asInteger()``.
+* quantity library (``.../library/quantity.go``): ``isQuantity(s)``, ``quantity(s).asInteger()``;
+* lists library (``.../library/lists.go``): ``list.sum()``.
 
 These stand-ins follow the documented semantics for the inputs the policy gives them (RE2 and
 Python's ``re`` agree on the character classes and anchors it uses). They are a test harness, not a
@@ -17,16 +18,28 @@ second implementation of the guard: the real kube-apiserver evaluates the same p
 from __future__ import annotations
 
 import re
+from decimal import Decimal
 from typing import Any
 
 from celpy import celtypes
 
-from webhook.quantity import QuantityError, parse_bytes
+_QUANTITY = re.compile(
+    r"^([+-]?(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+))(Ki|Mi|Gi|Ti|Pi|Ei|n|u|m|k|M|G|T|P|E|[eE][+-]?[0-9]+)?$")
+_SUFFIX = {None: Decimal(1), "n": Decimal("1e-9"), "u": Decimal("1e-6"), "m": Decimal("1e-3"), "k": Decimal("1e3"),
+           "M": Decimal("1e6"), "G": Decimal("1e9"), "T": Decimal("1e12"), "P": Decimal("1e15"), "E": Decimal("1e18"),
+           **{s: Decimal(1024) ** (i + 1) for i, s in enumerate(["Ki", "Mi", "Gi", "Ti", "Pi", "Ei"])}}
 
 
 class _Quantity:
+    """resource.Quantity's value, from its serialised form (Kubernetes' regular grammar)."""
+
     def __init__(self, text: str) -> None:
-        self.value = parse_bytes(text)
+        match = _QUANTITY.match(text)
+        if match is None:
+            raise ValueError(f"not a quantity: {text!r}")
+        number, suffix = match.groups()
+        scale = Decimal(10) ** int(suffix[1:]) if suffix and suffix[0] in "eE" else _SUFFIX[suffix]
+        self.value = Decimal(number) * scale
 
 
 def _split(text: Any, separator: Any) -> celtypes.ListType:
@@ -47,11 +60,7 @@ def _find(text: Any, pattern: Any) -> celtypes.StringType:
 
 
 def _is_quantity(text: Any) -> celtypes.BoolType:
-    try:
-        parse_bytes(str(text))
-    except QuantityError:
-        return celtypes.BoolType(False)
-    return celtypes.BoolType(True)
+    return celtypes.BoolType(_QUANTITY.match(str(text)) is not None)
 
 
 def _quantity(text: Any) -> _Quantity:
@@ -59,10 +68,18 @@ def _quantity(text: Any) -> _Quantity:
 
 
 def _as_integer(quantity: _Quantity) -> celtypes.IntType:
-    return celtypes.IntType(quantity.value)
+    """Kubernetes raises an error when the value is not a whole number (or does not fit 64 bits)."""
+    if quantity.value != quantity.value.to_integral_value():
+        raise ValueError(f"{quantity.value} is not an integer")
+    return celtypes.IntType(int(quantity.value))
+
+
+def _sum(values: Any) -> celtypes.IntType:
+    return celtypes.IntType(sum(int(v) for v in values))
 
 
 FUNCTIONS = {
+    "sum": _sum,
     "split": _split,
     "trim": _trim,
     "replace": _replace,

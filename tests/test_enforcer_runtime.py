@@ -193,3 +193,23 @@ def test_a_share_in_two_units_is_the_smaller_and_says_so(gpu, make_config):
     assert enforcer.metric("gpufence_container_gpu_memory_limit_bytes", **labels) == 4 * GIB
     assert enforcer.metric("gpufence_container_gpu_memory_limit_from_percent", **labels) == 1
     assert enforcer.stop() == 0
+
+
+def test_a_container_on_more_gpus_than_it_requested_is_terminated(gpu, make_config):
+    """gpus=1 in the config, processes on two GPUs (NVIDIA_VISIBLE_DEVICES=all from envFrom would do
+    that): the container is terminated, the log and metrics name the GPUs, a steady one is untouched."""
+    wide = gpu.workload("wide")
+    steady = gpu.workload("steady")
+    gpu.write(gpu.device_with(gpu.proc(wide, GIB), gpu.proc(steady, GIB), uuid="GPU-0"),
+              gpu.device_with(gpu.proc(wide, GIB), uuid="GPU-1"))
+    config = make_config({"wide": {"gpus": 1}, "steady": {"gpus": 1}}, grace=5, interval=0.1)
+    enforcer = gpu.enforcer(config, env={"GPUFENCE_POD_NAME": "train-0", "GPUFENCE_POD_NAMESPACE": "team"})
+    said = enforcer.wait_event("gpus_over_request", 5)
+    assert said["container"] == "wide" and said["gpus_requested"] == 1 and said["gpus_used"] == [0, 1]
+    wide.wait_line("got SIGTERM", 5)
+    assert enforcer.metric("gpufence_enforcement_actions_total", container="wide", action="sigterm",
+                           resource="gpus") == 1
+    assert enforcer.metric("gpufence_enforcement_actions_total", container="steady", action="sigterm",
+                           resource="gpus") == 0
+    assert steady.proc.poll() is None
+    assert enforcer.stop() == 0

@@ -93,13 +93,19 @@ FORGERIES: dict[str, tuple[Callable[[dict[str, Any]], None], str]] = {
         "no compute share within the namespace's ceiling 50"),
     "container left out": (
         lambda p: with_config(p, lambda d: d.update(containers={})), 'container "train" is not in it exactly once'),
+    "more GPUs than requested": (
+        lambda p: with_config(p, lambda d: d["containers"]["train"].update(gpus=8)),
+        "not the number of GPUs it requested"),
+    "GPU count left out": (
+        lambda p: with_config(p, lambda d: d["containers"]["train"].pop("gpus")),
+        "not the number of GPUs it requested"),
     "poll interval stretched": (
         lambda p: with_config(p, lambda d: d.update(pollIntervalSeconds=60)), "polls less often"),
     # JSON keeps the last of two equal keys: the guard must not read the first.
     "container twice": (
         lambda p: set_env(p, "GPUFENCE_CONFIG", json.dumps(config_of(p), separators=(",", ":"), sort_keys=True)
                           .replace('"containers":{', '"containers":{"train":{"memoryBytes":1073741824},', 1)
-                          .replace('"train":{"computePercent":50,"memoryBytes":4294967296}', '"train":{}')),
+                          .replace('"train":{"computePercent":50,"gpus":1,"memoryBytes":4294967296}', '"train":{}')),
         'container "train" is not in it exactly once'),
     "not the webhook's JSON": (
         lambda p: set_env(p, "GPUFENCE_CONFIG", json.dumps(config_of(p), indent=1)),

@@ -179,7 +179,8 @@ def pod(
     # The parts of a real injection the guard checks: the sidecar's image and command, the status.
     # and the GPUFENCE_CONFIG it would write (an 8Gi share per GPU container).
     gpu_names = (["train"] if gpu_in else []) + (["warmup"] if init_gpu else [])
-    config = EnforcerConfig(containers={n: ContainerShare(memory=MemoryShare(bytes=8 << 30)) for n in gpu_names})
+    gpu_share = ContainerShare(memory=MemoryShare(bytes=8 << 30), gpus=1)
+    config = EnforcerConfig(containers=dict.fromkeys(gpu_names, gpu_share))
     enforcer = {"name": SIDECAR_NAME, "image": DEFAULT_SIDECAR_IMAGE, "command": ["gpufence-enforcer"],
                 "env": [{"name": "GPUFENCE_CONFIG", "value": config.to_json()},
                         {"name": "NVIDIA_VISIBLE_DEVICES", "value": "all"}]}

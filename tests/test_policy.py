@@ -10,6 +10,7 @@ from enforcer.policy import (
     ContainerDeviceUsage,
     TerminateOrder,
     container_sm_utilization,
+    device_orders,
     memory_orders,
     pod_usage,
     usage_by_container,
@@ -181,6 +182,32 @@ def test_a_share_in_two_units_round_trips_through_the_wire_format() -> None:
     assert doc["containers"]["eval"] == {"memoryBytes": 10 * GiB, "memoryPercent": 25}
     assert EnforcerConfig.from_json(cfg.to_json()) == cfg
     assert MemoryShare(bytes=10 * GiB, percent=25).describe() == f"min({10 * GiB},25%)"
+
+
+@pytest.mark.parametrize(
+    ("gpus", "devices", "expected"),
+    [
+        pytest.param(1, [0], None, id="one GPU requested, one used"),
+        pytest.param(2, [0, 1], None, id="two requested, two used"),
+        pytest.param(None, [0, 1, 2], None, id="no count in the config: no check"),
+        pytest.param(1, [0, 1], (1, (0, 1)), id="one requested, two used: the second is the extra"),
+        pytest.param(2, [3, 0, 5], (5, (0, 3, 5)), id="the devices beyond the count, by index"),
+    ],
+)
+def test_a_container_on_more_gpus_than_it_requested_is_terminated_as_a_whole(
+    gpus: int | None, devices: list[int], expected: tuple[int, tuple[int, ...]] | None
+) -> None:
+    cfg = config(train=ContainerShare(memory=MemoryShare(bytes=8 * GiB), gpus=gpus), eval=ContainerShare(gpus=1))
+    processes = [proc(10 + i, used=1 * GiB, device=d) for i, d in enumerate(devices)] + [proc(99, "eval", 1 * GiB)]
+    usages = usage_by_container(Attribution(tuple(processes), ()), cfg, dict.fromkeys(range(6), 16 * GiB))
+    orders = device_orders(usages, cfg)
+    if expected is None:
+        assert orders == ()
+        return
+    (order,) = orders
+    assert (order.device_index, order.devices_used) == expected
+    assert order.container == "train" and order.gpus_requested == gpus and order.limit_bytes == 0
+    assert sorted(v.pid for v in order.victims) == [10 + i for i in range(len(devices))]  # never eval's
 
 
 def test_byte_share_does_not_need_the_total() -> None:

@@ -14,7 +14,7 @@ from typing import Any
 
 from webhook.errors import MutationError
 from webhook.mutate import injection_patch, plain_pod_patch
-from webhook.podshape import check_shape, gpu_container_names, nvidia_side_door
+from webhook.podshape import check_shape, gpu_container_names, gpu_counts, nvidia_side_door
 from webhook.policy import namespace_policy, opt_out_allowed, opt_out_denial
 from webhook.settings import (
     MIRROR_POD_ANNOTATION,
@@ -23,7 +23,7 @@ from webhook.settings import (
     InjectionSettings,
     NamespaceLookup,
 )
-from webhook.shares import ShareError, quote, resolve_shares
+from webhook.shares import ShareError, quote, resolve_shares, with_gpu_counts
 from webhook.sidecar import POD_SECURITY_LABEL
 
 API_VERSION = "admission.k8s.io/v1"
@@ -173,6 +173,7 @@ def _decide(
             raise MutationError(f"the container name {SIDECAR_NAME} is reserved by gpufence; rename the container")
         policy = namespace_policy(namespace or "", namespace_annotations, settings)
         plan = resolve_shares(annotations, namespace_annotations, settings, gpu_names, all_names, policy)
+        plan = with_gpu_counts(plan, gpu_counts(_dict(pod.get("spec")), settings.gpu_resource_names))
         warnings.extend(plan.warnings)
         patch, mutation_warnings = injection_patch(pod, plan, settings, pod_security, namespace_annotations)
     except (ShareError, MutationError) as exc:

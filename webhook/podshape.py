@@ -7,12 +7,13 @@ from hand-made requests; checking it once here keeps the rest of the core free o
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence
 from itertools import repeat
 from typing import Any
 
 from webhook.errors import MutationError
-from webhook.quantity import is_positive_quantity
+from webhook.quantity import QuantityError, is_positive_quantity, parse_bytes
 from webhook.shares import quote
 
 
@@ -31,6 +32,37 @@ def gpu_resource_of(container: Any, resource_names: Sequence[str]) -> str | None
                 if name in amounts and is_positive_quantity(amounts[name]):
                     return name
     return None
+
+
+def gpu_count_of(container: Any, resource_names: Sequence[str]) -> int:
+    """How many GPUs (devices) the container requested: over the GPU resources, each one's amount in
+    its limits, else its requests (extended resources are whole numbers). 0 when none or garbage."""
+    resources = container.get("resources") if isinstance(container, dict) else None
+    if not isinstance(resources, dict):
+        return 0
+    total = 0
+    for name in resource_names:
+        for section in ("limits", "requests"):
+            amounts = resources.get(section)
+            if isinstance(amounts, dict) and name in amounts:
+                value = amounts[name]
+                if is_positive_quantity(value):
+                    with contextlib.suppress(QuantityError):  # is_positive_quantity parsed it already
+                        total += value if isinstance(value, int) else parse_bytes(str(value))
+                break
+    return total
+
+
+def gpu_counts(spec: dict[str, Any], resource_names: Sequence[str]) -> dict[str, int]:
+    """``gpu_count_of`` for every (init) container by name (tolerant of garbage)."""
+    counts: dict[str, int] = {}
+    for key in ("initContainers", "containers"):
+        containers = spec.get(key)
+        if isinstance(containers, list):
+            for c in containers:
+                if isinstance(c, dict) and isinstance(c.get("name"), str):
+                    counts[c["name"]] = gpu_count_of(c, resource_names)
+    return counts
 
 
 def container_requests_gpu(container: Any, resource_names: tuple[str, ...]) -> bool:

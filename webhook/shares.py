@@ -17,6 +17,7 @@ annotation works around it.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 from collections.abc import Callable, Mapping, Sequence
@@ -72,6 +73,16 @@ class SharePlan:
     @property
     def has_any_share(self) -> bool:
         return any(s.memory is not None or s.compute_percent is not None for _, s in self.containers)
+
+
+def with_gpu_counts(plan: SharePlan, counts: Mapping[str, int]) -> SharePlan:
+    """``plan`` with each GPU container's requested GPU count (``ContainerShare.gpus``), which the
+    enforcer holds its processes to; a count of 0 (garbage the API server would refuse) is left out."""
+    containers = tuple(
+        (name, dataclasses.replace(share, gpus=counts[name]) if counts.get(name, 0) > 0 else share)
+        for name, share in plan.containers
+    )
+    return dataclasses.replace(plan, containers=containers)
 
 
 def quote(value: object) -> str:

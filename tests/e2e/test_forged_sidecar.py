@@ -61,6 +61,9 @@ FORGERIES: dict[str, tuple[Callable[[dict[str, Any]], None], str]] = {
     "compute above the ceiling": (
         lambda p: _config(p, lambda d: d["containers"]["trainer"].update(computePercent=90)),
         "no compute share within the namespace's ceiling 50"),
+    "more GPUs than requested": (
+        lambda p: _config(p, lambda d: d["containers"]["trainer"].update(gpus=8)),
+        "not the number of GPUs it requested"),
     "the container twice": (_twice, 'container "trainer" is not in it exactly once'),
     "LD_PRELOAD": (lambda p: _env(p, "LD_PRELOAD", "/tmp/fake.so"), "changes what the enforcer loads"),
     "no GPUs for NVML": (lambda p: _env(p, "NVIDIA_VISIBLE_DEVICES", "void"), "NVML would not see the GPUs"),
