@@ -1,5 +1,8 @@
 """The guard against a sidecar of the pod author's own making while the webhook is down.
 
+``FORGERIES`` is shared with tests/e2e/test_forged_sidecar.py, where the real API server judges
+them; the pods there have the same container name and shares.
+
 Every forgery starts from what the webhook really injects (so it has the right image, command and
 status annotation) and weakens one thing; the guard must refuse each with a message that says
 what is wrong, and must keep admitting the webhook's own output and what a pod could legitimately
@@ -35,7 +38,7 @@ def gpu_pod(annotations: dict[str, str] | None = None) -> dict[str, Any]:
     return {
         "apiVersion": "v1", "kind": "Pod",
         "metadata": {"name": "train-0", "namespace": "team-a", "annotations": annotations or {}},
-        "spec": {"containers": [{"name": "train", "image": "cuda:12",
+        "spec": {"containers": [{"name": "trainer", "image": "cuda:12",
                                  "resources": {"limits": {"nvidia.com/gpu": "1"}}}]},
     }
 
@@ -80,33 +83,38 @@ def set_env(pod: dict[str, Any], name: str, value: str) -> None:
 
 
 GIB = 1 << 30
+
+
+def _twice(pod: dict[str, Any]) -> None:
+    """A small share listed first and none after: JSON keeps the last of two equal keys (no limit),
+    a regular expression would find the first."""
+    text = json.dumps(config_of(pod), separators=(",", ":"), sort_keys=True)
+    entry = text[text.index('"trainer":{'):].split("}", 1)[0] + "}"
+    set_env(pod, "GPUFENCE_CONFIG", text.replace(entry, '"trainer":{"memoryBytes":1073741824},"trainer":{}'))
+
+
 FORGERIES: dict[str, tuple[Callable[[dict[str, Any]], None], str]] = {
     "audit mode": (lambda p: with_config(p, lambda d: d.update(mode="audit")), "asks for audit mode"),
     "share above the ceiling": (
-        lambda p: with_config(p, lambda d: d["containers"]["train"].update(memoryBytes=30 * GIB)),
+        lambda p: with_config(p, lambda d: d["containers"]["trainer"].update(memoryBytes=30 * GIB)),
         "no memory share within the namespace's ceiling 20Gi"),
     "no memory share": (
-        lambda p: with_config(p, lambda d: d["containers"]["train"].pop("memoryBytes")),
+        lambda p: with_config(p, lambda d: d["containers"]["trainer"].pop("memoryBytes")),
         "no memory share within the namespace's ceiling 20Gi"),
     "compute above the ceiling": (
-        lambda p: with_config(p, lambda d: d["containers"]["train"].update(computePercent=90)),
+        lambda p: with_config(p, lambda d: d["containers"]["trainer"].update(computePercent=90)),
         "no compute share within the namespace's ceiling 50"),
     "container left out": (
-        lambda p: with_config(p, lambda d: d.update(containers={})), 'container "train" is not in it exactly once'),
+        lambda p: with_config(p, lambda d: d.update(containers={})), 'container "trainer" is not in it exactly once'),
     "more GPUs than requested": (
-        lambda p: with_config(p, lambda d: d["containers"]["train"].update(gpus=8)),
+        lambda p: with_config(p, lambda d: d["containers"]["trainer"].update(gpus=8)),
         "not the number of GPUs it requested"),
     "GPU count left out": (
-        lambda p: with_config(p, lambda d: d["containers"]["train"].pop("gpus")),
+        lambda p: with_config(p, lambda d: d["containers"]["trainer"].pop("gpus")),
         "not the number of GPUs it requested"),
     "poll interval stretched": (
         lambda p: with_config(p, lambda d: d.update(pollIntervalSeconds=60)), "polls less often"),
-    # JSON keeps the last of two equal keys: the guard must not read the first.
-    "container twice": (
-        lambda p: set_env(p, "GPUFENCE_CONFIG", json.dumps(config_of(p), separators=(",", ":"), sort_keys=True)
-                          .replace('"containers":{', '"containers":{"train":{"memoryBytes":1073741824},', 1)
-                          .replace('"train":{"computePercent":50,"gpus":1,"memoryBytes":4294967296}', '"train":{}')),
-        'container "train" is not in it exactly once'),
+    "container twice": (_twice, 'container "trainer" is not in it exactly once'),
     "not the webhook's JSON": (
         lambda p: set_env(p, "GPUFENCE_CONFIG", json.dumps(config_of(p), indent=1)),
         "not the JSON the webhook writes"),
@@ -168,10 +176,10 @@ def test_a_share_in_the_other_unit_keeps_the_ceiling_and_dropping_it_is_refused(
                                                                                   kept: str) -> None:
     annotations = {"gpufence.io/max-memory": ceiling}
     pod = injected(gpu_pod({"gpufence.io/memory": share}), annotations)
-    entry = config_of(pod)["containers"]["train"]
+    entry = config_of(pod)["containers"]["trainer"]
     assert {"memoryBytes", "memoryPercent"} <= set(entry)  # both: the enforcer applies the smaller
     assert GUARD.admit(pod, namespace_annotations=annotations)[0]
-    with_config(pod, lambda d: d["containers"]["train"].pop(kept))
+    with_config(pod, lambda d: d["containers"]["trainer"].pop(kept))
     allowed, message = GUARD.admit(pod, namespace_annotations=annotations)
     assert not allowed and "ceiling" in message
 
@@ -179,9 +187,9 @@ def test_a_share_in_the_other_unit_keeps_the_ceiling_and_dropping_it_is_refused(
 def test_a_default_share_cannot_be_left_out() -> None:
     annotations = {"gpufence.io/default-compute": "25"}
     pod = injected(gpu_pod({"gpufence.io/memory": "4Gi"}), annotations)
-    assert config_of(pod)["containers"]["train"]["computePercent"] == 25
+    assert config_of(pod)["containers"]["trainer"]["computePercent"] == 25
     assert GUARD.admit(pod, namespace_annotations=annotations)[0]
-    with_config(pod, lambda d: d["containers"]["train"].pop("computePercent"))
+    with_config(pod, lambda d: d["containers"]["trainer"].pop("computePercent"))
     allowed, message = GUARD.admit(pod, namespace_annotations=annotations)
     assert not allowed and "no compute share where the namespace sets a default" in message
 
@@ -200,8 +208,8 @@ def test_the_cluster_wide_flags_are_admin_variables_of_the_guard() -> None:
     pod = injected(gpu_pod({"gpufence.io/memory": "8Gi"}), {}, settings)
     assert guard.admit(pod, namespace_annotations={})[0]
     assert not GUARD.admit(pod, namespace_annotations={"gpufence.io/max-memory": "4Gi"})[0]
-    for change in (lambda d: d["containers"]["train"].update(memoryBytes=32 * GIB),
-                   lambda d: d["containers"]["train"].pop("computePercent")):
+    for change in (lambda d: d["containers"]["trainer"].update(memoryBytes=32 * GIB),
+                   lambda d: d["containers"]["trainer"].pop("computePercent")):
         forged = copy.deepcopy(pod)
         with_config(forged, change)
         assert not guard.admit(forged, namespace_annotations={})[0]
