@@ -50,9 +50,20 @@ class _Why:
     gpus_requested: int | None = None  # set: the container runs on more GPUs than it requested
     devices_used: tuple[int, ...] = ()
 
+    @classmethod
+    def of(cls, order: TerminateOrder) -> _Why:
+        return cls(order.container, order.device_uuid, order.device_index, order.used_bytes, order.limit_bytes,
+                   order.gpus_requested, order.devices_used)
+
     @property
     def resource(self) -> str:
         return "gpus" if self.gpus_requested is not None else "memory"
+
+    @property
+    def log_reason(self) -> str:
+        if self.gpus_requested is not None:
+            return "gpus_over_request"
+        return "memory_over_share" if self.container is not None else "pod_over_budget"
 
     @property
     def event_reason(self) -> str:
@@ -116,8 +127,7 @@ class Terminator:
         if mode is Mode.AUDIT:
             return
         for order in decisions.orders:
-            why = _Why(order.container, order.device_uuid, order.device_index, order.used_bytes, order.limit_bytes,
-                       order.gpus_requested, order.devices_used)
+            why = _Why.of(order)
             if order.container is None:
                 for victim in order.victims:
                     self._sigterm(SignalTarget.of(victim), why, grace, victim.used_memory_bytes)
@@ -156,8 +166,7 @@ class Terminator:
                 **common,
             )
         if mode is Mode.AUDIT:
-            self._metrics.action(order.container or UNATTRIBUTED, "audit",
-                                 "gpus" if order.gpus_requested is not None else "memory")
+            self._metrics.action(order.container or UNATTRIBUTED, "audit", _Why.of(order).resource)
 
     def _terminate_container(self, container: str, why: _Why, attribution: Attribution, grace: float) -> None:
         """SIGTERM every process of the container the enforcer can find (GPU processes on every
@@ -199,10 +208,8 @@ class Terminator:
             return False
         # A process we hold stopped would not act on SIGTERM: continue it, never stop it again.
         self._throttle.exempt(target)
-        reason = ("gpus_over_request" if why.gpus_requested is not None
-                  else "memory_over_share" if why.container is not None else "pod_over_budget")
         outcome = self._signaller.send(
-            target, signal.SIGTERM, reason=reason, uuid=why.device_uuid, gpu=why.device_index,
+            target, signal.SIGTERM, reason=why.log_reason, uuid=why.device_uuid, gpu=why.device_index,
             used_bytes=why.used_bytes, limit_bytes=why.limit_bytes, process_used_bytes=process_used,
             action="sigterm", grace_period_seconds=grace,
         )
