@@ -93,6 +93,14 @@ def _twice(pod: dict[str, Any]) -> None:
     set_env(pod, "GPUFENCE_CONFIG", text.replace(entry, '"trainer":{"memoryBytes":1073741824},"trainer":{}'))
 
 
+def _mount_over_code(pod: dict[str, Any]) -> None:
+    """A ConfigMap of the author's own over the enforcer's package (the volume must exist: the API
+    server validates the pod before the guard sees it)."""
+    pod["spec"].setdefault("volumes", []).append({"name": "mine", "configMap": {"name": "my-enforcer"}})
+    sidecar_of(pod)["volumeMounts"].append(
+        {"name": "mine", "mountPath": "/opt/gpufence/lib/python3.11/site-packages/enforcer"})
+
+
 FORGERIES: dict[str, tuple[Callable[[dict[str, Any]], None], str]] = {
     "audit mode": (lambda p: with_config(p, lambda d: d.update(mode="audit")), "asks for audit mode"),
     "share above the ceiling": (
@@ -132,10 +140,7 @@ FORGERIES: dict[str, tuple[Callable[[dict[str, Any]], None], str]] = {
     "device prefix": (lambda p: set_env(p, "GPUFENCE_NVIDIA_DEVICE_PREFIX", "/dev/none"),
                       "a GPUFENCE_* the webhook does not set"),
     "no GPUs for NVML": (lambda p: set_env(p, "NVIDIA_VISIBLE_DEVICES", "void"), "NVML would not see the GPUs"),
-    "mount over the code": (
-        lambda p: sidecar_of(p)["volumeMounts"].append(
-            {"name": "mine", "mountPath": "/opt/gpufence/lib/python3.11/site-packages/enforcer"}),
-        "mounts a volume over the image's programs"),
+    "mount over the code": (_mount_over_code, "mounts a volume over the image's programs"),
 }
 
 
