@@ -367,3 +367,15 @@ def enforcer_config(
 def make_config() -> Callable[..., dict[str, Any]]:
     return enforcer_config
 
+
+
+@pytest.fixture(scope="module")
+def helm() -> pathlib.Path:
+    """The helm binary built from its pinned Go module (tests/helm_binary.py); skips, saying why,
+    where it cannot be built. Shared by the chart tests and the Helm install on the real API server."""
+    from tests import helm_binary
+
+    reason = helm_binary.missing_reason()
+    if reason:
+        pytest.skip(reason)
+    return helm_binary.ensure_helm()

@@ -67,14 +67,6 @@ CUSTOM: dict[str, Any] = {
 CUSTOM_IMAGE = "registry.example.com/team/gpufence:1.2.3-rc.1"
 
 
-@pytest.fixture(scope="module")
-def helm() -> Path:
-    reason = helm_binary.missing_reason()
-    if reason:
-        pytest.skip(reason)
-    return helm_binary.ensure_helm()
-
-
 def run_helm(helm: Path, *args: str, values: dict[str, Any] | None = None, tmp: Path | None = None,
              ) -> subprocess.CompletedProcess[str]:
     argv = [str(helm), *args]

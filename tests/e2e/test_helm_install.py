@@ -22,7 +22,6 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests import helm_binary
 from tests.e2e import kube
 from tests.e2e.binaries import KUBERNETES_VERSIONS, GoMissing, control_plane
 from tests.e2e.controlplane import ControlPlane, free_port, running_control_plane
@@ -50,14 +49,6 @@ for obj in objects:
             hook["clientConfig"] = {{"url": url + "/mutate"}}
 yaml.safe_dump_all(objects, sys.stdout)
 '''
-
-
-@pytest.fixture(scope="module")
-def helm() -> Path:
-    reason = helm_binary.missing_reason()
-    if reason:
-        pytest.skip(reason)
-    return helm_binary.ensure_helm()
 
 
 @pytest.fixture(scope="module")
