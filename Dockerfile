@@ -19,11 +19,6 @@ WORKDIR /src
 COPY requirements/lock.txt requirements/lock.txt
 COPY pyproject.toml README.md ./
 COPY gpufence/ gpufence/
-COPY webhook/ webhook/
-COPY enforcer/ enforcer/
-COPY certs/ certs/
-COPY simnvml/ simnvml/
-COPY scripts/ scripts/
 RUN python -m pip wheel --no-deps --wheel-dir /dist . \
  && python -m venv /opt/gpufence \
  && /opt/gpufence/bin/pip install -c requirements/lock.txt /dist/gpufence-*.whl \

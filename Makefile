@@ -15,7 +15,7 @@ $(VENV)/.installed: pyproject.toml requirements/lock.txt gpufence/__init__.py
 venv: $(VENV)/.installed
 
 demo: venv
-	$(PY) -m scripts.demo
+	$(PY) -m gpufence.demo
 
 lint: venv
 	$(PY) -m ruff check .

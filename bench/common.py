@@ -121,7 +121,7 @@ class Pki:
 
     @classmethod
     def create(cls, root: Path) -> Pki:
-        from certs.pki import make_ca
+        from gpufence.certs.pki import make_ca
         from tests.tlsutil import SecretVolume  # a Secret volume rotated as the kubelet does
 
         root.mkdir(parents=True, exist_ok=True)
@@ -134,7 +134,7 @@ class Pki:
 
     def rotate(self) -> int:
         """Write a new serving pair signed by the same CA; returns its serial."""
-        from certs.pki import make_serving_cert
+        from gpufence.certs.pki import make_serving_cert
 
         pair = make_serving_cert(self.ca, SANS)
         self.volume.write(pair.cert_pem, pair.key_pem)
@@ -150,7 +150,7 @@ class Pki:
 # --- sample pods and reviews ----------------------------------------------------------------------
 def admission_review(pod: dict[str, Any], uid: str = "00000000-0000-0000-0000-000000000001",
                      namespace: str = "team-a", operation: str = "CREATE") -> dict[str, Any]:
-    from webhook.client import pod_admission_review
+    from gpufence.webhook.client import pod_admission_review
 
     return pod_admission_review(pod, uid=uid, namespace=namespace, operation=operation)
 
@@ -289,7 +289,7 @@ def gpufence_server(pki: Pki, *, cpus: set[int] | None = None, reload_interval: 
                     log_path: Path | None = None) -> Iterator[tuple[subprocess.Popen[bytes], int]]:
     """``python -m webhook`` on 127.0.0.1 (a free port) serving ``pki``'s Secret volume."""
     port = free_port()
-    argv = [sys.executable, "-m", "webhook", "--port", str(port), "--bind-address", "127.0.0.1",
+    argv = [sys.executable, "-m", "gpufence.webhook", "--port", str(port), "--bind-address", "127.0.0.1",
             "--shutdown-delay", "0",
             "--tls-cert-file", str(pki.volume.cert_file), "--tls-private-key-file", str(pki.volume.key_file),
             "--cert-reload-interval", reload_interval, "--log-level", "warning"]

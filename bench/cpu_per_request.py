@@ -41,8 +41,8 @@ def _cpu_seconds(pid: int) -> float:
 
 
 def _canned(body: bytes) -> bytes:
-    from webhook.admission import review
-    from webhook.settings import AllNamespacesOptedIn, InjectionSettings
+    from gpufence.webhook.admission import review
+    from gpufence.webhook.settings import AllNamespacesOptedIn, InjectionSettings
 
     result = review(json.loads(body), InjectionSettings(), AllNamespacesOptedIn())
     return json.dumps(result.review, separators=(",", ":")).encode()

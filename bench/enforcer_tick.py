@@ -76,7 +76,7 @@ def gpu_processes(n: int, device: Path) -> Iterator[list[int]]:
 
 
 def sim_state(pids: list[int], extra: tuple[Any, ...] = ()) -> Any:
-    from simnvml import SimDevice, SimProcess, SimState
+    from gpufence.simnvml import SimDevice, SimProcess, SimState
 
     procs = tuple(SimProcess.for_pid(pid, 10 * MiB, sm_util=1) for pid in pids) + extra
     return SimState(devices=(SimDevice("GPU-bench-0", 80 * GiB, procs),))
@@ -84,19 +84,19 @@ def sim_state(pids: list[int], extra: tuple[Any, ...] = ()) -> Any:
 
 # --- 1. tick in process ---------------------------------------------------------------------------
 def measure_ticks(root: Path, counts: list[int], ticks: int) -> list[dict[str, Any]]:
-    import simnvml
-    from enforcer.attribution import Attributor, PidMode
-    from enforcer.config import EnforcerConfig
-    from enforcer.events import EventRecorder, PodRef
-    from enforcer.health import Health
-    from enforcer.logs import DecisionLog
-    from enforcer.loop import Enforcer
-    from enforcer.metrics import EnforcerMetrics
-    from enforcer.nvml import NvmlClient
-    from enforcer.policy import ComputeTracker, memory_orders, usage_by_container
-    from enforcer.signals import SafeSignaller
-    from enforcer.stopped_state import StoppedState
-    from enforcer.throttle import ThrottleExecutor
+    from gpufence import simnvml
+    from gpufence.enforcer.attribution import Attributor, PidMode
+    from gpufence.enforcer.config import EnforcerConfig
+    from gpufence.enforcer.events import EventRecorder, PodRef
+    from gpufence.enforcer.health import Health
+    from gpufence.enforcer.logs import DecisionLog
+    from gpufence.enforcer.loop import Enforcer
+    from gpufence.enforcer.metrics import EnforcerMetrics
+    from gpufence.enforcer.nvml import NvmlClient
+    from gpufence.enforcer.policy import ComputeTracker, memory_orders, usage_by_container
+    from gpufence.enforcer.signals import SafeSignaller
+    from gpufence.enforcer.stopped_state import StoppedState
+    from gpufence.enforcer.throttle import ThrottleExecutor
 
     lib = simnvml.build_library()
     device, state = root / "dev" / "nvidia0", root / "sim-state"
@@ -168,7 +168,8 @@ def measure_ticks(root: Path, counts: list[int], ticks: int) -> list[dict[str, A
 # --- 2 and 3: the enforcer as a subprocess --------------------------------------------------------
 class EnforcerProcess:
     def __init__(self, root: Path) -> None:
-        import simnvml
+        from gpufence import simnvml
+
 
         self.state = root / "sim-state"
         cfg = root / "config.json"
@@ -176,7 +177,7 @@ class EnforcerProcess:
         (root / "state-dir").mkdir(exist_ok=True)
         env = child_env()
         env.update(simnvml.simulated_env(simnvml.build_library(), self.state))
-        argv = [sys.executable, "-m", "enforcer", "--simulate", str(self.state), "--config", str(cfg),
+        argv = [sys.executable, "-m", "gpufence.enforcer", "--simulate", str(self.state), "--config", str(cfg),
                 "--nvidia-device-prefix", str(root / "dev" / "nvidia"), "--metrics-port", "0",
                 "--bind-address", "127.0.0.1", "--state-dir", str(root / "state-dir")]
         self.stderr = open(root / "enforcer.stderr", "wb")  # noqa: SIM115
@@ -228,7 +229,7 @@ def measure_reaction(
 ) -> dict[str, Any]:
     """``approach``: the workload first grows to 95 % of its share (the enforcer then polls faster),
     then crosses it; otherwise it jumps from 1 MiB straight over (reaction up to one interval)."""
-    from simnvml import SimProcess, write_state
+    from gpufence.simnvml import SimProcess, write_state
 
     rng = random.Random(1)
     reactions, failures = [], 0
@@ -268,7 +269,8 @@ def _readline(proc: subprocess.Popen[bytes], timeout: float) -> bytes:
 
 
 def measure(args: argparse.Namespace) -> dict[str, Any]:
-    import simnvml
+    from gpufence import simnvml
+
 
     with tempfile.TemporaryDirectory(prefix="gpufence-bench-") as tmp:
         root = Path(tmp)

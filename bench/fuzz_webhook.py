@@ -222,7 +222,7 @@ class Tally:
         self.slow = 0
 
     def run_one(self, payload: Any, settings: Any, namespaces: Any) -> None:
-        from webhook.admission import InvalidReview, review
+        from gpufence.webhook.admission import InvalidReview, review
 
         self.counts["total"] += 1
         t = time.perf_counter()
@@ -263,7 +263,7 @@ def _describe(payload: Any) -> str:
 
 
 def fuzz_in_process(count: int, seed: int) -> Tally:
-    from webhook.settings import AllNamespacesOptedIn, InjectionSettings
+    from gpufence.webhook.settings import AllNamespacesOptedIn, InjectionSettings
 
     settings, namespaces = InjectionSettings(), AllNamespacesOptedIn()
     rng = random.Random(seed)
@@ -327,7 +327,7 @@ def fuzz_hypothesis(count: int, seed: int) -> Tally:
     from hypothesis import seed as hseed
     from hypothesis import settings as hsettings
 
-    from webhook.settings import AllNamespacesOptedIn, InjectionSettings
+    from gpufence.webhook.settings import AllNamespacesOptedIn, InjectionSettings
 
     settings, namespaces = InjectionSettings(), AllNamespacesOptedIn()
     tally = Tally()

@@ -29,9 +29,9 @@ def _time_loop(fn: Callable[[], Any], n: int) -> float:
 
 
 def measure(repeats: int = 7, budget: float = 0.3) -> list[dict[str, Any]]:
-    from webhook.admission import review
-    from webhook.codec import dumps, loads
-    from webhook.settings import AllNamespacesOptedIn, InjectionSettings
+    from gpufence.webhook.admission import review
+    from gpufence.webhook.codec import dumps, loads
+    from gpufence.webhook.settings import AllNamespacesOptedIn, InjectionSettings
 
     settings, namespaces = InjectionSettings(), AllNamespacesOptedIn()
     rows = []

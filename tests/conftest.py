@@ -233,7 +233,7 @@ def _matches(record: dict[str, Any], match: dict[str, Any]) -> bool:
 @pytest.fixture(scope="session")
 def sim_lib() -> pathlib.Path:
     """The simulated libnvidia-ml.so.1 (compiled once per source hash, cached)."""
-    import simnvml
+    from gpufence import simnvml
 
     try:
         return simnvml.build_library()
@@ -259,18 +259,18 @@ class GpuSandbox:
     # -- simulated driver --------------------------------------------------------------------
 
     def write(self, *devices: Any, **state: Any) -> None:
-        from simnvml import SimState, write_state
+        from gpufence.simnvml import SimState, write_state
 
         write_state(self.state_path, SimState(devices=tuple(devices), **state))
 
     def device_with(self, *processes: Any, uuid: str = "GPU-0", total: int = 80 << 30, **kwargs: Any) -> Any:
-        from simnvml import SimDevice
+        from gpufence.simnvml import SimDevice
 
         return SimDevice(uuid, total, tuple(processes), **kwargs)
 
     @staticmethod
     def proc(workload: Workload | int, used: int | None, sm: int = 0) -> Any:
-        from simnvml import SimProcess
+        from gpufence.simnvml import SimProcess
 
         pid = workload.pid if isinstance(workload, Workload) else workload
         return SimProcess.for_pid(pid, used, sm_util=sm)
@@ -312,7 +312,7 @@ class GpuSandbox:
             full_env["GPUFENCE_CONFIG"] = config if isinstance(config, str) else json.dumps(config)
         full_env.update(env or {})
         argv = [
-            *wrap, sys.executable, "-m", "enforcer", "--metrics-port", "0", "--bind-address", "127.0.0.1",
+            *wrap, sys.executable, "-m", "gpufence.enforcer", "--metrics-port", "0", "--bind-address", "127.0.0.1",
             "--nvidia-device-prefix", self.device_prefix, *args,
         ]
         if state_dir:

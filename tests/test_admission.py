@@ -12,8 +12,8 @@ import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from webhook.admission import InvalidReview, ReviewResult, review
-from webhook.settings import AllNamespacesOptedIn, InjectionSettings, NamespaceInfo
+from gpufence.webhook.admission import InvalidReview, ReviewResult, review
+from gpufence.webhook.settings import AllNamespacesOptedIn, InjectionSettings, NamespaceInfo
 
 S = InjectionSettings()
 NS = AllNamespacesOptedIn()

@@ -27,9 +27,9 @@ import pytest
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
-from enforcer.metrics import ACTION_KINDS, EnforcerMetrics
+from gpufence.enforcer.metrics import ACTION_KINDS, EnforcerMetrics
+from gpufence.webhook.metrics import OUTCOMES, WebhookMetrics
 from tests.test_manifests import K8S, _kubectl_missing_reason, one, render
-from webhook.metrics import OUTCOMES, WebhookMetrics
 
 ROOT = Path(__file__).resolve().parents[1]
 UNIT_TESTS = ROOT / "tests" / "promtool" / "alerts_test.yaml"

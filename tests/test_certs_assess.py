@@ -9,8 +9,8 @@ from collections.abc import Callable
 import jsonpatch
 import pytest
 
-from certs import bootstrap as bs
-from certs import pki
+from gpufence.certs import bootstrap as bs
+from gpufence.certs import pki
 
 NOW = dt.datetime(2030, 6, 1, 12, 0, tzinfo=dt.UTC)
 WINDOW = dt.timedelta(days=30)

@@ -12,8 +12,8 @@ from typing import Any
 import pytest
 from cryptography.x509 import verification
 
-from certs import bootstrap as bs
-from certs import cli, pki
+from gpufence.certs import bootstrap as bs
+from gpufence.certs import cli, pki
 from tests.fake_kube_api import FakeKubeApi
 
 NS = "gpufence"

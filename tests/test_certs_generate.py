@@ -11,7 +11,7 @@ import pytest
 from cryptography import x509
 from cryptography.x509 import verification
 
-from certs import cli, files, pki
+from gpufence.certs import cli, files, pki
 
 DEFAULT_NAMES = [
     "gpufence-webhook",

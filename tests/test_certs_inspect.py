@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from cryptography.hazmat.primitives import serialization
 
-from certs import cli, inspect_cert, pki
+from gpufence.certs import cli, inspect_cert, pki
 
 NOW = dt.datetime.now(dt.UTC)
 NAMES = pki.service_dns_names("gpufence-webhook", "gpufence", ("10.0.0.1",))

@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from certs.cli import build_parser as certs_parser
-from webhook.cli import FLAGS, parse_args, settings_from_args
-from webhook.cli import build_parser as webhook_parser
+from gpufence.certs.cli import build_parser as certs_parser
+from gpufence.webhook.cli import FLAGS, parse_args, settings_from_args
+from gpufence.webhook.cli import build_parser as webhook_parser
 
 
 def _subparsers(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
@@ -96,7 +96,7 @@ def test_old_and_new_flag_together_is_an_error(capsys: pytest.CaptureFixture[str
 
 def test_a_deprecated_flag_is_logged_as_a_warning(tmp_path: Path) -> None:
     result = subprocess.run(
-        [sys.executable, "-m", "webhook", "--poll-interval=1s", f"--tls-cert-file={tmp_path}/c",
+        [sys.executable, "-m", "gpufence.webhook", "--poll-interval=1s", f"--tls-cert-file={tmp_path}/c",
          f"--tls-private-key-file={tmp_path}/k"],
         capture_output=True, text=True, timeout=60, check=False, cwd=Path(__file__).resolve().parents[1],
     )

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from enforcer.attribution import Attribution, PodProcess
-from enforcer.config import ContainerShare, EnforcerConfig, MemoryShare
-from enforcer.core import Core, Transition
+from gpufence.enforcer.attribution import Attribution, PodProcess
+from gpufence.enforcer.config import ContainerShare, EnforcerConfig, MemoryShare
+from gpufence.enforcer.core import Core, Transition
 
 GiB = 1 << 30
 CONFIG = EnforcerConfig(

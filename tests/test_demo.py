@@ -19,7 +19,7 @@ ROOT = Path(__file__).resolve().parent.parent
 def test_demo_shows_enforcement_and_leaves_nothing_running() -> None:
     before = {p.pid for p in psutil.Process().children(recursive=True)}
     result = subprocess.run(
-        [sys.executable, "-m", "scripts.demo"], cwd=ROOT, capture_output=True, text=True, timeout=90,
+        [sys.executable, "-m", "gpufence.demo"], cwd=ROOT, capture_output=True, text=True, timeout=90,
     )
     out = result.stdout
     assert result.returncode == 0, out + result.stderr

@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from simnvml import SimProcess
+from gpufence.simnvml import SimProcess
 from tests.conftest import REPO_ROOT, proc_state, wait_state
 
 GIB = 1 << 30
@@ -24,7 +24,7 @@ def _run_cli(*args: str, config: str | None) -> subprocess.CompletedProcess[str]
     if config is not None:
         env["GPUFENCE_CONFIG"] = config
     return subprocess.run(
-        [sys.executable, "-m", "enforcer", "--metrics-port", "0", *args],
+        [sys.executable, "-m", "gpufence.enforcer", "--metrics-port", "0", *args],
         env=env, cwd=REPO_ROOT, capture_output=True, text=True, timeout=30,
     )
 

@@ -116,7 +116,7 @@ def test_audit_mode_never_signals(gpu, make_config):
 
 def test_an_mps_client_over_its_share_is_terminated(gpu, make_config):
     """An MPS client appears only in NVML's MPS list: its memory is counted and enforced."""
-    from simnvml import SimProcess
+    from gpufence.simnvml import SimProcess
 
     client = gpu.workload("mps")
     gpu.write(gpu.device_with(SimProcess.for_pid(client.pid, 3 * GIB, kind="mps")))

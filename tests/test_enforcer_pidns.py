@@ -30,7 +30,7 @@ from typing import Any
 
 import pytest
 
-from simnvml import SimProcess
+from gpufence.simnvml import SimProcess
 from tests.conftest import REPO_ROOT, WORKLOAD, Enforcer, LineReader
 
 GIB = 1 << 30
@@ -182,7 +182,7 @@ def _launch(gpu, workloads: list[dict[str, Any]], config: dict[str, Any], *, hos
     spec_env = gpu.env()
     host_proc_dir = gpu.root / "hostproc"
     enforcer_argv = [
-        sys.executable, "-m", "enforcer", "--metrics-port", "0", "--bind-address", "127.0.0.1",
+        sys.executable, "-m", "gpufence.enforcer", "--metrics-port", "0", "--bind-address", "127.0.0.1",
         "--nvidia-device-prefix", gpu.device_prefix, "--state-dir", str(gpu.state_dir),
     ]
     if host_proc:

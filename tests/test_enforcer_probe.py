@@ -11,7 +11,7 @@ from tests.conftest import REPO_ROOT, GpuSandbox
 
 
 def run_probe(state_dir: Path | None) -> subprocess.CompletedProcess[str]:
-    argv = [sys.executable, "-m", "enforcer", "--probe"]
+    argv = [sys.executable, "-m", "gpufence.enforcer", "--probe"]
     if state_dir is not None:
         argv += ["--state-dir", str(state_dir)]
     return subprocess.run(argv, cwd=REPO_ROOT, capture_output=True, text=True, timeout=30, env={})

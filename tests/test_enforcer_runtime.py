@@ -12,8 +12,8 @@ from typing import Any
 
 import pytest
 
-from enforcer.events import EventRecorder, PodRef
-from enforcer.logs import DecisionLog
+from gpufence.enforcer.events import EventRecorder, PodRef
+from gpufence.enforcer.logs import DecisionLog
 
 GIB = 1 << 30
 

@@ -13,11 +13,11 @@ import time
 
 import pytest
 
-from enforcer.logs import DecisionLog
-from enforcer.procfs import read_stat
-from enforcer.signals import Outcome, SafeSignaller, SignalTarget
-from enforcer.stopped_state import StoppedState, recover
-from enforcer.throttle import ThrottleExecutor, ThrottlePlan
+from gpufence.enforcer.logs import DecisionLog
+from gpufence.enforcer.procfs import read_stat
+from gpufence.enforcer.signals import Outcome, SafeSignaller, SignalTarget
+from gpufence.enforcer.stopped_state import StoppedState, recover
+from gpufence.enforcer.throttle import ThrottleExecutor, ThrottlePlan
 from tests.conftest import WORKLOAD, LineReader, proc_state, wait_state
 
 

@@ -28,9 +28,9 @@ from typing import Any
 import jsonpatch
 import pytest
 
-from webhook.admission import review
-from webhook.client import decode_patch, pod_admission_review
-from webhook.settings import AllNamespacesOptedIn, InjectionSettings
+from gpufence.webhook.admission import review
+from gpufence.webhook.client import decode_patch, pod_admission_review
+from gpufence.webhook.settings import AllNamespacesOptedIn, InjectionSettings
 
 ENV_VAR = "GPUFENCE_FRAMEWORK_PYTHON"
 

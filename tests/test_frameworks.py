@@ -1,4 +1,4 @@
-"""The framework caps and share-aware warnings (webhook/frameworks.py), as pure functions."""
+"""The framework caps and share-aware warnings (gpufence/webhook/frameworks.py), as pure functions."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from enforcer.config import MemoryShare
-from webhook.frameworks import (
+from gpufence.enforcer.config import MemoryShare
+from gpufence.webhook.frameworks import (
     ENV_TGI_FRACTION,
     ENV_TORCH_ALLOC_CONF,
     ENV_TORCH_ALLOC_CONF_NEW,
@@ -24,7 +24,7 @@ from webhook.frameworks import (
     pytorch_cap_enabled,
     server_warnings,
 )
-from webhook.settings import InjectionSettings
+from gpufence.webhook.settings import InjectionSettings
 
 GiB = 1 << 30
 MiB = 1 << 20

@@ -24,10 +24,10 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from webhook import sidecar
-from webhook.admission import review
-from webhook.client import decode_patch, pod_admission_review
-from webhook.settings import INJECTION_ENABLED, INJECTION_LABEL, InjectionSettings, NamespaceInfo
+from gpufence.webhook import sidecar
+from gpufence.webhook.admission import review
+from gpufence.webhook.client import decode_patch, pod_admission_review
+from gpufence.webhook.settings import INJECTION_ENABLED, INJECTION_LABEL, InjectionSettings, NamespaceInfo
 
 GOLDEN = Path(__file__).parent / "golden"
 UPDATE = os.environ.get("GPUFENCE_UPDATE_GOLDEN") == "1"

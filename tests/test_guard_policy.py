@@ -27,10 +27,8 @@ from hypothesis import event, given
 from hypothesis import settings as hypothesis_settings
 from hypothesis import strategies as st
 
-from enforcer.config import ContainerShare, EnforcerConfig, MemoryShare
-from tests.k8s_cel import FUNCTIONS as K8S_FUNCTIONS
-from tests.test_admission import good_pods
-from webhook.settings import (
+from gpufence.enforcer.config import ContainerShare, EnforcerConfig, MemoryShare
+from gpufence.webhook.settings import (
     ANNOTATION_STATUS,
     DEFAULT_GPU_RESOURCE,
     DEFAULT_SIDECAR_IMAGE,
@@ -40,6 +38,8 @@ from webhook.settings import (
     POD_OPT_OUT_LABEL,
     SIDECAR_NAME,
 )
+from tests.k8s_cel import FUNCTIONS as K8S_FUNCTIONS
+from tests.test_admission import good_pods
 
 ROOT = Path(__file__).resolve().parents[1]
 POLICY_FILE = ROOT / "k8s" / "base" / "guard-policy.yaml"
@@ -237,7 +237,7 @@ def test_gpu_in_init_container_only_is_checked() -> None:
 @pytest.mark.parametrize("gpu_in", ["limits", "requests"])
 def test_zero_gpus_is_no_gpu_for_the_guard_and_the_webhook(gpu_in: str) -> None:
     """`nvidia.com/gpu: 0` (canonical, as the API server passes it) asks for no GPU: one definition."""
-    from webhook.podshape import gpu_container_names
+    from gpufence.webhook.podshape import gpu_container_names
 
     zero = pod(gpu_in=gpu_in)
     zero["spec"]["containers"][0]["resources"][gpu_in][DEFAULT_GPU_RESOURCE] = "0"
@@ -362,11 +362,11 @@ def test_policy_scope_matches_the_webhook_configuration() -> None:
 
 
 def test_a_pod_mutated_by_the_webhook_passes_the_guard() -> None:
-    """Contract between webhook/admission.py and the policy: mutation output satisfies the guard."""
+    """Contract between gpufence/webhook/admission.py and the policy: mutation output satisfies the guard."""
     import jsonpatch
 
-    from webhook import admission, client
-    from webhook.settings import AllNamespacesOptedIn, InjectionSettings
+    from gpufence.webhook import admission, client
+    from gpufence.webhook.settings import AllNamespacesOptedIn, InjectionSettings
 
     original = pod()
     original["metadata"]["annotations"] = {"gpufence.io/memory": "4Gi"}
@@ -396,8 +396,8 @@ def _golden_cases() -> list[str]:
 def test_the_guard_agrees_with_the_webhook_on_every_golden_case(case: str) -> None:
     """What the webhook mutates passes the guard, and the same pod sent unmutated (the webhook down)
     is denied; what it admits unmutated in an opted-in namespace the guard admits too."""
+    from gpufence.webhook.podshape import gpu_container_names
     from tests.test_golden import GOLDEN, load_case
-    from webhook.podshape import gpu_container_names
 
     pod_in, settings, lookup, operation = load_case(case)
     expected = yaml.safe_load((GOLDEN / f"{case}.out.yaml").read_text())
@@ -425,8 +425,8 @@ def test_the_guard_agrees_with_the_webhook_on_every_golden_case(case: str) -> No
 def test_the_guard_and_the_webhook_agree_on_opt_out(label: str | None, ns_annotations: dict[str, str],
                                                     gpu: bool) -> None:
     """A pod the webhook skips is admitted by the guard unmutated; one it denies, the guard denies."""
-    from webhook import admission, client
-    from webhook.settings import InjectionSettings, NamespaceInfo
+    from gpufence.webhook import admission, client
+    from gpufence.webhook.settings import InjectionSettings, NamespaceInfo
 
     class Lookup:
         def get(self, name: str) -> NamespaceInfo:
@@ -462,8 +462,8 @@ def test_the_guard_and_the_webhook_agree_on_opt_out(label: str | None, ns_annota
 )
 def test_the_guard_and_the_webhook_close_the_nvidia_side_door(gpu: bool, container: str, entry: dict[str, Any],
                                                                denied: bool) -> None:
-    from webhook import admission, client
-    from webhook.settings import AllNamespacesOptedIn, InjectionSettings
+    from gpufence.webhook import admission, client
+    from gpufence.webhook.settings import AllNamespacesOptedIn, InjectionSettings
 
     candidate = pod(gpu_in="limits" if gpu else None, annotations={"gpufence.io/memory": "4Gi"})
     candidate["spec"]["containers"].append({"name": container, "image": "cuda:12", "env": [entry]})
@@ -493,8 +493,8 @@ def test_the_sidecar_of_a_mutated_pod_keeps_its_nvml_access() -> None:
     """The injected sidecar sets NVIDIA_VISIBLE_DEVICES=all; in a GPU pod that is the one exception."""
     import jsonpatch
 
-    from webhook import admission, client
-    from webhook.settings import AllNamespacesOptedIn, InjectionSettings
+    from gpufence.webhook import admission, client
+    from gpufence.webhook.settings import AllNamespacesOptedIn, InjectionSettings
 
     original = pod(annotations={"gpufence.io/memory": "4Gi"})
     payload = client.pod_admission_review(copy.deepcopy(original), uid="u", namespace="team-a")
@@ -524,9 +524,9 @@ def test_the_guard_agrees_with_the_webhook_on_generated_pods(candidate: dict[str
     would mutate is refused by the guard when sent unmutated (the webhook down)."""
     import jsonpatch
 
-    from webhook import admission, client
-    from webhook.podshape import gpu_container_names
-    from webhook.settings import InjectionSettings, NamespaceInfo
+    from gpufence.webhook import admission, client
+    from gpufence.webhook.podshape import gpu_container_names
+    from gpufence.webhook.settings import InjectionSettings, NamespaceInfo
 
     class Lookup:
         def get(self, name: str) -> NamespaceInfo:

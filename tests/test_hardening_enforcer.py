@@ -34,7 +34,7 @@ def test_enforcing_goes_on_when_stdout_is_closed(gpu):
     gpu.write(gpu.device_with(gpu.proc(hog, GIB), gpu.proc(calm, GIB)))
     env = gpu.env()
     env["GPUFENCE_CONFIG"] = json.dumps(_config())
-    argv = [sys.executable, "-m", "enforcer", "--metrics-port", "0", "--bind-address", "127.0.0.1",
+    argv = [sys.executable, "-m", "gpufence.enforcer", "--metrics-port", "0", "--bind-address", "127.0.0.1",
             "--nvidia-device-prefix", gpu.device_prefix, "--state-dir", str(gpu.state_dir)]
     proc = subprocess.Popen(argv, env=env, cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
     try:

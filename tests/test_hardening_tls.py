@@ -18,9 +18,9 @@ import psutil
 import pytest
 
 from bench.common import Pki, admission_review, gpufence_server, small_pod
-from webhook.server import ServerLimits, create_app, start_server
-from webhook.settings import AllNamespacesOptedIn, InjectionSettings
-from webhook.tls import CertReloader
+from gpufence.webhook.server import ServerLimits, create_app, start_server
+from gpufence.webhook.settings import AllNamespacesOptedIn, InjectionSettings
+from gpufence.webhook.tls import CertReloader
 
 pytestmark = pytest.mark.timeout(60)
 

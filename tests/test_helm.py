@@ -25,10 +25,10 @@ import yaml
 from celpy import celtypes
 
 from gpufence import __version__
+from gpufence.webhook.cli import parse_args, settings_from_args
 from tests import helm_binary
 from tests.test_alerts import PROMTOOL_MISSING, write_rules
 from tests.test_manifests import BUILDS, K8S_VERSION, render, validate
-from webhook.cli import parse_args, settings_from_args
 
 # The first test that asks for helm builds it when the cache lacks it: minutes with a cold Go build
 # cache, more than the suite's per-test limit. Every helm and kubectl call has its own 120 s limit.

@@ -17,9 +17,9 @@ from typing import Any
 import pytest
 
 from gpufence.logs import JsonFormatter, log_event, utc_timestamp
+from gpufence.webhook.server import _answer
+from gpufence.webhook.settings import AllNamespacesOptedIn, InjectionSettings
 from tests.tlsutil import gpu_pod, pod_review
-from webhook.server import _answer
-from webhook.settings import AllNamespacesOptedIn, InjectionSettings
 
 ROOT = Path(__file__).resolve().parents[1]
 TIME_RE = re.compile(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z")
@@ -47,26 +47,26 @@ def test_utc_timestamp() -> None:
 
 
 def test_startup_errors_of_all_three_programs_share_the_shape(tmp_path: Path) -> None:
-    webhook = run(["-m", "webhook", f"--tls-cert-file={tmp_path}/none.crt", f"--tls-private-key-file={tmp_path}/k",
-                   "--port=0", "--bind-address=127.0.0.1"])  # fmt: skip
+    webhook = run(["-m", "gpufence.webhook", f"--tls-cert-file={tmp_path}/none.crt",
+                   f"--tls-private-key-file={tmp_path}/k", "--port=0", "--bind-address=127.0.0.1"])  # fmt: skip
     assert webhook.returncode == 1
     (failed,) = [assert_shape(line) for line in webhook.stderr.splitlines()
                  if json.loads(line)["event"] == "startup_failed"]  # fmt: skip
     assert failed["level"] == "error" and "none.crt" in failed["error"]
 
-    enforcer = run(["-m", "enforcer", "--config", str(tmp_path / "missing.json")])
+    enforcer = run(["-m", "gpufence.enforcer", "--config", str(tmp_path / "missing.json")])
     assert enforcer.returncode == 2 and enforcer.stdout == ""
     (invalid,) = [assert_shape(line) for line in enforcer.stderr.splitlines()]
     assert invalid["event"] == "config_invalid" and "missing.json" in invalid["error"]
 
-    certs = run(["-m", "certs", "inspect", "--cert-file", str(tmp_path / "missing.pem")])
+    certs = run(["-m", "gpufence.certs", "inspect", "--cert-file", str(tmp_path / "missing.pem")])
     assert certs.returncode != 0
     records = [assert_shape(line) for line in certs.stderr.splitlines() if line.startswith("{")]
     assert [r["event"] for r in records] == ["error"] and "missing.pem" in records[0]["message"]
 
 
 def test_certs_success_lines_share_the_shape(tmp_path: Path) -> None:
-    result = run(["-m", "certs", "generate", "--out-dir", str(tmp_path / "out")])
+    result = run(["-m", "gpufence.certs", "generate", "--out-dir", str(tmp_path / "out")])
     assert result.returncode == 0, result.stderr
     (record,) = [assert_shape(line) for line in result.stderr.splitlines()]
     assert record["event"] == "certificates_generated" and record["level"] == "info"
@@ -146,7 +146,7 @@ def test_a_failing_review_names_the_pod(decisions: io.StringIO, monkeypatch: pyt
     def broken(*_: Any) -> None:
         raise RuntimeError("bug")
 
-    monkeypatch.setattr("webhook.server.review", broken)
+    monkeypatch.setattr("gpufence.webhook.server.review", broken)
     with pytest.raises(RuntimeError):
         answer(pod_review("uid-9"))
     (record,) = lines(decisions)

@@ -8,16 +8,16 @@ import json
 import jsonpatch
 import pytest
 
-from enforcer.config import ContainerShare, EnforcerConfig, MemoryShare, Mode
-from webhook import sidecar as sidecar_module
-from webhook.codec import dumps
-from webhook.desired import desired_pod
-from webhook.errors import MutationError
-from webhook.mutate import injection_patch
-from webhook.patch import diff
-from webhook.settings import SIDECAR_NAME, SIDECAR_PORT_NAME, InjectionSettings
-from webhook.shares import SharePlan
-from webhook.sidecar import (
+from gpufence.enforcer.config import ContainerShare, EnforcerConfig, MemoryShare, Mode
+from gpufence.webhook import sidecar as sidecar_module
+from gpufence.webhook.codec import dumps
+from gpufence.webhook.desired import desired_pod
+from gpufence.webhook.errors import MutationError
+from gpufence.webhook.mutate import injection_patch
+from gpufence.webhook.patch import diff
+from gpufence.webhook.settings import SIDECAR_NAME, SIDECAR_PORT_NAME, InjectionSettings
+from gpufence.webhook.shares import SharePlan
+from gpufence.webhook.sidecar import (
     PRELOAD_VOLUME,
     build_sidecar,
     config_json,

@@ -1,13 +1,13 @@
-"""The admin-owned policy (webhook/policy.py): who wins, and what a pod may not ask."""
+"""The admin-owned policy (gpufence/webhook/policy.py): who wins, and what a pod may not ask."""
 
 from __future__ import annotations
 
 import pytest
 
-from enforcer.config import MemoryShare, Mode
-from webhook.policy import namespace_policy
-from webhook.settings import InjectionSettings
-from webhook.shares import ShareError, SharePlan, resolve_shares
+from gpufence.enforcer.config import MemoryShare, Mode
+from gpufence.webhook.policy import namespace_policy
+from gpufence.webhook.settings import InjectionSettings
+from gpufence.webhook.shares import ShareError, SharePlan, resolve_shares
 
 GPU = ("a", "b")
 DEFAULTS = InjectionSettings()

@@ -1,4 +1,4 @@
-"""enforcer.nvml.NvmlClient against the simulated driver, in-process.
+"""gpufence.enforcer.nvml.NvmlClient against the simulated driver, in-process.
 
 pynvml loads libnvidia-ml.so.1 once per process, so every in-process test uses the same library
 file: ``simnvml.build_library()`` with the default cache directory (the file other in-process tests
@@ -25,7 +25,7 @@ from typing import Any
 import pynvml
 import pytest
 
-from enforcer.nvml import (
+from gpufence.enforcer.nvml import (
     DeviceSample,
     GpuProcess,
     NvmlClient,
@@ -33,7 +33,7 @@ from enforcer.nvml import (
     NvmlSample,
     NvmlUnavailable,
 )
-from simnvml import ENV_STATE, SimDevice, SimProcess, SimState, build_library, write_state
+from gpufence.simnvml import ENV_STATE, SimDevice, SimProcess, SimState, build_library, write_state
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 GiB = 1 << 30
@@ -370,7 +370,7 @@ def test_missing_library_is_a_clear_error(tmp_path: pathlib.Path) -> None:
     result = run_child(
         f"""
         import json
-        from enforcer.nvml import NvmlClient, NvmlUnavailable
+        from gpufence.enforcer.nvml import NvmlClient, NvmlUnavailable
         out = {{}}
         for key, path in (("path", {str(tmp_path / "nope" / "libnvidia-ml.so.1")!r}), ("system", None)):
             try:
@@ -399,7 +399,7 @@ def test_second_library_in_one_process_is_refused(lib: pathlib.Path, tmp_path: p
     result = run_child(
         f"""
         import json
-        from enforcer.nvml import NvmlClient, NvmlUnavailable
+        from gpufence.enforcer.nvml import NvmlClient, NvmlUnavailable
         first = NvmlClient({str(lib)!r})
         first.open()
         out = {{"first": [p.pid for p in first.sample().devices[0].processes]}}

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from enforcer.attribution import Attribution, PodProcess
-from enforcer.config import ContainerShare, EnforcerConfig, LimitUnit, MemoryShare
-from enforcer.policy import (
+from gpufence.enforcer.attribution import Attribution, PodProcess
+from gpufence.enforcer.config import ContainerShare, EnforcerConfig, LimitUnit, MemoryShare
+from gpufence.enforcer.policy import (
     ContainerDeviceUsage,
     TerminateOrder,
     container_sm_utilization,

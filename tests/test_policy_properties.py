@@ -13,9 +13,9 @@ from collections import defaultdict
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from enforcer.attribution import Attribution, PodProcess
-from enforcer.config import ContainerShare, EnforcerConfig, MemoryShare, Mode
-from enforcer.policy import ComputeTracker, memory_orders, pod_budget_bytes, pod_usage, usage_by_container
+from gpufence.enforcer.attribution import Attribution, PodProcess
+from gpufence.enforcer.config import ContainerShare, EnforcerConfig, MemoryShare, Mode
+from gpufence.enforcer.policy import ComputeTracker, memory_orders, pod_budget_bytes, pod_usage, usage_by_container
 
 CONTAINERS = ("a", "b", "c")
 DEVICES = (0, 1, 2)

@@ -15,10 +15,10 @@ import jsonpatch
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from gpufence.webhook import server as server_module
+from gpufence.webhook.server import MAX_BODY_BYTES, METRICS, RELOADER, ServerLimits, start_webhook
+from gpufence.webhook.settings import SIDECAR_NAME
 from tests.tlsutil import LocalPKI, Webhook, gpu_pod, make_pki, pod_review, running_webhook, wait_until
-from webhook import server as server_module
-from webhook.server import MAX_BODY_BYTES, METRICS, RELOADER, ServerLimits, start_webhook
-from webhook.settings import SIDECAR_NAME
 
 JSON = {"Content-Type": "application/json"}
 
@@ -281,7 +281,7 @@ async def test_start_webhook_in_one_call(pki: LocalPKI, session: aiohttp.ClientS
 
 
 def test_metrics_count_each_outcome_through_the_looked_up_children() -> None:
-    from webhook.metrics import WebhookMetrics
+    from gpufence.webhook.metrics import WebhookMetrics
 
     metrics = WebhookMetrics()
     metrics.observe("mutated", 0.001)

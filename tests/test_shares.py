@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from enforcer.config import ContainerShare, MemoryShare, Mode
-from webhook.settings import InjectionSettings
-from webhook.shares import ShareError, parse_grace_period, quote, resolve_shares
+from gpufence.enforcer.config import ContainerShare, MemoryShare, Mode
+from gpufence.webhook.settings import InjectionSettings
+from gpufence.webhook.shares import ShareError, parse_grace_period, quote, resolve_shares
 
 S = InjectionSettings()
 

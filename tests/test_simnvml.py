@@ -18,8 +18,8 @@ from typing import Any
 
 import pytest
 
-import simnvml
-from simnvml import (
+from gpufence import simnvml
+from gpufence.simnvml import (
     ENV_STATE,
     CompilerNotFoundError,
     SimDevice,
@@ -40,7 +40,7 @@ PRELUDE = textwrap.dedent(
     """
     import ctypes, json, os, sys
     import pynvml as N
-    from simnvml import *
+    from gpufence.simnvml import *
 
     GiB = 1 << 30
 

@@ -11,11 +11,15 @@ from pathlib import Path
 import pytest
 
 from gpufence import IMAGE, IMAGE_REPOSITORY, __version__, version_line
+from gpufence.webhook.settings import DEFAULT_SIDECAR_IMAGE
 from scripts import set_version
-from webhook.settings import DEFAULT_SIDECAR_IMAGE
 
 ROOT = Path(__file__).resolve().parents[1]
-CLIS = {"gpufence-webhook": "webhook", "gpufence-enforcer": "enforcer", "gpufence-certs": "certs"}
+CLIS = {
+    "gpufence-webhook": "gpufence.webhook",
+    "gpufence-enforcer": "gpufence.enforcer",
+    "gpufence-certs": "gpufence.certs",
+}
 
 
 def test_every_copy_of_the_version_agrees() -> None:

@@ -15,9 +15,9 @@ import aiohttp
 import pytest
 
 from gpufence.logs import JsonFormatter
+from gpufence.webhook.cli import FLAGS, parse_args, settings_from_args
+from gpufence.webhook.settings import InjectionSettings
 from tests.tlsutil import LocalPKI, make_pki, pod_review
-from webhook.cli import FLAGS, parse_args, settings_from_args
-from webhook.settings import InjectionSettings
 
 REPO = Path(__file__).resolve().parent.parent
 TLS = ["--tls-cert-file", "c.crt", "--tls-private-key-file", "c.key"]
@@ -152,7 +152,7 @@ def pki(tmp_path: Path) -> LocalPKI:
 
 async def test_process_serves_outside_a_cluster_and_stops_on_sigterm(pki: LocalPKI, tmp_path: Path):
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "webhook", "--port=0", "--bind-address=127.0.0.1", "--shutdown-delay=2s",
+        sys.executable, "-m", "gpufence.webhook", "--port=0", "--bind-address=127.0.0.1", "--shutdown-delay=2s",
         f"--tls-cert-file={pki.volume.cert_file}", f"--tls-private-key-file={pki.volume.key_file}",
         env=outside_cluster_env(tmp_path), cwd=REPO, stderr=asyncio.subprocess.PIPE)
     assert proc.stderr is not None
@@ -198,7 +198,7 @@ async def test_process_serves_outside_a_cluster_and_stops_on_sigterm(pki: LocalP
 
 async def test_process_rejects_a_bad_flag(tmp_path: Path):
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "webhook", "--sidecar-mode=sidecar", *TLS,
+        sys.executable, "-m", "gpufence.webhook", "--sidecar-mode=sidecar", *TLS,
         env=outside_cluster_env(tmp_path), cwd=REPO, stderr=asyncio.subprocess.PIPE)
     _, err = await asyncio.wait_for(proc.communicate(), 20)
     assert proc.returncode == 2

@@ -12,12 +12,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from certs.pki import KeyPair, make_ca, make_serving_cert
-from webhook.client import pod_admission_review
-from webhook.metrics import WebhookMetrics
-from webhook.server import RunningServer, ServerLimits, create_app, start_server
-from webhook.settings import AllNamespacesOptedIn, InjectionSettings, NamespaceLookup
-from webhook.tls import CertReloader
+from gpufence.certs.pki import KeyPair, make_ca, make_serving_cert
+from gpufence.webhook.client import pod_admission_review
+from gpufence.webhook.metrics import WebhookMetrics
+from gpufence.webhook.server import RunningServer, ServerLimits, create_app, start_server
+from gpufence.webhook.settings import AllNamespacesOptedIn, InjectionSettings, NamespaceLookup
+from gpufence.webhook.tls import CertReloader
 
 SANS = ["localhost", "127.0.0.1"]
 # Short bounds so timeout tests take a fraction of a second.

@@ -16,7 +16,7 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
-from certs import pki
+from gpufence.certs import pki
 
 
 def client_cert(ca: pki.KeyPair, user: str, groups: tuple[str, ...] = ()) -> pki.KeyPair:

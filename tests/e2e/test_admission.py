@@ -15,9 +15,9 @@ from typing import Any
 import pytest
 from kubernetes import client
 
+from gpufence.webhook.settings import ANNOTATION_STATUS, SIDECAR_NAME
 from tests.e2e import kube
 from tests.e2e.gpufence_install import WebhookProcess
-from webhook.settings import ANNOTATION_STATUS, SIDECAR_NAME
 
 
 def assert_contract_mutation(pod: dict[str, Any], gpu_containers: set[str]) -> None:

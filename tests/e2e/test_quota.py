@@ -11,9 +11,9 @@ from __future__ import annotations
 import pytest
 from kubernetes import client
 
+from gpufence.webhook.settings import SIDECAR_NAME
 from tests.e2e import kube
 from tests.e2e.gpufence_install import WebhookProcess
-from webhook.settings import SIDECAR_NAME
 
 
 @pytest.mark.parametrize("with_limit_range", [False, True], ids=["quota-only", "quota-and-limitrange"])

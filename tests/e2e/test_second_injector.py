@@ -22,12 +22,12 @@ import pytest
 from aiohttp import web
 from kubernetes import client
 
-from certs import pki
+from gpufence.certs import pki
+from gpufence.webhook.settings import SIDECAR_NAME
 from tests.e2e import kube
 from tests.e2e.controlplane import ControlPlane, free_port
 from tests.e2e.gpufence_install import WebhookProcess
 from tests.e2e.test_admission import assert_contract_mutation, assert_stable
-from webhook.settings import SIDECAR_NAME
 
 PEER_NAME = "istio-proxy"
 PEER_STATUS = "sidecar.istio.io/status"

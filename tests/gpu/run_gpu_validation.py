@@ -298,9 +298,9 @@ def framework_cap_scenario(args: argparse.Namespace) -> int:
     major, minor = (int(part) for part in torch.__version__.split("+")[0].split(".")[:2])
     if (major, minor) < (2, 10):
         return skip(f"torch {torch.__version__} has no per_process_memory_fraction in PYTORCH_CUDA_ALLOC_CONF (2.10+)")
-    from enforcer.config import MemoryShare
-    from webhook.frameworks import DeviceMemory, framework_env
-    from webhook.settings import InjectionSettings
+    from gpufence.enforcer.config import MemoryShare
+    from gpufence.webhook.frameworks import DeviceMemory, framework_env
+    from gpufence.webhook.settings import InjectionSettings
 
     pynvml.nvmlInit()
     try:
@@ -369,7 +369,7 @@ def main(argv: list[str] | None = None) -> int:
     backend = cuda_backend()
     if backend is None:
         return skip("neither torch nor cupy is importable")
-    if importlib.util.find_spec("enforcer") is None:
+    if importlib.util.find_spec("gpufence.enforcer") is None:
         print(f"error: the enforcer package is not importable (run from {REPO} or install gpufence)")
         return 2
 
@@ -405,7 +405,7 @@ def main(argv: list[str] | None = None) -> int:
                 [
                     sys.executable,
                     "-m",
-                    "enforcer",
+                    "gpufence.enforcer",
                     "--config",
                     str(config_path),
                     "--metrics-port",

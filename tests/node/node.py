@@ -36,8 +36,8 @@ from pathlib import Path
 
 import yaml
 
-from certs import pki
-from simnvml import build_library
+from gpufence.certs import pki
+from gpufence.simnvml import build_library
 from tests.e2e.cluster_pki import client_cert
 from tests.e2e.controlplane import Component, ControlPlane, StartupFailed, free_port, start, write_kubeconfig
 from tests.node import images, simruntime

@@ -8,12 +8,12 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
-from simnvml import SimDevice, SimProcess, SimState, write_state
+from gpufence.simnvml import SimDevice, SimProcess, SimState, write_state
+from gpufence.webhook.settings import SIDECAR_NAME
 from tests.e2e import kube
 from tests.e2e.controlplane import ControlPlane
 from tests.node.images import GPUFENCE_IMAGE
 from tests.node.node import NODE_NAME, Node
-from webhook.settings import SIDECAR_NAME
 
 GPU_UUID = "GPU-5e1f0c0d-0000-4000-8000-000000000000"
 GPU_MEMORY = 80 << 30

@@ -12,6 +12,7 @@ import time
 
 from kubernetes import client
 
+from gpufence.webhook.settings import SIDECAR_NAME
 from tests.e2e import kube
 from tests.e2e.controlplane import ControlPlane
 from tests.node.node import Node
@@ -31,7 +32,6 @@ from tests.node.workloads import (
     workload_container,
     write_gpu_state,
 )
-from webhook.settings import SIDECAR_NAME
 
 GIB = 1 << 30
 

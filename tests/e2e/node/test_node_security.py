@@ -3,7 +3,7 @@
 docs/install.md ("Pod Security of the namespaces you opt in") says mutated GPU pods pass only
 `privileged` (the root sidecar adds SYS_PTRACE, which `baseline` forbids); these pods run in a
 namespace that enforces `privileged` and warns/audits `baseline`, the documented setup. The user
-matrix is the one webhook/mutate.py documents ("Which user the enforcer runs as").
+matrix is the one gpufence/webhook/mutate.py documents ("Which user the enforcer runs as").
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 from kubernetes import client
 
+from gpufence.webhook.settings import SIDECAR_NAME
 from tests.e2e import kube
 from tests.e2e.controlplane import ControlPlane
 from tests.node.node import Node
@@ -32,7 +33,6 @@ from tests.node.workloads import (
     workload_container,
     write_gpu_state,
 )
-from webhook.settings import SIDECAR_NAME
 
 GIB = 1 << 30
 DOCUMENTED_SETUP = {"pod-security.kubernetes.io/enforce": "privileged",

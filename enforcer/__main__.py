@@ -1,7 +1,0 @@
-"""``python -m enforcer``: same as ``gpufence-enforcer``."""
-
-import sys
-
-from enforcer.cli import main
-
-sys.exit(main())

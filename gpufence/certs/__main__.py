@@ -1,0 +1,7 @@
+"""``python -m certs`` == ``gpufence-certs``."""
+
+import sys
+
+from gpufence.certs.cli import main
+
+sys.exit(main())

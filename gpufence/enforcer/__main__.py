@@ -1,0 +1,7 @@
+"""``python -m enforcer``: same as ``gpufence-enforcer``."""
+
+import sys
+
+from gpufence.enforcer.cli import main
+
+sys.exit(main())

@@ -1,0 +1,353 @@
+"""``gpufence-enforcer`` / ``python -m enforcer``: the per-pod GPU share enforcer.
+
+Usage::
+
+    gpufence-enforcer [--config FILE] [--metrics-port N] [--bind-address ADDR] [--host-proc DIR]
+                      [--state-dir DIR] [--nvidia-device-prefix PREFIX] [--log-level LEVEL]
+                      [--simulate STATE_FILE | --nvml-library PATH]
+                      [--compute-window SECONDS] [--compute-period SECONDS]
+
+The config comes from ``--config FILE`` (re-read when the file changes) or the ``GPUFENCE_CONFIG``
+environment variable; a missing or invalid config is reported on stderr and exits with status 2
+before anything else happens. Flags default to the environment variables of the sidecar contract
+(docs/architecture.md): ``GPUFENCE_METRICS_PORT`` (9401; 0 picks a free port, logged in the
+``started`` line), ``GPUFENCE_HOST_PROC``, ``GPUFENCE_STATE_DIR``, ``GPUFENCE_NVIDIA_DEVICE_PREFIX``;
+the pod identity from ``GPUFENCE_POD_NAME`` / ``_NAMESPACE`` / ``_UID``.
+
+``--simulate STATE_FILE`` builds the simulated NVML library (``simnvml``), points it at the state
+file and uses it instead of the driver: try policies on a laptop. Simulated processes do not hold
+``/dev/nvidia*`` open, so pair it with ``--nvidia-device-prefix`` naming a file your test
+processes open (the local PID mode accepts only processes holding a device file).
+
+Exit status: 0 after SIGTERM/SIGINT, 1 on a fatal startup error (port in use ...), 2 for usage
+and configuration errors.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import atexit
+import os
+import signal
+import sys
+import threading
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+from gpufence import __version__, version_line
+from gpufence.enforcer.config import (
+    DEFAULT_METRICS_PORT,
+    ENV_CONFIG,
+    ENV_HOST_PROC,
+    ENV_METRICS_PORT,
+    ENV_POD_NAME,
+    ENV_POD_NAMESPACE,
+    ENV_POD_STATUS,
+    ENV_POD_UID,
+    ENV_STATE_DIR,
+    ConfigError,
+    EnforcerConfig,
+)
+from gpufence.enforcer.logs import LEVELS, DecisionLog, forward_stdlib_logging
+from gpufence.enforcer.probe import probe, write_port
+from gpufence.enforcer.procfs import ENV_NVIDIA_DEVICE_PREFIX
+
+PROG = "gpufence-enforcer"
+ENV_LOG_LEVEL = "GPUFENCE_LOG_LEVEL"
+EXIT_USAGE = 2
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # type: ignore[override]
+        self.print_usage(sys.stderr)
+        self.exit(EXIT_USAGE, f"{self.prog}: error: {message}\n")
+
+
+def _port(value: str) -> int:
+    try:
+        port = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a port number: {value!r}") from None
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"port out of range 0-65535: {port}")
+    return port
+
+
+def _positive(value: str) -> float:
+    try:
+        number = float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {value!r}") from None
+    if not number > 0:
+        raise argparse.ArgumentTypeError(f"must be positive: {value!r}")
+    return number
+
+
+def build_parser() -> argparse.ArgumentParser:
+    env = os.environ
+    p = _Parser(prog=PROG, description="Enforce per-container GPU memory and compute shares in one pod.")
+    p.add_argument("--version", action="version", version=version_line(PROG))
+    p.add_argument("--config", metavar="FILE", help=f"config JSON file (default: ${ENV_CONFIG}); re-read on change")
+    p.add_argument(
+        "--metrics-port", type=_port, default=None,
+        help=f"port of /metrics, /healthz, /readyz (default: ${ENV_METRICS_PORT} or {DEFAULT_METRICS_PORT}; 0: any)",
+    )
+    p.add_argument("--bind-address", default="0.0.0.0", help="address to serve HTTP on (default 0.0.0.0)")
+    p.add_argument("--probe", action="store_true",
+                   help="exit 0 if the enforcer running with this --state-dir is healthy (an exec probe)")
+    p.add_argument(
+        "--host-proc", default=env.get(ENV_HOST_PROC) or None,
+        help=f"host /proc mount for legacy drivers that report host PIDs (default: ${ENV_HOST_PROC})",
+    )
+    p.add_argument(
+        "--state-dir", default=env.get(ENV_STATE_DIR) or None,
+        help=f"directory for stopped.json, the record of stopped processes (default: ${ENV_STATE_DIR})",
+    )
+    p.add_argument(
+        "--nvidia-device-prefix", default=env.get(ENV_NVIDIA_DEVICE_PREFIX) or None,
+        help=f"path prefix of NVIDIA device files (default: ${ENV_NVIDIA_DEVICE_PREFIX} or /dev/nvidia)",
+    )
+    p.add_argument(
+        "--log-level", choices=sorted(LEVELS, key=LEVELS.__getitem__),
+        default=env.get(ENV_LOG_LEVEL, "info"), help="decision log threshold (default info)",
+    )
+    source = p.add_mutually_exclusive_group()
+    source.add_argument(
+        "--simulate", metavar="STATE_FILE", help="use the simulated NVML (simnvml) with this state file",
+    )
+    source.add_argument("--nvml-library", metavar="PATH", help="load libnvidia-ml from this path")
+    p.add_argument("--compute-window", type=_positive, default=5.0, help="SM utilisation window, seconds (default 5)")
+    p.add_argument("--compute-period", type=_positive, default=1.0, help="duty-cycle period, seconds (default 1)")
+    p.add_argument(
+        "--nvml-timeout", type=_positive, default=5.0,
+        help="deadline of one NVML call, seconds (default 5): a hung call is an error, and /healthz fails",
+    )
+    return p
+
+
+def _metrics_port(args: argparse.Namespace) -> int:
+    if args.metrics_port is not None:
+        return args.metrics_port
+    raw = os.environ.get(ENV_METRICS_PORT)
+    if not raw:
+        return DEFAULT_METRICS_PORT
+    try:
+        return _port(raw)
+    except argparse.ArgumentTypeError as exc:
+        raise ConfigError(f"{ENV_METRICS_PORT}: {exc}") from None
+
+
+def load_config(path: str | None) -> EnforcerConfig:
+    if path is not None:
+        try:
+            text = Path(path).read_text()
+        except OSError as exc:
+            raise ConfigError(f"cannot read {path}: {exc.strerror or exc}") from None
+        return EnforcerConfig.from_json(text)
+    text = os.environ.get(ENV_CONFIG)
+    if text is None or not text.strip():
+        raise ConfigError(f"no configuration: set {ENV_CONFIG} or pass --config FILE")
+    return EnforcerConfig.from_json(text)
+
+
+class _FileWatcher:
+    """Returns the config when the file's (mtime, size) changed and it parses; None otherwise."""
+
+    def __init__(self, path: str, log: DecisionLog) -> None:
+        self._path = path
+        self._log = log
+        self._seen = self._stamp()
+
+    def _stamp(self) -> tuple[int, int] | None:
+        try:
+            st = os.stat(self._path)
+        except OSError:
+            return None
+        return (st.st_mtime_ns, st.st_size)
+
+    def __call__(self) -> EnforcerConfig | None:
+        stamp = self._stamp()
+        if stamp == self._seen or stamp is None:
+            return None
+        self._seen = stamp
+        try:
+            return load_config(self._path)
+        except ConfigError as exc:
+            self._log.error("config_invalid", path=self._path, error=str(exc), reason="keeping the previous config")
+            return None
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.probe:
+        return probe(args.state_dir)
+    try:
+        config = load_config(args.config)
+        port = _metrics_port(args)
+    except ConfigError as exc:
+        # Before anything runs, on stderr (stdout is the decision log), in the shared log format.
+        DecisionLog(level="error", stream=sys.stderr).error(
+            "config_invalid", message=f"{PROG}: invalid configuration: {exc}", error=str(exc))
+        return EXIT_USAGE
+
+    namespace = os.environ.get(ENV_POD_NAMESPACE) or "default"
+    pod_name = os.environ.get(ENV_POD_NAME) or "local"
+    pod_uid = os.environ.get(ENV_POD_UID) or None
+    log = DecisionLog(namespace=namespace, pod=pod_name, level=args.log_level)
+    forward_stdlib_logging(log, args.log_level)
+    try:
+        return _run(args, config, port, log, namespace, pod_name, pod_uid)
+    except KeyboardInterrupt:
+        return 0
+
+
+def _client_factory(args: argparse.Namespace, log: DecisionLog) -> Callable[[], object] | None:
+    from gpufence.enforcer.nvml import NvmlClient
+
+    if args.simulate:
+        try:
+            from gpufence import simnvml
+
+            library = simnvml.build_library()
+        except Exception as exc:
+            log.error("simulate_failed", error=f"cannot build the simulated NVML library: {exc}")
+            return None
+        os.environ[simnvml.ENV_STATE] = str(Path(args.simulate).resolve())
+        log.info("simulated_nvml", library=str(library), state_file=str(Path(args.simulate).resolve()))
+        return lambda: NvmlClient(library_path=str(library))
+    if args.nvml_library:
+        return lambda: NvmlClient(library_path=args.nvml_library)
+    return lambda: NvmlClient()
+
+
+def _run(
+    args: argparse.Namespace, config: EnforcerConfig, port: int, log: DecisionLog,
+    namespace: str, pod_name: str, pod_uid: str | None,
+) -> int:
+    from gpufence.enforcer.admission_warnings import report as report_admission_warnings
+    from gpufence.enforcer.attribution import Attributor, choose_mode
+    from gpufence.enforcer.events import EventRecorder, PodRef
+    from gpufence.enforcer.health import Health
+    from gpufence.enforcer.loop import Enforcer
+    from gpufence.enforcer.metrics import EnforcerMetrics
+    from gpufence.enforcer.procfs import NVIDIA_DEVICE_PREFIX_DEFAULT
+    from gpufence.enforcer.signals import SafeSignaller
+    from gpufence.enforcer.stopped_state import StoppedState
+    from gpufence.enforcer.throttle import ThrottleExecutor
+
+    own_pid = os.getpid()
+    signaller = SafeSignaller(log, own_pid=own_pid)
+    stopped = StoppedState(args.state_dir, log)
+    throttle = ThrottleExecutor(signaller, stopped, log, period_seconds=args.compute_period)
+    # Whatever happens from here on, nothing we stopped stays stopped.
+    atexit.register(throttle.close, "atexit")
+
+    factory = _client_factory(args, log)
+    if factory is None:
+        return 1
+    device_prefix = args.nvidia_device_prefix or NVIDIA_DEVICE_PREFIX_DEFAULT
+    pid_mode = choose_mode(args.host_proc)
+    attributor = Attributor(
+        pid_mode, proc_root="/proc", host_proc_root=args.host_proc, device_prefix=device_prefix, own_pid=own_pid,
+    )
+    metrics = EnforcerMetrics(namespace, pod_name)
+    # The containers are fixed by the pod spec, so the initial config names all of them.
+    metrics.declare_containers(config.containers)
+    health = Health(config.poll_interval_seconds)
+    pod = PodRef(namespace, pod_name, pod_uid)
+    events = EventRecorder.from_environment(log, pod)
+    report_admission_warnings(log, events, os.environ.get(ENV_POD_STATUS))
+    enforcer = Enforcer(
+        config,
+        pid_mode=pid_mode,
+        attributor=attributor,
+        client_factory=factory,  # type: ignore[arg-type]
+        signaller=signaller,
+        throttle=throttle,
+        stopped=stopped,
+        log=log,
+        metrics=metrics,
+        health=health,
+        events=events,
+        config_source=_FileWatcher(args.config, log) if args.config else None,
+        compute_window_seconds=args.compute_window,
+        compute_period_seconds=args.compute_period,
+        nvml_timeout_seconds=args.nvml_timeout,
+    )
+    # 1. Continue whatever a previous incarnation left stopped, before anything else.
+    enforcer.recover_stopped()
+    if stopped.path is None:
+        log.warning(
+            "stopped_state_disabled",
+            reason="no --state-dir: if the enforcer is killed while throttling, stopped processes stay stopped",
+        )
+    try:
+        return asyncio.run(
+            _serve(args, enforcer, metrics, health, log, port, pod, device_prefix, throttle)
+        )
+    finally:
+        enforcer.close()
+
+
+async def _serve(
+    args: argparse.Namespace, enforcer, metrics, health, log: DecisionLog, port: int, pod,
+    device_prefix: str, throttle,
+) -> int:
+    from gpufence.enforcer.health import make_app, start_server
+    from gpufence.enforcer.procfs import own_privileges, privilege_limits
+
+    privileges = own_privileges()
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    received: list[str] = []
+
+    def on_signal(sig: signal.Signals) -> None:
+        received.append(sig.name)
+        stop.set()
+
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT):
+        loop.add_signal_handler(sig, on_signal, sig)
+
+    try:
+        runner, bound_port = await start_server(make_app(metrics, health), args.bind_address, port)
+    except OSError as exc:
+        log.error("http_failed", error=f"cannot serve on {args.bind_address}:{port}: {exc}")
+        return 1
+    try:
+        write_port(args.state_dir, bound_port)
+    except OSError as exc:
+        log.warning("port_file_failed", error=str(exc), reason="an exec probe (--probe) cannot find the port")
+    await asyncio.to_thread(enforcer.open_nvml)
+    log.info(
+        "started", version=__version__,
+        pid_mode=enforcer.pid_mode, driver_version=enforcer.driver_version, metrics_port=bound_port,
+        bind_address=args.bind_address, mode=enforcer.config.mode, enforcer_pid=os.getpid(),
+        state_dir=args.state_dir, host_proc=args.host_proc, device_prefix=device_prefix,
+        config=enforcer.config.to_dict(), privileges=privileges,
+    )
+    for limit in privilege_limits(privileges):
+        log.warning("privilege_limit", limit=limit)
+    throttle.start()
+    thread_stop = threading.Event()
+
+    def poll() -> None:
+        try:
+            enforcer.run(thread_stop)
+        except BaseException as exc:  # the loop itself catches everything; belt and braces
+            log.error("poll_thread_died", error=f"{type(exc).__name__}: {exc}")
+            loop.call_soon_threadsafe(stop.set)
+
+    poller = threading.Thread(target=poll, name="gpufence-poll", daemon=True)
+    poller.start()
+    try:
+        await stop.wait()
+    finally:
+        thread_stop.set()
+        # Continue everything first: the poll thread may be stuck in an NVML call for a while
+        # (a later throttle update is ignored once the executor is closed).
+        throttle.close("shutdown")
+        await asyncio.to_thread(poller.join, 10)
+        await runner.cleanup()
+        log.info("shutdown", signal=received[0] if received else None)
+    return 0

@@ -1,0 +1,177 @@
+"""Compute shares: a closed loop on measured SM utilisation (pure: no I/O, time passed in).
+
+The throttle stops a container's processes for part of each period (SIGSTOP/SIGCONT); this module
+decides the run fraction. It used to estimate the unthrottled demand as measured use / run
+fraction, assuming use scales with the fraction at once. It does not: a stopped process's queued
+kernels keep the GPU busy for a while, so right after a stop the measured use stays high, the
+estimate grew, the fraction shrank, and a container at its share ended up stopped 95 % of the time.
+
+Now the fraction is the output of a PI controller whose input is the error between the share and
+the use measured over the last period, whatever the lag between stopping and the use falling:
+
+* start: the mean use over the window exceeds the share by ``START_MARGIN`` (a sampled, integer
+  percent is noisy and short bursts are no abuse) after at least one full period of data; the first
+  fraction is share / mean use (what an instant plant would need), the integral starts there;
+* each plan: ``f = KP * e + I``, ``I += KI * e * dt``, ``e = share - use``; the integral is kept
+  within the output's range [min, 1] (anti-windup), so a long stop or a burst cannot wind it up;
+* end: ``f`` reaches 1, i.e. the container runs all the time at or under its share. A container at
+  its share is therefore not throttled; one over it converges to it (tests/test_compute.py holds
+  it within a stated tolerance with a lagged plant, and the simulated driver models the lag).
+
+In audit mode nothing is stopped, so there is no loop to close: the plan says what enforcement
+would start with (share / mean use).
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict, deque
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
+
+from gpufence.enforcer.attribution import Attribution
+from gpufence.enforcer.config import EnforcerConfig, Mode
+
+START_MARGIN = 0.10
+# Gains, in run fraction per unit of utilisation error (KP) and per error-second (KI). With a
+# container using up to a whole GPU the loop gain is at most 1·KP; KI brings a 0.1 error back in
+# about a second, several times slower than a typical queued-kernel lag (0.1-0.5 s), so the loop
+# does not oscillate on it (see the lag cases in tests/test_compute.py).
+KP = 0.3
+KI = 1.0
+
+
+@dataclass(frozen=True)
+class _Observation:
+    time: float
+    utilization: float  # container SM use in [0, 1]: per-device sum of its processes, max over devices
+
+
+@dataclass
+class _Loop:
+    history: deque[_Observation] = field(default_factory=deque)
+    fraction: float | None = None  # None: not throttled
+    integral: float = 1.0
+    last_plan: float | None = None
+
+
+class ComputeTracker:
+    """Per compute-limited container: the utilisation window and the controller's state.
+
+    Call ``observe`` once per poll and then ``plan``.
+    """
+
+    def __init__(
+        self,
+        window_seconds: float = 5.0,
+        period_seconds: float = 1.0,
+        min_run_fraction: float = 0.05,
+        *,
+        kp: float = KP,
+        ki: float = KI,
+    ) -> None:
+        if not window_seconds > 0:
+            raise ValueError(f"window_seconds must be positive, got {window_seconds!r}")
+        if not period_seconds > 0:
+            raise ValueError(f"period_seconds must be positive, got {period_seconds!r}")
+        if not 0 < min_run_fraction < 1:
+            raise ValueError(f"min_run_fraction must be in (0, 1), got {min_run_fraction!r}")
+        self.window_seconds = window_seconds
+        self.period_seconds = period_seconds
+        self.min_run_fraction = min_run_fraction
+        self.kp = kp
+        self.ki = ki
+        self._loops: dict[str, _Loop] = {}
+
+    def observe(self, now: float, attribution: Attribution, config: EnforcerConfig) -> None:
+        """Record each compute-limited container's SM use now (0 when it has no GPU process)."""
+        use = container_sm_utilization(attribution)
+        for container, share in config.containers.items():
+            if share.compute_percent is None:
+                continue
+            loop = self._loops.setdefault(container, _Loop())
+            loop.history.append(_Observation(now, use.get(container, 0.0)))
+            self._expire(loop.history, now)
+        self._forget_unlimited(config)
+
+    def plan(self, now: float, config: EnforcerConfig) -> Mapping[str, float]:
+        """container -> run fraction in [min, 1); a container absent is not throttled."""
+        self._forget_unlimited(config)
+        for container, loop in self._loops.items():
+            self._expire(loop.history, now)
+            share = config.containers[container].compute_percent
+            assert share is not None
+            self._step(loop, now, share / 100, audit=config.mode is Mode.AUDIT)
+        return MappingProxyType({c: loop.fraction for c, loop in self._loops.items() if loop.fraction is not None})
+
+    def demand(self, container: str) -> float | None:
+        """Mean measured SM use over the window (for logs), None without data."""
+        loop = self._loops.get(container)
+        return _mean(loop.history) if loop is not None and loop.history else None
+
+    def _step(self, loop: _Loop, now: float, share: float, *, audit: bool) -> None:
+        history = loop.history
+        if not history:
+            loop.fraction = None  # no data (e.g. utilisation unavailable): never throttle blind
+            return
+        if loop.fraction is None or audit:
+            mean = _mean(history)
+            started = loop.fraction is not None
+            if not started and (mean <= share * (1 + START_MARGIN) or _span(history) < self.period_seconds):
+                return
+            if mean <= share:
+                loop.fraction = None
+                return
+            loop.fraction = loop.integral = max(self.min_run_fraction, share / mean)
+            loop.last_plan = now
+            return
+        dt = min(max(now - (loop.last_plan if loop.last_plan is not None else now), 0.0), self.window_seconds)
+        loop.last_plan = now
+        # The use over the last period: one duty cycle, whatever phase each poll landed in.
+        recent = [o.utilization for o in history if o.time > now - self.period_seconds]
+        error = share - (sum(recent) / len(recent) if recent else history[-1].utilization)
+        # Anti-windup by bounding the integral to the output's range: however long the output sat
+        # at the minimum (a burst, a long lag), it recovers as soon as the error changes sign.
+        loop.integral = min(max(loop.integral + self.ki * error * dt, self.min_run_fraction), 1.0)
+        output = self.kp * error + loop.integral
+        if output >= 1:
+            loop.fraction, loop.integral = None, 1.0  # runs all the time within its share: done
+        else:
+            loop.fraction = max(self.min_run_fraction, output)
+
+    def _expire(self, history: deque[_Observation], now: float) -> None:
+        while history and history[0].time <= now - self.window_seconds:
+            history.popleft()
+
+    def _forget_unlimited(self, config: EnforcerConfig) -> None:
+        """Drop state for containers that no longer have a compute share (config changed)."""
+        for container in list(self._loops):
+            share = config.containers.get(container)
+            if share is None or share.compute_percent is None:
+                del self._loops[container]
+
+
+def _mean(history: deque[_Observation]) -> float:
+    return sum(o.utilization for o in history) / len(history)
+
+
+def _span(history: deque[_Observation]) -> float:
+    """Seconds between the first and the last observation in the window."""
+    return history[-1].time - history[0].time
+
+
+def container_sm_utilization(attribution: Attribution) -> dict[str, float]:
+    """container -> SM use in [0, 1]: the sum over its processes on each device, capped at the
+    device's 100 %, and the maximum over devices (a share is a share of each GPU it uses).
+
+    A process NVML gave no utilisation for counts as 0: NVML reports only processes that ran since
+    its last sample, and a stopped process does not run. Unattributed processes are not counted.
+    """
+    per_device: dict[tuple[str, int], int] = defaultdict(int)
+    for p in attribution.processes:
+        if p.container is not None:
+            per_device[(p.container, p.device_index)] += max(p.sm_util or 0, 0)
+    result: dict[str, float] = {}
+    for (container, _), percent in per_device.items():
+        result[container] = max(result.get(container, 0.0), min(percent, 100) / 100)
+    return result

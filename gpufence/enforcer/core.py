@@ -1,0 +1,207 @@
+"""The enforcer's decision core: one pure state machine, driven by ``loop.Enforcer``.
+
+``Core.step(now, attribution, device_totals)`` takes one poll's facts and returns a frozen
+:class:`Decisions`: what the pod and each container use, what to terminate (with the over-share
+episodes that start and end, so each is logged once), which processes were seen unattributed for the
+first time, and the throttle plan with its transitions. ``release`` (NVML lost, a failed poll) and
+``reconfigure`` (a new config) end every throttle. The core owns *who is throttled*: the compute
+controller inside it is the only place that decides, the loop only logs the transitions and hands
+the plan to the throttle executor, which executes it.
+
+No I/O and no clock reads: testable without processes (tests/test_core.py). What stays at the edges
+and why: the SIGKILL timers of terminated processes (``terminate.Terminator``) depend on whether
+each signal was delivered and whether the process has exited, which only the edge can know; the
+duty cycle's phase timing (``throttle.ThrottleExecutor``) runs on its own thread between polls.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from enum import StrEnum
+from types import MappingProxyType
+
+from gpufence.enforcer.attribution import Attribution, PodProcess
+from gpufence.enforcer.compute import ComputeTracker, container_sm_utilization
+from gpufence.enforcer.config import MIN_POLL_INTERVAL_SECONDS, EnforcerConfig
+from gpufence.enforcer.policy import (
+    ContainerDeviceUsage,
+    PodDeviceUsage,
+    TerminateOrder,
+    device_orders,
+    memory_orders,
+    pod_usage,
+    usage_by_container,
+)
+
+# Bounds the memory of "unattributed processes already logged" (a process churns PIDs for ever).
+_SEEN_MAX = 10_000
+# Adaptive polling: poll FAST_FACTOR times faster (not under the config's minimum interval) while a
+# container or the pod uses at least HOT_RATIO of its share or budget, or grew by GROWTH_RATIO of it
+# since the last poll, and for HOT_HOLD_POLLS polls after; at rest the configured interval holds,
+# so the CPU cost at rest does not change.
+HOT_RATIO = 0.9
+GROWTH_RATIO = 0.05
+FAST_FACTOR = 10
+HOT_HOLD_POLLS = 20
+
+
+class Transition(StrEnum):
+    START = "start"
+    UPDATE = "update"  # the run fraction moved by at least a point
+    STOP = "stop"
+
+
+@dataclass(frozen=True)
+class ThrottleChange:
+    container: str
+    transition: Transition
+    fraction: float | None  # the run fraction now in force (None after STOP)
+    share: float | None  # the container's compute share (0-1)
+    demand: float | None  # mean measured SM use over the window
+    sm_utilization: float  # measured now
+    reason: str = ""
+
+
+@dataclass(frozen=True)
+class Decisions:
+    usages: tuple[ContainerDeviceUsage, ...]
+    pods: tuple[PodDeviceUsage, ...]
+    orders: tuple[TerminateOrder, ...]  # unattributed (pod budget) first, then whole containers
+    episodes_started: tuple[TerminateOrder, ...]  # orders whose (container, device) was not over before
+    episodes_ended: tuple[tuple[str | None, int], ...]  # (container or None for the pod, device)
+    new_unattributed: tuple[PodProcess, ...]
+    new_uninspectable: tuple[int, ...] = ()  # NVML PIDs we may not inspect, first seen this poll
+    new_mig_devices: tuple[int, ...] = ()  # MIG-enabled device indexes first seen: left to MIG
+    plan: Mapping[str, float] = field(default_factory=dict)  # container -> run fraction in force
+    throttle_changes: tuple[ThrottleChange, ...] = ()
+
+
+class Core:
+    def __init__(
+        self, config: EnforcerConfig, *, compute_window_seconds: float = 5.0, compute_period_seconds: float = 1.0
+    ) -> None:
+        self.config = config
+        self._window = compute_window_seconds
+        self._period = compute_period_seconds
+        self._tracker = self._new_tracker()
+        self._plan: Mapping[str, float] = MappingProxyType({})
+        self._over: frozenset[tuple[str | None, int]] = frozenset()
+        self._seen: set[tuple[int, int]] = set()
+        self._seen_uninspectable: set[int] = set()
+        self._seen_mig: set[int] = set()
+        self._last_used: dict[tuple[str | None, int], int] = {}
+        self._hot_polls = 0
+
+    @property
+    def throttled(self) -> Mapping[str, float]:
+        return self._plan
+
+    def step(
+        self,
+        now: float,
+        attribution: Attribution,
+        device_totals: Mapping[int, int | None],
+        mig_devices: frozenset[int] = frozenset(),
+    ) -> Decisions:
+        """One poll. Processes on ``mig_devices`` (MIG mode enabled) are left out of every decision:
+        a MIG device's isolation is the hardware's, and NVML's per-process view of the parent GPU
+        does not say which slice a process's memory is in; the loop announces it once."""
+        config = self.config
+        new_mig = tuple(sorted(mig_devices - self._seen_mig))
+        self._seen_mig |= mig_devices
+        if mig_devices:
+            attribution = Attribution(
+                tuple(p for p in attribution.processes if p.device_index not in mig_devices),
+                attribution.foreign_pids,
+                attribution.uninspectable,
+            )
+        usages = usage_by_container(attribution, config, device_totals)
+        pods = pod_usage(attribution, config, device_totals)
+        orders = memory_orders(usages, pods) + device_orders(usages, config)
+        over = frozenset((o.container, o.device_index) for o in orders)
+        started = tuple(o for o in orders if (o.container, o.device_index) not in self._over)
+        ended = tuple(sorted(self._over - over, key=lambda k: (k[1], k[0] or "")))
+        self._over = over
+
+        fresh = []
+        for p in attribution.processes:
+            if p.container is None and (p.pid, p.start_time_ticks) not in self._seen:
+                if len(self._seen) >= _SEEN_MAX:
+                    self._seen.clear()
+                self._seen.add((p.pid, p.start_time_ticks))
+                fresh.append(p)
+
+        self._heat(usages, pods)
+        uninspectable = tuple(p for p in attribution.uninspectable if p not in self._seen_uninspectable)
+        self._seen_uninspectable = set(attribution.uninspectable)  # reported again after it went away
+
+        self._tracker.observe(now, attribution, config)
+        plan = self._tracker.plan(now, config)
+        sm = container_sm_utilization(attribution)
+        changes = []
+        for container, fraction in plan.items():
+            before = self._plan.get(container)
+            if before is None:
+                changes.append(self._change(container, Transition.START, fraction, sm))
+            elif abs(before - fraction) >= 0.01:
+                changes.append(self._change(container, Transition.UPDATE, fraction, sm))
+        for container in sorted(set(self._plan) - set(plan)):
+            changes.append(self._change(container, Transition.STOP, None, sm, "under share"))
+        self._plan = MappingProxyType(dict(plan))
+        return Decisions(
+            usages=usages, pods=pods, orders=orders, episodes_started=started, episodes_ended=ended,
+            new_unattributed=tuple(fresh), new_uninspectable=uninspectable, new_mig_devices=new_mig,
+            plan=self._plan,
+            throttle_changes=tuple(changes),
+        )
+
+    def poll_interval(self, base: float) -> float:
+        """The interval to the next poll: ``base``, or faster while something is close to its limit."""
+        if self._hot_polls <= 0:
+            return base
+        return min(base, max(MIN_POLL_INTERVAL_SECONDS, base / FAST_FACTOR))
+
+    def _heat(self, usages: tuple[ContainerDeviceUsage, ...], pods: tuple[PodDeviceUsage, ...]) -> None:
+        limits: list[tuple[tuple[str | None, int], int, int]] = [
+            ((u.container, u.device_index), u.used_bytes, u.limit_bytes) for u in usages if u.limit_bytes
+        ]
+        limits += [((None, p.device_index), p.used_bytes, p.budget_bytes) for p in pods if p.budget_bytes]
+        hot = False
+        used_now: dict[tuple[str | None, int], int] = {}
+        for key, used, limit in limits:
+            used_now[key] = used
+            growth = used - self._last_used.get(key, used)
+            if used >= HOT_RATIO * limit or growth >= GROWTH_RATIO * limit:
+                hot = True
+        self._last_used = used_now
+        self._hot_polls = HOT_HOLD_POLLS if hot else self._hot_polls - 1
+
+    def release(self, reason: str) -> tuple[ThrottleChange, ...]:
+        """End every throttle and start the compute controller afresh (no fresh measurements)."""
+        changes = tuple(self._change(c, Transition.STOP, None, {}, reason) for c in sorted(self._plan))
+        self._plan = MappingProxyType({})
+        self._tracker = self._new_tracker()
+        return changes
+
+    def reconfigure(self, config: EnforcerConfig) -> tuple[ThrottleChange, ...]:
+        """Switch configs: every throttle ends (under the old shares), episodes start afresh."""
+        changes = self.release("config changed")
+        self.config = config
+        self._over = frozenset()
+        return changes
+
+    def compute_share(self, container: str) -> float | None:
+        share = self.config.containers.get(container)
+        return None if share is None or share.compute_percent is None else share.compute_percent / 100
+
+    def _change(
+        self, container: str, transition: Transition, fraction: float | None, sm: Mapping[str, float], reason: str = ""
+    ) -> ThrottleChange:
+        return ThrottleChange(
+            container=container, transition=transition, fraction=fraction, share=self.compute_share(container),
+            demand=self._tracker.demand(container), sm_utilization=sm.get(container, 0.0), reason=reason,
+        )
+
+    def _new_tracker(self) -> ComputeTracker:
+        return ComputeTracker(window_seconds=self._window, period_seconds=self._period)

@@ -1,0 +1,229 @@
+"""Prometheus metrics of the enforcer, on a registry of its own (docs/architecture.md, "Metrics").
+
+Label names are joinable with DCGM-exporter: ``namespace``, ``pod``, ``container``, ``UUID``,
+``gpu`` (the device index as a string). Per-container gauges are replaced wholesale each poll
+(``set_container_usage``) so a container or device that disappears does not leave a stale series.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+if TYPE_CHECKING:
+    from gpufence.enforcer.policy import PodDeviceUsage
+
+ACTIONS = ("sigterm", "sigkill", "throttle_start", "throttle_stop", "audit")
+RESOURCES = ("memory", "compute", "gpus")
+# The (action, resource) pairs the loop can count for a container. Created at zero per configured
+# container so that the first kill is an increase from 0 to 1: a counter series that appears at 1
+# has no earlier sample, and ``increase()`` over it is 0, so the kill alert would never fire.
+ACTION_KINDS = (
+    ("sigterm", "memory"), ("sigkill", "memory"), ("audit", "memory"),
+    ("throttle_start", "compute"), ("throttle_stop", "compute"), ("audit", "compute"),
+    ("sigterm", "gpus"), ("sigkill", "gpus"), ("audit", "gpus"),
+)
+
+
+@dataclass(frozen=True)
+class UsageSample:
+    """One (container, device) row for the per-device gauges."""
+
+    container: str
+    uuid: str
+    gpu: int
+    used_bytes: int
+    limit_bytes: int | None
+    sm_utilization: float | None  # 0-1, None when the driver does not report it
+    limit_from_percent: bool = False  # the limit is the percentage part of the share
+
+
+class EnforcerMetrics:
+    def __init__(self, namespace: str, pod: str) -> None:
+        self.namespace = namespace
+        self.pod = pod
+        self.registry = CollectorRegistry(auto_describe=True)
+        device_labels = ("namespace", "pod", "container", "UUID", "gpu")
+        container_labels = ("namespace", "pod", "container")
+        r = self.registry
+        self.memory_used = Gauge(
+            "gpufence_container_gpu_memory_used_bytes",
+            "GPU memory used by the container's processes on the device",
+            device_labels, registry=r,
+        )
+        self.memory_limit = Gauge(
+            "gpufence_container_gpu_memory_limit_bytes",
+            "The container's GPU memory share on the device",
+            device_labels, registry=r,
+        )
+        self.limit_from_percent = Gauge(
+            "gpufence_container_gpu_memory_limit_from_percent",
+            "1 when the memory limit on the device is the percentage part of the share, 0 when it is "
+            "the bytes (a share in two units, a pod's share and a namespace ceiling: the smaller applies)",
+            device_labels, registry=r,
+        )
+        self.sm_utilization = Gauge(
+            "gpufence_container_sm_utilization_ratio",
+            "SM utilisation of the container's processes on the device (0-1)",
+            device_labels, registry=r,
+        )
+        self.compute_share = Gauge(
+            "gpufence_container_compute_share_ratio",
+            "The container's compute share (0-1)",
+            container_labels, registry=r,
+        )
+        self.throttled = Gauge(
+            "gpufence_container_throttled",
+            "1 while the container is duty-cycled with SIGSTOP/SIGCONT",
+            container_labels, registry=r,
+        )
+        self.actions = Counter(
+            "gpufence_enforcement_actions_total",
+            "Enforcement actions taken (or, in audit mode, that would have been taken)",
+            (*container_labels, "action", "resource"), registry=r,
+        )
+        pod_device_labels = ("namespace", "pod", "UUID", "gpu")
+        self.pod_memory_used = Gauge(
+            "gpufence_pod_gpu_memory_used_bytes",
+            "GPU memory used by all the pod's GPU processes on the device, attributed or not",
+            pod_device_labels, registry=r,
+        )
+        self.pod_memory_unattributed = Gauge(
+            "gpufence_pod_gpu_memory_unattributed_bytes",
+            "GPU memory used by the pod's processes no container can be charged for",
+            pod_device_labels, registry=r,
+        )
+        self.pod_memory_budget = Gauge(
+            "gpufence_pod_gpu_memory_budget_bytes",
+            "The pod's budget on the device: the sum of its GPU containers' memory shares",
+            pod_device_labels, registry=r,
+        )
+        self.unattributed_processes = Gauge(
+            "gpufence_pod_unattributed_processes",
+            "The pod's GPU processes on the device that no container can be charged for",
+            pod_device_labels, registry=r,
+        )
+        self.mig_unenforced = Gauge(
+            "gpufence_device_mig_unenforced",
+            "1 for a device in MIG mode: left to MIG's hardware isolation, not enforced by gpufence",
+            pod_device_labels, registry=r,
+        )
+        self.uninspectable = Gauge(
+            "gpufence_uninspectable_processes",
+            "GPU processes NVML lists whose /proc/<pid>/fd the enforcer may not read: not enforced",
+            registry=r,
+        )
+        self.poll_duration = Histogram(
+            "gpufence_poll_duration_seconds",
+            "Duration of one poll: NVML sample, attribution, policy and actions",
+            buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0),
+            registry=r,
+        )
+        self.poll_interval = Gauge(
+            "gpufence_poll_interval_seconds",
+            "The interval to the next poll: the configured one, or shorter while close to a limit",
+            registry=r,
+        )
+        self.last_successful_poll = Gauge(
+            "gpufence_last_successful_poll_timestamp_seconds",
+            "Unix time of the last poll that sampled NVML successfully",
+            registry=r,
+        )
+        self.nvml_up = Gauge("gpufence_nvml_up", "1 while NVML is initialised and answering", registry=r)
+        self.nvml_errors = Counter(
+            "gpufence_nvml_errors_total", "NVML calls that failed", ("function", "error"), registry=r,
+        )
+        self.poll_errors = Counter(
+            "gpufence_poll_errors_total", "Polls that failed with an unexpected exception", registry=r,
+        )
+        self.nvml_up.set(0)
+        self._device_series: set[tuple[str, str, str]] = set()
+        self._pod_series: set[tuple[str, str]] = set()
+
+    # -- helpers -----------------------------------------------------------------------------
+
+    def declare_containers(self, containers: Iterable[str]) -> None:
+        """Export every action counter of these containers at zero (see ACTION_KINDS).
+
+        All pairs for every container, not only those its current shares allow: a config reload
+        may add a share, and a zero series costs nothing.
+        """
+        for container in containers:
+            for action, resource in ACTION_KINDS:
+                self.actions.labels(self.namespace, self.pod, container, action, resource)
+
+    def action(self, container: str, action: str, resource: str) -> None:
+        self.actions.labels(self.namespace, self.pod, container, action, resource).inc()
+
+    def nvml_error(self, function: str, error: str) -> None:
+        self.nvml_errors.labels(function, error).inc()
+
+    def set_compute_shares(self, shares: dict[str, float | None]) -> None:
+        self.compute_share.clear()
+        for container, share in shares.items():
+            if share is not None:
+                self.compute_share.labels(self.namespace, self.pod, container).set(share)
+
+    def set_throttled(self, container: str, on: bool) -> None:
+        self.throttled.labels(self.namespace, self.pod, container).set(1 if on else 0)
+
+    def set_container_usage(self, rows: Iterable[UsageSample]) -> None:
+        seen: set[tuple[str, str, str]] = set()
+        for row in rows:
+            key = (row.container, row.uuid, str(row.gpu))
+            seen.add(key)
+            labels = (self.namespace, self.pod, *key)
+            self.memory_used.labels(*labels).set(row.used_bytes)
+            if row.limit_bytes is not None:
+                self.memory_limit.labels(*labels).set(row.limit_bytes)
+                self.limit_from_percent.labels(*labels).set(1 if row.limit_from_percent else 0)
+            else:
+                _remove(self.memory_limit, labels)
+                _remove(self.limit_from_percent, labels)
+            if row.sm_utilization is not None:
+                self.sm_utilization.labels(*labels).set(row.sm_utilization)
+            else:
+                _remove(self.sm_utilization, labels)
+        for key in self._device_series - seen:
+            labels = (self.namespace, self.pod, *key)
+            for gauge in (self.memory_used, self.memory_limit, self.limit_from_percent, self.sm_utilization):
+                _remove(gauge, labels)
+        self._device_series = seen
+
+    def set_mig_unenforced(self, uuid: str, gpu: int) -> None:
+        self.mig_unenforced.labels(self.namespace, self.pod, uuid, str(gpu)).set(1)
+
+    def set_pod_usage(self, rows: Iterable[PodDeviceUsage]) -> None:
+        """Per device: the pod's total, unattributed and budget (replaced wholesale, as above)."""
+        seen: set[tuple[str, str]] = set()
+        for row in rows:
+            key = (row.device_uuid, str(row.device_index))
+            seen.add(key)
+            labels = (self.namespace, self.pod, *key)
+            self.pod_memory_used.labels(*labels).set(row.used_bytes)
+            self.pod_memory_unattributed.labels(*labels).set(row.unattributed_bytes)
+            self.unattributed_processes.labels(*labels).set(len(row.unattributed))
+            if row.budget_bytes is not None:
+                self.pod_memory_budget.labels(*labels).set(row.budget_bytes)
+            else:
+                _remove(self.pod_memory_budget, labels)
+        for key in self._pod_series - seen:
+            labels = (self.namespace, self.pod, *key)
+            for gauge in (
+                self.pod_memory_used, self.pod_memory_unattributed, self.pod_memory_budget, self.unattributed_processes
+            ):
+                _remove(gauge, labels)
+        self._pod_series = seen
+
+    def render(self) -> tuple[bytes, str]:
+        return generate_latest(self.registry), CONTENT_TYPE_LATEST
+
+
+def _remove(gauge: Gauge, labels: tuple[str, ...]) -> None:
+    with contextlib.suppress(KeyError):
+        gauge.remove(*labels)

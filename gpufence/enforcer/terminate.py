@@ -1,0 +1,292 @@
+"""Memory enforcement's executor: terminate whole containers, and unattributed processes when the
+pod is over its budget (the orders and episodes come from ``core.Core``; this module only acts, and
+keeps the SIGKILL timers, which depend on signal outcomes and process exits).
+
+* A container over its share is terminated as a whole: SIGTERM to every process of it that the
+  enforcer knows (its GPU processes on every device, and every process of its cgroup: launchers
+  such as torchrun or a shell hold no CUDA context but would restart the worker), SIGKILL after the
+  grace period to all that remain, the cgroup swept once more so a worker a launcher restarted in
+  the meantime goes too. The kubelet then sees the container exit and applies its restartPolicy
+  (a kill loop shows as restarts and CrashLoopBackOff, not as an invisible churn of processes).
+* An unattributed process chosen by the pod budget is terminated on its own (it belongs to no
+  container the enforcer can name; its cgroup, if any, is unattributed because of conflicting
+  claims, and terminating that cgroup could hit an innocent container).
+
+Every signal goes through the ``SafeSignaller`` (start time checked, never outside the pod); a
+process held stopped by the throttle is exempted (continued) before its SIGTERM.
+"""
+
+from __future__ import annotations
+
+import signal
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from gpufence.enforcer.attribution import Attribution
+from gpufence.enforcer.config import Mode
+from gpufence.enforcer.core import Decisions
+from gpufence.enforcer.events import EventRecorder
+from gpufence.enforcer.logs import DecisionLog
+from gpufence.enforcer.metrics import EnforcerMetrics
+from gpufence.enforcer.policy import TerminateOrder
+from gpufence.enforcer.procfs import processes_in_cgroup
+from gpufence.enforcer.signals import Outcome, SafeSignaller, SignalTarget
+from gpufence.enforcer.throttle import ThrottleExecutor
+
+# The container label of actions taken against unattributed processes (pod budget).
+UNATTRIBUTED = ""
+
+
+@dataclass(frozen=True)
+class _Why:
+    """The order a signal is sent for (what the log lines and Events say)."""
+
+    container: str | None
+    device_uuid: str
+    device_index: int
+    used_bytes: int
+    limit_bytes: int
+    gpus_requested: int | None = None  # set: the container runs on more GPUs than it requested
+    devices_used: tuple[int, ...] = ()
+
+    @classmethod
+    def of(cls, order: TerminateOrder) -> _Why:
+        return cls(order.container, order.device_uuid, order.device_index, order.used_bytes, order.limit_bytes,
+                   order.gpus_requested, order.devices_used)
+
+    @property
+    def resource(self) -> str:
+        return "gpus" if self.gpus_requested is not None else "memory"
+
+    @property
+    def log_reason(self) -> str:
+        if self.gpus_requested is not None:
+            return "gpus_over_request"
+        return "memory_over_share" if self.container is not None else "pod_over_budget"
+
+    @property
+    def event_reason(self) -> str:
+        if self.gpus_requested is not None:
+            return "GPUDevicesOverRequest"
+        return "GPUMemoryOverShare" if self.container is not None else "GPUPodOverBudget"
+
+
+@dataclass
+class _Pending:
+    target: SignalTarget
+    deadline: float
+    why: _Why
+
+
+@dataclass
+class _Sweep:
+    cgroup: str
+    deadline: float
+    why: _Why
+
+
+class Terminator:
+    def __init__(
+        self,
+        signaller: SafeSignaller,
+        throttle: ThrottleExecutor,
+        log: DecisionLog,
+        metrics: EnforcerMetrics,
+        events: EventRecorder,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+        proc_root: str = "/proc",
+    ) -> None:
+        self._signaller = signaller
+        self._throttle = throttle
+        self._log = log
+        self._metrics = metrics
+        self._events = events
+        self._clock = clock
+        self._proc_root = proc_root
+        self._pending: dict[tuple[int, int], _Pending] = {}
+        self._sweeps: dict[str, _Sweep] = {}  # cgroup -> the SIGKILL sweep due at the grace's end
+        # Processes already terminated (or found gone) that NVML may still list for a while (a
+        # zombie, a driver slow to drop the context): never re-signalled, not re-logged each poll.
+        self._finished: set[tuple[int, int]] = set()
+
+    # -- the poll's orders -----------------------------------------------------------------------
+
+    def enforce(self, decisions: Decisions, attribution: Attribution, mode: Mode, grace: float) -> None:
+        """Act on this poll's decisions (``core.Core.step``): log each over-share episode once (the
+        core says which start and end), and in enforce mode terminate what the orders name."""
+        self._finished &= {(p.pid, p.start_time_ticks) for p in attribution.processes}
+        for order in decisions.episodes_started:
+            self._log_episode(order, mode, attribution)
+        for container, index in decisions.episodes_ended:
+            if container is None:
+                self._log.info("pod_under_budget", gpu=index)
+            else:
+                self._log.info("memory_under_share", container=container, gpu=index)
+        if mode is Mode.AUDIT:
+            return
+        for order in decisions.orders:
+            why = _Why.of(order)
+            if order.container is None:
+                for victim in order.victims:
+                    self._sigterm(SignalTarget.of(victim), why, grace, victim.used_memory_bytes)
+            else:
+                self._terminate_container(order.container, why, attribution, grace)
+
+    def _log_episode(self, order: TerminateOrder, mode: Mode, attribution: Attribution) -> None:
+        action = "audit" if mode is Mode.AUDIT else "sigterm"
+        common = dict(
+            uuid=order.device_uuid, gpu=order.device_index, used_bytes=order.used_bytes,
+            limit_bytes=order.limit_bytes, mode=mode, action=action,
+        )
+        if order.container is None:
+            unattributed = sum(
+                p.used_memory_bytes or 0
+                for p in attribution.processes
+                if p.container is None and p.device_index == order.device_index
+            )
+            self._log.warning(
+                "pod_over_budget", unattributed_bytes=unattributed, victims=[v.pid for v in order.victims],
+                reason="the pod's GPU processes use more than the sum of its containers' shares: "
+                "unattributed processes go first, largest first", **common,
+            )
+        elif order.gpus_requested is not None:
+            self._log.warning(
+                "gpus_over_request", container=order.container, gpus_requested=order.gpus_requested,
+                gpus_used=list(order.devices_used),
+                victims=sorted({p.pid for p in attribution.processes if p.container == order.container}),
+                reason="the container's processes run on more GPUs than it requested (NVIDIA_VISIBLE_DEVICES "
+                "from envFrom?): it is terminated as a whole", **common,
+            )
+        else:
+            self._log.warning(
+                "memory_over_share", container=order.container,
+                victims=sorted({p.pid for p in attribution.processes if p.container == order.container}),
+                **common,
+            )
+        if mode is Mode.AUDIT:
+            self._metrics.action(order.container or UNATTRIBUTED, "audit", _Why.of(order).resource)
+
+    def _terminate_container(self, container: str, why: _Why, attribution: Attribution, grace: float) -> None:
+        """SIGTERM every process of the container the enforcer can find (GPU processes on every
+        device, and everything in its cgroup); its cgroup is swept with SIGKILL when grace ends."""
+        mine = [p for p in attribution.processes if p.container == container]
+        targets = {(p.pid, p.start_time_ticks): SignalTarget.of(p) for p in mine}
+        cgroups = {p.cgroup for p in mine if p.cgroup is not None}
+        members = [
+            SignalTarget(pid, start, container)
+            for cgroup in sorted(cgroups)
+            for pid, start in processes_in_cgroup(cgroup, self._proc_root)
+            if (pid, start) not in targets
+        ]
+        self._signaller.admit_members(members)
+        targets.update((t.key, t) for t in members)
+        fresh = [t for t in targets.values() if t.key not in self._pending and t.key not in self._finished]
+        if not fresh:
+            return  # its grace period is running, or it is already gone
+        deadline = self._clock() + grace
+        for cgroup in cgroups:
+            self._sweeps.setdefault(cgroup, _Sweep(cgroup, deadline, why))
+        used = {(p.pid, p.start_time_ticks): p.used_memory_bytes for p in mine if p.device_index == why.device_index}
+        sent = [t.pid for t in sorted(fresh, key=lambda t: t.pid) if self._sigterm(t, why, grace, used.get(t.key))]
+        if sent:
+            if why.gpus_requested is not None:
+                what = (f"container {container} runs on GPUs {list(why.devices_used)}, more than the "
+                        f"{why.gpus_requested} it requested")
+            else:
+                what = (f"container {container} uses {why.used_bytes} bytes of GPU memory on {why.device_uuid}, "
+                        f"over its share of {why.limit_bytes}")
+            self._events.record(
+                why.event_reason,
+                f"{what}: container terminated (SIGTERM to pids {sent}, SIGKILL after {grace:g}s)",
+                action="Terminate",
+            )
+
+    def _sigterm(self, target: SignalTarget, why: _Why, grace: float, process_used: int | None) -> bool:
+        if target.key in self._pending or target.key in self._finished:
+            return False
+        # A process we hold stopped would not act on SIGTERM: continue it, never stop it again.
+        self._throttle.exempt(target)
+        outcome = self._signaller.send(
+            target, signal.SIGTERM, reason=why.log_reason, uuid=why.device_uuid, gpu=why.device_index,
+            used_bytes=why.used_bytes, limit_bytes=why.limit_bytes, process_used_bytes=process_used,
+            action="sigterm", grace_period_seconds=grace,
+        )
+        if outcome is not Outcome.SENT:
+            if outcome in (Outcome.GONE, Outcome.REUSED, Outcome.REFUSED):
+                self._finished.add(target.key)
+            return False
+        # The grace period counts from the SIGTERM actually sent (the poll's ``now`` is earlier).
+        self._pending[target.key] = _Pending(target, self._clock() + grace, why)
+        self._metrics.action(target.container or UNATTRIBUTED, "sigterm", why.resource)
+        if why.container is None:
+            self._events.record(
+                "GPUPodOverBudget",
+                f"the pod uses {why.used_bytes} bytes of GPU memory on {why.device_uuid}, over its budget of "
+                f"{why.limit_bytes}: SIGTERM to unattributed pid {target.pid} ({process_used} bytes), SIGKILL "
+                f"after {grace:g}s",
+                action="Terminate",
+            )
+        return True
+
+    # -- between polls ---------------------------------------------------------------------------
+
+    def check(self, now: float, mode: Mode) -> None:
+        """Log exits, SIGKILL what outlived its grace period, sweep the cgroups of terminated containers."""
+        for key, pending in list(self._pending.items()):
+            target = pending.target
+            if not self._signaller.alive(target):
+                del self._pending[key]
+                self._finished.add(key)
+                self._log.info("terminated", pid=target.pid, container=target.container, reason="exited after SIGTERM")
+                continue
+            if now < pending.deadline:
+                continue
+            del self._pending[key]
+            self._finished.add(key)
+            if mode is Mode.ENFORCE:
+                self._sigkill(target, pending.why)
+        for cgroup, sweep in list(self._sweeps.items()):
+            if now < sweep.deadline:
+                continue
+            del self._sweeps[cgroup]
+            if mode is not Mode.ENFORCE or sweep.why.container is None:
+                continue
+            # Whatever is still in the container's cgroup (a worker its launcher restarted during
+            # the grace period included) is killed: the container must exit.
+            found = processes_in_cgroup(cgroup, self._proc_root)
+            left = [SignalTarget(pid, start, sweep.why.container) for pid, start in found]
+            self._signaller.admit_members(left)
+            for target in left:
+                self._pending.pop(target.key, None)
+                self._finished.add(target.key)
+                self._sigkill(target, sweep.why)
+
+    def _sigkill(self, target: SignalTarget, why: _Why) -> None:
+        outcome = self._signaller.send(
+            target, signal.SIGKILL, reason="grace_period_expired", uuid=why.device_uuid, gpu=why.device_index,
+            limit_bytes=why.limit_bytes, action="sigkill",
+        )
+        if outcome is Outcome.SENT:
+            self._metrics.action(target.container or UNATTRIBUTED, "sigkill", why.resource)
+            self._events.record(
+                why.event_reason,
+                f"container {target.container}: pid {target.pid} still alive after the grace period: SIGKILL"
+                if why.container is not None
+                else f"unattributed pid {target.pid} still alive after the grace period: SIGKILL",
+                action="Kill",
+            )
+
+    def next_deadline(self) -> float | None:
+        deadlines = [p.deadline for p in self._pending.values()] + [s.deadline for s in self._sweeps.values()]
+        return min(deadlines) if deadlines else None
+
+    def config_changed(self, old_grace: float, new_grace: float, mode: Mode) -> None:
+        """Audit mode drops what is pending; a shorter grace period shortens running ones."""
+        if mode is Mode.AUDIT:
+            self._pending.clear()
+            self._sweeps.clear()
+            return
+        for item in (*self._pending.values(), *self._sweeps.values()):
+            item.deadline = min(item.deadline, item.deadline - old_grace + new_grace)

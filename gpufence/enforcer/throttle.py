@@ -1,0 +1,251 @@
+"""The compute throttle executor: SIGSTOP/SIGCONT duty cycles, on a thread of its own.
+
+For each throttled container the poll loop hands over a :class:`ThrottlePlan`: the run fraction
+``f`` from ``policy.ComputeTracker.plan`` and the container's GPU processes. The executor runs the
+container for ``f * period`` seconds, then stops it for ``(1 - f) * period``, and so on; a new
+container starts with a run phase. The thread sleeps on a condition variable until the next phase
+switch (or an update), so it keeps time independently of NVML calls in the poll loop.
+
+Invariants (a stopped process is never left behind):
+
+* every SIGSTOP is preceded by a record in the stopped-state file, every SIGCONT followed by the
+  removal of the record;
+* a container dropped from the plan is continued at once (``update``); ``release_all`` continues
+  everything (config change, audit mode); ``close`` does the same and ends the thread — the CLI
+  calls it on SIGTERM/SIGINT, on exceptions and from ``atexit``;
+* a process that leaves the plan's target list while stopped is continued;
+* ``exempt`` continues a process and never stops it again (the memory enforcer SIGTERMs a process
+  it may hold stopped: a stopped process would not act on SIGTERM until continued);
+* a SIGCONT that fails (EPERM, ...) leaves the process recorded, in memory and in the state file,
+  and is retried every ``RETRY_SECONDS`` until the process runs or is gone (also by ``close``);
+* a plan carries a lease (``update(..., lease_seconds=...)``): when no fresh poll renews it in time
+  (the poll loop is stuck), everything is continued (``lease_expired``);
+* an unexpected exception in the thread continues everything, is logged, and the thread goes on.
+"""
+
+from __future__ import annotations
+
+import signal
+import threading
+import time
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+
+from gpufence.enforcer.logs import DecisionLog
+from gpufence.enforcer.signals import Outcome, SafeSignaller, SignalTarget
+from gpufence.enforcer.stopped_state import StoppedState
+
+# How often a failed SIGCONT is retried.
+RETRY_SECONDS = 0.2
+
+
+@dataclass(frozen=True)
+class ThrottlePlan:
+    fraction: float                       # run fraction of each period, in (0, 1)
+    targets: tuple[SignalTarget, ...]
+
+
+@dataclass
+class _Cycle:
+    fraction: float
+    targets: dict[tuple[int, int], SignalTarget]
+    running: bool = True
+    phase_start: float = 0.0
+    stopped: dict[tuple[int, int], SignalTarget] = field(default_factory=dict)
+
+
+class ThrottleExecutor:
+    def __init__(
+        self,
+        signaller: SafeSignaller,
+        state: StoppedState,
+        log: DecisionLog,
+        *,
+        period_seconds: float = 1.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        if period_seconds <= 0:
+            raise ValueError("period_seconds must be positive")
+        self._signaller = signaller
+        self._state = state
+        self._log = log
+        self._period = period_seconds
+        self._clock = clock
+        self._cond = threading.Condition()
+        self._cycles: dict[str, _Cycle] = {}
+        self._exempt: set[tuple[int, int]] = set()
+        # Processes we stopped whose SIGCONT failed: still ours to continue (and still on record).
+        self._unreleased: dict[tuple[int, int], SignalTarget] = {}
+        self._lease_until: float | None = None
+        self._closing = False
+        self._thread: threading.Thread | None = None
+
+    # -- lifecycle -----------------------------------------------------------------------------
+
+    def start(self) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="gpufence-throttle", daemon=True)
+            self._thread.start()
+
+    def close(self, reason: str = "shutdown") -> None:
+        """Continue everything and end the thread. Idempotent; safe from atexit and signal paths."""
+        with self._cond:
+            self._closing = True
+            self._release_all_locked(reason)
+            self._cond.notify_all()
+        thread = self._thread
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(timeout=5)
+
+    # -- commands from the poll loop -----------------------------------------------------------
+
+    def update(self, plans: Mapping[str, ThrottlePlan], *, lease_seconds: float | None = None) -> None:
+        """Replace the plans. With ``lease_seconds``, everything is continued unless another update
+        comes within that time (a throttle never runs on a plan no fresh measurement renews)."""
+        with self._cond:
+            if self._closing:
+                return
+            now = self._clock()
+            self._lease_until = now + lease_seconds if lease_seconds is not None and plans else None
+            for name in list(self._cycles):
+                if name not in plans:
+                    cycle = self._cycles.pop(name)
+                    self._continue_locked(cycle, list(cycle.stopped.values()), "throttle_stop")
+            for name, plan in plans.items():
+                fraction = min(max(plan.fraction, 0.0), 1.0)
+                targets = {t.key: t for t in plan.targets if t.key not in self._exempt}
+                cycle = self._cycles.get(name)
+                if cycle is None:
+                    self._cycles[name] = _Cycle(fraction, targets, running=True, phase_start=now)
+                    continue
+                cycle.fraction = fraction
+                cycle.targets = targets
+                gone = [t for k, t in cycle.stopped.items() if k not in targets]
+                if gone:
+                    self._continue_locked(cycle, gone, "left_throttle_plan")
+                if not cycle.running:
+                    new = [t for k, t in targets.items() if k not in cycle.stopped]
+                    if new:
+                        self._stop_locked(cycle, new)
+            # An exemption lasts as long as the process (its NVML entry may come back next poll).
+            self._exempt = {k for k in self._exempt if self._signaller.alive(SignalTarget(k[0], k[1], "-"))}
+            self._cond.notify_all()
+
+    def exempt(self, target: SignalTarget) -> None:
+        """Continue ``target`` if we hold it stopped and never stop it again."""
+        with self._cond:
+            self._exempt.add(target.key)
+            for cycle in self._cycles.values():
+                cycle.targets.pop(target.key, None)
+                if target.key in cycle.stopped:
+                    self._continue_locked(cycle, [cycle.stopped[target.key]], "exempt")
+
+    def release_all(self, reason: str) -> None:
+        with self._cond:
+            self._release_all_locked(reason)
+            self._cond.notify_all()
+
+    def throttled(self) -> set[str]:
+        with self._cond:
+            return set(self._cycles)
+
+    def stopped_targets(self) -> list[SignalTarget]:
+        """Every process this executor holds stopped (failed SIGCONTs included)."""
+        with self._cond:
+            held = {t.key: t for c in self._cycles.values() for t in c.stopped.values()}
+            held.update(self._unreleased)
+            return list(held.values())
+
+    # -- internals (called with the lock held) -------------------------------------------------
+
+    def _release_all_locked(self, reason: str) -> None:
+        for cycle in self._cycles.values():
+            self._continue_locked(cycle, list(cycle.stopped.values()), reason)
+        self._cycles.clear()
+        self._lease_until = None
+        self._retry_locked()
+
+    def _stop_locked(self, cycle: _Cycle, targets: Iterable[SignalTarget]) -> None:
+        targets = [t for t in targets if t.key not in cycle.stopped and t.key not in self._exempt]
+        if not targets:
+            return
+        self._state.add(targets)  # recorded before the SIGSTOP
+        not_stopped = []
+        for t in targets:
+            outcome = self._signaller.send(t, signal.SIGSTOP, reason="compute_over_share")
+            if outcome is Outcome.SENT:
+                cycle.stopped[t.key] = t
+            else:
+                not_stopped.append(t)
+        if not_stopped:
+            self._state.remove(not_stopped)
+
+    def _continue_locked(self, cycle: _Cycle, targets: Iterable[SignalTarget], reason: str) -> None:
+        released = []
+        for t in targets:
+            cycle.stopped.pop(t.key, None)
+            if self._sigcont(t, reason):
+                released.append(t)
+        self._state.remove(released)
+
+    def _sigcont(self, target: SignalTarget, reason: str) -> bool:
+        """SIGCONT; False (and kept for a retry, still on record) unless it ran or is gone."""
+        outcome = self._signaller.send(target, signal.SIGCONT, reason=reason)
+        if outcome in (Outcome.SENT, Outcome.GONE, Outcome.REUSED, Outcome.DRY_RUN):
+            self._unreleased.pop(target.key, None)
+            return True
+        self._unreleased[target.key] = target
+        return False
+
+    def _retry_locked(self) -> None:
+        retry = list(self._unreleased.values())
+        if retry:
+            self._state.remove([t for t in retry if self._sigcont(t, "retry_sigcont")])
+
+    # -- the thread ----------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        with self._cond:
+            while not self._closing:
+                try:
+                    timeout = self._step_locked()
+                except Exception as exc:  # never leave anything stopped on a bug
+                    self._log.error("throttle_error", error=f"{type(exc).__name__}: {exc}")
+                    try:
+                        self._release_all_locked("throttle_error")
+                    except Exception as exc2:
+                        self._log.error("throttle_error", error=f"release failed: {exc2}")
+                    timeout = self._period
+                self._cond.wait(timeout=timeout)
+
+    def _step_locked(self) -> float | None:
+        """Do the phase switches that are due; return seconds until the next one (None: idle)."""
+        now = self._clock()
+        if self._lease_until is not None and now >= self._lease_until:
+            self._log.warning("throttle_lease_expired", reason="no fresh poll renewed the throttle plans")
+            self._release_all_locked("lease_expired")
+        self._retry_locked()
+        next_switch: float | None = now + RETRY_SECONDS if self._unreleased else None
+        if self._lease_until is not None:
+            next_switch = self._lease_until if next_switch is None else min(next_switch, self._lease_until)
+        for cycle in self._cycles.values():
+            run = cycle.fraction * self._period
+            pause = self._period - run
+            due = cycle.phase_start + (run if cycle.running else pause)
+            if now >= due:
+                # Keep the cadence (next phase starts at the scheduled time) unless far behind.
+                start = due if now - due < self._period else now
+                if cycle.running and pause > 0:
+                    self._stop_locked(cycle, list(cycle.targets.values()))
+                    cycle.running = False
+                else:
+                    self._continue_locked(cycle, list(cycle.stopped.values()), "duty_cycle")
+                    cycle.running = True
+                cycle.phase_start = start
+                due = start + (run if cycle.running else pause)
+                if cycle.running and pause <= 0:
+                    due = start + self._period
+            next_switch = due if next_switch is None else min(next_switch, due)
+        if next_switch is None:
+            return None
+        return max(next_switch - self._clock(), 0.0)

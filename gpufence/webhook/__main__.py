@@ -1,0 +1,5 @@
+"""``python -m webhook``: the same as ``gpufence-webhook``."""
+
+from gpufence.webhook.cli import main
+
+raise SystemExit(main())

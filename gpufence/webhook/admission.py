@@ -1,0 +1,182 @@
+"""AdmissionReview in, AdmissionReview out: the webhook's decision as a total pure function.
+
+``review`` raises only ``InvalidReview`` (the envelope is not an ``admission.k8s.io/v1``
+AdmissionReview with a request uid: HTTP 400). Any other input, however malformed its
+``request.object``, yields a well-formed AdmissionReview: allowed (maybe with a JSON Patch and
+warnings) or denied with ``status.code`` 400 and a message for the user.
+"""
+
+from __future__ import annotations
+
+import base64
+from dataclasses import dataclass
+from typing import Any
+
+from gpufence.webhook.errors import MutationError
+from gpufence.webhook.mutate import injection_patch, plain_pod_patch
+from gpufence.webhook.podshape import check_shape, gpu_container_names, gpu_counts, nvidia_side_door
+from gpufence.webhook.policy import namespace_policy, opt_out_allowed, opt_out_denial
+from gpufence.webhook.settings import (
+    MIRROR_POD_ANNOTATION,
+    POD_OPT_OUT_LABEL,
+    SIDECAR_NAME,
+    InjectionSettings,
+    NamespaceLookup,
+)
+from gpufence.webhook.shares import ShareError, quote, resolve_shares, with_gpu_counts
+from gpufence.webhook.sidecar import POD_SECURITY_LABEL
+
+API_VERSION = "admission.k8s.io/v1"
+KIND = "AdmissionReview"
+MAX_WARNINGS = 16
+MAX_WARNING_LENGTH = 256  # the API server may truncate longer warnings
+
+OUTCOME_MUTATED = "mutated"
+OUTCOME_UNCHANGED = "unchanged"
+OUTCOME_DENIED = "denied"
+OUTCOME_SKIPPED = "skipped"
+
+
+class InvalidReview(ValueError):
+    """The body is not an AdmissionReview request; the message is safe to send to the client (HTTP 400)."""
+
+
+@dataclass(frozen=True)
+class ReviewResult:
+    review: dict[str, Any]  # the AdmissionReview to answer with
+    outcome: str  # "mutated" | "unchanged" | "denied" | "skipped"
+
+
+class _Denied(Exception):
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.message = message
+
+
+def review(payload: Any, settings: InjectionSettings, namespaces: NamespaceLookup) -> ReviewResult:
+    request = _request(payload)
+    uid = request["uid"]
+    warnings: list[str] = []
+    try:
+        outcome, patch = _decide(request, settings, namespaces, warnings)
+    except _Denied as denied:
+        return _result(uid, OUTCOME_DENIED, warnings, denied=denied.message)
+    except RecursionError:
+        return _result(uid, OUTCOME_DENIED, warnings, denied="the pod is nested too deeply to be reviewed")
+    return _result(uid, outcome, warnings, patch=patch)
+
+
+def _request(payload: Any) -> dict[str, Any]:
+    if not isinstance(payload, dict):
+        raise InvalidReview("the body must be a JSON object (an AdmissionReview)")
+    if payload.get("apiVersion") != API_VERSION:
+        raise InvalidReview(f"apiVersion must be {API_VERSION}")
+    if payload.get("kind") != KIND:
+        raise InvalidReview(f"kind must be {KIND}")
+    request = payload.get("request")
+    if not isinstance(request, dict):
+        raise InvalidReview("the AdmissionReview has no request")
+    if not isinstance(request.get("uid"), str):
+        raise InvalidReview("request.uid must be a string")
+    return request
+
+
+def _result(
+    uid: str, outcome: str, warnings: list[str], *, patch: bytes | None = None, denied: str | None = None
+) -> ReviewResult:
+    response: dict[str, Any] = {"uid": uid, "allowed": denied is None}
+    if denied is not None:
+        response["status"] = {"code": 400, "reason": "BadRequest", "message": denied}
+    elif patch:
+        response["patchType"] = "JSONPatch"
+        response["patch"] = base64.b64encode(patch).decode("ascii")
+    if warnings:
+        shown = [w if len(w) <= MAX_WARNING_LENGTH else w[: MAX_WARNING_LENGTH - 3] + "..." for w in warnings]
+        response["warnings"] = list(dict.fromkeys(shown))[:MAX_WARNINGS]
+    return ReviewResult(review={"apiVersion": API_VERSION, "kind": KIND, "response": response}, outcome=outcome)
+
+
+def _dict(value: Any) -> dict[str, Any]:
+    return value if isinstance(value, dict) else {}
+
+
+def _is_pod_request(request: dict[str, Any]) -> bool:
+    if request.get("subResource"):
+        return False  # pods/ephemeralcontainers, pods/binding... are not pod creations
+    kind = request.get("kind")
+    if isinstance(kind, dict):
+        return kind.get("group", "") == "" and kind.get("version") == "v1" and kind.get("kind") == "Pod"
+    resource = request.get("resource")
+    if isinstance(resource, dict):
+        return (
+            resource.get("group", "") == "" and resource.get("version") == "v1" and resource.get("resource") == "pods"
+        )
+    return False
+
+
+def _decide(
+    request: dict[str, Any], settings: InjectionSettings, namespaces: NamespaceLookup, warnings: list[str]
+) -> tuple[str, bytes | None]:
+    if not _is_pod_request(request) or request.get("operation") != "CREATE":
+        return OUTCOME_SKIPPED, None
+    pod = request.get("object")
+    if not isinstance(pod, dict):
+        raise _Denied("request.object must be a Pod object")
+    metadata = _dict(pod.get("metadata"))
+
+    namespace = request.get("namespace")
+    if not isinstance(namespace, str) or not namespace:
+        namespace = metadata.get("namespace")
+    namespace_annotations: dict[str, Any] = {}
+    pod_security: str | None = None
+    info = namespaces.get(namespace) if isinstance(namespace, str) and namespace else None
+    if info is None:
+        # The API server's namespaceSelector already let only opted-in namespaces through.
+        warnings.append(
+            f"gpufence: namespace {quote(namespace or '')} is not in the webhook's cache yet, so its "
+            "default shares and policy (if any) were not applied; the webhook's flags were"
+        )
+    elif not info.opted_in:
+        return OUTCOME_SKIPPED, None
+    else:
+        namespace_annotations = dict(info.annotations)
+        pod_security = info.labels.get(POD_SECURITY_LABEL)
+
+    labels = _dict(metadata.get("labels"))
+    annotations = _dict(metadata.get("annotations"))
+    if MIRROR_POD_ANNOTATION in annotations:
+        return OUTCOME_SKIPPED, None
+
+    gpu_names = gpu_container_names(_dict(pod.get("spec")), settings.gpu_resource_names)
+    side_door = nvidia_side_door(pod.get("spec"), SIDECAR_NAME if gpu_names else None)
+    if side_door is not None:
+        raise _Denied(side_door)  # GPU pod or not, opted out or not: the guard denies it too
+    opted_out = labels.get(POD_OPT_OUT_LABEL) == "false"
+    if not gpu_names:
+        if not settings.void_non_gpu_containers or (opted_out and opt_out_allowed(namespace_annotations, settings)):
+            return OUTCOME_SKIPPED, None
+        try:
+            check_shape(pod)
+        except MutationError as exc:
+            raise _Denied(str(exc)) from None
+        patch = plain_pod_patch(pod, settings)
+        return (OUTCOME_MUTATED if patch else OUTCOME_UNCHANGED), patch
+    if opted_out:
+        # The namespace's admin decides whether a pod may opt out, not the pod (the guard agrees).
+        if opt_out_allowed(namespace_annotations, settings):
+            return OUTCOME_SKIPPED, None
+        raise _Denied(opt_out_denial(namespace or ""))
+
+    try:
+        all_names = check_shape(pod)
+        if SIDECAR_NAME in gpu_names:
+            raise MutationError(f"the container name {SIDECAR_NAME} is reserved by gpufence; rename the container")
+        policy = namespace_policy(namespace or "", namespace_annotations, settings)
+        plan = resolve_shares(annotations, namespace_annotations, settings, gpu_names, all_names, policy)
+        plan = with_gpu_counts(plan, gpu_counts(_dict(pod.get("spec")), settings.gpu_resource_names))
+        warnings.extend(plan.warnings)
+        patch, mutation_warnings = injection_patch(pod, plan, settings, pod_security, namespace_annotations)
+    except (ShareError, MutationError) as exc:
+        raise _Denied(str(exc)) from None
+    warnings.extend(mutation_warnings)
+    return (OUTCOME_MUTATED if patch else OUTCOME_UNCHANGED), patch

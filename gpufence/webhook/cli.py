@@ -1,0 +1,401 @@
+"""``gpufence-webhook``: flags (Kubernetes-style names, each also an env var), JSON logs, lifecycle.
+
+Every flag ``--some-flag`` can be given as ``GPUFENCE_WEBHOOK_SOME_FLAG``; the flag wins. A bad value,
+from either place, exits 2 with a message naming it. Repeatable flags take a comma-separated env value.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import re
+import signal
+import ssl
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from gpufence import version_line
+from gpufence.enforcer.config import MAX_GRACE_PERIOD_SECONDS, MAX_POLL_INTERVAL_SECONDS, MIN_POLL_INTERVAL_SECONDS
+from gpufence.logs import log_event
+from gpufence.logs import setup_logging as _setup_logging
+from gpufence.webhook.settings import DEFAULT_GPU_RESOURCE, InjectionSettings
+from gpufence.webhook.tls import DEFAULT_RELOAD_INTERVAL_SECONDS
+
+ENV_PREFIX = "GPUFENCE_WEBHOOK_"
+_defaults = InjectionSettings()
+
+
+# --- value converters: raise ValueError with a short reason -------------------------------------
+def port(text: str) -> int:
+    if not text.strip().isdigit():
+        raise ValueError("not a port number")
+    value = int(text)
+    if not 0 <= value <= 65535:
+        raise ValueError("must be between 0 and 65535")
+    return value
+
+
+def boolean(text: str) -> bool:
+    lowered = text.strip().lower()
+    if lowered in ("true", "1", "yes"):
+        return True
+    if lowered in ("false", "0", "no"):
+        return False
+    raise ValueError('use "true" or "false"')
+
+
+_DURATION_RE = re.compile(r"(?P<num>[0-9]+(?:\.[0-9]*)?|\.[0-9]+)(?P<unit>ms|s|m|h)?", re.ASCII)
+_UNIT_SECONDS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, None: 1.0}
+
+
+def duration(low: float, high: float) -> Callable[[str], float]:
+    """Seconds as "2.5", "500ms", "10s" or "1m", within [low, high]."""
+
+    def convert(text: str) -> float:
+        match = _DURATION_RE.fullmatch(text.strip()) if len(text) <= 32 else None
+        if match is None:
+            raise ValueError('use seconds such as "10", "500ms", "10s" or "1m"')
+        seconds = float(match["num"]) * _UNIT_SECONDS[match["unit"]]
+        if not low <= seconds <= high:
+            raise ValueError(f"must be between {low:g}s and {high:g}s")
+        return seconds
+
+    convert.__name__ = "duration"
+    return convert
+
+
+def choice(*allowed: str) -> Callable[[str], str]:
+    def convert(text: str) -> str:
+        if text not in allowed:
+            raise ValueError("use one of " + ", ".join(allowed))
+        return text
+
+    convert.__name__ = "choice"
+    return convert
+
+
+def non_empty(text: str) -> str:
+    if not text.strip():
+        raise ValueError("must not be empty")
+    return text
+
+
+def resource_quantity(text: str) -> str:
+    """A container resource quantity, written back canonically (the API server's form), so that a
+    reinvocation after the API server canonicalised the pod sees the same value and patches nothing."""
+    from gpufence.webhook.quantity import canonical_quantity
+
+    canonical = canonical_quantity(text.strip())
+    if canonical == "0":
+        raise ValueError("must be greater than zero")
+    return canonical
+
+
+def optional_resource_quantity(text: str) -> str | None:
+    """``resource_quantity``, or None for "none" (no such limit)."""
+    return None if text.strip().lower() == "none" else resource_quantity(text)
+
+
+def memory_share(text: str) -> str:
+    from gpufence.webhook.shares import parse_memory_share  # the core's own parser: the same rules as annotations
+
+    parse_memory_share(text)
+    return text
+
+
+def compute_share(text: str) -> str:
+    from gpufence.webhook.shares import parse_compute_share
+
+    parse_compute_share(text)
+    return text
+
+
+def gpu_memory(text: str) -> tuple[str, int]:
+    """RESOURCE=QUANTITY, e.g. "nvidia.com/gpu=80Gi": the memory of one GPU of that resource."""
+    from gpufence.webhook.quantity import QuantityError, parse_bytes
+
+    name, sep, amount = text.strip().partition("=")
+    if not sep or not name.strip() or not amount.strip():
+        raise ValueError('use RESOURCE=QUANTITY such as "nvidia.com/gpu=80Gi"')
+    try:
+        num_bytes = parse_bytes(amount.strip())
+    except QuantityError:
+        raise ValueError(f'{amount.strip()!r} is not a quantity such as "80Gi"') from None
+    if num_bytes < 1 << 30:
+        raise ValueError("a GPU's memory must be at least 1Gi")
+    return name.strip(), num_bytes
+
+
+def headroom(text: str) -> int:
+    from gpufence.webhook.quantity import QuantityError, parse_bytes
+
+    try:
+        num_bytes = parse_bytes(text.strip())
+    except QuantityError:
+        raise ValueError('use a quantity such as "512Mi" or "0"') from None
+    if num_bytes < 0:
+        raise ValueError("must not be negative")
+    return num_bytes
+
+
+# --- the flag table ---------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Flag:
+    name: str  # without the leading dashes
+    convert: Callable[[str], Any]
+    default: Any
+    help: str
+    repeat: bool = False
+    # The flag's name before it said what it sets (--poll-interval for --sidecar-poll-interval):
+    # still accepted, as a flag and as an env var, with a "deprecated_flag" warning, for one release.
+    deprecated: str | None = None
+
+    @property
+    def dest(self) -> str:
+        return self.name.replace("-", "_")
+
+    @property
+    def env(self) -> str:
+        return ENV_PREFIX + self.dest.upper()
+
+    @property
+    def deprecated_env(self) -> str | None:
+        return ENV_PREFIX + self.deprecated.replace("-", "_").upper() if self.deprecated else None
+
+    @property
+    def shown_default(self) -> str:
+        """The default as one would write it: durations as "5s" or "500ms", not 5.0 or 0.5."""
+        if self.default is None:
+            return "none"
+        if getattr(self.convert, "__name__", "") == "duration":
+            seconds = float(self.default)
+            return f"{seconds * 1000:g}ms" if 0 < seconds < 1 else f"{seconds:g}s"
+        if isinstance(self.default, bool):
+            return "true" if self.default else "false"
+        return str(self.default)
+
+
+FLAGS: tuple[Flag, ...] = (
+    # The server.
+    Flag("port", port, 8443, "HTTPS port to serve on (0 picks a free one)"),
+    Flag("bind-address", non_empty, "0.0.0.0", "address to listen on"),
+    Flag("tls-cert-file", non_empty, None, "serving certificate (PEM), reloaded when it changes"),
+    Flag("tls-private-key-file", non_empty, None, "private key of the serving certificate (PEM)"),
+    Flag("cert-reload-interval", duration(0.01, 3600), DEFAULT_RELOAD_INTERVAL_SECONDS,
+         "how often to check the certificate files for a change"),
+    Flag("kubeconfig", non_empty, None,
+         "kubeconfig for the namespace watch (default: in-cluster, then ~/.kube/config; "
+         "neither: all namespaces opted in)"),
+    Flag("log-level", choice("debug", "info", "warning", "error"), "info", "log level"),
+    Flag("shutdown-delay", duration(0, 60), 5.0,
+         "after SIGTERM, keep serving this long with /readyz failing so endpoints drop the replica first"),
+    # InjectionSettings, one flag per field.
+    Flag("sidecar-image", non_empty, _defaults.sidecar_image, "enforcer sidecar image"),
+    Flag("sidecar-image-pull-policy", choice("Always", "IfNotPresent", "Never"), _defaults.sidecar_image_pull_policy,
+         "imagePullPolicy of the sidecar"),
+    Flag("gpu-resource-name", non_empty, None,
+         f"extended resource that makes a container a GPU container (repeatable; default {DEFAULT_GPU_RESOURCE})",
+         repeat=True),
+    Flag("sidecar-mode", choice("native", "container"), "native" if _defaults.native_sidecar else "container",
+         "native sidecar (init container with restartPolicy Always, Kubernetes >= 1.29) or a plain container"),
+    Flag("sidecar-metrics-port", port, _defaults.metrics_port, "port of the sidecar's /metrics",
+         deprecated="metrics-port"),
+    Flag("sidecar-cpu-request", resource_quantity, _defaults.sidecar_cpu_request, "CPU request of the sidecar"),
+    Flag("sidecar-cpu-limit", optional_resource_quantity, _defaults.sidecar_cpu_limit,
+         'CPU limit of the sidecar ("none": no CPU limit; a ResourceQuota on limits.cpu then rejects GPU pods)'),
+    Flag("sidecar-memory-request", resource_quantity, _defaults.sidecar_memory_request,
+         "memory request of the sidecar"),
+    Flag("sidecar-memory-limit", resource_quantity, _defaults.sidecar_memory_limit, "memory limit of the sidecar"),
+    Flag("default-memory", memory_share, _defaults.default_memory,
+         'memory share when neither pod nor namespace sets one ("8Gi" or "25%")'),
+    Flag("default-compute", compute_share, _defaults.default_compute,
+         'compute share when neither pod nor namespace sets one ("50" or "50%")'),
+    Flag("max-memory", memory_share, _defaults.max_memory,
+         "ceiling on each GPU container's memory share where the namespace sets none (\"8Gi\" or \"25%\")"),
+    Flag("max-compute", compute_share, _defaults.max_compute,
+         "ceiling on each GPU container's compute share where the namespace sets none (\"25\")"),
+    Flag("default-mode", choice("enforce", "audit"), _defaults.default_mode,
+         "mode of namespaces that do not set gpufence.io/mode"),
+    Flag("allow-audit", boolean, _defaults.allow_audit,
+         "let pods choose audit mode where the namespace does not set gpufence.io/allow-audit"),
+    Flag("allow-opt-out", boolean, _defaults.allow_opt_out,
+         "honour the pod label gpufence.io/inject=false where the namespace does not set gpufence.io/allow-opt-out"),
+    Flag("default-grace-period", duration(0, MAX_GRACE_PERIOD_SECONDS), _defaults.default_grace_period_seconds,
+         "SIGTERM to SIGKILL delay for a container over its memory share"),
+    Flag("sidecar-poll-interval", duration(MIN_POLL_INTERVAL_SECONDS, MAX_POLL_INTERVAL_SECONDS),
+         _defaults.poll_interval_seconds, "how often the enforcer polls NVML", deprecated="poll-interval"),
+    Flag("sidecar-nvidia-visible-devices", non_empty, _defaults.nvidia_visible_devices,
+         "NVIDIA_VISIBLE_DEVICES of the sidecar", deprecated="nvidia-visible-devices"),
+    Flag("sidecar-nvidia-driver-capabilities", non_empty, _defaults.nvidia_driver_capabilities,
+         "NVIDIA_DRIVER_CAPABILITIES of the sidecar", deprecated="nvidia-driver-capabilities"),
+    Flag("sidecar-mount-host-proc", boolean, _defaults.mount_host_proc,
+         "mount the host's /proc read-only in the sidecar (drivers that report host PIDs)",
+         deprecated="mount-host-proc"),
+    Flag("sidecar-host-proc-mount-path", non_empty, _defaults.host_proc_mount_path,
+         "where the host's /proc is mounted in the sidecar", deprecated="host-proc-mount-path"),
+    Flag("void-non-gpu-containers", boolean, _defaults.void_non_gpu_containers,
+         "give containers that request no GPU NVIDIA_VISIBLE_DEVICES=void, so no image ENV or envFrom "
+         "can hand them GPUs through the NVIDIA container toolkit"),
+    Flag("mps-limits", boolean, _defaults.mps_limits, "set CUDA MPS per-client limits from the shares"),
+    Flag("preload-library", non_empty, _defaults.preload_library_host_path,
+         "host path of an LD_PRELOAD GPU limiter (e.g. HAMi-core libvgpu.so) to inject"),
+    Flag("preload-library-mount-dir", non_empty, _defaults.preload_library_mount_dir,
+         "where the preload library's directory is mounted in GPU containers"),
+    Flag("gpu-memory", gpu_memory, None,
+         'memory of one GPU of a resource, for homogeneous pools ("nvidia.com/gpu=80Gi"; repeatable): turns '
+         "byte shares into the frameworks' memory fractions", repeat=True),
+    Flag("pytorch-memory-fraction", boolean, _defaults.pytorch_memory_fraction,
+         "cap PyTorch's allocator (PYTORCH_CUDA_ALLOC_CONF per_process_memory_fraction; PyTorch >= 2.10 only) "
+         "where the namespace does not set gpufence.io/pytorch-memory-fraction"),
+    Flag("framework-memory-headroom", headroom, _defaults.framework_memory_headroom_bytes,
+         "taken off a share before it becomes a framework's memory fraction, for the CUDA context (bytes or a "
+         'quantity such as "512Mi")'),
+)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="gpufence-webhook",
+                                     description="gpufence mutating admission webhook (HTTPS only).")
+    parser.add_argument("--version", action="version", version=version_line("gpufence-webhook"))
+    for flag in FLAGS:
+        # A flag whose help explains its default itself (gpu-resource-name) shows only its env var.
+        shown = "" if flag.default is None and "default" in flag.help else f"; default {flag.shown_default}"
+        text = f"{flag.help} [env {flag.env}{shown}]"
+        kwargs: dict[str, Any] = {"dest": flag.dest, "default": None, "metavar": "VALUE",
+                                  "help": text.replace("%", "%%")}  # argparse %-formats help texts
+        if flag.convert is boolean:
+            # --mps-limits alone means true; --mps-limits=false is accepted too.
+            kwargs.update(nargs="?", const="true", metavar="BOOL")
+        if flag.deprecated:
+            kwargs["help"] += f" (formerly --{flag.deprecated}, deprecated)"
+        action = "append" if flag.repeat else "store"
+        parser.add_argument(f"--{flag.name}", action=action, **kwargs)
+        if flag.deprecated:
+            kwargs.update(dest=f"deprecated__{flag.dest}", help=argparse.SUPPRESS)
+            parser.add_argument(f"--{flag.deprecated}", action=action, **kwargs)
+    return parser
+
+
+def _convert(parser: argparse.ArgumentParser, flag: Flag, text: str, source: str) -> Any:
+    try:
+        return flag.convert(text)
+    except ValueError as exc:
+        parser.error(f"{source} {text!r}: {exc}")
+
+
+def parse_args(argv: Sequence[str] | None = None, environ: dict[str, str] | None = None) -> argparse.Namespace:
+    """Flags, then ``GPUFENCE_WEBHOOK_*`` env vars, then defaults; exits 2 on a bad value."""
+    environ = dict(os.environ if environ is None else environ)
+    parser = build_parser()
+    raw = parser.parse_args(argv)
+    values: dict[str, Any] = {}
+    deprecated: list[tuple[str, str]] = []  # (the old name used, the name to use)
+    for flag in FLAGS:
+        given = getattr(raw, flag.dest)
+        old_given = getattr(raw, f"deprecated__{flag.dest}", None)
+        if given is not None and old_given is not None:
+            parser.error(f"--{flag.name} and its deprecated name --{flag.deprecated} are both given")
+        env_name = flag.env
+        if environ.get(env_name, "") == "" and flag.deprecated_env and environ.get(flag.deprecated_env, "") != "":
+            env_name = flag.deprecated_env
+        if given is None and old_given is not None:
+            given = old_given
+            deprecated.append((f"--{flag.deprecated}", f"--{flag.name}"))
+        if given is not None:
+            texts, source = (given if flag.repeat else [given]), f"--{flag.name}"
+        elif environ.get(env_name, "") != "":
+            env_value = environ[env_name]
+            texts = [t.strip() for t in env_value.split(",")] if flag.repeat else [env_value]
+            source = env_name
+            if env_name != flag.env:
+                deprecated.append((env_name, flag.env))
+        else:
+            values[flag.dest] = flag.default
+            continue
+        converted = [_convert(parser, flag, t, source) for t in texts]
+        values[flag.dest] = tuple(converted) if flag.repeat else converted[0]
+    args = argparse.Namespace(**values, deprecated=deprecated)
+    for required in ("tls_cert_file", "tls_private_key_file"):
+        if getattr(args, required) is None:
+            flag = next(f for f in FLAGS if f.dest == required)
+            parser.error(f"--{flag.name} (or {flag.env}) is required")
+    return args
+
+
+def settings_from_args(args: argparse.Namespace) -> InjectionSettings:
+    return InjectionSettings(
+        sidecar_image=args.sidecar_image,
+        sidecar_image_pull_policy=args.sidecar_image_pull_policy,
+        gpu_resource_names=args.gpu_resource_name or (DEFAULT_GPU_RESOURCE,),
+        native_sidecar=args.sidecar_mode == "native",
+        metrics_port=args.sidecar_metrics_port,
+        sidecar_cpu_request=args.sidecar_cpu_request,
+        sidecar_cpu_limit=args.sidecar_cpu_limit,
+        sidecar_memory_request=args.sidecar_memory_request,
+        sidecar_memory_limit=args.sidecar_memory_limit,
+        default_memory=args.default_memory,
+        default_compute=args.default_compute,
+        default_grace_period_seconds=args.default_grace_period,
+        max_memory=args.max_memory,
+        max_compute=args.max_compute,
+        default_mode=args.default_mode,
+        allow_audit=args.allow_audit,
+        allow_opt_out=args.allow_opt_out,
+        poll_interval_seconds=args.sidecar_poll_interval,
+        nvidia_visible_devices=args.sidecar_nvidia_visible_devices,
+        nvidia_driver_capabilities=args.sidecar_nvidia_driver_capabilities,
+        mount_host_proc=args.sidecar_mount_host_proc,
+        host_proc_mount_path=args.sidecar_host_proc_mount_path,
+        void_non_gpu_containers=args.void_non_gpu_containers,
+        mps_limits=args.mps_limits,
+        preload_library_host_path=args.preload_library,
+        preload_library_mount_dir=args.preload_library_mount_dir,
+        gpu_memory=tuple(args.gpu_memory or ()),
+        pytorch_memory_fraction=args.pytorch_memory_fraction,
+        framework_memory_headroom_bytes=args.framework_memory_headroom,
+    )
+
+
+# --- logging -----------------------------------------------------------------------------------------
+# The format all three programs share (gpufence/logs.py), on stderr. Libraries stay at warning
+# unless --log-level=debug: aiohttp and the kubernetes client are chatty at info.
+def setup_logging(level: str) -> None:
+    _setup_logging(level, libraries_level="warning")
+
+
+# --- main --------------------------------------------------------------------------------------------
+async def run(args: argparse.Namespace) -> None:
+    from gpufence.webhook.namespaces import load_namespace_lookup
+    from gpufence.webhook.server import ServerLimits, serve
+    from gpufence.webhook.tls import CertReloader
+
+    reloader = CertReloader(args.tls_cert_file, args.tls_private_key_file, interval=args.cert_reload_interval)
+    namespaces = load_namespace_lookup(args.kubeconfig)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)  # graceful: stop accepting, finish in-flight requests
+    limits = ServerLimits(shutdown_delay=args.shutdown_delay)
+    await serve(settings_from_args(args), namespaces, reloader, stop, host=args.bind_address, port=args.port,
+                limits=limits)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    setup_logging(args.log_level)
+    log = logging.getLogger("webhook")
+    for old, new in args.deprecated:
+        log_event(log, "deprecated_flag", logging.WARNING, flag=old, use=new,
+                  message=f"{old} is deprecated and will be removed in the next release; use {new}")
+    try:
+        asyncio.run(run(args))
+    except (OSError, ssl.SSLError, ValueError) as exc:  # unreadable cert, bad key, port in use: no traceback
+        log_event(log, "startup_failed", logging.ERROR, error=f"{type(exc).__name__}: {exc}")
+        return 1
+    except Exception as exc:
+        log_event(log, "startup_failed", logging.ERROR, error=f"{type(exc).__name__}: {exc}", exc_info=exc)
+        return 1
+    return 0

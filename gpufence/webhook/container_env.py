@@ -1,0 +1,208 @@
+"""Each GPU container's part of the injection (pure): the variables that carry its share and the
+framework hints, and the preload limiter's mount. A variable the user set is never overwritten.
+
+Copy-on-write: a container is copied only when something is added, and its untouched fields stay
+shared with the input, so ``webhook.patch.diff`` skips them by identity.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from gpufence.enforcer.config import ENV_CONTAINER, ENV_MEMORY_LIMIT, ContainerShare
+from gpufence.webhook.errors import MutationError
+from gpufence.webhook.frameworks import DeviceMemory, framework_env, server_warnings
+from gpufence.webhook.quantity import mebibytes_floor
+from gpufence.webhook.settings import InjectionSettings
+from gpufence.webhook.shares import quote
+from gpufence.webhook.sidecar import PRELOAD_VOLUME
+
+ENV_TF_ALLOW_GROWTH = "TF_FORCE_GPU_ALLOW_GROWTH"
+ENV_XLA_PREALLOCATE = "XLA_PYTHON_CLIENT_PREALLOCATE"
+ENV_MPS_MEM_LIMIT = "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"
+ENV_MPS_THREADS = "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"
+ENV_HAMI_MEMORY = "CUDA_DEVICE_MEMORY_LIMIT"
+ENV_HAMI_SM = "CUDA_DEVICE_SM_LIMIT"
+ENV_LD_PRELOAD = "LD_PRELOAD"
+ENV_NVIDIA_VISIBLE_DEVICES = "NVIDIA_VISIBLE_DEVICES"
+# Variables whose user-set value the webhook keeps but reports when it differs from the share.
+_LIMIT_VARIABLES = frozenset({ENV_MEMORY_LIMIT, ENV_MPS_MEM_LIMIT, ENV_MPS_THREADS, ENV_HAMI_MEMORY, ENV_HAMI_SM})
+
+
+def add_share_env(
+    name: str,
+    share: ContainerShare,
+    settings: InjectionSettings,
+    library: str | None,
+    warnings: list[str],
+    add: Callable[[str, str], None],
+    framework_caps: Sequence[tuple[str, str]] = (),
+) -> None:
+    """Adds through ``add``, in this order, the variables a GPU container gets for its share, and
+    appends the warnings the limits cause. LD_PRELOAD is left to ``gpu_container``: it appends to
+    a user's value rather than adding a variable. ``framework_caps``: the allocation-time caps
+    ``webhook.frameworks.framework_env`` chose (variables the container lacks)."""
+    add(ENV_CONTAINER, name)
+    memory = share.memory
+    if memory is not None:
+        add(ENV_MEMORY_LIMIT, memory.describe())
+    add(ENV_TF_ALLOW_GROWTH, "true")
+    add(ENV_XLA_PREALLOCATE, "false")
+    for var, value in framework_caps:
+        add(var, value)
+    compute = None if share.compute_percent is None else max(1, int(share.compute_percent))
+
+    if settings.mps_limits:
+        if memory is not None:
+            mib = mebibytes_floor(memory.bytes) if memory.bytes is not None else 0
+            if memory.bytes is None:
+                warnings.append(
+                    f"container {quote(name)}: MPS needs an absolute memory limit, so the percentage share "
+                    f"{memory.describe()} is enforced by the gpufence enforcer only"
+                )
+            elif mib < 1:
+                warnings.append(f"container {quote(name)}: the memory share is below 1Mi, too small for MPS")
+            else:
+                add(ENV_MPS_MEM_LIMIT, f"0={mib}M")
+                if memory.two_units:
+                    warnings.append(_percent_part_left(name, "MPS", memory.describe()))
+        if compute is not None:
+            add(ENV_MPS_THREADS, str(compute))
+
+    if library is not None:
+        if memory is not None:
+            if memory.bytes is None:
+                warnings.append(
+                    f"container {quote(name)}: the preload limiter needs an absolute memory limit, so the "
+                    f"percentage share {memory.describe()} is enforced by the gpufence enforcer only"
+                )
+            elif mebibytes_floor(memory.bytes) < 1:
+                warnings.append(
+                    f"container {quote(name)}: the memory share is below 1Mi, too small for the preload limiter"
+                )
+            else:
+                add(ENV_HAMI_MEMORY, f"{mebibytes_floor(memory.bytes)}m")
+                if memory.two_units:
+                    warnings.append(_percent_part_left(name, "the preload limiter", memory.describe()))
+        if compute is not None:
+            add(ENV_HAMI_SM, str(compute))
+
+
+def _percent_part_left(name: str, limiter: str, share: str) -> str:
+    return (f"container {quote(name)}: {limiter} takes the byte part of the share {share}; its percentage "
+            "part, where it is the smaller, is enforced by the gpufence enforcer only")
+
+
+@dataclass
+class FrameworkRecord:
+    """What the framework rules decided, across the pod's GPU containers, for the status annotation
+    (and, through it, the enforcer's Event)."""
+
+    caps: dict[str, dict[str, str]] = field(default_factory=dict)  # container -> variable -> cap
+    warnings: list[str] = field(default_factory=list)
+
+
+def gpu_container(
+    container: dict[str, Any],
+    share: ContainerShare,
+    settings: InjectionSettings,
+    library: str | None,
+    warnings: list[str],
+    *,
+    device: DeviceMemory | None = None,
+    pytorch: bool = False,
+    record: FrameworkRecord | None = None,
+) -> dict[str, Any]:
+    """``container`` with its share's variables (and the preload mount) added, or ``container``
+    itself when it has them all; ``library`` from ``sidecar.preload_library_path``; ``device``
+    and ``pytorch`` for the framework caps (``webhook.frameworks``), whose decisions go to
+    ``record``. Raises ``MutationError`` when the container sets GPUFENCE_CONTAINER to another
+    value or takes a mount gpufence reserves."""
+    name = container["name"]
+    env = list(container.get("env") or ())
+    index = {entry["name"]: i for i, entry in enumerate(env)}  # the last duplicate is the effective one
+    changed = False
+
+    frameworks = framework_env(name, share.memory, {var: env[i] for var, i in index.items()}, device,
+                               settings, pytorch)
+    found = frameworks.warnings + server_warnings(name, container, share.memory, device, settings)
+    warnings.extend(found)
+    if record is not None:
+        record.warnings.extend(found)
+        if frameworks.caps:
+            record.caps[name] = frameworks.caps
+    for var, value in frameworks.replace_env:  # the user's alloc conf, with gpufence's key appended
+        env[index[var]] = {**env[index[var]], "value": value}
+        changed = True
+
+    def add(var: str, value: str) -> None:
+        nonlocal changed
+        if var in index:
+            entry = env[index[var]]
+            if var in _LIMIT_VARIABLES and entry.get("value") != value:
+                warnings.append(
+                    f"container {quote(name)} sets {var} itself; gpufence keeps it instead of {quote(value)}"
+                )
+            return
+        env.append({"name": var, "value": value})
+        index[var] = len(env) - 1
+        changed = True
+
+    if ENV_CONTAINER in index:
+        entry = env[index[ENV_CONTAINER]]
+        if entry.get("value") != name or "valueFrom" in entry:
+            # The enforcer attributes processes to containers by this variable: a wrong value would
+            # charge this container's GPU use to another one.
+            raise MutationError(
+                f"container {quote(name)} sets {ENV_CONTAINER}={quote(entry.get('value', ''))}; gpufence sets "
+                f"it to the container's name to attribute GPU use, so remove it or set it to {quote(name)}"
+            )
+    add_share_env(name, share, settings, library, warnings, add, frameworks.set_env)
+    if library is not None:
+        if ENV_LD_PRELOAD not in index:
+            add(ENV_LD_PRELOAD, library)
+        else:
+            i = index[ENV_LD_PRELOAD]
+            entry = env[i]
+            if "valueFrom" in entry:
+                warnings.append(
+                    f"container {quote(name)} takes LD_PRELOAD from valueFrom, so gpufence cannot append "
+                    f"{library} and the in-process limiter is not loaded"
+                )
+            else:
+                value = entry.get("value") or ""
+                if library not in re.split(r"[: ]", value):
+                    env[i] = {**entry, "value": f"{value}:{library}" if value else library}
+                    changed = True
+        mounts = list(container.get("volumeMounts") or ())
+        wanted = {"name": PRELOAD_VOLUME, "mountPath": library, "readOnly": True}
+        clash = [m for m in mounts if m.get("name") == PRELOAD_VOLUME or m.get("mountPath") == library]
+        if not clash:
+            mounts.append(wanted)
+            container = {**container, "volumeMounts": mounts}
+        elif clash != [wanted]:
+            raise MutationError(
+                f"container {quote(name)} already mounts volume {PRELOAD_VOLUME} or path {library}, "
+                "both reserved by gpufence"
+            )
+
+    if changed:
+        container = {**container, "env": env}
+    return container
+
+
+def void_container(container: dict[str, Any]) -> dict[str, Any]:
+    """A container that requests no GPU, with ``NVIDIA_VISIBLE_DEVICES=void`` unless it sets the
+    variable itself (to void or none: any other value was denied, ``podshape.nvidia_side_door``).
+
+    An explicit env entry wins over the image's ENV (CUDA base images carry
+    ``NVIDIA_VISIBLE_DEVICES=all``) and over ``envFrom``, so the NVIDIA container toolkit hands this
+    container no GPU however it was built.
+    """
+    env = container.get("env") or ()
+    if any(entry.get("name") == ENV_NVIDIA_VISIBLE_DEVICES for entry in env):
+        return container
+    return {**container, "env": [*env, {"name": ENV_NVIDIA_VISIBLE_DEVICES, "value": "void"}]}

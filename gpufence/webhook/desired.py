@@ -1,0 +1,206 @@
+"""The desired pod: the submitted pod as gpufence wants it, from the pod and the share plan (pure).
+
+``desired_pod`` is idempotent by construction: every field it writes is either fully determined
+by the settings and the plan (the sidecar, the volumes, the status annotation, the enforcer
+config) or added only when absent (the GPU containers' environment), so ``desired_pod`` of its
+own output equals that output and the patch between them is empty (reinvocation).
+
+Copy-on-write: the desired pod shares every untouched subtree with the input (no deep copy), which
+keeps a review cheap and lets ``webhook.patch.diff`` skip shared subtrees by identity. The input
+is never modified.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Container, Mapping
+from typing import Any
+
+from gpufence.webhook.container_env import FrameworkRecord, gpu_container, void_container
+from gpufence.webhook.errors import MutationError
+from gpufence.webhook.frameworks import device_memory, pytorch_cap_enabled, recorded_warnings
+from gpufence.webhook.settings import ANNOTATION_STATUS, SIDECAR_NAME, InjectionSettings
+from gpufence.webhook.shares import SharePlan, quote
+from gpufence.webhook.sidecar import (
+    build_sidecar,
+    pod_volumes,
+    preload_library_path,
+    sidecar_runs_as_root,
+    status_annotation,
+)
+
+
+def desired_pod(pod: dict[str, Any], plan: SharePlan, settings: InjectionSettings,
+                pod_security: str | None = None,
+                namespace_annotations: Mapping[str, object] | None = None) -> tuple[dict[str, Any], list[str]]:
+    """The injected pod (sharing untouched subtrees with ``pod``) and warnings; raises MutationError.
+
+    ``pod_security``: the namespace's enforced Pod Security level (its label), None if unlabelled.
+    ``namespace_annotations``: the Namespace's (its opt-in to PyTorch's allocator cap).
+
+    The pod's shape must have been checked (``podshape.check_shape``): dicts and lists where
+    this function reads them.
+    """
+    warnings: list[str] = []
+    shares = dict(plan.containers)
+    spec = dict(pod["spec"])
+    new_pod = dict(pod)
+    new_pod["spec"] = spec
+
+    metadata = dict(pod.get("metadata") or {})
+    annotations = dict(metadata.get("annotations") or {})
+    metadata["annotations"] = annotations
+    new_pod["metadata"] = metadata
+    record = FrameworkRecord()
+    pytorch = pytorch_cap_enabled(namespace_annotations or {}, settings)
+
+    if spec.get("hostPID") is True:
+        raise MutationError(
+            "gpufence needs spec.shareProcessNamespace, which Kubernetes does not allow together with "
+            'spec.hostPID: true; remove hostPID, or, where the namespace allows opt-out, label the pod '
+            'gpufence.io/inject="false"'
+        )
+    if spec.get("shareProcessNamespace") is False:
+        raise MutationError(
+            "spec.shareProcessNamespace: false conflicts with gpufence, whose enforcer must see the GPU "
+            "containers' processes; remove the field (gpufence sets it to true), or, where the namespace "
+            'allows opt-out, label the pod gpufence.io/inject="false"'
+        )
+    spec["shareProcessNamespace"] = True
+
+    library = preload_library_path(settings)
+    port = settings.metrics_port
+    sidecar_key = "initContainers" if settings.native_sidecar else "containers"
+    sidecar_at: int | None = None  # where ours already is in its list (a reinvocation)
+    previous_sidecar: dict[str, Any] | None = None
+    port_taken_by: str | None = None  # a container of the pod that declares the metrics port
+    for key in ("initContainers", "containers"):
+        containers = spec.get(key)
+        if not containers:
+            continue
+        updated = []
+        for container in containers:
+            if container.get("name") == SIDECAR_NAME:
+                # Ours (a reinvocation, or a copied pod): rebuilt below. In the list it belongs to
+                # it keeps its index, so that another injector's containers added since (Istio,
+                # Linkerd, Vault Agent put theirs first) are never moved or rewritten into ours.
+                if key == sidecar_key and sidecar_at is None:
+                    sidecar_at = len(updated)
+                    previous_sidecar = container
+                continue
+            for declared in container.get("ports") or ():
+                if isinstance(declared, dict) and declared.get("containerPort") == port:
+                    port_taken_by = port_taken_by or container["name"]
+            share = shares.get(container["name"])
+            if share is not None:
+                container = gpu_container(container, share, settings, library, warnings,
+                                          device=device_memory(pod["spec"], container, settings),
+                                          pytorch=pytorch, record=record)
+            elif settings.void_non_gpu_containers:
+                container = void_container(container)
+            updated.append(container)
+        spec[key] = updated
+
+    # The metrics port is fixed unless the pod's network namespace may already hold it: with
+    # hostNetwork every GPU pod on the node shares one (a second pod's enforcer could not bind it,
+    # and its startup probe would never pass), and a container of the pod may declare it.
+    host_network = spec.get("hostNetwork") is True
+    fixed_port = not (host_network or port_taken_by)
+    if not fixed_port:
+        why = "the pod uses the host's network" if host_network else (
+            f"container {quote(port_taken_by or '')} declares port {port}")
+        warnings.append(
+            f"gpufence: {why}, so the enforcer serves its metrics and health on a free port it picks at "
+            "start (probed with gpufence-enforcer --probe) and Prometheus does not scrape it; its "
+            "decisions still reach the log and the pod's Events"
+        )
+    sidecar = build_sidecar(plan, settings, run_as_root=sidecar_runs_as_root(pod["spec"], shares, warnings),
+                            pod_security=pod_security, fixed_port=fixed_port)
+    sidecar = with_service_account_token(sidecar, previous_sidecar, pod["spec"])
+    others = list(spec.get(sidecar_key) or ())
+    if sidecar_at is not None:
+        others.insert(sidecar_at, sidecar)
+    elif settings.native_sidecar:
+        others.insert(0, sidecar)  # first: the enforcer is up before the workload starts
+    else:
+        others.append(sidecar)
+    spec[sidecar_key] = others
+    if not settings.native_sidecar:
+        _warn_plain_sidecar(spec, shares, warnings)
+
+    volumes = list(spec.get("volumes") or ())
+    existing = {v["name"]: v for v in volumes if isinstance(v.get("name"), str)}
+    for volume in pod_volumes(settings):
+        present = existing.get(volume["name"])
+        if present is None:
+            volumes.append(volume)
+        elif present != volume:
+            raise MutationError(f"volume name {quote(volume['name'])} is reserved by gpufence; rename the pod's volume")
+    spec["volumes"] = volumes
+    # Every admission warning, not only the frameworks': warnings reach only whoever created the pod (for
+    # a Deployment its ReplicaSet controller), so the enforcer turns these into Events on the pod.
+    recorded = recorded_warnings([*plan.warnings, *warnings])
+    annotations[ANNOTATION_STATUS] = status_annotation(plan, record.caps, recorded)
+    return new_pod, warnings
+
+
+# Where the API server's ServiceAccount admission plugin mounts the pod's token.
+SERVICE_ACCOUNT_MOUNT_PATH = "/var/run/secrets/kubernetes.io/serviceaccount"
+
+
+def _token_mount(container: Any) -> dict[str, Any] | None:
+    for mount in (container.get("volumeMounts") or ()) if isinstance(container, dict) else ():
+        if isinstance(mount, dict) and mount.get("mountPath") == SERVICE_ACCOUNT_MOUNT_PATH:
+            return mount
+    return None
+
+
+def with_service_account_token(built: dict[str, Any], previous: dict[str, Any] | None,
+                               spec: dict[str, Any]) -> dict[str, Any]:
+    """Our sidecar with the pod's ServiceAccount token mounted, as the API server mounts it elsewhere.
+
+    The API server's ServiceAccount plugin runs before the webhooks and mounts the token into every
+    container; after a webhook adds one it runs again for the newcomer, and then reinvokes every
+    ``IfNeeded`` webhook. Rebuilding the sidecar on that reinvocation removed the mount (the
+    enforcer lost its credentials for Events). Giving the sidecar the same mount the other
+    containers already have keeps it, and spares the API server the second plugin run and the
+    reinvocation (one webhook call per pod instead of two). Nothing else a pod brings under our
+    sidecar's name survives: a tenant must not add arguments or mount files over the enforcer's code,
+    and a read-only mount at the token path can do neither.
+    """
+    token = _token_mount(previous) if previous is not None else None
+    if token is None:
+        for key in ("initContainers", "containers"):
+            for container in spec.get(key) or ():
+                if isinstance(container, dict) and container.get("name") != SIDECAR_NAME:
+                    token = token or _token_mount(container)
+    ours = {m.get("name") for m in built.get("volumeMounts") or ()}
+    if token is None or token.get("readOnly") is not True or token.get("name") in ours:
+        return built
+    mount = {"name": token["name"], "readOnly": True, "mountPath": SERVICE_ACCOUNT_MOUNT_PATH}
+    return {**built, "volumeMounts": [*(built.get("volumeMounts") or ()), mount]}
+
+
+def _warn_plain_sidecar(spec: dict[str, Any], shares: Container[str], warnings: list[str]) -> None:
+    """What a regular-container enforcer (native sidecars off) cannot do, said to the user."""
+    if spec.get("restartPolicy") in ("Never", "OnFailure"):
+        warnings.append(
+            "the gpufence enforcer runs as a regular container (native sidecars are disabled), so this "
+            "pod keeps running after its other containers finish (a Job would not complete)"
+        )
+    for container in spec.get("initContainers") or ():
+        if container["name"] in shares:
+            warnings.append(
+                f"init container {quote(container['name'])} requests a GPU but runs before the enforcer "
+                "starts (native sidecars are disabled), so its share is not enforced"
+            )
+
+
+def desired_plain_pod(pod: dict[str, Any], settings: InjectionSettings) -> dict[str, Any]:
+    """A pod that requests no GPU as gpufence wants it: every container with
+    ``NVIDIA_VISIBLE_DEVICES=void`` (``--void-non-gpu-containers``), nothing else. Copy-on-write;
+    the pod's shape must have been checked (``podshape.check_shape``)."""
+    spec = dict(pod["spec"])
+    for key in ("initContainers", "containers"):
+        if spec.get(key):
+            spec[key] = [void_container(container) for container in spec[key]]
+    return {**pod, "spec": spec}

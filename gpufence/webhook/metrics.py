@@ -1,0 +1,65 @@
+"""Prometheus metrics of the webhook, in a registry per app (tests stay isolated)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from gpufence.webhook.tls import CertReloader
+
+OUTCOMES = ("mutated", "unchanged", "denied", "skipped", "invalid", "error")
+# Admission reviews take well under a millisecond to tens of milliseconds; the API server's
+# timeout is at most 30 s.
+DURATION_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+
+
+class _CertificateCollector(Collector):
+    """Reads the reloader's state at scrape time, so the reloader needs no metrics code."""
+
+    def __init__(self, reloader: CertReloader) -> None:
+        self._reloader = reloader
+
+    def collect(self) -> Iterator[Metric]:
+        expiry = GaugeMetricFamily(
+            "gpufence_webhook_certificate_expiry_timestamp_seconds",
+            "notAfter of the serving certificate in use (Unix seconds).",
+        )
+        expiry.add_metric([], self._reloader.cert.not_valid_after_utc.timestamp())
+        yield expiry
+        reloads = CounterMetricFamily(
+            "gpufence_webhook_certificate_reloads",
+            "Certificate reload attempts after a change of the files, by result.",
+            labels=["result"],
+        )
+        reloads.add_metric(["success"], self._reloader.successes)
+        reloads.add_metric(["failure"], self._reloader.failures)
+        yield reloads
+
+
+class WebhookMetrics:
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry if registry is not None else CollectorRegistry()
+        self.requests = Counter(
+            "gpufence_webhook_requests", "Admission requests to /mutate, by outcome.",
+            ["outcome"], registry=self.registry,
+        )
+        # Export zeros so rate() works from the first scrape; the children are looked up once.
+        self._by_outcome = {outcome: self.requests.labels(outcome) for outcome in OUTCOMES}
+        self.duration = Histogram(
+            "gpufence_webhook_request_duration_seconds", "Time to answer a /mutate request.",
+            buckets=DURATION_BUCKETS, registry=self.registry,
+        )
+
+    def observe(self, outcome: str, seconds: float) -> None:
+        child = self._by_outcome.get(outcome)
+        (child if child is not None else self.requests.labels(outcome)).inc()
+        self.duration.observe(seconds)
+
+    def watch_certificates(self, reloader: CertReloader) -> None:
+        self.registry.register(_CertificateCollector(reloader))
+
+    def render(self) -> tuple[bytes, str]:
+        return generate_latest(self.registry), CONTENT_TYPE_LATEST

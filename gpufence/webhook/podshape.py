@@ -1,0 +1,234 @@
+"""What the submitted pod is (pure): which containers ask for a GPU, and whether the fields the
+injection reads have the JSON types it expects.
+
+The API server decodes pods into typed objects before admission, so a malformed shape only comes
+from hand-made requests; checking it once here keeps the rest of the core free of type checks.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Sequence
+from itertools import repeat
+from typing import Any
+
+from gpufence.webhook.errors import MutationError
+from gpufence.webhook.quantity import QuantityError, is_positive_quantity, parse_bytes
+from gpufence.webhook.shares import quote
+
+
+def gpu_resource_of(container: Any, resource_names: Sequence[str]) -> str | None:
+    """The first GPU resource the container asks a positive amount of (limits, then requests), or
+    None: the one definition of "requests a GPU" (the guard's CEL mirrors it). Tolerant of garbage."""
+    if not isinstance(container, dict):
+        return None
+    resources = container.get("resources")
+    if not isinstance(resources, dict):
+        return None
+    for section in ("limits", "requests"):
+        amounts = resources.get(section)
+        if isinstance(amounts, dict):
+            for name in resource_names:
+                if name in amounts and is_positive_quantity(amounts[name]):
+                    return name
+    return None
+
+
+def gpu_count_of(container: Any, resource_names: Sequence[str]) -> int:
+    """How many GPUs (devices) the container requested: over the GPU resources, each one's amount in
+    its limits, else its requests (extended resources are whole numbers). 0 when none or garbage."""
+    resources = container.get("resources") if isinstance(container, dict) else None
+    if not isinstance(resources, dict):
+        return 0
+    total = 0
+    for name in resource_names:
+        for section in ("limits", "requests"):
+            amounts = resources.get(section)
+            if isinstance(amounts, dict) and name in amounts:
+                value = amounts[name]
+                if is_positive_quantity(value):
+                    with contextlib.suppress(QuantityError):  # is_positive_quantity parsed it already
+                        total += value if isinstance(value, int) else parse_bytes(str(value))
+                break
+    return total
+
+
+def gpu_counts(spec: dict[str, Any], resource_names: Sequence[str]) -> dict[str, int]:
+    """``gpu_count_of`` for every (init) container by name (tolerant of garbage)."""
+    counts: dict[str, int] = {}
+    for key in ("initContainers", "containers"):
+        containers = spec.get(key)
+        if isinstance(containers, list):
+            for c in containers:
+                if isinstance(c, dict) and isinstance(c.get("name"), str):
+                    counts[c["name"]] = gpu_count_of(c, resource_names)
+    return counts
+
+
+def container_requests_gpu(container: Any, resource_names: tuple[str, ...]) -> bool:
+    """Whether a container asks for a positive amount of one of the GPU resources."""
+    return gpu_resource_of(container, resource_names) is not None
+
+
+def gpu_container_names(spec: dict[str, Any], resource_names: tuple[str, ...]) -> list[Any]:
+    """The names of the (init) containers that request a GPU, in pod order (tolerant of garbage)."""
+    names: list[Any] = []
+    for key in ("initContainers", "containers"):
+        containers = spec.get(key)
+        if isinstance(containers, list):
+            names.extend(c.get("name") for c in containers if container_requests_gpu(c, resource_names))
+    return names
+
+
+# Variables through which the NVIDIA container toolkit (with its default
+# accept-nvidia-visible-devices-envvar-when-unprivileged = true) hands a container GPUs and driver
+# capabilities without the device plugin: NVIDIA_VISIBLE_DEVICES=all in a pod spec is every GPU
+# of the node, outside the scheduler's count and gpufence's shares. Only these values are inert.
+NVIDIA_TOOLKIT_VARIABLES = ("NVIDIA_VISIBLE_DEVICES", "NVIDIA_DRIVER_CAPABILITIES")
+NVIDIA_INERT_VALUES = ("void", "none")
+
+
+def nvidia_side_door(spec: Any, exempt: str | None) -> str | None:
+    """The denial for the first container (``exempt`` aside: the sidecar of a GPU pod, which the
+    injection rebuilds) that sets a toolkit variable to anything but void/none, else None.
+
+    Tolerant of garbage: the pod may be any pod of an opted-in namespace, not shape-checked.
+    """
+    if not isinstance(spec, dict):
+        return None
+    for key in ("initContainers", "containers"):
+        containers = spec.get(key)
+        if not isinstance(containers, list):
+            continue
+        for container in containers:
+            if not isinstance(container, dict) or container.get("name") == exempt:
+                continue
+            env = container.get("env")
+            for entry in env if isinstance(env, list) else ():
+                if not isinstance(entry, dict) or entry.get("name") not in NVIDIA_TOOLKIT_VARIABLES:
+                    continue
+                value = entry.get("value")
+                if "valueFrom" not in entry and value in NVIDIA_INERT_VALUES:
+                    continue
+                how = "from valueFrom" if "valueFrom" in entry else f"to {quote(value if value is not None else '')}"
+                return (
+                    f"container {quote(container.get('name'))} sets {entry['name']} {how}: in this namespace only "
+                    f'"void" or "none" is accepted, because the NVIDIA container toolkit would hand the container '
+                    "GPUs of the node without the device plugin, outside the scheduler's count and gpufence's "
+                    'shares; remove the variable and request GPUs with resources.limits["nvidia.com/gpu"]'
+                )
+    return None
+
+
+_DICT = frozenset({dict})
+_STR = frozenset({str})
+_STR_OR_NONE = frozenset({str, type(None)})
+
+
+def _plain_env(env: Any) -> bool:
+    """A fast, exact-type check of a container's env (JSON-decoded dicts with string names/values)."""
+    return (
+        type(env) is list
+        and set(map(type, env)) <= _DICT
+        and set(map(type, map(dict.get, env, repeat("name")))) <= _STR
+        and set(map(type, map(dict.get, env, repeat("value")))) <= _STR_OR_NONE
+    )
+
+
+def check_shape(pod: dict[str, Any]) -> list[str]:
+    """All container names; raises ``MutationError`` when a field the injection reads or writes
+    has the wrong JSON type (the message names the field), so ``desired_pod`` needs no type checks."""
+
+    def bad(where: str, what: str) -> MutationError:
+        return MutationError(f"the pod is malformed: {where} must be {what}")
+
+    # Messages name the offending field; they are formatted only on the way to a denial.
+    def check_user(context: Any, where: str) -> None:
+        if context is None:
+            return
+        if type(context) is not dict and not isinstance(context, dict):
+            raise bad(where, "an object")
+        for key in ("runAsUser", "runAsGroup"):
+            value = context.get(key)
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool)):
+                raise bad(f"{where}.{key}", "an integer")
+        value = context.get("runAsNonRoot")
+        if value is not None and not isinstance(value, bool):
+            raise bad(f"{where}.runAsNonRoot", "a boolean")
+
+    metadata = pod.get("metadata")
+    if metadata is None:
+        metadata = {}
+    elif not isinstance(metadata, dict):
+        raise bad("metadata", "an object")
+    for key in ("annotations", "labels"):
+        values = metadata.get(key)
+        if values is None:
+            continue
+        if not isinstance(values, dict):
+            raise bad(f"metadata.{key}", "an object")
+        if not set(map(type, values.values())) <= _STR:
+            for name, value in values.items():
+                if not isinstance(value, str):
+                    raise bad(f"metadata.{key}[{quote(name)}]", "a string")
+    spec = pod.get("spec")
+    if not isinstance(spec, dict):
+        raise bad("spec", "an object")
+    share = spec.get("shareProcessNamespace")
+    if share is not None and not isinstance(share, bool):
+        raise bad("spec.shareProcessNamespace", "a boolean")
+    check_user(spec.get("securityContext"), "spec.securityContext")
+    volumes = spec.get("volumes")
+    if volumes is not None:
+        if not isinstance(volumes, list):
+            raise bad("spec.volumes", "a list")
+        if not (type(volumes) is list and set(map(type, volumes)) <= _DICT):
+            for i, volume in enumerate(volumes):
+                if not isinstance(volume, dict):
+                    raise bad(f"spec.volumes[{i}]", "an object")
+    names: list[str] = []
+    for key in ("initContainers", "containers"):
+        containers = spec.get(key)
+        if containers is None:
+            continue
+        if not isinstance(containers, list):
+            raise bad(f"spec.{key}", "a list")
+        for i, container in enumerate(containers):
+            if not isinstance(container, dict):
+                raise bad(f"spec.{key}[{i}]", "an object")
+            name = container.get("name")
+            if not isinstance(name, str) or not name:
+                raise bad(f"spec.{key}[{i}].name", "a non-empty string")
+            names.append(name)
+            env = container.get("env")
+            if env is not None and not _plain_env(env):  # the common case skips the loop below
+                where = f"spec.{key}[{i}]"
+                if not isinstance(env, list):
+                    raise bad(f"{where}.env", "a list")
+                for j, entry in enumerate(env):
+                    if not isinstance(entry, dict) or not isinstance(entry.get("name"), str):
+                        raise bad(f"{where}.env[{j}]", "an object with a string name")
+                    value = entry.get("value")
+                    if value is not None and not isinstance(value, str):
+                        raise bad(f"{where}.env[{j}].value", "a string")
+            mounts = container.get("volumeMounts")
+            if mounts is not None and not (type(mounts) is list and set(map(type, mounts)) <= _DICT):
+                where = f"spec.{key}[{i}]"
+                if not isinstance(mounts, list):
+                    raise bad(f"{where}.volumeMounts", "a list")
+                for j, mount in enumerate(mounts):
+                    if not isinstance(mount, dict):
+                        raise bad(f"{where}.volumeMounts[{j}]", "an object")
+            ports = container.get("ports")
+            if ports is not None and not isinstance(ports, list):
+                raise bad(f"spec.{key}[{i}].ports", "a list")
+            if "securityContext" in container:
+                context = container["securityContext"]
+                if context is not None:
+                    check_user(context, f"spec.{key}[{i}].securityContext")
+    seen: set[str] = set()
+    for name in names:
+        if name in seen:
+            raise MutationError(f"the pod is malformed: container name {quote(name)} is used more than once")
+        seen.add(name)
+    return names

@@ -1,0 +1,378 @@
+"""The HTTPS edge around ``webhook.admission.review``: routes, limits, TLS listener, lifecycle.
+
+Every way a client can misbehave is bounded (see /work/shared/notes/aiohttp-tls-server.md):
+a TLS handshake by ``ssl_handshake_timeout``; a request whose headers never complete (and an idle
+keep-alive connection) by aiohttp's ``keepalive_timeout``; a body by ``asyncio.timeout`` around
+``request.read()``; its size by ``client_max_size``; the drain of an unread body after an error by
+``lingering_time``. ``web.run_app``/``TCPSite`` cannot set a handshake timeout, hence
+``loop.create_server(runner.server, ...)``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from aiohttp import web
+from aiohttp.web_exceptions import HTTPException
+from aiohttp.web_protocol import RequestPayloadError
+
+from gpufence import __version__
+from gpufence.logs import log_event
+from gpufence.webhook import codec
+from gpufence.webhook.admission import InvalidReview, review
+from gpufence.webhook.decisions import log_decision, log_review_failed
+from gpufence.webhook.metrics import WebhookMetrics
+from gpufence.webhook.namespaces import BackgroundLookup
+from gpufence.webhook.settings import AllNamespacesOptedIn, InjectionSettings, NamespaceLookup
+from gpufence.webhook.tls import DEFAULT_RELOAD_INTERVAL_SECONDS, CertReloader
+
+log = logging.getLogger(__name__)
+
+MUTATE_PATH = "/mutate"
+MAX_BODY_BYTES = 6 * 1024 * 1024
+# Requests at least this large are decoded and reviewed off the event loop (see ``mutate``).
+OFFLOAD_BODY_BYTES = 256 * 1024
+
+
+@dataclass(frozen=True)
+class ServerLimits:
+    """Time and size bounds on every client (tests pass short ones)."""
+
+    max_body_bytes: int = MAX_BODY_BYTES
+    handshake_timeout: float = 10.0
+    # aiohttp's keep-alive timeout: closes an idle connection and one whose request headers
+    # never complete. Longer than typical webhook calls, shorter than a slowloris would like.
+    header_timeout: float = 30.0
+    # The API server's webhook timeout is 10 s by default (30 s at most).
+    body_timeout: float = 10.0
+    # After a 413/408 aiohttp drains the unread body this long so the client can read the answer.
+    lingering_time: float = 2.0
+    # On SIGTERM, in-flight requests get this long, then aiohttp's own shutdown gets as long again:
+    # at most twice this (plus the delay below), inside Kubernetes' default 30 s grace period.
+    shutdown_timeout: float = 12.0
+    # After SIGTERM keep serving this long with /readyz failing: the API server may still pick this
+    # replica until the Service's endpoints drop it, and a refused call is a failed admission.
+    shutdown_delay: float = 0.0
+
+
+SETTINGS = web.AppKey("settings", InjectionSettings)
+NAMESPACES = web.AppKey("namespaces", NamespaceLookup)
+RELOADER = web.AppKey("reloader", CertReloader)
+METRICS = web.AppKey("metrics", WebhookMetrics)
+LIMITS = web.AppKey("limits", ServerLimits)
+OUTCOME = web.RequestKey("outcome", str)  # the review's outcome, for the metrics
+
+
+
+def _dumps(value: object) -> str:
+    return codec.dumps(value).decode()
+
+
+class Rejected(Exception):
+    """A request we refuse; ``message`` is safe to show the client."""
+
+    def __init__(self, status: int, message: str, *, close: bool = False) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.close = close  # the connection is in an unknown state: do not reuse it
+
+
+def error_response(status: int, message: str, *, close: bool = False,
+                   headers: dict[str, str] | None = None) -> web.Response:
+    response = web.json_response({"error": message}, status=status, headers=headers, dumps=_dumps)
+    if close:
+        response.force_close()
+    return response
+
+
+class InFlight:
+    """Counts requests inside handlers, so shutdown can wait for them before closing connections.
+
+    aiohttp's own graceful shutdown stops reading from every connection at once, which fails a
+    request whose body is still arriving; waiting here first lets such a request complete.
+    """
+
+    def __init__(self) -> None:
+        self.count = 0
+        self._idle = asyncio.Event()
+        self._idle.set()
+
+    @contextlib.contextmanager
+    def track(self) -> Iterator[None]:
+        self.enter()
+        try:
+            yield
+        finally:
+            self.leave()
+
+    def enter(self) -> None:
+        self.count += 1
+        self._idle.clear()
+
+    def leave(self) -> None:
+        self.count -= 1
+        if self.count == 0:
+            self._idle.set()
+
+    async def wait_idle(self) -> None:
+        await self._idle.wait()
+
+
+IN_FLIGHT = web.AppKey("in_flight", InFlight)
+# Set on SIGTERM while the shutdown delay runs: /readyz fails, /mutate keeps answering.
+DRAINING = web.AppKey("draining", asyncio.Event)
+
+
+@web.middleware
+async def error_middleware(request: web.Request, handler: Any) -> web.StreamResponse:
+    """The one place errors become JSON answers (never a traceback) and /mutate is measured."""
+    started = time.perf_counter()
+    outcome = "error"
+    try:
+        in_flight = request.app[IN_FLIGHT]
+        in_flight.enter()  # not ``with in_flight.track()``: a generator per request costs more
+        try:
+            response = await handler(request)
+        finally:
+            in_flight.leave()
+        outcome = request.get(OUTCOME, "error")
+        return response
+    except Rejected as exc:
+        outcome = "invalid"
+        return error_response(exc.status, exc.message, close=exc.close)
+    except HTTPException as exc:  # aiohttp's own: 404, 405, 413 from client_max_size
+        outcome = "invalid" if exc.status < 500 else "error"
+        allow = {"Allow": exc.headers["Allow"]} if "Allow" in exc.headers else None
+        return error_response(exc.status, exc.text or exc.reason, headers=allow, close=exc.status == 413)
+    except ConnectionError:
+        outcome = "invalid"  # the client went away mid-request; nobody to answer
+        raise
+    except Exception:
+        log_event(log, "request_failed", logging.ERROR, path=request.path, method=request.method, exc_info=True)
+        return error_response(500, "internal server error")
+    finally:
+        if request.path == MUTATE_PATH:
+            request.app[METRICS].observe(outcome, time.perf_counter() - started)
+
+
+def _check_content_type(request: web.Request) -> None:
+    # JSON on the wire is UTF-8 (RFC 8259); any other declared charset is a client bug.
+    if request.content_type != "application/json" or (request.charset or "utf-8").lower() not in ("utf-8", "utf8"):
+        raise Rejected(415, "Content-Type must be application/json (charset utf-8)")
+
+
+async def _read_body(request: web.Request, limits: ServerLimits) -> bytes:
+    length = request.content_length
+    if length is not None and length > limits.max_body_bytes:
+        raise Rejected(413, f"request body of {length} bytes exceeds the limit of {limits.max_body_bytes}", close=True)
+    try:
+        if request.content.is_eof():
+            # The whole body has arrived already (the usual case): read() cannot wait, so it
+            # needs no timer.
+            body = await request.read()
+        else:
+            # aiohttp's read() has no timeout of its own: a client that stops mid-body would hang it.
+            async with asyncio.timeout(limits.body_timeout):
+                body = await request.read()  # client_max_size also bounds chunked bodies
+    except TimeoutError:
+        raise Rejected(408, "timed out reading the request body", close=True) from None
+    except RequestPayloadError as exc:
+        raise Rejected(400, f"malformed request body: {exc}", close=True) from None
+    if not body:
+        raise Rejected(400, "empty request body")
+    return body
+
+
+def _decode(body: bytes) -> Any:
+    try:
+        return codec.loads(body)
+    except (ValueError, RecursionError) as exc:  # bad JSON or UTF-8, NaN, nesting deeper than 1024
+        raise Rejected(400, f"malformed JSON: {exc}") from None
+
+
+def _answer(body: bytes, settings: InjectionSettings, namespaces: NamespaceLookup) -> tuple[str, bytes]:
+    """Decodes, reviews and encodes one request: (outcome, JSON answer)."""
+    payload = _decode(body)
+    try:
+        result = review(payload, settings, namespaces)
+    except InvalidReview as exc:
+        raise Rejected(400, str(exc)) from None
+    except Exception as exc:
+        log_review_failed(payload, exc)
+        raise
+    log_decision(payload, result)
+    return result.outcome, codec.dumps(result.review)
+
+
+async def mutate(request: web.Request) -> web.Response:
+    app = request.app
+    _check_content_type(request)
+    body = await _read_body(request, app[LIMITS])
+    if len(body) >= OFFLOAD_BODY_BYTES:
+        # A body this large takes milliseconds to decode and review (about 70 ms at the 6 MiB
+        # limit); on the event loop that would stall every other request of this replica. In a
+        # worker thread the GIL still serialises the Python work, but its switch interval lets
+        # the loop keep answering small reviews meanwhile.
+        outcome, answer = await asyncio.to_thread(_answer, body, app[SETTINGS], app[NAMESPACES])
+    else:
+        outcome, answer = _answer(body, app[SETTINGS], app[NAMESPACES])
+    request[OUTCOME] = outcome
+    return web.Response(body=answer, content_type="application/json")
+
+
+async def healthz(request: web.Request) -> web.Response:
+    return web.json_response({"status": "ok"})
+
+
+def not_ready_reasons(app: web.Application) -> list[str]:
+    # The certificate is loaded before the app exists (CertReloader refuses to start without one);
+    # only the namespace cache can lag.
+    namespaces = app[NAMESPACES]
+    if isinstance(namespaces, BackgroundLookup) and not namespaces.has_synced():
+        return ["namespace cache has not synced"]
+    return []
+
+
+async def readyz(request: web.Request) -> web.Response:
+    reasons = not_ready_reasons(request.app)
+    if request.app[DRAINING].is_set():
+        reasons.append("shutting down")
+    if reasons:
+        return web.json_response({"status": "not ready", "reasons": reasons}, status=503)
+    return web.json_response({"status": "ready"})
+
+
+async def metrics_endpoint(request: web.Request) -> web.Response:
+    body, content_type = request.app[METRICS].render()
+    return web.Response(body=body, headers={"Content-Type": content_type})
+
+
+async def _reload_certificates(app: web.Application) -> AsyncIterator[None]:
+    task = asyncio.create_task(app[RELOADER].run(), name="cert-reloader")
+    yield
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
+
+
+async def _watch_namespaces(app: web.Application) -> AsyncIterator[None]:
+    namespaces = app[NAMESPACES]
+    if not isinstance(namespaces, BackgroundLookup):
+        yield
+        return
+    namespaces.start()
+    yield
+    await asyncio.to_thread(namespaces.stop, 5.0)
+
+
+def create_app(settings: InjectionSettings, namespaces: NamespaceLookup, reloader: CertReloader, *,
+               limits: ServerLimits = ServerLimits(), metrics: WebhookMetrics | None = None) -> web.Application:
+    """The webhook application. ``reloader`` holds the serving certificate (see ``start_server``)."""
+    app = web.Application(middlewares=[error_middleware], client_max_size=limits.max_body_bytes)
+    app[SETTINGS] = settings
+    app[NAMESPACES] = namespaces
+    app[RELOADER] = reloader
+    app[LIMITS] = limits
+    app[IN_FLIGHT] = InFlight()
+    app[DRAINING] = asyncio.Event()
+    app[METRICS] = metrics or WebhookMetrics()
+    app[METRICS].watch_certificates(reloader)
+    app.cleanup_ctx.append(_reload_certificates)
+    app.cleanup_ctx.append(_watch_namespaces)
+    app.router.add_post(MUTATE_PATH, mutate)
+    app.router.add_get("/healthz", healthz)
+    app.router.add_get("/readyz", readyz)
+    app.router.add_get("/metrics", metrics_endpoint)
+    return app
+
+
+@dataclass
+class RunningServer:
+    runner: web.AppRunner
+    server: asyncio.Server
+    closed: bool = False
+
+    @property
+    def app(self) -> web.Application:
+        return self.runner.app
+
+    @property
+    def port(self) -> int:
+        return int(self.server.sockets[0].getsockname()[1])
+
+    async def close(self) -> None:
+        """Stop accepting, let in-flight requests finish (up to shutdown_timeout), stop background tasks."""
+        if self.closed:
+            return
+        self.closed = True
+        self.server.close()
+        app = self.runner.app
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(app[LIMITS].shutdown_timeout):
+                await app[IN_FLIGHT].wait_idle()
+        await self.runner.cleanup()  # closes idle keep-alive connections, runs cleanup_ctx
+        await self.server.wait_closed()
+
+
+async def start_server(app: web.Application, *, host: str = "0.0.0.0", port: int = 8443) -> RunningServer:
+    """Serve ``app`` over TLS only (the reloader's context) on host:port (0 picks a free port)."""
+    limits = app[LIMITS]
+    runner = web.AppRunner(
+        app,
+        access_log=None,  # /metrics counts requests; per-request lines would drown the log
+        keepalive_timeout=limits.header_timeout,
+        lingering_time=limits.lingering_time,
+        shutdown_timeout=limits.shutdown_timeout,
+    )
+    await runner.setup()
+    try:
+        server = await asyncio.get_running_loop().create_server(
+            runner.server, host, port,
+            ssl=app[RELOADER].server_context,
+            ssl_handshake_timeout=limits.handshake_timeout,
+            # A peer that never answers close_notify would otherwise hold wait_closed() for 30 s.
+            ssl_shutdown_timeout=limits.handshake_timeout,
+            reuse_address=True,
+        )
+    except BaseException:
+        await runner.cleanup()
+        raise
+    return RunningServer(runner, server)
+
+
+async def start_webhook(cert_file: str | Path, key_file: str | Path, *,
+                        settings: InjectionSettings | None = None, namespaces: NamespaceLookup | None = None,
+                        host: str = "127.0.0.1", port: int = 0, limits: ServerLimits = ServerLimits(),
+                        reload_interval: float = DEFAULT_RELOAD_INTERVAL_SECONDS) -> RunningServer:
+    """Everything in one call (demo, bench): load the pair, build the app, listen. ``await .close()`` to stop."""
+    reloader = CertReloader(cert_file, key_file, interval=reload_interval)
+    app = create_app(settings or InjectionSettings(), namespaces or AllNamespacesOptedIn(), reloader, limits=limits)
+    return await start_server(app, host=host, port=port)
+
+
+async def serve(settings: InjectionSettings, namespaces: NamespaceLookup, reloader: CertReloader,
+                stop: asyncio.Event, *, host: str = "0.0.0.0", port: int = 8443,
+                limits: ServerLimits = ServerLimits()) -> None:
+    """Run until ``stop`` is set, then shut down gracefully."""
+    app = create_app(settings, namespaces, reloader, limits=limits)
+    running = await start_server(app, host=host, port=port)
+    log_event(log, "serving", address=host, port=running.port, serial=format(reloader.cert.serial_number, "x"),
+              version=__version__)
+    try:
+        await stop.wait()
+        if limits.shutdown_delay > 0:
+            app[DRAINING].set()
+            log_event(log, "draining", seconds=limits.shutdown_delay)
+            await asyncio.sleep(limits.shutdown_delay)  # the delay itself is the point: endpoints catch up
+        log_event(log, "shutting_down")
+    finally:
+        await running.close()
+    log_event(log, "stopped")

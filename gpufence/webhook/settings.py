@@ -1,0 +1,130 @@
+"""Typed inputs of the pure mutation core.
+
+``InjectionSettings`` is everything the operator configures with flags (built by ``webhook.cli``);
+``NamespaceInfo`` is what the core needs to know of the pod's namespace (served by
+``webhook.namespaces`` from a watch cache, or a fixed answer outside a cluster). Neither does I/O.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Protocol
+
+from gpufence import IMAGE
+from gpufence.enforcer.config import (
+    DEFAULT_GRACE_PERIOD_SECONDS,
+    DEFAULT_HOST_PROC_MOUNT,
+    DEFAULT_METRICS_PORT,
+    DEFAULT_POLL_INTERVAL_SECONDS,
+)
+
+INJECTION_LABEL = "gpufence.io/injection"
+INJECTION_ENABLED = "enabled"
+POD_OPT_OUT_LABEL = "gpufence.io/inject"
+MIRROR_POD_ANNOTATION = "kubernetes.io/config.mirror"
+
+ANNOTATION_PREFIX = "gpufence.io/"
+ANNOTATION_MEMORY = "gpufence.io/memory"
+ANNOTATION_COMPUTE = "gpufence.io/compute"
+ANNOTATION_MODE = "gpufence.io/mode"
+ANNOTATION_GRACE_PERIOD = "gpufence.io/grace-period"
+ANNOTATION_STATUS = "gpufence.io/status"
+NAMESPACE_DEFAULT_MEMORY = "gpufence.io/default-memory"
+NAMESPACE_DEFAULT_COMPUTE = "gpufence.io/default-compute"
+# Admin-owned policy on the Namespace (gpufence/webhook/policy.py); the mode uses ANNOTATION_MODE's key.
+NAMESPACE_MAX_MEMORY = "gpufence.io/max-memory"
+NAMESPACE_MAX_COMPUTE = "gpufence.io/max-compute"
+NAMESPACE_ALLOW_AUDIT = "gpufence.io/allow-audit"
+NAMESPACE_ALLOW_OPT_OUT = "gpufence.io/allow-opt-out"
+# "true"/"false": inject PyTorch's allocator cap in this namespace (else --pytorch-memory-fraction).
+NAMESPACE_PYTORCH_MEMORY_FRACTION = "gpufence.io/pytorch-memory-fraction"
+
+SIDECAR_NAME = "gpufence-enforcer"
+# The sidecar's metrics port name, which the enforcer PodMonitor selects. Kubernetes limits port
+# names to 15 characters (IANA_SVC_NAME), so not "gpufence-metrics" (16).
+SIDECAR_PORT_NAME = "gpufence-metric"
+# The image of this very version (gpufence/__init__.py): webhook and sidecar come from one build.
+DEFAULT_SIDECAR_IMAGE = IMAGE
+DEFAULT_GPU_RESOURCE = "nvidia.com/gpu"
+
+
+@dataclass(frozen=True)
+class NamespaceInfo:
+    name: str
+    labels: MappingProxyType[str, str] | dict[str, str] = field(default_factory=dict)
+    annotations: MappingProxyType[str, str] | dict[str, str] = field(default_factory=dict)
+
+    @property
+    def opted_in(self) -> bool:
+        return self.labels.get(INJECTION_LABEL) == INJECTION_ENABLED
+
+
+class NamespaceLookup(Protocol):
+    """Answers from memory (a watch cache); never an API call per admission."""
+
+    def get(self, name: str) -> NamespaceInfo | None:
+        """The namespace, or None when it is not (yet) known."""
+        ...
+
+
+class AllNamespacesOptedIn:
+    """Used outside a cluster: every namespace is opted in and has no defaults."""
+
+    def get(self, name: str) -> NamespaceInfo | None:
+        return NamespaceInfo(name=name, labels={INJECTION_LABEL: INJECTION_ENABLED})
+
+
+@dataclass(frozen=True)
+class InjectionSettings:
+    """Operator configuration of the injection (one field per webhook flag)."""
+
+    sidecar_image: str = DEFAULT_SIDECAR_IMAGE
+    sidecar_image_pull_policy: str = "IfNotPresent"
+    # Resource names that make a container a GPU container (limits or requests).
+    gpu_resource_names: tuple[str, ...] = (DEFAULT_GPU_RESOURCE,)
+    # Native sidecar (initContainers[0], restartPolicy Always; Kubernetes >= 1.29) or a plain container.
+    native_sidecar: bool = True
+    metrics_port: int = DEFAULT_METRICS_PORT
+    # Canonical quantities (webhook.cli canonicalises the flags): the API server stores them so.
+    # Limits by default, so that a namespace whose ResourceQuota covers limits.cpu / limits.memory
+    # admits the mutated pod; None: no CPU limit.
+    sidecar_cpu_request: str = "10m"
+    sidecar_cpu_limit: str | None = "250m"
+    # Measured on the real node (tests/e2e/node, cgroup v1): the enforcer's resident memory is
+    # 130-145 MiB once the Kubernetes client for Events is loaded; 128Mi got it OOM-killed at start.
+    sidecar_memory_request: str = "160Mi"
+    sidecar_memory_limit: str = "256Mi"
+    # Webhook-level fallbacks when neither the pod nor its namespace sets a share.
+    default_memory: str | None = None
+    default_compute: str | None = None
+    default_grace_period_seconds: float = DEFAULT_GRACE_PERIOD_SECONDS
+    # Cluster-wide policy where the Namespace says nothing (gpufence/webhook/policy.py); safe defaults.
+    max_memory: str | None = None
+    max_compute: str | None = None
+    default_mode: str = "enforce"
+    allow_audit: bool = False
+    allow_opt_out: bool = False
+    poll_interval_seconds: float = DEFAULT_POLL_INTERVAL_SECONDS
+    # Containers that request no GPU get NVIDIA_VISIBLE_DEVICES=void (the toolkit's side door).
+    void_non_gpu_containers: bool = True
+    # NVML access for the sidecar through the NVIDIA container toolkit, without a GPU slot.
+    nvidia_visible_devices: str = "all"
+    nvidia_driver_capabilities: str = "utility"
+    # Legacy drivers report host PIDs: mount the host's /proc read-only in the sidecar.
+    mount_host_proc: bool = False
+    host_proc_mount_path: str = DEFAULT_HOST_PROC_MOUNT
+    # CUDA MPS per-client limits derived from the shares.
+    mps_limits: bool = False
+    # LD_PRELOAD in-process limiter (HAMi-core's libvgpu.so), mounted from the node.
+    preload_library_host_path: str | None = None
+    preload_library_mount_dir: str = "/usr/local/gpufence/preload"
+    # Framework caps (gpufence/webhook/frameworks.py). The memory of one GPU per GPU resource name, for
+    # homogeneous pools: (resource name, bytes) pairs, so that byte shares become fractions.
+    gpu_memory: tuple[tuple[str, int], ...] = ()
+    # PyTorch's allocator cap (PYTORCH_CUDA_ALLOC_CONF per_process_memory_fraction, PyTorch >= 2.10;
+    # older releases refuse to initialise CUDA with it): off unless the operator or namespace opts in.
+    pytorch_memory_fraction: bool = False
+    # Taken off the share before it becomes a framework's fraction (where the GPU's memory is
+    # known): the CUDA context and library workspaces, outside the allocator, count in NVML.
+    framework_memory_headroom_bytes: int = 512 << 20

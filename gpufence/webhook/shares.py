@@ -1,0 +1,335 @@
+"""Deciding each GPU container's share from annotations and defaults (pure, no I/O).
+
+Precedence, per GPU container and per resource (memory, compute):
+
+1. the pod annotation ``gpufence.io/memory.<container>`` (``gpufence.io/compute.<container>``),
+2. the pod annotation ``gpufence.io/memory`` (``gpufence.io/compute``),
+3. the Namespace annotation ``gpufence.io/default-memory`` (``gpufence.io/default-compute``),
+4. the webhook flag (``InjectionSettings.default_memory`` / ``default_compute``).
+
+An invalid value denies the pod with a message naming the annotation, the value and an accepted
+example. A Namespace default is parsed only when it would actually apply, so an administrator's
+typo never blocks a pod that sets its own share; when it does apply the pod is denied (rather
+than silently admitted with less isolation than the administrator asked for) and the message
+names the Namespace annotation so the user knows whom to ask, or that setting the pod's own
+annotation works around it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from decimal import Decimal, InvalidOperation
+from typing import TYPE_CHECKING, TypeVar
+
+from gpufence.enforcer.config import MAX_GRACE_PERIOD_SECONDS, ContainerShare, MemoryShare, Mode
+from gpufence.webhook.quantity import QuantityError, parse_bytes, parse_percent
+from gpufence.webhook.settings import (
+    ANNOTATION_COMPUTE,
+    ANNOTATION_GRACE_PERIOD,
+    ANNOTATION_MEMORY,
+    ANNOTATION_MODE,
+    ANNOTATION_PREFIX,
+    ANNOTATION_STATUS,
+    NAMESPACE_DEFAULT_COMPUTE,
+    NAMESPACE_DEFAULT_MEMORY,
+    InjectionSettings,
+)
+
+MEMORY_EXAMPLE = 'use a Kubernetes quantity such as "8Gi" or a percentage such as "25%"'
+COMPUTE_EXAMPLE = 'use a percentage of the GPU\'s compute such as "50" or "50%"'
+MODE_EXAMPLE = 'use "enforce" or "audit"'
+GRACE_EXAMPLE = f'use a number of seconds between 0 and {MAX_GRACE_PERIOD_SECONDS:g} such as "30"'
+
+_MEMORY_OVERRIDE_PREFIX = ANNOTATION_MEMORY + "."
+_COMPUTE_OVERRIDE_PREFIX = ANNOTATION_COMPUTE + "."
+_KNOWN_ANNOTATIONS = frozenset(
+    {ANNOTATION_MEMORY, ANNOTATION_COMPUTE, ANNOTATION_MODE, ANNOTATION_GRACE_PERIOD, ANNOTATION_STATUS}
+)
+_MAX_SHOWN = 64  # characters of a user's value quoted back in a message
+_MAX_CACHED = 128  # longest annotation value whose parse is cached
+T = TypeVar("T")
+
+if TYPE_CHECKING:  # policy.py imports this module; only the type is needed here
+    from gpufence.webhook.policy import NamespacePolicy
+
+
+class ShareError(ValueError):
+    """The pod's (or its namespace's) share configuration is invalid; the message is for the user."""
+
+
+@dataclass(frozen=True)
+class SharePlan:
+    """What to enforce: one entry per GPU container, in pod order."""
+
+    containers: tuple[tuple[str, ContainerShare], ...]
+    mode: Mode
+    grace_period_seconds: float
+    warnings: tuple[str, ...] = ()
+
+    @property
+    def has_any_share(self) -> bool:
+        return any(s.memory is not None or s.compute_percent is not None for _, s in self.containers)
+
+
+def with_gpu_counts(plan: SharePlan, counts: Mapping[str, int]) -> SharePlan:
+    """``plan`` with each GPU container's requested GPU count (``ContainerShare.gpus``), which the
+    enforcer holds its processes to; a count of 0 (garbage the API server would refuse) is left out."""
+    containers = tuple(
+        (name, dataclasses.replace(share, gpus=counts[name]) if counts.get(name, 0) > 0 else share)
+        for name, share in plan.containers
+    )
+    return dataclasses.replace(plan, containers=containers)
+
+
+def quote(value: object) -> str:
+    """A user's value as a JSON string literal, truncated: safe and short inside a message."""
+    text = value if isinstance(value, str) else json.dumps(value, default=str)[: _MAX_SHOWN * 2]
+    if len(text) > _MAX_SHOWN:
+        text = text[:_MAX_SHOWN] + "..."
+    return json.dumps(text)
+
+
+def _memoized(parse: Callable[[str], T]) -> Callable[[str], T]:
+    """``parse`` with its results for short texts cached: pods repeat a handful of share values.
+
+    Only results are cached (a ``ValueError`` is raised anew), and only for texts of up to
+    ``_MAX_CACHED`` characters, so the cache stays small whatever the requests hold.
+    """
+    cached = functools.lru_cache(maxsize=256)(parse)
+
+    @functools.wraps(parse)
+    def wrapper(text: str) -> T:
+        return cached(text) if len(text) <= _MAX_CACHED else parse(text)
+
+    return wrapper
+
+
+# The smallest absolute memory share. Below it a value is a typo, never a real GPU share: "500m"
+# is half a byte in Kubernetes quantity syntax (m = thousandths), "100k" a hundred kilobytes; as a
+# share it would get every process of the container killed. Denied with a suggestion instead.
+MIN_MEMORY_SHARE_BYTES = 1024 * 1024
+
+
+class MemoryShareTooSmall(QuantityError):
+    """A valid quantity below ``MIN_MEMORY_SHARE_BYTES``."""
+
+    def __init__(self, num_bytes: int) -> None:
+        super().__init__(f"{num_bytes} byte{'' if num_bytes == 1 else 's'}, below the smallest GPU memory share (1Mi)")
+        self.num_bytes = num_bytes
+
+
+@_memoized
+def parse_memory_share(text: str) -> MemoryShare:
+    text = text.strip()
+    if text.endswith("%"):
+        return MemoryShare(percent=parse_percent(text, require_sign=True))
+    num_bytes = parse_bytes(text)
+    if num_bytes < MIN_MEMORY_SHARE_BYTES:
+        raise MemoryShareTooSmall(num_bytes)
+    return MemoryShare(bytes=num_bytes)
+
+
+def _too_small_example(text: str) -> str:
+    """What the user probably meant: "500m" -> "500M" or "500Mi"; else a generic example."""
+    text = text.strip()
+    if text.endswith("m") and text[:-1].isdigit() and len(text) <= 16:
+        return f'use "{text[:-1]}M" or "{text[:-1]}Mi" (in Kubernetes quantities "m" means thousandths)'
+    return 'use a quantity such as "500M", "500Mi" or "8Gi"'
+
+
+@_memoized
+def parse_compute_share(text: str) -> float:
+    return parse_percent(text.strip(), require_sign=False)
+
+
+@_memoized
+def parse_grace_period(text: str) -> float:
+    """Seconds as a plain non-negative number (``"30"``, ``"2.5"``; a trailing ``s`` is tolerated)."""
+    text = text.strip()
+    if text.endswith("s"):
+        text = text[:-1]
+    if not text or len(text) > 16 or not all(c in "0123456789." for c in text):
+        raise ValueError("not a number")
+    try:
+        value = Decimal(text)
+    except InvalidOperation:
+        raise ValueError("not a number") from None
+    if not (0 <= value <= Decimal(str(MAX_GRACE_PERIOD_SECONDS))):
+        raise ValueError("out of range")
+    return float(value)
+
+
+def _describe_source(source: str, key: str) -> str:
+    if source == "namespace":
+        return f"Namespace annotation {key}"
+    if source == "flag":
+        return f"webhook flag {key}"
+    return f"annotation {key}"
+
+
+def memory_from(value: object, source: str, key: str) -> MemoryShare:
+    """``value`` from ``source`` ("pod", "namespace" or "flag") at ``key`` as a memory share; ShareError."""
+    if isinstance(value, str):
+        try:
+            return parse_memory_share(value)
+        except MemoryShareTooSmall as exc:
+            raise ShareError(
+                f"{_describe_source(source, key)}={quote(value)} is {exc}, so it is taken for a typo: "
+                f"{_too_small_example(value)}"
+            ) from None
+        except QuantityError:
+            pass
+    raise ShareError(f"{_describe_source(source, key)}={quote(value)} is not a valid memory share: {MEMORY_EXAMPLE}")
+
+
+def compute_from(value: object, source: str, key: str) -> float:
+    """``value`` from ``source`` at ``key`` as a compute share (percent); raises ShareError."""
+    if isinstance(value, str):
+        try:
+            return parse_compute_share(value)
+        except QuantityError:
+            pass
+    raise ShareError(f"{_describe_source(source, key)}={quote(value)} is not a valid compute share: {COMPUTE_EXAMPLE}")
+
+
+def resolve_shares(
+    annotations: Mapping[str, object],
+    namespace_annotations: Mapping[str, object],
+    settings: InjectionSettings,
+    gpu_containers: Sequence[str],
+    all_containers: Sequence[str],
+    policy: NamespacePolicy | None = None,
+) -> SharePlan:
+    """The share of every GPU container, the mode and the grace period; raises ``ShareError``.
+
+    ``policy`` (``webhook.policy``): the admin's mode and ceilings; None: no bounds (unit tests).
+    """
+    warnings: list[str] = []
+    gpu_set = set(gpu_containers)
+    memory_overrides: dict[str, object] = {}
+    compute_overrides: dict[str, object] = {}
+    for key, value in annotations.items():
+        if not key.startswith(ANNOTATION_PREFIX):
+            continue
+        if key.startswith(_MEMORY_OVERRIDE_PREFIX):
+            target, overrides = key[len(_MEMORY_OVERRIDE_PREFIX) :], memory_overrides
+        elif key.startswith(_COMPUTE_OVERRIDE_PREFIX):
+            target, overrides = key[len(_COMPUTE_OVERRIDE_PREFIX) :], compute_overrides
+        else:
+            if key not in _KNOWN_ANNOTATIONS:
+                warnings.append(f"unknown annotation {quote(key)} is ignored")
+            continue
+        if target not in gpu_set:
+            what = "is not a GPU container" if target in all_containers else "does not exist in this pod"
+            gpu_list = ", ".join(gpu_containers)
+            raise ShareError(
+                f"annotation {quote(key)} names container {quote(target)}, which {what}: "
+                f"per-container shares apply to the containers that request a GPU ({gpu_list})"
+            )
+        overrides[target] = value
+
+    # Pod-wide value, else the namespace default, else the flag; parsed only if some container uses it.
+    memory_default = _fallback(
+        annotations,
+        ANNOTATION_MEMORY,
+        namespace_annotations,
+        NAMESPACE_DEFAULT_MEMORY,
+        settings.default_memory,
+        "--default-memory",
+    )
+    compute_default = _fallback(
+        annotations,
+        ANNOTATION_COMPUTE,
+        namespace_annotations,
+        NAMESPACE_DEFAULT_COMPUTE,
+        settings.default_compute,
+        "--default-compute",
+    )
+    parsed_memory_default: MemoryShare | None = None
+    parsed_compute_default: float | None = None
+    if memory_default is not None and len(memory_overrides) < len(gpu_set):
+        parsed_memory_default = memory_from(*memory_default)
+    if compute_default is not None and len(compute_overrides) < len(gpu_set):
+        parsed_compute_default = compute_from(*compute_default)
+    # Overrides are validated even where they shadow nothing, so a typo is never silently ignored.
+    memory_by_name = {n: memory_from(v, "pod", _MEMORY_OVERRIDE_PREFIX + n) for n, v in memory_overrides.items()}
+    compute_by_name = {n: compute_from(v, "pod", _COMPUTE_OVERRIDE_PREFIX + n) for n, v in compute_overrides.items()}
+
+    shares = []
+    for name in gpu_containers:
+        share = ContainerShare(
+            memory=memory_by_name.get(name, parsed_memory_default),
+            compute_percent=compute_by_name.get(name, parsed_compute_default),
+        )
+        if policy is not None:
+            share = policy.bound(
+                share,
+                _origin(memory_overrides, name, _MEMORY_OVERRIDE_PREFIX, memory_default),
+                _origin(compute_overrides, name, _COMPUTE_OVERRIDE_PREFIX, compute_default),
+                warnings, name,
+            )
+        shares.append((name, share))
+    containers = tuple(shares)
+
+    requested: Mode | None = None
+    if ANNOTATION_MODE in annotations:
+        raw = annotations[ANNOTATION_MODE]
+        try:
+            requested = Mode(raw.strip() if isinstance(raw, str) else raw)
+        except ValueError:
+            raise ShareError(f"annotation {ANNOTATION_MODE}={quote(raw)} is not a valid mode: {MODE_EXAMPLE}") from None
+    mode = policy.mode_for(requested) if policy is not None else (requested or Mode.ENFORCE)
+
+    grace = settings.default_grace_period_seconds
+    if ANNOTATION_GRACE_PERIOD in annotations:
+        raw = annotations[ANNOTATION_GRACE_PERIOD]
+        try:
+            if not isinstance(raw, str):
+                raise ValueError("not a string")
+            grace = parse_grace_period(raw)
+        except ValueError:
+            raise ShareError(
+                f"annotation {ANNOTATION_GRACE_PERIOD}={quote(raw)} is not a valid grace period: {GRACE_EXAMPLE}"
+            ) from None
+
+    plan = SharePlan(containers=containers, mode=mode, grace_period_seconds=grace)
+    if not plan.has_any_share:
+        mode = Mode.AUDIT
+        warnings.append(
+            f"gpufence: no GPU memory or compute share is set for this pod, so it is admitted in audit mode "
+            f"(measured, never limited); set {ANNOTATION_MEMORY} and/or {ANNOTATION_COMPUTE} to enforce a share"
+        )
+    return SharePlan(containers=containers, mode=mode, grace_period_seconds=grace, warnings=tuple(warnings))
+
+
+def _origin(
+    overrides: Mapping[str, object], name: str, prefix: str, default: tuple[object, str, str] | None
+) -> str:
+    """Where a container's share came from, as a message names it (empty when it has none)."""
+    if name in overrides:
+        return f"annotation {prefix}{name}={quote(overrides[name])}"
+    if default is not None:
+        value, source, key = default
+        return f"{_describe_source(source, key)}={quote(value)}"
+    return ""
+
+
+def _fallback(
+    annotations: Mapping[str, object],
+    pod_key: str,
+    namespace_annotations: Mapping[str, object],
+    namespace_key: str,
+    flag_value: str | None,
+    flag_name: str,
+) -> tuple[object, str, str] | None:
+    if pod_key in annotations:
+        return annotations[pod_key], "pod", pod_key
+    if namespace_key in namespace_annotations:
+        return namespace_annotations[namespace_key], "namespace", namespace_key
+    if flag_value is not None:
+        return flag_value, "flag", flag_name
+    return None

@@ -1,0 +1,304 @@
+"""What the injection adds to a pod from the settings and the share plan alone (pure): the
+enforcer sidecar, the pod volumes it needs, the enforcer config and the status annotation.
+
+Every object here spells out the values the API server's defaulting would add (probe timings,
+``protocol: TCP``, ``fieldRef.apiVersion``, ``terminationMessagePath``, ``hostPath.type``...): the
+API server defaults the patched pod before a reinvocation, and a sidecar that differed from ours
+only by defaults would be patched again.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import posixpath
+from collections.abc import Container, Mapping, Sequence
+from types import MappingProxyType
+from typing import Any
+
+from gpufence import __version__
+from gpufence.enforcer.config import (
+    DEFAULT_STATE_DIR,
+    ENV_CONFIG,
+    ENV_HOST_PROC,
+    ENV_METRICS_PORT,
+    ENV_POD_NAME,
+    ENV_POD_NAMESPACE,
+    ENV_POD_STATUS,
+    ENV_POD_UID,
+    ENV_STATE_DIR,
+    EnforcerConfig,
+    Mode,
+)
+from gpufence.webhook.settings import ANNOTATION_STATUS, SIDECAR_NAME, SIDECAR_PORT_NAME, InjectionSettings
+from gpufence.webhook.shares import SharePlan, quote
+
+# The one version source (gpufence/__init__.py), also right in a bare checkout.
+GPUFENCE_VERSION = __version__
+
+STATE_VOLUME = "gpufence-state"
+HOST_PROC_VOLUME = "gpufence-host-proc"
+PRELOAD_VOLUME = "gpufence-preload"
+RESERVED_VOLUMES = (STATE_VOLUME, HOST_PROC_VOLUME, PRELOAD_VOLUME)
+DEFAULT_PRELOAD_LIBRARY = "libvgpu.so"
+# Per-plan texts (status annotation, enforcer config) are cached only for plans whose container
+# names total at most this many characters (Kubernetes allows 63 per name), so entries stay small.
+_MAX_CACHED_NAMES = 1024
+
+
+def preload_library_path(settings: InjectionSettings) -> str | None:
+    """Where GPU containers see the preload library, or None when the flag is off.
+
+    ``preload_library_host_path`` names the library *file* on the node (e.g.
+    ``/usr/local/vgpu/libvgpu.so``). It is mounted as a hostPath of ``type: File`` at
+    ``<preload_library_mount_dir>/<file name>``: a node without the library then fails the pod at
+    start instead of silently running it without the in-process limiter (the dynamic loader only
+    warns about a missing ``LD_PRELOAD`` entry).
+    """
+    host_path = settings.preload_library_host_path
+    if not host_path:
+        return None
+    name = posixpath.basename(host_path.rstrip("/")) or DEFAULT_PRELOAD_LIBRARY
+    return posixpath.join(settings.preload_library_mount_dir, name)
+
+
+def pod_volumes(settings: InjectionSettings) -> list[dict[str, Any]]:
+    volumes: list[dict[str, Any]] = [{"name": STATE_VOLUME, "emptyDir": {}}]
+    if settings.mount_host_proc:
+        volumes.append({"name": HOST_PROC_VOLUME, "hostPath": {"path": "/proc", "type": "Directory"}})
+    if settings.preload_library_host_path:
+        volumes.append(
+            {"name": PRELOAD_VOLUME, "hostPath": {"path": settings.preload_library_host_path, "type": "File"}}
+        )
+    return volumes
+
+
+# --- texts derived from the plan (byte-exact: a reinvocation compares them as strings) ---------
+
+
+def enforcer_config(plan: SharePlan, settings: InjectionSettings) -> EnforcerConfig:
+    return EnforcerConfig(
+        containers=dict(plan.containers),
+        mode=plan.mode,
+        grace_period_seconds=plan.grace_period_seconds,
+        poll_interval_seconds=settings.poll_interval_seconds,
+    )
+
+
+# json.dumps with arguments builds a new encoder per call; this one is built once.
+_encode_sorted = json.JSONEncoder(separators=(",", ":"), sort_keys=True).encode
+
+
+def status_annotation(plan: SharePlan, caps: Mapping[str, Mapping[str, str]] | None = None,
+                      warnings: Sequence[str] = ()) -> str:
+    """What gpufence did, as one JSON object: the GPU containers, the mode, the sidecar, the version,
+    and, when there are any, the framework caps in force per container (``caps``: variable -> value)
+    and the share-aware warnings (``warnings``, which the enforcer can turn into an Event)."""
+    names = tuple(name for name, _ in plan.containers)
+    if caps or warnings:
+        status: dict[str, Any] = {"containers": list(names), "mode": plan.mode.value, "sidecar": SIDECAR_NAME,
+                                  "version": GPUFENCE_VERSION}
+        if caps:
+            status["caps"] = caps
+        if warnings:
+            status["warnings"] = list(warnings)
+        return _encode_sorted(status)
+    # Cached on the names, the mode and the version (read at call time: tests replace it).
+    if sum(map(len, names)) <= _MAX_CACHED_NAMES:
+        return _status_annotation(names, plan.mode, GPUFENCE_VERSION)
+    return _status_annotation.__wrapped__(names, plan.mode, GPUFENCE_VERSION)
+
+
+@functools.lru_cache(maxsize=256)
+def _status_annotation(names: tuple[str, ...], mode: Mode, version: str) -> str:
+    return _encode_sorted({"containers": list(names), "mode": mode.value, "sidecar": SIDECAR_NAME, "version": version})
+
+
+def config_json(plan: SharePlan, settings: InjectionSettings) -> str:
+    """``enforcer_config(plan, settings).to_json()``, cached: pods repeat a handful of share plans.
+
+    The key is the plan's small parsed values (container names and shares, mode, grace period)
+    and the poll interval, never the request; plans naming long containers are not cached.
+    """
+    key = (plan.containers, plan.mode, plan.grace_period_seconds, settings.poll_interval_seconds)
+    if sum(len(name) for name, _ in plan.containers) <= _MAX_CACHED_NAMES:
+        return _config_json_cached(key)
+    return _config_json_cached.__wrapped__(key)
+
+
+@functools.lru_cache(maxsize=256)
+def _config_json_cached(key: tuple[Any, ...]) -> str:
+    containers, mode, grace, poll = key
+    return EnforcerConfig(containers=dict(containers), mode=mode, grace_period_seconds=grace,
+                          poll_interval_seconds=poll).to_json()
+
+
+# --- the sidecar ---------------------------------------------------------------------------------
+
+# Which user the enforcer runs as. It must signal (KILL) the GPU containers' processes and read
+# their /proc/<pid>/environ (SYS_PTRACE to read another user's). The image's user is uid 65532, and
+# Kubernetes puts added capabilities in a non-root process's bounding set only, never its effective
+# set, so a sidecar running as 65532 could act on uid-65532 processes only: not on the root
+# processes of most CUDA images. Hence:
+# * a pod-level runAsUser is inherited: the sidecar shares the workloads' user and needs no
+#   capability for them (kill(2) and ptrace read access compare real/effective/saved ids; reading
+#   environ also needs the same group). A GPU container that sets another runAsUser or runAsGroup
+#   of its own is out of a non-root sidecar's reach: warned about, as nothing else can be done;
+# * otherwise the sidecar runs as uid 0 with every capability dropped but KILL, SYS_PTRACE and
+#   DAC_READ_SEARCH (read-only; no DAC_OVERRIDE, SETUID, ...), which reaches processes of any user;
+# * except under a pod-level runAsNonRoot: true, where uid 0 would keep the pod from starting; the
+#   sidecar then runs as its image's user, and the pod is admitted with a warning.
+_ROOT_USER = MappingProxyType({"runAsUser": 0, "runAsNonRoot": False})
+
+
+def sidecar_runs_as_root(spec: dict[str, Any], gpu_containers: Container[str], warnings: list[str]) -> bool:
+    """Whether the sidecar sets ``runAsUser: 0`` (``_ROOT_USER``); appends warnings.
+
+    ``gpu_containers`` holds the names of the GPU containers; ``spec`` has been shape-checked
+    (``podshape.check_shape``).
+    """
+    pod_context = spec.get("securityContext") or {}
+    pod_user = pod_context.get("runAsUser")
+    if pod_user is None:
+        if pod_context.get("runAsNonRoot") is True:
+            warnings.append(
+                "gpufence: the pod sets runAsNonRoot but no runAsUser, so the enforcer runs as its image's "
+                "user (uid 65532) and can only stop and attribute processes of that user; set "
+                "spec.securityContext.runAsUser to the user the GPU containers run as"
+            )
+            return False
+        return True
+    if pod_user != 0:
+        pod_group = pod_context.get("runAsGroup")
+        for key in ("initContainers", "containers"):
+            for container in spec.get(key) or ():
+                if container["name"] not in gpu_containers:
+                    continue
+                context = container.get("securityContext") or {}
+                user, group = context.get("runAsUser", pod_user), context.get("runAsGroup", pod_group)
+                if user != pod_user or group != pod_group:
+                    what = f"runAsUser {user}" if user != pod_user else f"runAsGroup {group}"
+                    warnings.append(
+                        f"container {quote(container['name'])} sets {what}, but the gpufence enforcer runs as "
+                        f"the pod's runAsUser {pod_user} without capabilities (non-root), so it cannot stop or "
+                        "attribute that container's processes; set the user and group at pod level only"
+                    )
+    return False
+
+
+def _field_env(name: str, field_path: str) -> dict[str, Any]:
+    return {"name": name, "valueFrom": {"fieldRef": {"apiVersion": "v1", "fieldPath": field_path}}}
+
+
+def _probe(path: str, port: int, *, period: int = 10, failures: int = 3) -> dict[str, Any]:
+    """An HTTP probe of ``path`` on ``port``; for port 0 (any free port, see ``enforcer.probe``) the
+    exec probe ``gpufence-enforcer --probe``, which asks the same /healthz on the port it bound."""
+    if port == 0:
+        # The exec'd probe waits up to 2 s for /healthz; the kubelet's timeout covers its start-up.
+        return {"exec": {"command": ["gpufence-enforcer", "--probe"]}, "periodSeconds": period,
+                "timeoutSeconds": 5, "successThreshold": 1, "failureThreshold": failures}
+    return {
+        "httpGet": {"path": path, "port": port, "scheme": "HTTP"},
+        "periodSeconds": period,
+        "timeoutSeconds": 1,
+        "successThreshold": 1,
+        "failureThreshold": failures,
+    }
+
+
+# The namespace's Pod Security level decides how the root sidecar reads other users' processes.
+# Reading /proc/<pid>/environ and /proc/<pid>/fd needs ptrace read access: the kernel grants it
+# when the reader holds every capability the target holds, or CAP_SYS_PTRACE. Pod Security
+# `baseline` forbids adding SYS_PTRACE but allows KILL and the runtime's default set, so there the
+# root sidecar keeps the runtime's defaults (the set a default workload holds) and adds KILL: it
+# reads and signals workloads with default capabilities; one granted more (IPC_LOCK, SYS_ADMIN) is
+# reported as out of reach by the enforcer (process_uninspectable). Only a namespace that enforces
+# `privileged` explicitly gets the narrower and stronger "drop everything, add KILL, SYS_PTRACE
+# and DAC_READ_SEARCH", which reaches every process. `restricted` allows no root sidecar at all: it works
+# when the pod sets a non-root runAsUser, which the sidecar then shares (drop ALL, RuntimeDefault
+# seccomp, as `restricted` requires).
+POD_SECURITY_LABEL = "pod-security.kubernetes.io/enforce"
+PRIVILEGED = "privileged"
+RESTRICTED = "restricted"
+
+
+def sidecar_security_context(run_as_root: bool, pod_security: str | None) -> dict[str, Any]:
+    """The sidecar's securityContext for its user (``sidecar_runs_as_root``: uid 0, else the pod's
+    user is inherited) and the namespace's enforced Pod Security level (the label's value; None when
+    unlabelled, which Kubernetes treats as `privileged`)."""
+    context: dict[str, Any] = {**(_ROOT_USER if run_as_root else {}), "allowPrivilegeEscalation": False,
+                               "readOnlyRootFilesystem": True}
+    if pod_security in (None, PRIVILEGED):
+        # SYS_PTRACE passes the ptrace check on /proc/<pid>/fd and environ; DAC_READ_SEARCH passes the
+        # file mode (0500/0400, owned by the process's uid): without it a root sidecar cannot list the
+        # fds of a workload running as another user (seen on the real node: image-user workloads).
+        context["capabilities"] = {"drop": ["ALL"], "add": ["DAC_READ_SEARCH", "KILL", "SYS_PTRACE"]}
+    elif pod_security == RESTRICTED:
+        # Only a non-root sidecar can pass: it shares the pod's user and needs no capability.
+        context["capabilities"] = {"drop": ["ALL"]}
+        context["seccompProfile"] = {"type": "RuntimeDefault"}
+    else:  # baseline, or a level this version does not know: the runtime's defaults and KILL
+        context["capabilities"] = {"add": ["KILL"]}
+        context["seccompProfile"] = {"type": "RuntimeDefault"}
+    return context
+
+
+def build_sidecar(plan: SharePlan, settings: InjectionSettings, *, run_as_root: bool = True,
+                  pod_security: str | None = None, fixed_port: bool = True) -> dict[str, Any]:
+    """The enforcer container; ``run_as_root`` from ``sidecar_runs_as_root`` (see there why),
+    ``pod_security`` the namespace's enforced Pod Security level (see ``sidecar_security_context``);
+    ``fixed_port`` False where the pod's network namespace may already hold the metrics port (host
+    network, or a container declaring it): the enforcer then binds any free port (0)."""
+    port = settings.metrics_port if fixed_port else 0
+    env = [
+        {"name": ENV_CONFIG, "value": config_json(plan, settings)},
+        _field_env(ENV_POD_NAME, "metadata.name"),
+        _field_env(ENV_POD_NAMESPACE, "metadata.namespace"),
+        _field_env(ENV_POD_UID, "metadata.uid"),
+        # Admission warnings reach only the pod's creator (a Deployment's controller); the enforcer
+        # turns the ones recorded in the status annotation into Events on the pod.
+        _field_env(ENV_POD_STATUS, f"metadata.annotations['{ANNOTATION_STATUS}']"),
+        {"name": ENV_METRICS_PORT, "value": str(port)},
+        {"name": ENV_STATE_DIR, "value": DEFAULT_STATE_DIR},
+        {"name": "NVIDIA_VISIBLE_DEVICES", "value": settings.nvidia_visible_devices},
+        {"name": "NVIDIA_DRIVER_CAPABILITIES", "value": settings.nvidia_driver_capabilities},
+    ]
+    mounts: list[dict[str, Any]] = [{"name": STATE_VOLUME, "mountPath": DEFAULT_STATE_DIR}]
+    if settings.mount_host_proc:
+        env.append({"name": ENV_HOST_PROC, "value": settings.host_proc_mount_path})
+        mounts.append({"name": HOST_PROC_VOLUME, "mountPath": settings.host_proc_mount_path, "readOnly": True})
+    sidecar: dict[str, Any] = {
+        "name": SIDECAR_NAME,
+        "image": settings.sidecar_image,
+        "imagePullPolicy": settings.sidecar_image_pull_policy,
+        "command": ["gpufence-enforcer"],
+    }
+    if settings.native_sidecar:
+        sidecar["restartPolicy"] = "Always"
+    sidecar.update(
+        {
+            "env": env,
+            "ports": [{"containerPort": port, "name": SIDECAR_PORT_NAME, "protocol": "TCP"}],
+            "resources": {
+                "requests": {"cpu": settings.sidecar_cpu_request, "memory": settings.sidecar_memory_request},
+                "limits": {
+                    **({"cpu": settings.sidecar_cpu_limit} if settings.sidecar_cpu_limit is not None else {}),
+                    "memory": settings.sidecar_memory_limit,
+                },
+            },
+            # /healthz answers while the process and its poll loop live, even with NVML down (that
+            # degraded state shows in metrics and alerts). No readinessProbe on purpose: the pod's
+            # Ready condition counts sidecars, and an enforcer that lost NVML must not take a serving
+            # pod out of its Service. The startupProbe makes a native sidecar hold the workload
+            # containers back until the enforcer is up (up to 60 s), so enforcement starts first.
+            "startupProbe": _probe("/healthz", port, period=1, failures=60),
+            "livenessProbe": _probe("/healthz", port),
+            "securityContext": sidecar_security_context(run_as_root, pod_security),
+            "volumeMounts": mounts,
+            "terminationMessagePath": "/dev/termination-log",
+            "terminationMessagePolicy": "FallbackToLogsOnError",
+        }
+    )
+    if not fixed_port:
+        del sidecar["ports"]  # nothing to name for the PodMonitor: this enforcer is not scraped
+    return sidecar
