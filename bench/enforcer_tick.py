@@ -93,7 +93,7 @@ def measure_ticks(root: Path, counts: list[int], ticks: int) -> list[dict[str, A
     from gpufence.enforcer.loop import Enforcer
     from gpufence.enforcer.metrics import EnforcerMetrics
     from gpufence.enforcer.nvml import NvmlClient
-    from gpufence.enforcer.policy import ComputeTracker, memory_orders, usage_by_container
+    from gpufence.enforcer.rules import ComputeTracker, memory_orders, usage_by_container
     from gpufence.enforcer.signals import SafeSignaller
     from gpufence.enforcer.stopped_state import StoppedState
     from gpufence.enforcer.throttle import ThrottleExecutor

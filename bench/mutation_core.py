@@ -5,7 +5,7 @@
 Each repeat times a loop of calls lasting about ``--budget`` seconds (the loop count is fixed per
 pod after a calibration run); the table shows the median over repeats and the spread. "review"
 is ``review()`` alone; "+codec" adds decoding the request body and encoding the answer with
-``webhook.codec`` (orjson), what the server does around it. Target: < 200 µs for the typical pod.
+``webhook.patch``'s encoding (orjson), what the server does around it. Target: < 200 µs for the typical pod.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ def _time_loop(fn: Callable[[], Any], n: int) -> float:
 
 def measure(repeats: int = 7, budget: float = 0.3) -> list[dict[str, Any]]:
     from gpufence.webhook.admission import review
-    from gpufence.webhook.codec import dumps, loads
+    from gpufence.webhook.patch import dumps, loads
     from gpufence.webhook.settings import AllNamespacesOptedIn, InjectionSettings
 
     settings, namespaces = InjectionSettings(), AllNamespacesOptedIn()

@@ -1,10 +1,10 @@
-"""enforcer.core: the decision state machine, poll by poll, without processes or signals."""
+"""enforcer.machine: the decision state machine, poll by poll, without processes or signals."""
 
 from __future__ import annotations
 
 from gpufence.enforcer.attribution import Attribution, PodProcess
 from gpufence.enforcer.config import ContainerShare, EnforcerConfig, MemoryShare
-from gpufence.enforcer.core import Core, Transition
+from gpufence.enforcer.machine import Core, Transition
 
 GiB = 1 << 30
 CONFIG = EnforcerConfig(

@@ -1,11 +1,11 @@
-"""The admin-owned policy (gpufence/webhook/policy.py): who wins, and what a pod may not ask."""
+"""The admin-owned policy (gpufence/webhook/namespace_policy.py): who wins, and what a pod may not ask."""
 
 from __future__ import annotations
 
 import pytest
 
 from gpufence.enforcer.config import MemoryShare, Mode
-from gpufence.webhook.policy import namespace_policy
+from gpufence.webhook.namespace_policy import namespace_policy
 from gpufence.webhook.settings import InjectionSettings
 from gpufence.webhook.shares import ShareError, SharePlan, resolve_shares
 

@@ -1,4 +1,4 @@
-"""enforcer.policy: table tests of the memory decisions and the compute duty-cycle math."""
+"""enforcer.rules: table tests of the memory decisions and the compute duty-cycle math."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import pytest
 
 from gpufence.enforcer.attribution import Attribution, PodProcess
 from gpufence.enforcer.config import ContainerShare, EnforcerConfig, LimitUnit, MemoryShare
-from gpufence.enforcer.policy import (
+from gpufence.enforcer.rules import (
     ContainerDeviceUsage,
     TerminateOrder,
     container_sm_utilization,

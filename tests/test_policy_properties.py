@@ -1,4 +1,4 @@
-"""Properties of enforcer.policy over arbitrary mixes of processes, shares and NVML gaps.
+"""Properties of enforcer.rules over arbitrary mixes of processes, shares and NVML gaps.
 
 The invariant under test is the enforcer's hard one, as far as the pure core decides it: a victim
 is always a process of this pod, either of a container strictly over its share on that device (the
@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 from gpufence.enforcer.attribution import Attribution, PodProcess
 from gpufence.enforcer.config import ContainerShare, EnforcerConfig, MemoryShare, Mode
-from gpufence.enforcer.policy import ComputeTracker, memory_orders, pod_budget_bytes, pod_usage, usage_by_container
+from gpufence.enforcer.rules import ComputeTracker, memory_orders, pod_budget_bytes, pod_usage, usage_by_container
 
 CONTAINERS = ("a", "b", "c")
 DEVICES = (0, 1, 2)
@@ -64,7 +64,7 @@ def attributions(draw: st.DrawFn) -> Attribution:
 
 
 def expected_limit(config: EnforcerConfig, container: str, total: int | None) -> int | None:
-    """The limit, computed here independently of policy.py."""
+    """The limit, computed here independently of rules.py."""
     share = config.containers.get(container)
     if share is None or share.memory is None:
         return None

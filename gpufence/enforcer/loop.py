@@ -10,7 +10,7 @@ waits on NVML. Each poll interval ``tick`` does, in order:
    ``gpufence_nvml_up`` is 0 and ``/readyz`` says 503; ``/healthz`` fails only while a call hangs);
 3. ``NvmlClient.sample()``; per-device errors are counted and logged (rate-limited), never fatal;
 4. ``Attributor.attribute`` and hand the pod's (pid, start time) pairs to the signaller;
-5. ``Core.step`` (``gpufence/enforcer/core.py``, pure) decides everything for this poll; the loop is the
+5. ``Core.step`` (``gpufence/enforcer/machine.py``, pure) decides everything for this poll; the loop is the
    driver that carries its ``Decisions`` out: metrics, log lines, the ``Terminator`` (unattributed
    processes while the pod is over its budget, then containers over their shares as a whole; in
    audit mode only the episode lines), and the throttle plan to the executor (with a lease);
@@ -36,10 +36,10 @@ from collections.abc import Callable
 
 from gpufence.enforcer.attribution import Attribution, Attributor, PidMode
 from gpufence.enforcer.config import EnforcerConfig, Mode
-from gpufence.enforcer.core import Core, Decisions
 from gpufence.enforcer.events import EventRecorder
 from gpufence.enforcer.health import Health
 from gpufence.enforcer.logs import DecisionLog
+from gpufence.enforcer.machine import Core, Decisions
 from gpufence.enforcer.metrics import EnforcerMetrics
 from gpufence.enforcer.nvml import NvmlClient, NvmlSample, NvmlUnavailable
 from gpufence.enforcer.reporting import Reporter

@@ -16,7 +16,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 if TYPE_CHECKING:
-    from gpufence.enforcer.policy import PodDeviceUsage
+    from gpufence.enforcer.rules import PodDeviceUsage
 
 ACTIONS = ("sigterm", "sigkill", "throttle_start", "throttle_stop", "audit")
 RESOURCES = ("memory", "compute", "gpus")

@@ -1,5 +1,5 @@
 """Memory enforcement's executor: terminate whole containers, and unattributed processes when the
-pod is over its budget (the orders and episodes come from ``core.Core``; this module only acts, and
+pod is over its budget (the orders and episodes come from ``machine.Core``; this module only acts, and
 keeps the SIGKILL timers, which depend on signal outcomes and process exits).
 
 * A container over its share is terminated as a whole: SIGTERM to every process of it that the
@@ -25,12 +25,12 @@ from dataclasses import dataclass
 
 from gpufence.enforcer.attribution import Attribution
 from gpufence.enforcer.config import Mode
-from gpufence.enforcer.core import Decisions
 from gpufence.enforcer.events import EventRecorder
 from gpufence.enforcer.logs import DecisionLog
+from gpufence.enforcer.machine import Decisions
 from gpufence.enforcer.metrics import EnforcerMetrics
-from gpufence.enforcer.policy import TerminateOrder
 from gpufence.enforcer.procfs import processes_in_cgroup
+from gpufence.enforcer.rules import TerminateOrder
 from gpufence.enforcer.signals import Outcome, SafeSignaller, SignalTarget
 from gpufence.enforcer.throttle import ThrottleExecutor
 
@@ -114,7 +114,7 @@ class Terminator:
     # -- the poll's orders -----------------------------------------------------------------------
 
     def enforce(self, decisions: Decisions, attribution: Attribution, mode: Mode, grace: float) -> None:
-        """Act on this poll's decisions (``core.Core.step``): log each over-share episode once (the
+        """Act on this poll's decisions (``machine.Core.step``): log each over-share episode once (the
         core says which start and end), and in enforce mode terminate what the orders name."""
         self._finished &= {(p.pid, p.start_time_ticks) for p in attribution.processes}
         for order in decisions.episodes_started:

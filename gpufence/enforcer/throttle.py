@@ -1,7 +1,7 @@
 """The compute throttle executor: SIGSTOP/SIGCONT duty cycles, on a thread of its own.
 
 For each throttled container the poll loop hands over a :class:`ThrottlePlan`: the run fraction
-``f`` from ``policy.ComputeTracker.plan`` and the container's GPU processes. The executor runs the
+``f`` from ``rules.ComputeTracker.plan`` and the container's GPU processes. The executor runs the
 container for ``f * period`` seconds, then stops it for ``(1 - f) * period``, and so on; a new
 container starts with a run phase. The thread sleeps on a condition variable until the next phase
 switch (or an update), so it keeps time independently of NVML calls in the poll loop.

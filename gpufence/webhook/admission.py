@@ -9,13 +9,14 @@ warnings) or denied with ``status.code`` 400 and a message for the user.
 from __future__ import annotations
 
 import base64
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from gpufence.webhook.errors import MutationError
-from gpufence.webhook.mutate import injection_patch, plain_pod_patch
-from gpufence.webhook.podshape import check_shape, gpu_container_names, gpu_counts, nvidia_side_door
-from gpufence.webhook.policy import namespace_policy, opt_out_allowed, opt_out_denial
+from gpufence.webhook.desired import desired_plain_pod, desired_pod
+from gpufence.webhook.namespace_policy import namespace_policy, opt_out_allowed, opt_out_denial
+from gpufence.webhook.patch import diff, dumps
+from gpufence.webhook.podshape import MutationError, check_shape, gpu_container_names, gpu_counts, nvidia_side_door
 from gpufence.webhook.settings import (
     MIRROR_POD_ANNOTATION,
     POD_OPT_OUT_LABEL,
@@ -23,7 +24,7 @@ from gpufence.webhook.settings import (
     InjectionSettings,
     NamespaceLookup,
 )
-from gpufence.webhook.shares import ShareError, quote, resolve_shares, with_gpu_counts
+from gpufence.webhook.shares import ShareError, SharePlan, quote, resolve_shares, with_gpu_counts
 from gpufence.webhook.sidecar import POD_SECURITY_LABEL
 
 API_VERSION = "admission.k8s.io/v1"
@@ -180,3 +181,22 @@ def _decide(
         raise _Denied(str(exc)) from None
     warnings.extend(mutation_warnings)
     return (OUTCOME_MUTATED if patch else OUTCOME_UNCHANGED), patch
+
+
+def injection_patch(
+    pod: dict[str, Any], plan: SharePlan, settings: InjectionSettings, pod_security: str | None = None,
+    namespace_annotations: Mapping[str, object] | None = None,
+) -> tuple[bytes | None, list[str]]:
+    """The JSON Patch (compact UTF-8 JSON; None when the pod needs none) and the warnings.
+
+    Raises ``MutationError`` (a denial). The pod must have passed ``podshape.check_shape``.
+    """
+    new_pod, warnings = desired_pod(pod, plan, settings, pod_security, namespace_annotations)
+    ops = diff(pod, new_pod)
+    return (dumps(ops) if ops else None), warnings
+
+
+def plain_pod_patch(pod: dict[str, Any], settings: InjectionSettings) -> bytes | None:
+    """The same for a pod that requests no GPU: only ``NVIDIA_VISIBLE_DEVICES=void`` where missing."""
+    ops = diff(pod, desired_plain_pod(pod, settings))
+    return dumps(ops) if ops else None

@@ -13,8 +13,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from gpufence.enforcer.config import ENV_CONTAINER, ENV_MEMORY_LIMIT, ContainerShare
-from gpufence.webhook.errors import MutationError
 from gpufence.webhook.frameworks import DeviceMemory, framework_env, server_warnings
+from gpufence.webhook.podshape import MutationError
 from gpufence.webhook.quantity import mebibytes_floor
 from gpufence.webhook.settings import InjectionSettings
 from gpufence.webhook.shares import quote

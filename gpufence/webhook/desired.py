@@ -16,8 +16,8 @@ from collections.abc import Container, Mapping
 from typing import Any
 
 from gpufence.webhook.container_env import FrameworkRecord, gpu_container, void_container
-from gpufence.webhook.errors import MutationError
 from gpufence.webhook.frameworks import device_memory, pytorch_cap_enabled, recorded_warnings
+from gpufence.webhook.podshape import MutationError
 from gpufence.webhook.settings import ANNOTATION_STATUS, SIDECAR_NAME, InjectionSettings
 from gpufence.webhook.shares import SharePlan, quote
 from gpufence.webhook.sidecar import (

@@ -1,4 +1,5 @@
-"""RFC 6902 JSON Patch between the submitted pod and the desired pod (pure).
+"""RFC 6902 JSON Patch between the submitted pod and the desired pod (pure), and the JSON bytes of
+the AdmissionReview in and out.
 
 Why our own diff rather than ``jsonpatch.make_patch``: both give correct patches, but
 * ``make_patch`` compares values by equality, so it walks every subtree of the pod (milliseconds
@@ -13,14 +14,45 @@ Why our own diff rather than ``jsonpatch.make_patch``: both give correct patches
   ``initContainers[0]``, env entries appended, fields added) it is minimal: one ``add`` per new
   value, nothing for a fixed point. tests/test_patch.py checks it on arbitrary JSON against
   ``jsonpatch.apply_patch``.
+
+JSON on the wire: orjson for the AdmissionReview in and out, the stdlib where orjson refuses.
+
+orjson decodes and encodes the review several times faster than the stdlib (see
+docs/PERFORMANCE.md), which is most of what a review costs besides the review itself. Its few
+refusals are all on input the API server never sends and that we answer with a 400 anyway: NaN
+and Infinity, invalid UTF-8 or lone surrogates, nesting deeper than 1024. It reads integers beyond
+64 bits as floats, which the shape check then refuses where the injection reads them. On encoding
+it refuses what the stdlib still writes (integers beyond 64 bits, nesting beyond 254 levels, keys
+that are not strings): those values can only come from a caller that built the pod in Python, and
+the stdlib writes them, with the same compact separators.
 """
 
 from __future__ import annotations
 
+import json
 from operator import is_
 from typing import Any
 
+import orjson
+
 _MISSING = object()
+
+DecodeError = orjson.JSONDecodeError  # a ValueError (and a json.JSONDecodeError)
+
+_stdlib_compact = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False).encode
+
+
+def loads(data: bytes | str) -> Any:
+    """The JSON value of ``data``; raises ``DecodeError`` (a ValueError) with a position."""
+    return orjson.loads(data)
+
+
+def dumps(value: Any) -> bytes:
+    """Compact UTF-8 JSON of ``value``."""
+    try:
+        return orjson.dumps(value)
+    except orjson.JSONEncodeError:
+        return _stdlib_compact(value).encode()
 
 
 def escape(token: str) -> str:

@@ -12,9 +12,16 @@ from collections.abc import Sequence
 from itertools import repeat
 from typing import Any
 
-from gpufence.webhook.errors import MutationError
 from gpufence.webhook.quantity import QuantityError, is_positive_quantity, parse_bytes
 from gpufence.webhook.shares import quote
+
+
+class MutationError(ValueError):
+    """The pod cannot be injected as it is; the message is for the user (sent back as the denial).
+
+    Messages name the field, the value, the rule and an accepted alternative; they never carry a
+    traceback or an internal detail.
+    """
 
 
 def gpu_resource_of(container: Any, resource_names: Sequence[str]) -> str | None:

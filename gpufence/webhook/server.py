@@ -25,11 +25,11 @@ from aiohttp.web_protocol import RequestPayloadError
 
 from gpufence import __version__
 from gpufence.logs import log_event
-from gpufence.webhook import codec
 from gpufence.webhook.admission import InvalidReview, review
 from gpufence.webhook.decisions import log_decision, log_review_failed
 from gpufence.webhook.metrics import WebhookMetrics
 from gpufence.webhook.namespaces import BackgroundLookup
+from gpufence.webhook.patch import dumps, loads
 from gpufence.webhook.settings import AllNamespacesOptedIn, InjectionSettings, NamespaceLookup
 from gpufence.webhook.tls import DEFAULT_RELOAD_INTERVAL_SECONDS, CertReloader
 
@@ -72,7 +72,7 @@ OUTCOME = web.RequestKey("outcome", str)  # the review's outcome, for the metric
 
 
 def _dumps(value: object) -> str:
-    return codec.dumps(value).decode()
+    return dumps(value).decode()
 
 
 class Rejected(Exception):
@@ -193,7 +193,7 @@ async def _read_body(request: web.Request, limits: ServerLimits) -> bytes:
 
 def _decode(body: bytes) -> Any:
     try:
-        return codec.loads(body)
+        return loads(body)
     except (ValueError, RecursionError) as exc:  # bad JSON or UTF-8, NaN, nesting deeper than 1024
         raise Rejected(400, f"malformed JSON: {exc}") from None
 
@@ -209,7 +209,7 @@ def _answer(body: bytes, settings: InjectionSettings, namespaces: NamespaceLooku
         log_review_failed(payload, exc)
         raise
     log_decision(payload, result)
-    return result.outcome, codec.dumps(result.review)
+    return result.outcome, dumps(result.review)
 
 
 async def mutate(request: web.Request) -> web.Response:

@@ -32,7 +32,7 @@ ANNOTATION_GRACE_PERIOD = "gpufence.io/grace-period"
 ANNOTATION_STATUS = "gpufence.io/status"
 NAMESPACE_DEFAULT_MEMORY = "gpufence.io/default-memory"
 NAMESPACE_DEFAULT_COMPUTE = "gpufence.io/default-compute"
-# Admin-owned policy on the Namespace (gpufence/webhook/policy.py); the mode uses ANNOTATION_MODE's key.
+# Admin-owned policy on the Namespace (gpufence/webhook/namespace_policy.py); the mode uses ANNOTATION_MODE's key.
 NAMESPACE_MAX_MEMORY = "gpufence.io/max-memory"
 NAMESPACE_MAX_COMPUTE = "gpufence.io/max-compute"
 NAMESPACE_ALLOW_AUDIT = "gpufence.io/allow-audit"
@@ -99,7 +99,7 @@ class InjectionSettings:
     default_memory: str | None = None
     default_compute: str | None = None
     default_grace_period_seconds: float = DEFAULT_GRACE_PERIOD_SECONDS
-    # Cluster-wide policy where the Namespace says nothing (gpufence/webhook/policy.py); safe defaults.
+    # Cluster-wide policy where the Namespace says nothing (gpufence/webhook/namespace_policy.py); safe defaults.
     max_memory: str | None = None
     max_compute: str | None = None
     default_mode: str = "enforce"

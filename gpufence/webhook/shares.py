@@ -53,8 +53,8 @@ _MAX_SHOWN = 64  # characters of a user's value quoted back in a message
 _MAX_CACHED = 128  # longest annotation value whose parse is cached
 T = TypeVar("T")
 
-if TYPE_CHECKING:  # policy.py imports this module; only the type is needed here
-    from gpufence.webhook.policy import NamespacePolicy
+if TYPE_CHECKING:  # namespace_policy.py imports this module; only the type is needed here
+    from gpufence.webhook.namespace_policy import NamespacePolicy
 
 
 class ShareError(ValueError):
@@ -206,7 +206,7 @@ def resolve_shares(
 ) -> SharePlan:
     """The share of every GPU container, the mode and the grace period; raises ``ShareError``.
 
-    ``policy`` (``webhook.policy``): the admin's mode and ceilings; None: no bounds (unit tests).
+    ``policy`` (``namespace_policy``): the admin's mode and ceilings; None: no bounds (unit tests).
     """
     warnings: list[str] = []
     gpu_set = set(gpu_containers)

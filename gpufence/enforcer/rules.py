@@ -1,8 +1,8 @@
-"""Which containers are over their shares, and what to do about it: the enforcer's pure core.
+"""Which containers are over their shares, and what to do about it: the enforcer's pure rules.
 
 No I/O and no clock reads: every function here is a function of its arguments (the compute
-controller, ``gpufence/enforcer/compute.py``, keeps a window and its state, and the time is passed in). The invariant this module
-guards: a process is chosen for termination only if its container is strictly over its share on
+controller, ``compute.py``, keeps a window and its state, and the time is passed in). The
+invariant this module guards: a process is chosen for termination only if its container is strictly over its share on
 the device concerned, or it is unattributed and the pod is strictly over its budget there, or its
 container runs on more GPUs than it requested.
 """

@@ -1,4 +1,4 @@
-"""The enforcer's decision core: one pure state machine, driven by ``loop.Enforcer``.
+"""The enforcer's state machine (pure), driven by ``loop.Enforcer``.
 
 ``Core.step(now, attribution, device_totals)`` takes one poll's facts and returns a frozen
 :class:`Decisions`: what the pod and each container use, what to terminate (with the over-share
@@ -24,7 +24,7 @@ from types import MappingProxyType
 from gpufence.enforcer.attribution import Attribution, PodProcess
 from gpufence.enforcer.compute import ComputeTracker, container_sm_utilization
 from gpufence.enforcer.config import MIN_POLL_INTERVAL_SECONDS, EnforcerConfig
-from gpufence.enforcer.policy import (
+from gpufence.enforcer.rules import (
     ContainerDeviceUsage,
     PodDeviceUsage,
     TerminateOrder,
