@@ -33,7 +33,7 @@ from bench.common import (
     write_section,
 )
 
-TARGET_RATIO = 0.5  # issue 9: with one patch path, at least half of a bare aiohttp endpoint
+TARGET_RATIO = 0.5  # with one patch path, at least half of a bare aiohttp endpoint
 TARGET_P99_300_MS = 10.0
 
 

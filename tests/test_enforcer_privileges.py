@@ -9,7 +9,7 @@
 * ``restricted`` (the pod's runAsUser, ``drop: [ALL]``): without any capability the sidecar enforces
   on processes of its own user, and reports another user's as out of reach.
 
-See /work/shared/notes/proc-access-between-containers.md (the kernel's ptrace access rule).
+Why: /proc/<pid>/environ and /proc/<pid>/fd need ptrace read access (the kernel's ptrace access check).
 """
 
 from __future__ import annotations

@@ -381,7 +381,7 @@ def test_webhook_configuration_is_safe(directory: str) -> None:
     assert exclusion["operator"] == "NotIn"
     assert {NAMESPACE, *SYSTEM_NAMESPACES} <= set(exclusion["values"])
     # No objectSelector: pods labelled gpufence.io/inject=false reach the webhook, which honours the
-    # label only where the namespace allows opt-out (issue 10).
+    # label only where the namespace allows opt-out.
     assert "objectSelector" not in webhook
     service = webhook["clientConfig"]["service"]
     assert service == {"namespace": NAMESPACE, "name": SERVICE, "path": "/mutate", "port": 443}

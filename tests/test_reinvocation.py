@@ -1,4 +1,4 @@
-"""Reinvocation after another injector (reinvocationPolicy: IfNeeded, issue 10).
+"""Reinvocation after another injector (reinvocationPolicy: IfNeeded).
 
 When Istio, Linkerd or Vault Agent add their init containers, sidecars, volumes and annotations
 after gpufence ran, the API server calls gpufence again. The second review must give no patch

@@ -1,4 +1,5 @@
-"""The webhook's share-aware warnings, as Events on the pod (the enforcer's side of issue 12).
+"""The webhook's share-aware warnings, as Events on the pod (the enforcer's side: the webhook
+records them in ``gpufence.io/status``).
 
 Admission warnings reach only whoever created the pod (for a Deployment, the ReplicaSet
 controller), so the webhook also records them in the ``gpufence.io/status`` annotation; the

@@ -1,6 +1,6 @@
 """The admin-owned bounds on what a pod may ask for (pure): the namespace's mode and ceilings.
 
-Who decides what (issue 10): the cluster admin sets webhook flags; the namespace admin annotates
+Who decides what: the cluster admin sets webhook flags; the namespace admin annotates
 the Namespace (which tenants normally cannot edit; read from the watch cache); the pod's author
 asks, within those bounds. A namespace annotation wins over the flag of the same meaning; the
 flags' defaults are the safe ones (no audit by the pod's choice, no opt-out).
