@@ -149,7 +149,8 @@ def _decide(
         return OUTCOME_SKIPPED, None
 
     gpu_names = gpu_container_names(_dict(pod.get("spec")), settings.gpu_resource_names)
-    side_door = nvidia_side_door(pod.get("spec"), SIDECAR_NAME if gpu_names else None)
+    side_door = nvidia_side_door(pod.get("spec"), SIDECAR_NAME if gpu_names else None,
+                                 settings.gpu_resource_names[0])
     if side_door is not None:
         raise _Denied(side_door)  # GPU pod or not, opted out or not: the guard denies it too
     opted_out = labels.get(POD_OPT_OUT_LABEL) == "false"

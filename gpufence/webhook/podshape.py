@@ -8,7 +8,7 @@ from hand-made requests; checking it once here keeps the rest of the core free o
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from itertools import repeat
 from typing import Any
 
@@ -24,39 +24,35 @@ class MutationError(ValueError):
     """
 
 
-def gpu_resource_of(container: Any, resource_names: Sequence[str]) -> str | None:
-    """The first GPU resource the container asks a positive amount of (limits, then requests), or
-    None: the one definition of "requests a GPU" (the guard's CEL mirrors it). Tolerant of garbage."""
-    if not isinstance(container, dict):
-        return None
-    resources = container.get("resources")
+def _gpu_amounts(container: Any, resource_names: Sequence[str]) -> Iterator[tuple[str, Any]]:
+    """Each GPU resource the container names with a positive amount, and that amount: the one
+    definition of "requests a GPU" (the guard's CEL mirrors it). The amount is the limit where one is
+    set, else the request: the API server requires the two to be equal for extended resources, so
+    a pod where they differ never runs. Tolerant of garbage."""
+    resources = container.get("resources") if isinstance(container, dict) else None
     if not isinstance(resources, dict):
-        return None
-    for section in ("limits", "requests"):
-        amounts = resources.get(section)
-        if isinstance(amounts, dict):
-            for name in resource_names:
-                if name in amounts and is_positive_quantity(amounts[name]):
-                    return name
-    return None
+        return
+    limits, requests = resources.get("limits"), resources.get("requests")
+    for name in resource_names:
+        for amounts in (limits, requests):
+            if isinstance(amounts, dict) and name in amounts:
+                if is_positive_quantity(amounts[name]):
+                    yield name, amounts[name]
+                break
+
+
+def gpu_resource_of(container: Any, resource_names: Sequence[str]) -> str | None:
+    """The first GPU resource (in ``resource_names`` order) the container asks a positive amount of, or None."""
+    return next((name for name, _ in _gpu_amounts(container, resource_names)), None)
 
 
 def gpu_count_of(container: Any, resource_names: Sequence[str]) -> int:
-    """How many GPUs (devices) the container requested: over the GPU resources, each one's amount in
-    its limits, else its requests (extended resources are whole numbers). 0 when none or garbage."""
-    resources = container.get("resources") if isinstance(container, dict) else None
-    if not isinstance(resources, dict):
-        return 0
+    """How many GPUs (devices) the container requested, over the GPU resources (extended resources
+    are whole numbers). 0 when none or garbage."""
     total = 0
-    for name in resource_names:
-        for section in ("limits", "requests"):
-            amounts = resources.get(section)
-            if isinstance(amounts, dict) and name in amounts:
-                value = amounts[name]
-                if is_positive_quantity(value):
-                    with contextlib.suppress(QuantityError):  # is_positive_quantity parsed it already
-                        total += value if isinstance(value, int) else parse_bytes(str(value))
-                break
+    for _, value in _gpu_amounts(container, resource_names):
+        with contextlib.suppress(QuantityError):  # is_positive_quantity parsed it already
+            total += value if isinstance(value, int) else parse_bytes(str(value))
     return total
 
 
@@ -95,9 +91,10 @@ NVIDIA_TOOLKIT_VARIABLES = ("NVIDIA_VISIBLE_DEVICES", "NVIDIA_DRIVER_CAPABILITIE
 NVIDIA_INERT_VALUES = ("void", "none")
 
 
-def nvidia_side_door(spec: Any, exempt: str | None) -> str | None:
+def nvidia_side_door(spec: Any, exempt: str | None, gpu_resource: str) -> str | None:
     """The denial for the first container (``exempt`` aside: the sidecar of a GPU pod, which the
-    injection rebuilds) that sets a toolkit variable to anything but void/none, else None.
+    injection rebuilds) that sets a toolkit variable to anything but void/none, else None. The
+    denial advises requesting ``gpu_resource`` (the first configured GPU resource name).
 
     Tolerant of garbage: the pod may be any pod of an opted-in namespace, not shape-checked.
     """
@@ -122,7 +119,7 @@ def nvidia_side_door(spec: Any, exempt: str | None) -> str | None:
                     f"container {quote(container.get('name'))} sets {entry['name']} {how}: in this namespace only "
                     f'"void" or "none" is accepted, because the NVIDIA container toolkit would hand the container '
                     "GPUs of the node without the device plugin, outside the scheduler's count and gpufence's "
-                    'shares; remove the variable and request GPUs with resources.limits["nvidia.com/gpu"]'
+                    f'shares; remove the variable and request GPUs with resources.limits["{gpu_resource}"]'
                 )
     return None
 
