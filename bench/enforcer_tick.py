@@ -85,8 +85,8 @@ def sim_state(pids: list[int], extra: tuple[Any, ...] = ()) -> Any:
 # --- 1. tick in process ---------------------------------------------------------------------------
 def measure_ticks(root: Path, counts: list[int], ticks: int) -> list[dict[str, Any]]:
     from gpufence import simnvml
+    from gpufence.contract import EnforcerConfig
     from gpufence.enforcer.attribution import Attributor, PidMode
-    from gpufence.enforcer.config import EnforcerConfig
     from gpufence.enforcer.events import EventRecorder, PodRef
     from gpufence.enforcer.health import Health
     from gpufence.enforcer.logs import DecisionLog

@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import pytest
 
+from gpufence.contract import ContainerShare, EnforcerConfig, MemoryShare, Mode
 from gpufence.enforcer.attribution import Attribution, PodProcess
 from gpufence.enforcer.compute import START_MARGIN, ComputeTracker
-from gpufence.enforcer.config import ContainerShare, EnforcerConfig, MemoryShare, Mode
 
 HALF = EnforcerConfig(containers={"train": ContainerShare(compute_percent=50)})
 TOLERANCE = 0.05  # measured use within ±5 points of the share once settled

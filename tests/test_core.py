@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+from gpufence.contract import ContainerShare, EnforcerConfig, MemoryShare
 from gpufence.enforcer.attribution import Attribution, PodProcess
-from gpufence.enforcer.config import ContainerShare, EnforcerConfig, MemoryShare
 from gpufence.enforcer.machine import Core, Transition
 
 GiB = 1 << 30

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gpufence.enforcer.config import MemoryShare
+from gpufence.contract import MemoryShare
 from gpufence.webhook.frameworks import (
     ENV_TGI_FRACTION,
     ENV_TORCH_ALLOC_CONF,

@@ -24,10 +24,11 @@ import kubernetes_validate
 import pytest
 import yaml
 
+from gpufence.contract import INJECTION_ENABLED, INJECTION_LABEL
 from gpufence.webhook import sidecar
 from gpufence.webhook.admission import review
 from gpufence.webhook.client import decode_patch, pod_admission_review
-from gpufence.webhook.settings import INJECTION_ENABLED, INJECTION_LABEL, InjectionSettings, NamespaceInfo
+from gpufence.webhook.settings import InjectionSettings, NamespaceInfo
 
 GOLDEN = Path(__file__).parent / "golden"
 UPDATE = os.environ.get("GPUFENCE_UPDATE_GOLDEN") == "1"

@@ -21,14 +21,9 @@ from typing import Any
 import jsonpatch
 import pytest
 
+from gpufence.contract import INJECTION_ENABLED, INJECTION_LABEL, SIDECAR_NAME
 from gpufence.webhook import admission, client
-from gpufence.webhook.settings import (
-    INJECTION_ENABLED,
-    INJECTION_LABEL,
-    SIDECAR_NAME,
-    InjectionSettings,
-    NamespaceInfo,
-)
+from gpufence.webhook.settings import InjectionSettings, NamespaceInfo
 from tests.test_guard_policy import GUARD, POLICY, Guard
 
 CEILINGS = {"gpufence.io/max-memory": "20Gi", "gpufence.io/max-compute": "50"}

@@ -27,17 +27,18 @@ from hypothesis import event, given
 from hypothesis import settings as hypothesis_settings
 from hypothesis import strategies as st
 
-from gpufence.enforcer.config import ContainerShare, EnforcerConfig, MemoryShare
-from gpufence.webhook.settings import (
+from gpufence.contract import (
     ANNOTATION_STATUS,
-    DEFAULT_GPU_RESOURCE,
-    DEFAULT_SIDECAR_IMAGE,
     INJECTION_ENABLED,
     INJECTION_LABEL,
     MIRROR_POD_ANNOTATION,
     POD_OPT_OUT_LABEL,
     SIDECAR_NAME,
+    ContainerShare,
+    EnforcerConfig,
+    MemoryShare,
 )
+from gpufence.webhook.settings import DEFAULT_GPU_RESOURCE, DEFAULT_SIDECAR_IMAGE
 from tests.k8s_cel import FUNCTIONS as K8S_FUNCTIONS
 from tests.test_admission import good_pods
 

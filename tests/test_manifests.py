@@ -26,12 +26,8 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from gpufence.enforcer.config import DEFAULT_METRICS_PORT
-from gpufence.webhook.settings import (
-    DEFAULT_SIDECAR_IMAGE,
-    INJECTION_ENABLED,
-    INJECTION_LABEL,
-)
+from gpufence.contract import DEFAULT_METRICS_PORT, INJECTION_ENABLED, INJECTION_LABEL, SIDECAR_PORT_NAME
+from gpufence.webhook.settings import DEFAULT_SIDECAR_IMAGE
 
 ROOT = Path(__file__).resolve().parents[1]
 K8S = ROOT / "k8s"
@@ -43,7 +39,7 @@ NAMESPACE = "gpufence"
 WEBHOOK_CONFIGURATION = "gpufence"
 TLS_SECRET = "gpufence-webhook-tls"
 SERVICE = "gpufence-webhook"
-# The sidecar's metrics port name (gpufence/webhook/settings.py SIDECAR_PORT_NAME); port names are IANA service
+# The sidecar's metrics port name (gpufence/contract.py SIDECAR_PORT_NAME); port names are IANA service
 # names of at most 15 characters, so "gpufence-metrics" (16) would be refused by the API server.
 SIDECAR_METRICS_PORT_NAME = "gpufence-metric"
 SYSTEM_NAMESPACES = {"kube-system", "kube-node-lease"}
@@ -763,9 +759,7 @@ def test_dockerfile() -> None:
 
 
 def test_podmonitor_port_name_is_the_one_the_webhook_injects() -> None:
-    from gpufence.webhook import settings
-
-    assert settings.SIDECAR_PORT_NAME == SIDECAR_METRICS_PORT_NAME
+    assert SIDECAR_PORT_NAME == SIDECAR_METRICS_PORT_NAME
     assert re.fullmatch(r"[a-z0-9]([a-z0-9-]{0,13}[a-z0-9])?", SIDECAR_METRICS_PORT_NAME), "IANA_SVC_NAME"
 
 

@@ -8,13 +8,13 @@ import json
 import jsonpatch
 import pytest
 
-from gpufence.enforcer.config import ContainerShare, EnforcerConfig, MemoryShare, Mode
+from gpufence.contract import SIDECAR_NAME, SIDECAR_PORT_NAME, ContainerShare, EnforcerConfig, MemoryShare, Mode
 from gpufence.webhook import sidecar as sidecar_module
 from gpufence.webhook.admission import injection_patch
 from gpufence.webhook.desired import desired_pod
 from gpufence.webhook.patch import diff, dumps
 from gpufence.webhook.podshape import MutationError
-from gpufence.webhook.settings import SIDECAR_NAME, SIDECAR_PORT_NAME, InjectionSettings
+from gpufence.webhook.settings import InjectionSettings
 from gpufence.webhook.shares import SharePlan
 from gpufence.webhook.sidecar import (
     PRELOAD_VOLUME,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from gpufence.enforcer.config import MemoryShare, Mode
+from gpufence.contract import MemoryShare, Mode
 from gpufence.webhook.namespace_policy import namespace_policy
 from gpufence.webhook.settings import InjectionSettings
 from gpufence.webhook.shares import ShareError, SharePlan, resolve_shares

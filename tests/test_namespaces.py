@@ -13,8 +13,9 @@ import pytest
 from aiohttp import web
 from kubernetes import client
 
+from gpufence.contract import INJECTION_LABEL, NAMESPACE_DEFAULT_MEMORY
 from gpufence.webhook.namespaces import NamespaceCache, load_namespace_lookup
-from gpufence.webhook.settings import INJECTION_LABEL, NAMESPACE_DEFAULT_MEMORY, AllNamespacesOptedIn
+from gpufence.webhook.settings import AllNamespacesOptedIn
 
 END = None  # pushed on the event queue: end the current watch stream
 

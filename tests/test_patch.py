@@ -22,12 +22,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from bench.common import huge_pod, small_pod, typical_pod
+from gpufence.contract import ANNOTATION_STATUS, SIDECAR_NAME
 from gpufence.webhook.admission import injection_patch, review
 from gpufence.webhook.client import decode_patch
 from gpufence.webhook.desired import desired_pod
 from gpufence.webhook.patch import diff, dumps, escape
 from gpufence.webhook.podshape import MutationError, check_shape, gpu_container_names
-from gpufence.webhook.settings import ANNOTATION_STATUS, SIDECAR_NAME, AllNamespacesOptedIn, InjectionSettings
+from gpufence.webhook.settings import AllNamespacesOptedIn, InjectionSettings
 from gpufence.webhook.shares import resolve_shares
 from tests.test_admission import good_pods, request, setting_variants
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
+from gpufence.contract import ContainerShare, EnforcerConfig, LimitUnit, MemoryShare
 from gpufence.enforcer.attribution import Attribution, PodProcess
-from gpufence.enforcer.config import ContainerShare, EnforcerConfig, LimitUnit, MemoryShare
 from gpufence.enforcer.rules import (
     ContainerDeviceUsage,
     TerminateOrder,

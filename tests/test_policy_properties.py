@@ -13,8 +13,8 @@ from collections import defaultdict
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from gpufence.contract import ContainerShare, EnforcerConfig, MemoryShare, Mode
 from gpufence.enforcer.attribution import Attribution, PodProcess
-from gpufence.enforcer.config import ContainerShare, EnforcerConfig, MemoryShare, Mode
 from gpufence.enforcer.rules import ComputeTracker, memory_orders, pod_budget_bytes, pod_usage, usage_by_container
 
 CONTAINERS = ("a", "b", "c")

@@ -17,9 +17,10 @@ from typing import Any
 import jsonpatch
 import pytest
 
+from gpufence.contract import SIDECAR_NAME
 from gpufence.webhook.admission import review
 from gpufence.webhook.client import decode_patch, pod_admission_review
-from gpufence.webhook.settings import SIDECAR_NAME, AllNamespacesOptedIn, InjectionSettings
+from gpufence.webhook.settings import AllNamespacesOptedIn, InjectionSettings
 
 NS = AllNamespacesOptedIn()
 Pod = dict[str, Any]

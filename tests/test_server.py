@@ -15,9 +15,9 @@ import jsonpatch
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from gpufence.contract import SIDECAR_NAME
 from gpufence.webhook import server as server_module
 from gpufence.webhook.server import MAX_BODY_BYTES, METRICS, RELOADER, ServerLimits, start_webhook
-from gpufence.webhook.settings import SIDECAR_NAME
 from tests.tlsutil import LocalPKI, Webhook, gpu_pod, make_pki, pod_review, running_webhook, wait_until
 
 JSON = {"Content-Type": "application/json"}

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from gpufence.enforcer.config import ContainerShare, MemoryShare, Mode
+from gpufence.contract import ContainerShare, MemoryShare, Mode
 from gpufence.webhook.settings import InjectionSettings
 from gpufence.webhook.shares import ShareError, parse_grace_period, quote, resolve_shares
 

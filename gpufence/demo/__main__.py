@@ -40,7 +40,7 @@ from typing import IO, Any
 import jsonpatch  # the demo runs from the repo's dev environment (make demo installs it)
 
 from gpufence.certs.pki import make_ca, make_serving_cert
-from gpufence.enforcer.config import ENV_CONFIG, ENV_CONTAINER, ENV_POD_NAME, ENV_POD_NAMESPACE, ENV_POD_UID
+from gpufence.contract import ENV_CONFIG, ENV_CONTAINER, ENV_POD_NAME, ENV_POD_NAMESPACE, ENV_POD_UID
 from gpufence.simnvml import SimDevice, SimProcess, SimState, build_library, write_state
 from gpufence.webhook.client import decode_patch, pod_admission_review
 

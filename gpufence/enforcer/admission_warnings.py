@@ -12,10 +12,10 @@ from __future__ import annotations
 import json
 from typing import Protocol
 
+from gpufence.contract import MAX_STATUS_WARNINGS, STATUS_WARNINGS
 from gpufence.enforcer.logs import DecisionLog
 
 REASON = "GpuShareSettings"
-_MAX = 8  # the webhook records at most 8
 _MAX_LENGTH = 1024
 
 
@@ -31,10 +31,10 @@ def warnings_from_status(text: str | None) -> list[str]:
         status = json.loads(text)
     except ValueError:
         return []
-    found = status.get("warnings") if isinstance(status, dict) else None
+    found = status.get(STATUS_WARNINGS) if isinstance(status, dict) else None
     if not isinstance(found, list):
         return []
-    return [w[:_MAX_LENGTH] for w in found if isinstance(w, str) and w][:_MAX]
+    return [w[:_MAX_LENGTH] for w in found if isinstance(w, str) and w][:MAX_STATUS_WARNINGS]
 
 
 def report(log: DecisionLog, events: _Recorder, status_text: str | None) -> int:

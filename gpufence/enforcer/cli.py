@@ -36,7 +36,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from gpufence import __version__, version_line
-from gpufence.enforcer.config import (
+from gpufence.contract import (
     DEFAULT_METRICS_PORT,
     ENV_CONFIG,
     ENV_HOST_PROC,

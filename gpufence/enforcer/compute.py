@@ -29,8 +29,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
 
+from gpufence.contract import EnforcerConfig, Mode
 from gpufence.enforcer.attribution import Attribution
-from gpufence.enforcer.config import EnforcerConfig, Mode
 
 START_MARGIN = 0.10
 # Gains, in run fraction per unit of utilisation error (KP) and per error-second (KI). With a

@@ -34,8 +34,8 @@ import time
 import traceback
 from collections.abc import Callable
 
+from gpufence.contract import EnforcerConfig, Mode
 from gpufence.enforcer.attribution import Attribution, Attributor, PidMode
-from gpufence.enforcer.config import EnforcerConfig, Mode
 from gpufence.enforcer.events import EventRecorder
 from gpufence.enforcer.health import Health
 from gpufence.enforcer.logs import DecisionLog

@@ -21,9 +21,9 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from types import MappingProxyType
 
+from gpufence.contract import MIN_POLL_INTERVAL_SECONDS, EnforcerConfig
 from gpufence.enforcer.attribution import Attribution, PodProcess
 from gpufence.enforcer.compute import ComputeTracker, container_sm_utilization
-from gpufence.enforcer.config import MIN_POLL_INTERVAL_SECONDS, EnforcerConfig
 from gpufence.enforcer.rules import (
     ContainerDeviceUsage,
     PodDeviceUsage,

@@ -16,7 +16,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-from gpufence.enforcer.config import ENV_CONTAINER
+from gpufence.contract import ENV_CONTAINER
 
 NVIDIA_DEVICE_PREFIX_DEFAULT = "/dev/nvidia"
 # Tests and the local demo have no GPU: the workloads open a temp file named like

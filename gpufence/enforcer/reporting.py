@@ -6,8 +6,8 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
+from gpufence.contract import EnforcerConfig, LimitUnit, Mode
 from gpufence.enforcer.attribution import Attribution, PodProcess
-from gpufence.enforcer.config import EnforcerConfig, LimitUnit, Mode
 from gpufence.enforcer.events import EventRecorder
 from gpufence.enforcer.logs import DecisionLog
 from gpufence.enforcer.machine import ThrottleChange, Transition

@@ -13,8 +13,8 @@ from collections import defaultdict
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
+from gpufence.contract import EnforcerConfig, LimitUnit
 from gpufence.enforcer.attribution import Attribution, PodProcess
-from gpufence.enforcer.config import EnforcerConfig, LimitUnit
 
 # -- memory ----------------------------------------------------------------------------------------
 

@@ -23,8 +23,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from gpufence.contract import Mode
 from gpufence.enforcer.attribution import Attribution
-from gpufence.enforcer.config import Mode
 from gpufence.enforcer.events import EventRecorder
 from gpufence.enforcer.logs import DecisionLog
 from gpufence.enforcer.machine import Decisions

@@ -13,17 +13,12 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from gpufence.contract import MIRROR_POD_ANNOTATION, POD_OPT_OUT_LABEL, SIDECAR_NAME
 from gpufence.webhook.desired import desired_plain_pod, desired_pod
 from gpufence.webhook.namespace_policy import namespace_policy, opt_out_allowed, opt_out_denial
 from gpufence.webhook.patch import diff, dumps
 from gpufence.webhook.podshape import MutationError, check_shape, gpu_container_names, gpu_counts, nvidia_side_door
-from gpufence.webhook.settings import (
-    MIRROR_POD_ANNOTATION,
-    POD_OPT_OUT_LABEL,
-    SIDECAR_NAME,
-    InjectionSettings,
-    NamespaceLookup,
-)
+from gpufence.webhook.settings import InjectionSettings, NamespaceLookup
 from gpufence.webhook.shares import ShareError, SharePlan, quote, resolve_shares, with_gpu_counts
 from gpufence.webhook.sidecar import POD_SECURITY_LABEL
 

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from gpufence import version_line
-from gpufence.enforcer.config import MAX_GRACE_PERIOD_SECONDS, MAX_POLL_INTERVAL_SECONDS, MIN_POLL_INTERVAL_SECONDS
+from gpufence.contract import MAX_GRACE_PERIOD_SECONDS, MAX_POLL_INTERVAL_SECONDS, MIN_POLL_INTERVAL_SECONDS
 from gpufence.logs import log_event
 from gpufence.logs import setup_logging as _setup_logging
 from gpufence.webhook.settings import DEFAULT_GPU_RESOURCE, InjectionSettings

@@ -12,7 +12,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from gpufence.enforcer.config import ENV_CONTAINER, ENV_MEMORY_LIMIT, ContainerShare
+from gpufence.contract import ENV_CONTAINER, ENV_MEMORY_LIMIT, ContainerShare
 from gpufence.webhook.frameworks import DeviceMemory, framework_env, server_warnings
 from gpufence.webhook.podshape import MutationError
 from gpufence.webhook.quantity import mebibytes_floor

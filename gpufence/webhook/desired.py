@@ -15,10 +15,11 @@ from __future__ import annotations
 from collections.abc import Container, Mapping
 from typing import Any
 
+from gpufence.contract import ANNOTATION_STATUS, SIDECAR_NAME
 from gpufence.webhook.container_env import FrameworkRecord, gpu_container, void_container
 from gpufence.webhook.frameworks import device_memory, pytorch_cap_enabled, recorded_warnings
 from gpufence.webhook.podshape import MutationError
-from gpufence.webhook.settings import ANNOTATION_STATUS, SIDECAR_NAME, InjectionSettings
+from gpufence.webhook.settings import InjectionSettings
 from gpufence.webhook.shares import SharePlan, quote
 from gpufence.webhook.sidecar import (
     build_sidecar,

@@ -46,10 +46,10 @@ from dataclasses import dataclass
 from decimal import ROUND_DOWN, Decimal, InvalidOperation
 from typing import Any
 
-from gpufence.enforcer.config import MemoryShare
+from gpufence.contract import MAX_STATUS_WARNINGS, NAMESPACE_PYTORCH_MEMORY_FRACTION, MemoryShare
 from gpufence.webhook.podshape import gpu_resource_of
 from gpufence.webhook.quantity import QuantityError, parse_bytes
-from gpufence.webhook.settings import NAMESPACE_PYTORCH_MEMORY_FRACTION, InjectionSettings
+from gpufence.webhook.settings import InjectionSettings
 from gpufence.webhook.shares import quote
 
 ENV_XLA_FRACTION = "XLA_PYTHON_CLIENT_MEM_FRACTION"  # every jaxlib reads it
@@ -65,7 +65,6 @@ GFD_MEMORY_LABEL = "nvidia.com/gpu.memory"  # GPU Feature Discovery: the GPU's m
 MiB = 1 << 20
 GiB = 1 << 30
 _STEP = Decimal("0.0001")  # fractions are written with at most 4 decimals, rounded down
-_MAX_WARNINGS_RECORDED = 8
 
 
 @dataclass(frozen=True)
@@ -283,7 +282,7 @@ def _pytorch(name: str, cap: Cap, env: Mapping[str, Mapping[str, Any]], result: 
 
 def recorded_warnings(warnings: Sequence[str]) -> list[str]:
     """The warnings kept in the status annotation (for the enforcer's Event): the first few."""
-    return list(dict.fromkeys(warnings))[:_MAX_WARNINGS_RECORDED]
+    return list(dict.fromkeys(warnings))[:MAX_STATUS_WARNINGS]
 
 
 # --- inference servers that size themselves from the GPU's total memory ---------------------------

@@ -24,16 +24,18 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from gpufence.enforcer.config import ContainerShare, MemoryShare, Mode
-from gpufence.webhook.settings import (
+from gpufence.contract import (
     ANNOTATION_MODE,
     NAMESPACE_ALLOW_AUDIT,
     NAMESPACE_ALLOW_OPT_OUT,
     NAMESPACE_MAX_COMPUTE,
     NAMESPACE_MAX_MEMORY,
     POD_OPT_OUT_LABEL,
-    InjectionSettings,
+    ContainerShare,
+    MemoryShare,
+    Mode,
 )
+from gpufence.webhook.settings import InjectionSettings
 from gpufence.webhook.shares import MODE_EXAMPLE, ShareError, compute_from, memory_from, quote
 
 

@@ -12,38 +12,15 @@ from types import MappingProxyType
 from typing import Protocol
 
 from gpufence import IMAGE
-from gpufence.enforcer.config import (
+from gpufence.contract import (
     DEFAULT_GRACE_PERIOD_SECONDS,
     DEFAULT_HOST_PROC_MOUNT,
     DEFAULT_METRICS_PORT,
     DEFAULT_POLL_INTERVAL_SECONDS,
+    INJECTION_ENABLED,
+    INJECTION_LABEL,
 )
 
-INJECTION_LABEL = "gpufence.io/injection"
-INJECTION_ENABLED = "enabled"
-POD_OPT_OUT_LABEL = "gpufence.io/inject"
-MIRROR_POD_ANNOTATION = "kubernetes.io/config.mirror"
-
-ANNOTATION_PREFIX = "gpufence.io/"
-ANNOTATION_MEMORY = "gpufence.io/memory"
-ANNOTATION_COMPUTE = "gpufence.io/compute"
-ANNOTATION_MODE = "gpufence.io/mode"
-ANNOTATION_GRACE_PERIOD = "gpufence.io/grace-period"
-ANNOTATION_STATUS = "gpufence.io/status"
-NAMESPACE_DEFAULT_MEMORY = "gpufence.io/default-memory"
-NAMESPACE_DEFAULT_COMPUTE = "gpufence.io/default-compute"
-# Admin-owned policy on the Namespace (gpufence/webhook/namespace_policy.py); the mode uses ANNOTATION_MODE's key.
-NAMESPACE_MAX_MEMORY = "gpufence.io/max-memory"
-NAMESPACE_MAX_COMPUTE = "gpufence.io/max-compute"
-NAMESPACE_ALLOW_AUDIT = "gpufence.io/allow-audit"
-NAMESPACE_ALLOW_OPT_OUT = "gpufence.io/allow-opt-out"
-# "true"/"false": inject PyTorch's allocator cap in this namespace (else --pytorch-memory-fraction).
-NAMESPACE_PYTORCH_MEMORY_FRACTION = "gpufence.io/pytorch-memory-fraction"
-
-SIDECAR_NAME = "gpufence-enforcer"
-# The sidecar's metrics port name, which the enforcer PodMonitor selects. Kubernetes limits port
-# names to 15 characters (IANA_SVC_NAME), so not "gpufence-metrics" (16).
-SIDECAR_PORT_NAME = "gpufence-metric"
 # The image of this very version (gpufence/__init__.py): webhook and sidecar come from one build.
 DEFAULT_SIDECAR_IMAGE = IMAGE
 DEFAULT_GPU_RESOURCE = "nvidia.com/gpu"

@@ -25,19 +25,22 @@ from dataclasses import dataclass
 from decimal import Decimal, InvalidOperation
 from typing import TYPE_CHECKING, TypeVar
 
-from gpufence.enforcer.config import MAX_GRACE_PERIOD_SECONDS, ContainerShare, MemoryShare, Mode
-from gpufence.webhook.quantity import QuantityError, parse_bytes, parse_percent
-from gpufence.webhook.settings import (
+from gpufence.contract import (
     ANNOTATION_COMPUTE,
     ANNOTATION_GRACE_PERIOD,
     ANNOTATION_MEMORY,
     ANNOTATION_MODE,
     ANNOTATION_PREFIX,
     ANNOTATION_STATUS,
+    MAX_GRACE_PERIOD_SECONDS,
     NAMESPACE_DEFAULT_COMPUTE,
     NAMESPACE_DEFAULT_MEMORY,
-    InjectionSettings,
+    ContainerShare,
+    MemoryShare,
+    Mode,
 )
+from gpufence.webhook.quantity import QuantityError, parse_bytes, parse_percent
+from gpufence.webhook.settings import InjectionSettings
 
 MEMORY_EXAMPLE = 'use a Kubernetes quantity such as "8Gi" or a percentage such as "25%"'
 COMPUTE_EXAMPLE = 'use a percentage of the GPU\'s compute such as "50" or "50%"'

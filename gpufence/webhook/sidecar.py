@@ -17,8 +17,10 @@ from types import MappingProxyType
 from typing import Any
 
 from gpufence import __version__
-from gpufence.enforcer.config import (
+from gpufence.contract import (
+    ANNOTATION_STATUS,
     DEFAULT_STATE_DIR,
+    ENFORCER_COMMAND,
     ENV_CONFIG,
     ENV_HOST_PROC,
     ENV_METRICS_PORT,
@@ -27,10 +29,13 @@ from gpufence.enforcer.config import (
     ENV_POD_STATUS,
     ENV_POD_UID,
     ENV_STATE_DIR,
+    SIDECAR_NAME,
+    SIDECAR_PORT_NAME,
     EnforcerConfig,
     Mode,
+    status_document,
 )
-from gpufence.webhook.settings import ANNOTATION_STATUS, SIDECAR_NAME, SIDECAR_PORT_NAME, InjectionSettings
+from gpufence.webhook.settings import InjectionSettings
 from gpufence.webhook.shares import SharePlan, quote
 
 # The one version source (gpufence/__init__.py), also right in a bare checkout.
@@ -96,13 +101,7 @@ def status_annotation(plan: SharePlan, caps: Mapping[str, Mapping[str, str]] | N
     and the share-aware warnings (``warnings``, which the enforcer can turn into an Event)."""
     names = tuple(name for name, _ in plan.containers)
     if caps or warnings:
-        status: dict[str, Any] = {"containers": list(names), "mode": plan.mode.value, "sidecar": SIDECAR_NAME,
-                                  "version": GPUFENCE_VERSION}
-        if caps:
-            status["caps"] = caps
-        if warnings:
-            status["warnings"] = list(warnings)
-        return _encode_sorted(status)
+        return _encode_sorted(status_document(names, plan.mode, GPUFENCE_VERSION, caps, warnings))
     # Cached on the names, the mode and the version (read at call time: tests replace it).
     if sum(map(len, names)) <= _MAX_CACHED_NAMES:
         return _status_annotation(names, plan.mode, GPUFENCE_VERSION)
@@ -111,7 +110,7 @@ def status_annotation(plan: SharePlan, caps: Mapping[str, Mapping[str, str]] | N
 
 @functools.lru_cache(maxsize=256)
 def _status_annotation(names: tuple[str, ...], mode: Mode, version: str) -> str:
-    return _encode_sorted({"containers": list(names), "mode": mode.value, "sidecar": SIDECAR_NAME, "version": version})
+    return _encode_sorted(status_document(names, mode, version))
 
 
 def config_json(plan: SharePlan, settings: InjectionSettings) -> str:
@@ -195,7 +194,7 @@ def _probe(path: str, port: int, *, period: int = 10, failures: int = 3) -> dict
     exec probe ``gpufence-enforcer --probe``, which asks the same /healthz on the port it bound."""
     if port == 0:
         # The exec'd probe waits up to 2 s for /healthz; the kubelet's timeout covers its start-up.
-        return {"exec": {"command": ["gpufence-enforcer", "--probe"]}, "periodSeconds": period,
+        return {"exec": {"command": [ENFORCER_COMMAND, "--probe"]}, "periodSeconds": period,
                 "timeoutSeconds": 5, "successThreshold": 1, "failureThreshold": failures}
     return {
         "httpGet": {"path": path, "port": port, "scheme": "HTTP"},
@@ -271,7 +270,7 @@ def build_sidecar(plan: SharePlan, settings: InjectionSettings, *, run_as_root: 
         "name": SIDECAR_NAME,
         "image": settings.sidecar_image,
         "imagePullPolicy": settings.sidecar_image_pull_policy,
-        "command": ["gpufence-enforcer"],
+        "command": [ENFORCER_COMMAND],
     }
     if settings.native_sidecar:
         sidecar["restartPolicy"] = "Always"

@@ -14,7 +14,7 @@ from typing import Any
 from kubernetes import client, config
 from kubernetes.client.exceptions import ApiException
 
-from gpufence.webhook.settings import SIDECAR_NAME
+from gpufence.contract import SIDECAR_NAME
 
 _names = itertools.count(1)
 OPT_IN = {"gpufence.io/injection": "enabled"}

@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 from kubernetes import client
 
-from gpufence.webhook.settings import ANNOTATION_STATUS, SIDECAR_NAME
+from gpufence.contract import ANNOTATION_STATUS, SIDECAR_NAME
 from tests.e2e import kube
 from tests.e2e.gpufence_install import WebhookProcess
 

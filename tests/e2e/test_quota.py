@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 from kubernetes import client
 
-from gpufence.webhook.settings import SIDECAR_NAME
+from gpufence.contract import SIDECAR_NAME
 from tests.e2e import kube
 from tests.e2e.gpufence_install import WebhookProcess
 

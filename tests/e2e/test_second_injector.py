@@ -23,7 +23,7 @@ from aiohttp import web
 from kubernetes import client
 
 from gpufence.certs import pki
-from gpufence.webhook.settings import SIDECAR_NAME
+from gpufence.contract import SIDECAR_NAME
 from tests.e2e import kube
 from tests.e2e.controlplane import ControlPlane, free_port
 from tests.e2e.gpufence_install import WebhookProcess

@@ -298,7 +298,7 @@ def framework_cap_scenario(args: argparse.Namespace) -> int:
     major, minor = (int(part) for part in torch.__version__.split("+")[0].split(".")[:2])
     if (major, minor) < (2, 10):
         return skip(f"torch {torch.__version__} has no per_process_memory_fraction in PYTORCH_CUDA_ALLOC_CONF (2.10+)")
-    from gpufence.enforcer.config import MemoryShare
+    from gpufence.contract import MemoryShare
     from gpufence.webhook.frameworks import DeviceMemory, framework_env
     from gpufence.webhook.settings import InjectionSettings
 

@@ -8,8 +8,8 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
+from gpufence.contract import SIDECAR_NAME
 from gpufence.simnvml import SimDevice, SimProcess, SimState, write_state
-from gpufence.webhook.settings import SIDECAR_NAME
 from tests.e2e import kube
 from tests.e2e.controlplane import ControlPlane
 from tests.node.images import GPUFENCE_IMAGE

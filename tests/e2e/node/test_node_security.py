@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 from kubernetes import client
 
-from gpufence.webhook.settings import SIDECAR_NAME
+from gpufence.contract import SIDECAR_NAME
 from tests.e2e import kube
 from tests.e2e.controlplane import ControlPlane
 from tests.node.node import Node

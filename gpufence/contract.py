@@ -1,10 +1,16 @@
-"""The enforcer's configuration: the JSON document the webhook writes into ``GPUFENCE_CONFIG``.
+"""The contract between the webhook, the guard and the enforcer, in one place.
 
-The enforcer consumes this document, so it owns the schema; the webhook imports these types
-to produce it. Keeping both sides on one set of frozen dataclasses means a field cannot be
-renamed on one side only.
+The webhook writes it, the enforcer reads it, the guard (k8s/base/guard-policy.yaml, which cannot
+import Python) checks a pod against it and tests/test_contract.py checks the guard against this
+module. Neither gpufence.webhook nor gpufence.enforcer imports the other: both import this module,
+which imports the standard library only (the sidecar loads it at start).
 
-Wire format (version 1), keys in camelCase as in Kubernetes objects::
+It holds the enforcer config (the JSON document the webhook writes into ``GPUFENCE_CONFIG``: its
+types, field names, bounds and defaults, the encoder the webhook uses and the parser the enforcer
+uses), the environment variables the webhook sets for the enforcer and the GPU containers, the
+labels and annotations both sides read, and the ``gpufence.io/status`` annotation.
+
+Config wire format (version 1), keys in camelCase as in Kubernetes objects::
 
     {
       "version": 1,
@@ -30,29 +36,61 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
 from types import MappingProxyType
 from typing import Any
 
-SCHEMA_VERSION = 1
+# --- labels and annotations ------------------------------------------------------------------
 
-# Environment variables shared by the webhook (which sets them) and the enforcer (which reads them).
+INJECTION_LABEL = "gpufence.io/injection"
+INJECTION_ENABLED = "enabled"
+POD_OPT_OUT_LABEL = "gpufence.io/inject"
+MIRROR_POD_ANNOTATION = "kubernetes.io/config.mirror"
+
+ANNOTATION_PREFIX = "gpufence.io/"
+ANNOTATION_MEMORY = "gpufence.io/memory"
+ANNOTATION_COMPUTE = "gpufence.io/compute"
+ANNOTATION_MODE = "gpufence.io/mode"
+ANNOTATION_GRACE_PERIOD = "gpufence.io/grace-period"
+ANNOTATION_STATUS = "gpufence.io/status"
+NAMESPACE_DEFAULT_MEMORY = "gpufence.io/default-memory"
+NAMESPACE_DEFAULT_COMPUTE = "gpufence.io/default-compute"
+# Admin-owned policy on the Namespace (gpufence/webhook/namespace_policy.py); the mode uses ANNOTATION_MODE's key.
+NAMESPACE_MAX_MEMORY = "gpufence.io/max-memory"
+NAMESPACE_MAX_COMPUTE = "gpufence.io/max-compute"
+NAMESPACE_ALLOW_AUDIT = "gpufence.io/allow-audit"
+NAMESPACE_ALLOW_OPT_OUT = "gpufence.io/allow-opt-out"
+# "true"/"false": inject PyTorch's allocator cap in this namespace (else --pytorch-memory-fraction).
+NAMESPACE_PYTORCH_MEMORY_FRACTION = "gpufence.io/pytorch-memory-fraction"
+
+# --- the sidecar -------------------------------------------------------------------------------
+
+SIDECAR_NAME = "gpufence-enforcer"
+# The sidecar's metrics port name, which the enforcer PodMonitor selects. Kubernetes limits port
+# names to 15 characters (IANA_SVC_NAME), so not "gpufence-metrics" (16).
+SIDECAR_PORT_NAME = "gpufence-metric"
+# The enforcer's console script (pyproject.toml), the sidecar's whole command.
+ENFORCER_COMMAND = "gpufence-enforcer"
+
+# Environment variables the webhook sets and the enforcer reads.
 ENV_CONFIG = "GPUFENCE_CONFIG"
-ENV_CONTAINER = "GPUFENCE_CONTAINER"
-ENV_MEMORY_LIMIT = "GPUFENCE_MEMORY_LIMIT"
 ENV_POD_NAME = "GPUFENCE_POD_NAME"
 ENV_POD_NAMESPACE = "GPUFENCE_POD_NAMESPACE"
 ENV_POD_UID = "GPUFENCE_POD_UID"
-# The webhook's gpufence.io/status annotation (downward API): its share-aware warnings become Events.
+# The gpufence.io/status annotation (downward API): its share-aware warnings become Events.
 ENV_POD_STATUS = "GPUFENCE_POD_STATUS"
 ENV_METRICS_PORT = "GPUFENCE_METRICS_PORT"
 ENV_HOST_PROC = "GPUFENCE_HOST_PROC"
 ENV_STATE_DIR = "GPUFENCE_STATE_DIR"
+# Every GPUFENCE_* variable the webhook may put on the sidecar; the guard refuses a sidecar with any other.
+SIDECAR_ENV = (ENV_CONFIG, ENV_POD_NAME, ENV_POD_NAMESPACE, ENV_POD_UID, ENV_POD_STATUS, ENV_METRICS_PORT,
+               ENV_STATE_DIR, ENV_HOST_PROC)
+# Set on each GPU container: its name (the enforcer reads it from /proc/<pid>/environ) and its memory share.
+ENV_CONTAINER = "GPUFENCE_CONTAINER"
+ENV_MEMORY_LIMIT = "GPUFENCE_MEMORY_LIMIT"
 
-DEFAULT_GRACE_PERIOD_SECONDS = 10.0
-DEFAULT_POLL_INTERVAL_SECONDS = 0.5
 DEFAULT_METRICS_PORT = 9401
 # Where the webhook mounts the host's /proc when the legacy-driver flag is on.
 DEFAULT_HOST_PROC_MOUNT = "/host/proc"
@@ -60,6 +98,25 @@ DEFAULT_HOST_PROC_MOUNT = "/host/proc"
 # (the root filesystem is read-only); a restarted enforcer continues them first.
 DEFAULT_STATE_DIR = "/var/run/gpufence"
 
+# --- the enforcer config (GPUFENCE_CONFIG) ------------------------------------------------------
+
+SCHEMA_VERSION = 1
+
+# The document's fields, and those of each container's entry: the only place they are spelled.
+FIELD_VERSION = "version"
+FIELD_MODE = "mode"
+FIELD_GRACE_PERIOD_SECONDS = "gracePeriodSeconds"
+FIELD_POLL_INTERVAL_SECONDS = "pollIntervalSeconds"
+FIELD_CONTAINERS = "containers"
+CONFIG_FIELDS = (FIELD_VERSION, FIELD_MODE, FIELD_GRACE_PERIOD_SECONDS, FIELD_POLL_INTERVAL_SECONDS, FIELD_CONTAINERS)
+FIELD_MEMORY_BYTES = "memoryBytes"
+FIELD_MEMORY_PERCENT = "memoryPercent"
+FIELD_COMPUTE_PERCENT = "computePercent"
+FIELD_GPUS = "gpus"
+SHARE_FIELDS = (FIELD_MEMORY_BYTES, FIELD_MEMORY_PERCENT, FIELD_COMPUTE_PERCENT, FIELD_GPUS)
+
+DEFAULT_GRACE_PERIOD_SECONDS = 10.0
+DEFAULT_POLL_INTERVAL_SECONDS = 0.5
 MAX_GRACE_PERIOD_SECONDS = 3600.0
 MIN_POLL_INTERVAL_SECONDS = 0.05
 MAX_POLL_INTERVAL_SECONDS = 60.0
@@ -93,9 +150,9 @@ class MemoryShare:
         if self.bytes is None and self.percent is None:
             raise ConfigError("a memory share needs bytes, a percent or both")
         if self.bytes is not None and self.bytes <= 0:
-            raise ConfigError(f"memoryBytes must be a positive integer, got {self.bytes!r}")
+            raise ConfigError(f"{FIELD_MEMORY_BYTES} must be a positive integer, got {self.bytes!r}")
         if self.percent is not None and not (0 < self.percent <= 100):
-            raise ConfigError(f"memoryPercent must be in (0, 100], got {self.percent!r}")
+            raise ConfigError(f"{FIELD_MEMORY_PERCENT} must be in (0, 100], got {self.percent!r}")
 
     @property
     def two_units(self) -> bool:
@@ -137,9 +194,9 @@ class ContainerShare:
 
     def __post_init__(self) -> None:
         if self.compute_percent is not None and not (0 < self.compute_percent <= 100):
-            raise ConfigError(f"computePercent must be in (0, 100], got {self.compute_percent!r}")
+            raise ConfigError(f"{FIELD_COMPUTE_PERCENT} must be in (0, 100], got {self.compute_percent!r}")
         if self.gpus is not None and (isinstance(self.gpus, bool) or not isinstance(self.gpus, int) or self.gpus < 1):
-            raise ConfigError(f"gpus must be a positive integer, got {self.gpus!r}")
+            raise ConfigError(f"{FIELD_GPUS} must be a positive integer, got {self.gpus!r}")
 
 
 @dataclass(frozen=True)
@@ -154,12 +211,12 @@ class EnforcerConfig:
         object.__setattr__(self, "containers", MappingProxyType(dict(self.containers)))
         if not (0 <= self.grace_period_seconds <= MAX_GRACE_PERIOD_SECONDS):
             raise ConfigError(
-                f"gracePeriodSeconds must be in [0, {MAX_GRACE_PERIOD_SECONDS:g}], "
+                f"{FIELD_GRACE_PERIOD_SECONDS} must be in [0, {MAX_GRACE_PERIOD_SECONDS:g}], "
                 f"got {self.grace_period_seconds!r}"
             )
         if not (MIN_POLL_INTERVAL_SECONDS <= self.poll_interval_seconds <= MAX_POLL_INTERVAL_SECONDS):
             raise ConfigError(
-                f"pollIntervalSeconds must be in [{MIN_POLL_INTERVAL_SECONDS:g}, "
+                f"{FIELD_POLL_INTERVAL_SECONDS} must be in [{MIN_POLL_INTERVAL_SECONDS:g}, "
                 f"{MAX_POLL_INTERVAL_SECONDS:g}], got {self.poll_interval_seconds!r}"
             )
 
@@ -180,20 +237,20 @@ class EnforcerConfig:
             entry: dict[str, Any] = {}
             if share.memory is not None:
                 if share.memory.bytes is not None:
-                    entry["memoryBytes"] = share.memory.bytes
+                    entry[FIELD_MEMORY_BYTES] = share.memory.bytes
                 if share.memory.percent is not None:
-                    entry["memoryPercent"] = _plain_number(share.memory.percent)
+                    entry[FIELD_MEMORY_PERCENT] = _plain_number(share.memory.percent)
             if share.compute_percent is not None:
-                entry["computePercent"] = _plain_number(share.compute_percent)
+                entry[FIELD_COMPUTE_PERCENT] = _plain_number(share.compute_percent)
             if share.gpus is not None:
-                entry["gpus"] = share.gpus
+                entry[FIELD_GPUS] = share.gpus
             containers[name] = entry
         return {
-            "version": SCHEMA_VERSION,
-            "mode": self.mode.value,
-            "gracePeriodSeconds": _plain_number(self.grace_period_seconds),
-            "pollIntervalSeconds": _plain_number(self.poll_interval_seconds),
-            "containers": containers,
+            FIELD_VERSION: SCHEMA_VERSION,
+            FIELD_MODE: self.mode.value,
+            FIELD_GRACE_PERIOD_SECONDS: _plain_number(self.grace_period_seconds),
+            FIELD_POLL_INTERVAL_SECONDS: _plain_number(self.poll_interval_seconds),
+            FIELD_CONTAINERS: containers,
         }
 
     def to_json(self) -> str:
@@ -204,26 +261,27 @@ class EnforcerConfig:
     def from_dict(cls, doc: Any) -> EnforcerConfig:
         if not isinstance(doc, dict):
             raise ConfigError(f"config must be a JSON object, got {type(doc).__name__}")
-        version = doc.get("version", SCHEMA_VERSION)
+        version = doc.get(FIELD_VERSION, SCHEMA_VERSION)
         if version != SCHEMA_VERSION:
-            raise ConfigError(f"version: unsupported value {version!r}, expected {SCHEMA_VERSION}")
-        unknown = set(doc) - {"version", "mode", "gracePeriodSeconds", "pollIntervalSeconds", "containers"}
+            raise ConfigError(f"{FIELD_VERSION}: unsupported value {version!r}, expected {SCHEMA_VERSION}")
+        unknown = set(doc) - set(CONFIG_FIELDS)
         if unknown:
             raise ConfigError(f"unknown field(s): {', '.join(sorted(unknown))}")
-        mode_value = doc.get("mode", Mode.ENFORCE.value)
+        mode_value = doc.get(FIELD_MODE, Mode.ENFORCE.value)
         try:
             mode = Mode(mode_value)
         except ValueError:
-            raise ConfigError(f"mode: unsupported value {mode_value!r}, expected 'enforce' or 'audit'") from None
-        containers_doc = doc.get("containers", {})
+            expected = " or ".join(repr(m.value) for m in Mode)
+            raise ConfigError(f"{FIELD_MODE}: unsupported value {mode_value!r}, expected {expected}") from None
+        containers_doc = doc.get(FIELD_CONTAINERS, {})
         if not isinstance(containers_doc, dict):
-            raise ConfigError("containers must be an object mapping container name to share")
+            raise ConfigError(f"{FIELD_CONTAINERS} must be an object mapping container name to share")
         containers = {str(name): _container_from_dict(str(name), entry) for name, entry in containers_doc.items()}
         return cls(
             containers=containers,
             mode=mode,
-            grace_period_seconds=_number(doc, "gracePeriodSeconds", DEFAULT_GRACE_PERIOD_SECONDS),
-            poll_interval_seconds=_number(doc, "pollIntervalSeconds", DEFAULT_POLL_INTERVAL_SECONDS),
+            grace_period_seconds=_number(doc, FIELD_GRACE_PERIOD_SECONDS, DEFAULT_GRACE_PERIOD_SECONDS),
+            poll_interval_seconds=_number(doc, FIELD_POLL_INTERVAL_SECONDS, DEFAULT_POLL_INTERVAL_SECONDS),
         )
 
     @classmethod
@@ -237,25 +295,25 @@ class EnforcerConfig:
 
 def _container_from_dict(name: str, entry: Any) -> ContainerShare:
     if not isinstance(entry, dict):
-        raise ConfigError(f"containers.{name} must be an object")
-    unknown = set(entry) - {"memoryBytes", "memoryPercent", "computePercent", "gpus"}
+        raise ConfigError(f"{FIELD_CONTAINERS}.{name} must be an object")
+    unknown = set(entry) - set(SHARE_FIELDS)
     if unknown:
-        raise ConfigError(f"containers.{name}: unknown field(s): {', '.join(sorted(unknown))}")
+        raise ConfigError(f"{FIELD_CONTAINERS}.{name}: unknown field(s): {', '.join(sorted(unknown))}")
     memory: MemoryShare | None = None
     try:
         num_bytes = percent = None
-        if "memoryBytes" in entry:
-            num_bytes = entry["memoryBytes"]
+        if FIELD_MEMORY_BYTES in entry:
+            num_bytes = entry[FIELD_MEMORY_BYTES]
             if isinstance(num_bytes, bool) or not isinstance(num_bytes, int):
-                raise ConfigError(f"memoryBytes must be an integer, got {num_bytes!r}")
-        if "memoryPercent" in entry:
-            percent = _number(entry, "memoryPercent", None)
+                raise ConfigError(f"{FIELD_MEMORY_BYTES} must be an integer, got {num_bytes!r}")
+        if FIELD_MEMORY_PERCENT in entry:
+            percent = _number(entry, FIELD_MEMORY_PERCENT, None)
         if num_bytes is not None or percent is not None:
             memory = MemoryShare(bytes=num_bytes, percent=percent)
-        compute = _number(entry, "computePercent", None) if "computePercent" in entry else None
-        return ContainerShare(memory=memory, compute_percent=compute, gpus=entry.get("gpus"))
+        compute = _number(entry, FIELD_COMPUTE_PERCENT, None) if FIELD_COMPUTE_PERCENT in entry else None
+        return ContainerShare(memory=memory, compute_percent=compute, gpus=entry.get(FIELD_GPUS))
     except ConfigError as exc:
-        raise ConfigError(f"containers.{name}: {exc}") from None
+        raise ConfigError(f"{FIELD_CONTAINERS}.{name}: {exc}") from None
 
 
 def _number(doc: dict[str, Any], key: str, default: float | None) -> Any:
@@ -270,3 +328,34 @@ def _plain_number(value: float | None) -> int | float | None:
     if value is not None and float(value).is_integer():
         return int(value)
     return value
+
+
+# --- the gpufence.io/status annotation ---------------------------------------------------------
+
+# What the webhook did, as one compact key-sorted JSON object: the GPU containers, the mode, the
+# sidecar, the version, and when there are any the framework caps per container and the
+# share-aware warnings (which the enforcer, reading the annotation through ENV_POD_STATUS, posts
+# as Events). The guard reads the sidecar field.
+STATUS_CONTAINERS = "containers"
+STATUS_MODE = "mode"
+STATUS_SIDECAR = "sidecar"
+STATUS_VERSION = "version"
+STATUS_CAPS = "caps"
+STATUS_WARNINGS = "warnings"
+STATUS_FIELDS = (STATUS_CONTAINERS, STATUS_MODE, STATUS_SIDECAR, STATUS_VERSION, STATUS_CAPS, STATUS_WARNINGS)
+# The webhook records at most this many warnings; the enforcer reads no more.
+MAX_STATUS_WARNINGS = 8
+
+
+def status_document(containers: Sequence[str], mode: Mode, version: str,
+                    caps: Mapping[str, Mapping[str, str]] | None = None,
+                    warnings: Sequence[str] = ()) -> dict[str, Any]:
+    """The status annotation's object (the webhook encodes it compact and key-sorted); ``caps`` and
+    ``warnings`` appear only when not empty."""
+    status: dict[str, Any] = {STATUS_CONTAINERS: list(containers), STATUS_MODE: mode.value,
+                              STATUS_SIDECAR: SIDECAR_NAME, STATUS_VERSION: version}
+    if caps:
+        status[STATUS_CAPS] = caps
+    if warnings:
+        status[STATUS_WARNINGS] = list(warnings)
+    return status
