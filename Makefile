@@ -31,7 +31,7 @@ system-deps:
 	./scripts/install_system_deps.sh
 
 # A separate interpreter with the CPU jaxlib, for the tests that check what real jaxlib reads
-# from the injected environment (tests/test_framework_env_real.py). Not a gpufence dependency;
+# from the injected environment (tests/integration/webhook/test_framework_env_real.py). Not a dependency;
 # about 15 s and 620 MB the first time, cached; where pip cannot fetch it those tests skip.
 CACHE_DIR := $(or $(GPUFENCE_CACHE),$(or $(XDG_CACHE_HOME),$(HOME)/.cache)/gpufence)
 FRAMEWORK_VENV := $(CACHE_DIR)/framework-venv-jax-0.10.2
@@ -58,8 +58,8 @@ clean:
 # helm built from its pinned Go module into ${GPUFENCE_CACHE:-~/.cache/gpufence} (minutes when cold);
 # the chart tests use the same binary and skip without Go.
 helm-binary: venv
-	$(PY) -m tests.helm_binary
+	$(PY) -m tests.support.helm_binary
 
 # The operations checks: alerts with promtool, the Helm chart, the version copies.
 test-ops: venv
-	$(PY) -m pytest tests/test_alerts.py tests/test_helm.py tests/test_version.py
+	$(PY) -m pytest tests/deploy/test_alerts.py tests/deploy/test_helm.py tests/deploy/test_version.py

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from tests.tlsutil import SecretVolume
+    from tests.support.tlsutil import SecretVolume
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 PERFORMANCE_MD = REPO_ROOT / "docs" / "PERFORMANCE.md"
@@ -122,7 +122,7 @@ class Pki:
     @classmethod
     def create(cls, root: Path) -> Pki:
         from gpufence.certs.pki import make_ca
-        from tests.tlsutil import SecretVolume  # a Secret volume rotated as the kubelet does
+        from tests.support.tlsutil import SecretVolume  # a Secret volume rotated as the kubelet does
 
         root.mkdir(parents=True, exist_ok=True)
         ca = make_ca()

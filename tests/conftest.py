@@ -35,7 +35,7 @@ settings.load_profile("gpufence")
 # --- enforcer runtime harness (tests/test_enforcer_*.py) -------------------------------------------
 
 REPO_ROOT = pathlib.Path(__file__).resolve().parent.parent
-WORKLOAD = pathlib.Path(__file__).resolve().parent / "workload.py"
+WORKLOAD = pathlib.Path(__file__).resolve().parent / "support" / "workload.py"
 
 
 class LineReader:
@@ -373,7 +373,7 @@ def make_config() -> Callable[..., dict[str, Any]]:
 def helm() -> pathlib.Path:
     """The helm binary built from its pinned Go module (tests/helm_binary.py); skips, saying why,
     where it cannot be built. Shared by the chart tests and the Helm install on the real API server."""
-    from tests import helm_binary
+    from tests.support import helm_binary
 
     reason = helm_binary.missing_reason()
     if reason:

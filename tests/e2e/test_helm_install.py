@@ -33,7 +33,7 @@ from tests.e2e.gpufence_install import (
     service_account_kubeconfig,
     set_ca_bundle,
 )
-from tests.tlsutil import SecretVolume
+from tests.support.tlsutil import SecretVolume
 
 CHART = REPO / "charts" / "gpufence"
 RELEASE = "gpufence"

@@ -18,7 +18,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from gpufence.webhook import server as server_module
 from gpufence.webhook.server import MAX_BODY_BYTES, METRICS, RELOADER, ServerLimits, start_webhook
 from gpufence.webhook.settings import SIDECAR_NAME
-from tests.tlsutil import LocalPKI, Webhook, gpu_pod, make_pki, pod_review, running_webhook, wait_until
+from tests.support.tlsutil import LocalPKI, Webhook, gpu_pod, make_pki, pod_review, running_webhook, wait_until
 
 JSON = {"Content-Type": "application/json"}
 

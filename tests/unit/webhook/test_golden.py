@@ -29,7 +29,7 @@ from gpufence.webhook.admission import review
 from gpufence.webhook.client import decode_patch, pod_admission_review
 from gpufence.webhook.settings import INJECTION_ENABLED, INJECTION_LABEL, InjectionSettings, NamespaceInfo
 
-GOLDEN = Path(__file__).parent / "golden"
+GOLDEN = Path(__file__).parents[2] / "golden"
 UPDATE = os.environ.get("GPUFENCE_UPDATE_GOLDEN") == "1"
 CASES = sorted(p.name.removesuffix(".in.yaml") for p in GOLDEN.glob("*.in.yaml"))
 K8S_VERSION = "1.30"

@@ -8,7 +8,7 @@ gets (tests/test_manifests.py ``validate``), and the webhook flags the values pr
 the webhook's own argument parser.
 
 helm is built from its Go module (tests/helm_binary.py); without Go these tests skip. A cold build
-takes minutes: run ``python -m tests.helm_binary`` before pytest to keep it out of a test's time.
+takes minutes: run ``python -m tests.support.helm_binary`` before pytest to keep it out of a test's time.
 """
 
 from __future__ import annotations
@@ -26,15 +26,15 @@ from celpy import celtypes
 
 from gpufence import __version__
 from gpufence.webhook.cli import parse_args, settings_from_args
-from tests import helm_binary
-from tests.test_alerts import PROMTOOL_MISSING, write_rules
-from tests.test_manifests import BUILDS, K8S_VERSION, render, validate
+from tests.deploy.test_alerts import PROMTOOL_MISSING, write_rules
+from tests.deploy.test_manifests import BUILDS, K8S_VERSION, render, validate
+from tests.support import helm_binary
 
 # The first test that asks for helm builds it when the cache lacks it: minutes with a cold Go build
 # cache, more than the suite's per-test limit. Every helm and kubectl call has its own 120 s limit.
 pytestmark = pytest.mark.timeout(helm_binary.BUILD_TIMEOUT_SECONDS + 300)
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 CHART = ROOT / "charts" / "gpufence"
 HELM_LABELS = {"helm.sh/chart", "app.kubernetes.io/managed-by", "app.kubernetes.io/instance"}
 RELEASE = "gpufence"

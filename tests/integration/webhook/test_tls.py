@@ -13,7 +13,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from gpufence.webhook.server import ServerLimits
 from gpufence.webhook.tls import CertReloader, load_pair, new_server_context
-from tests.tlsutil import LocalPKI, Webhook, make_pki, peer_serial, pod_review, running_webhook, wait_until
+from tests.support.tlsutil import LocalPKI, Webhook, make_pki, peer_serial, pod_review, running_webhook, wait_until
 
 # Long keep-alive so the keep-alive hammer's connections live through the rotations.
 LIMITS = ServerLimits(handshake_timeout=2, header_timeout=10, body_timeout=2, lingering_time=0.2,

@@ -14,7 +14,7 @@ from cryptography.x509 import verification
 
 from gpufence.certs import bootstrap as bs
 from gpufence.certs import cli, pki
-from tests.fake_kube_api import FakeKubeApi
+from tests.support.fake_kube_api import FakeKubeApi
 
 NS = "gpufence"
 SECRET = "gpufence-webhook-tls"

@@ -38,10 +38,10 @@ from gpufence.webhook.settings import (
     POD_OPT_OUT_LABEL,
     SIDECAR_NAME,
 )
-from tests.k8s_cel import FUNCTIONS as K8S_FUNCTIONS
-from tests.test_admission import good_pods
+from tests.support.k8s_cel import FUNCTIONS as K8S_FUNCTIONS
+from tests.unit.webhook.test_admission import good_pods
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[3]
 POLICY_FILE = ROOT / "k8s" / "base" / "guard-policy.yaml"
 WEBHOOK_CONFIG_FILE = ROOT / "k8s" / "base" / "mutatingwebhookconfiguration.yaml"
 
@@ -387,7 +387,7 @@ def test_a_pod_mutated_by_the_webhook_passes_the_guard() -> None:
 
 
 def _golden_cases() -> list[str]:
-    from tests.test_golden import CASES
+    from tests.unit.webhook.test_golden import CASES
 
     return CASES
 
@@ -397,7 +397,7 @@ def test_the_guard_agrees_with_the_webhook_on_every_golden_case(case: str) -> No
     """What the webhook mutates passes the guard, and the same pod sent unmutated (the webhook down)
     is denied; what it admits unmutated in an opted-in namespace the guard admits too."""
     from gpufence.webhook.podshape import gpu_container_names
-    from tests.test_golden import GOLDEN, load_case
+    from tests.unit.webhook.test_golden import GOLDEN, load_case
 
     pod_in, settings, lookup, operation = load_case(case)
     expected = yaml.safe_load((GOLDEN / f"{case}.out.yaml").read_text())

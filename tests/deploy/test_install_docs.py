@@ -15,7 +15,7 @@ import yaml
 
 from gpufence import __version__
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 INSTALL = ROOT / "docs" / "install.md"
 
 

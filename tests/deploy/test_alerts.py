@@ -29,10 +29,10 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from gpufence.enforcer.metrics import ACTION_KINDS, EnforcerMetrics
 from gpufence.webhook.metrics import OUTCOMES, WebhookMetrics
-from tests.test_manifests import K8S, _kubectl_missing_reason, one, render
+from tests.deploy.test_manifests import K8S, _kubectl_missing_reason, one, render
 
-ROOT = Path(__file__).resolve().parents[1]
-UNIT_TESTS = ROOT / "tests" / "promtool" / "alerts_test.yaml"
+ROOT = Path(__file__).resolve().parents[2]
+UNIT_TESTS = ROOT / "tests" / "deploy" / "promtool" / "alerts_test.yaml"
 RUNBOOK = ROOT / "docs" / "runbook.md"
 RUNBOOK_URL = "https://github.com/gpufence/gpufence/blob/main/docs/runbook.md"
 PROMTOOL_MISSING = "promtool not installed (Debian/Ubuntu: apt-get install prometheus)"

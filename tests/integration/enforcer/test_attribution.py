@@ -25,11 +25,11 @@ from gpufence.enforcer.attribution import (
 )
 from gpufence.enforcer.nvml import DeviceSample, GpuProcess, NvmlSample
 from gpufence.enforcer.procfs import ProcFacts, read_start_time
-from tests.test_procfs import _CHILD, GpuDir, Spawn, gpu_dir, spawn
+from tests.integration.enforcer.test_procfs import _CHILD, GpuDir, Spawn, gpu_dir, spawn
 
 __all__ = ["gpu_dir", "spawn"]  # fixtures shared with test_procfs
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
+REPO_ROOT = Path(__file__).resolve().parents[3]
 NOBODY = 1  # an own_pid that is no test process's parent, so the test's children count as workloads
 
 

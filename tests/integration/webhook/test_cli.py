@@ -17,9 +17,9 @@ import pytest
 from gpufence.logs import JsonFormatter
 from gpufence.webhook.cli import FLAGS, parse_args, settings_from_args
 from gpufence.webhook.settings import InjectionSettings
-from tests.tlsutil import LocalPKI, make_pki, pod_review
+from tests.support.tlsutil import LocalPKI, make_pki, pod_review
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[3]
 TLS = ["--tls-cert-file", "c.crt", "--tls-private-key-file", "c.key"]
 
 

@@ -9,7 +9,7 @@ one is built once per machine. ``build.json`` beside it records how long the bui
 The link flags are those of helm's own Makefile: its version, and the Kubernetes version it
 assumes (from the pinned k8s.io/client-go, major + 1) for ``helm lint`` and ``helm template``.
 
-``python -m tests.helm_binary`` builds it (if needed) and prints its path: CI can build it before
+``python -m tests.support.helm_binary`` builds it (if needed) and prints its path: CI can build it before
 pytest, so no test waits minutes for a cold Go build.
 """
 

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.tlsutil import FAST_LIMITS, LocalPKI, Webhook, make_pki, pod_review, running_webhook
+from tests.support.tlsutil import FAST_LIMITS, LocalPKI, Webhook, make_pki, pod_review, running_webhook
 
 SLACK = 2.0  # scheduling slack on a shared 2-core machine; the defaults would be 10-75 s
 

@@ -33,7 +33,7 @@ from gpufence.webhook.settings import (
     INJECTION_LABEL,
 )
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 K8S = ROOT / "k8s"
 ARCHITECTURE = ROOT / "docs" / "architecture.md"
 DASHBOARD = K8S / "components" / "monitoring" / "dashboards" / "gpufence.json"

@@ -14,7 +14,7 @@ from gpufence import IMAGE, IMAGE_REPOSITORY, __version__, version_line
 from gpufence.webhook.settings import DEFAULT_SIDECAR_IMAGE
 from scripts import set_version
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 CLIS = {
     "gpufence-webhook": "gpufence.webhook",
     "gpufence-enforcer": "gpufence.enforcer",

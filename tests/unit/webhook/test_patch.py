@@ -29,7 +29,7 @@ from gpufence.webhook.patch import diff, dumps, escape
 from gpufence.webhook.podshape import MutationError, check_shape, gpu_container_names
 from gpufence.webhook.settings import ANNOTATION_STATUS, SIDECAR_NAME, AllNamespacesOptedIn, InjectionSettings
 from gpufence.webhook.shares import resolve_shares
-from tests.test_admission import good_pods, request, setting_variants
+from tests.unit.webhook.test_admission import good_pods, request, setting_variants
 
 NS = AllNamespacesOptedIn()
 LD_PRELOAD_VALUE = re.compile(r"/spec/(initContainers|containers)/[0-9]+/env/[0-9]+/value")

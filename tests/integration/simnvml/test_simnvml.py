@@ -31,7 +31,7 @@ from gpufence.simnvml import (
     write_state,
 )
 
-REPO = pathlib.Path(__file__).resolve().parent.parent
+REPO = pathlib.Path(__file__).resolve().parents[3]
 GiB = 1 << 30
 NOT_AVAILABLE_ULL = 0xFFFFFFFFFFFFFFFF
 

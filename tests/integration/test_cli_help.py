@@ -98,7 +98,7 @@ def test_a_deprecated_flag_is_logged_as_a_warning(tmp_path: Path) -> None:
     result = subprocess.run(
         [sys.executable, "-m", "gpufence.webhook", "--poll-interval=1s", f"--tls-cert-file={tmp_path}/c",
          f"--tls-private-key-file={tmp_path}/k"],
-        capture_output=True, text=True, timeout=60, check=False, cwd=Path(__file__).resolve().parents[1],
+        capture_output=True, text=True, timeout=60, check=False, cwd=Path(__file__).resolve().parents[2],
     )
     records = [json.loads(line) for line in result.stderr.splitlines()]
     (warning,) = [r for r in records if r["event"] == "deprecated_flag"]

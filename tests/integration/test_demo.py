@@ -13,7 +13,7 @@ from pathlib import Path
 
 import psutil
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_demo_shows_enforcement_and_leaves_nothing_running() -> None:

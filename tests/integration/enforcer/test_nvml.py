@@ -35,7 +35,7 @@ from gpufence.enforcer.nvml import (
 )
 from gpufence.simnvml import ENV_STATE, SimDevice, SimProcess, SimState, build_library, write_state
 
-REPO = pathlib.Path(__file__).resolve().parent.parent
+REPO = pathlib.Path(__file__).resolve().parents[3]
 GiB = 1 << 30
 UUID_A = "GPU-aaaaaaaa-0000-0000-0000-000000000000"
 UUID_B = "GPU-bbbbbbbb-0000-0000-0000-000000000000"

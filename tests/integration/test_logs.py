@@ -19,9 +19,9 @@ import pytest
 from gpufence.logs import JsonFormatter, log_event, utc_timestamp
 from gpufence.webhook.server import _answer
 from gpufence.webhook.settings import AllNamespacesOptedIn, InjectionSettings
-from tests.tlsutil import gpu_pod, pod_review
+from tests.support.tlsutil import gpu_pod, pod_review
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 TIME_RE = re.compile(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z")
 LEVELS = {"debug", "info", "warning", "error"}
 

@@ -29,7 +29,7 @@ from gpufence.webhook.settings import (
     InjectionSettings,
     NamespaceInfo,
 )
-from tests.test_guard_policy import GUARD, POLICY, Guard
+from tests.unit.guard.test_policy import GUARD, POLICY, Guard
 
 CEILINGS = {"gpufence.io/max-memory": "20Gi", "gpufence.io/max-compute": "50"}
 
