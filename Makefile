@@ -4,7 +4,7 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: venv demo test lint bench clean e2e e2e-binaries bench-pods helm-binary test-ops system-deps framework-python
+.PHONY: venv demo test unit lint bench clean e2e e2e-binaries bench-pods helm-binary test-ops system-deps framework-python
 
 # gpufence/__init__.py holds the version, which the installed metadata copies.
 $(VENV)/.installed: pyproject.toml requirements/lock.txt gpufence/__init__.py
@@ -42,6 +42,11 @@ framework-python:
 
 test: venv lint system-deps e2e-binaries helm-binary framework-python
 	GPUFENCE_FRAMEWORK_PYTHON=$(FRAMEWORK_VENV)/bin/python $(PY) -m pytest
+
+# The fast loop: lint and the pure tests (tests/unit: no child process, no network; about 40 s on
+# 2 cores). `make test` stays the whole suite.
+unit: venv lint
+	$(PY) -m pytest -q tests/unit
 
 e2e: venv system-deps e2e-binaries
 	$(PY) -m pytest tests/e2e
