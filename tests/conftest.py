@@ -24,6 +24,8 @@ from typing import Any
 import pytest
 from hypothesis import HealthCheck, settings
 
+from tests.support.prerequisites import check_needs, missing, skip_unmet_needs
+
 # Property tests assert what the code does, never how fast: on a loaded CI machine one slow example
 # must not fail a run (hypothesis' default 200 ms deadline and its too_slow health check would).
 # print_blob puts a failing example's reproduction line (@reproduce_failure) into the CI log.
@@ -31,6 +33,14 @@ settings.register_profile(
     "gpufence", deadline=None, suppress_health_check=[HealthCheck.too_slow], print_blob=True
 )
 settings.load_profile("gpufence")
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    skip_unmet_needs(items)
+
+
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    check_needs(item)
 
 # --- enforcer runtime harness (tests/test_enforcer_*.py) -------------------------------------------
 
@@ -238,7 +248,7 @@ def sim_lib() -> pathlib.Path:
     try:
         return simnvml.build_library()
     except simnvml.SimNvmlBuildError as exc:
-        pytest.skip(f"cannot build the simulated NVML library: {exc}")
+        missing(f"cannot build the simulated NVML library: {exc}")
 
 
 class GpuSandbox:
@@ -371,11 +381,12 @@ def make_config() -> Callable[..., dict[str, Any]]:
 
 @pytest.fixture(scope="module")
 def helm() -> pathlib.Path:
-    """The helm binary built from its pinned Go module (tests/helm_binary.py); skips, saying why,
-    where it cannot be built. Shared by the chart tests and the Helm install on the real API server."""
+    """The helm binary built from its pinned Go module (tests/support/helm_binary.py); skips (fails
+    under CI=true), saying why, where it cannot be built. Shared by the chart tests and the Helm
+    install on the real API server."""
     from tests.support import helm_binary
 
     reason = helm_binary.missing_reason()
     if reason:
-        pytest.skip(reason)
+        missing(reason)
     return helm_binary.ensure_helm()

@@ -30,6 +30,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from gpufence.enforcer.metrics import ACTION_KINDS, EnforcerMetrics
 from gpufence.webhook.metrics import OUTCOMES, WebhookMetrics
 from tests.deploy.test_manifests import K8S, _kubectl_missing_reason, one, render
+from tests.support.prerequisites import missing
 
 ROOT = Path(__file__).resolve().parents[2]
 UNIT_TESTS = ROOT / "tests" / "deploy" / "promtool" / "alerts_test.yaml"
@@ -69,7 +70,7 @@ def unit_tests() -> dict[str, Any]:
 def promtool() -> str:
     path = shutil.which("promtool")
     if path is None:
-        pytest.skip(PROMTOOL_MISSING)
+        missing(PROMTOOL_MISSING)
     return path
 
 

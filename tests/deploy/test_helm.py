@@ -29,6 +29,7 @@ from gpufence.webhook.cli import parse_args, settings_from_args
 from tests.deploy.test_alerts import PROMTOOL_MISSING, write_rules
 from tests.deploy.test_manifests import BUILDS, K8S_VERSION, render, validate
 from tests.support import helm_binary
+from tests.support.prerequisites import missing
 
 # The first test that asks for helm builds it when the cache lacks it: minutes with a cold Go build
 # cache, more than the suite's per-test limit. Every helm and kubectl call has its own 120 s limit.
@@ -237,7 +238,7 @@ def test_a_kustomize_feature_the_chart_lacks_fails_the_render(helm: Path, tmp_pa
 def test_promtool_checks_the_charts_rules(helm: Path, tmp_path: Path) -> None:
     promtool = shutil.which("promtool")
     if promtool is None:
-        pytest.skip(PROMTOOL_MISSING)
+        missing(PROMTOOL_MISSING)
     (rule,) = [o for o in template(helm, tmp_path, CUSTOM) if o["kind"] == "PrometheusRule"]
     rules = write_rules(tmp_path, rule["spec"]["groups"])
     result = subprocess.run([promtool, "check", "rules", str(rules)], capture_output=True, text=True, timeout=60,

@@ -10,10 +10,10 @@ import shutil
 import subprocess
 from pathlib import Path
 
-import pytest
 import yaml
 
 from gpufence import __version__
+from tests.support.prerequisites import needs
 
 ROOT = Path(__file__).resolve().parents[2]
 INSTALL = ROOT / "docs" / "install.md"
@@ -32,7 +32,7 @@ def test_install_starts_with_building_the_image() -> None:
     assert "docker build" in section("Build and push the image")
 
 
-@pytest.mark.skipif(shutil.which("kubectl") is None, reason="kubectl not installed: cannot render kustomizations")
+@needs(shutil.which("kubectl") is not None, reason="kubectl not installed: cannot render kustomizations")
 def test_image_kustomization_example_renders_the_new_image_everywhere(tmp_path: Path) -> None:
     (block,) = re.findall(r"```yaml\n(.*?)```", section("Point the install at your image"), re.DOTALL)
     kustomization = yaml.safe_load(block)

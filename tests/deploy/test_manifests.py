@@ -32,6 +32,7 @@ from gpufence.webhook.settings import (
     INJECTION_ENABLED,
     INJECTION_LABEL,
 )
+from tests.support.prerequisites import missing
 
 ROOT = Path(__file__).resolve().parents[2]
 K8S = ROOT / "k8s"
@@ -90,7 +91,7 @@ def _kubectl_missing_reason() -> str | None:
 def render(directory: str) -> tuple[dict[str, Any], ...]:
     reason = _kubectl_missing_reason()
     if reason:
-        pytest.skip(reason)
+        missing(reason)
     result = subprocess.run(
         ["kubectl", "kustomize", str(ROOT / directory)], capture_output=True, text=True, timeout=60, check=False
     )
@@ -109,7 +110,7 @@ def objects_of(directory: str) -> tuple[dict[str, Any], ...]:
     if directory == "k8s":
         return tuple(obj for path in sorted((K8S / "base").glob("*.yaml")) if path.name != "kustomization.yaml"
                      for obj in load_file(path))  # fmt: skip
-    pytest.skip(f"{_kubectl_missing_reason()}; overlay {directory} not checked")
+    missing(f"{_kubectl_missing_reason()}; overlay {directory} not checked")
 
 
 def find(objects: Iterator[dict[str, Any]] | tuple[dict[str, Any], ...], kind: str, name: str | None = None):

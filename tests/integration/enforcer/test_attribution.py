@@ -26,6 +26,7 @@ from gpufence.enforcer.attribution import (
 from gpufence.enforcer.nvml import DeviceSample, GpuProcess, NvmlSample
 from gpufence.enforcer.procfs import ProcFacts, read_start_time
 from tests.integration.enforcer.test_procfs import _CHILD, GpuDir, Spawn, gpu_dir, spawn
+from tests.support.prerequisites import needs
 
 __all__ = ["gpu_dir", "spawn"]  # fixtures shared with test_procfs
 
@@ -191,7 +192,7 @@ def _can_unshare() -> bool:
     return probe.returncode == 0
 
 
-needs_unshare = pytest.mark.skipif(not _can_unshare(), reason="needs root and unshare(1) for PID namespaces")
+needs_unshare = needs(_can_unshare(), reason="needs root and unshare(1) for PID namespaces")
 
 
 @pytest.mark.root

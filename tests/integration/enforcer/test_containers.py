@@ -19,6 +19,7 @@ from collections.abc import Iterator
 import pytest
 
 from tests.conftest import WORKLOAD, LineReader
+from tests.support.prerequisites import missing
 
 GIB = 1 << 30
 INTERVAL = 0.1
@@ -74,10 +75,10 @@ class Cgroups:
 @pytest.fixture
 def cgroups() -> Iterator[Cgroups]:
     if os.geteuid() != 0:
-        pytest.skip("needs root to create cgroups")
+        missing("needs root to create cgroups")
     root = _cgroup2_root()
     if root is None:
-        pytest.skip("no writable cgroup2 hierarchy")
+        missing("no writable cgroup2 hierarchy")
     made = Cgroups(root)
     try:
         yield made

@@ -34,6 +34,7 @@ from gpufence.enforcer.nvml import (
     NvmlUnavailable,
 )
 from gpufence.simnvml import ENV_STATE, SimDevice, SimProcess, SimState, build_library, write_state
+from tests.support.prerequisites import skip_by_design
 
 REPO = pathlib.Path(__file__).resolve().parents[3]
 GiB = 1 << 30
@@ -384,7 +385,7 @@ def test_missing_library_is_a_clear_error(tmp_path: pathlib.Path) -> None:
     )
     assert result["path"] == f"NVML library {tmp_path / 'nope' / 'libnvidia-ml.so.1'} does not exist"
     if ctypes.util.find_library("nvidia-ml"):
-        pytest.skip("this host has a system NVML library")
+        skip_by_design("system-nvml", "this host has a system NVML library")
     assert isinstance(result["system"], str)
     assert result["system"].startswith("NVML library libnvidia-ml.so.1 not found: no NVIDIA driver")
 

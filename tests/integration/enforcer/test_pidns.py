@@ -32,6 +32,7 @@ import pytest
 
 from gpufence.simnvml import SimProcess
 from tests.conftest import REPO_ROOT, WORKLOAD, Enforcer, LineReader
+from tests.support.prerequisites import needs
 
 GIB = 1 << 30
 
@@ -53,7 +54,7 @@ def _pidns_unavailable() -> str | None:
 
 
 _REASON = _pidns_unavailable()
-pytestmark = [pytest.mark.root, pytest.mark.skipif(_REASON is not None, reason=_REASON or "")]
+pytestmark = [pytest.mark.root, needs(_REASON is None, reason=_REASON or "")]
 
 # Runs as PID 1 of the new namespace. Protocol on stdout (one JSON object a line, interleaved with
 # the enforcer's own JSON log, which inherits this stdout): {"launcher": "ready", ...} once the

@@ -17,7 +17,7 @@ from __future__ import annotations
 import os
 import shutil
 
-import pytest
+from tests.support.prerequisites import needs
 
 GIB = 1 << 30
 INTERVAL = 0.1
@@ -34,8 +34,8 @@ def caps(bounding: str) -> tuple[str, ...]:
 
 
 pytestmark = [
-    pytest.mark.skipif(os.geteuid() != 0, reason="needs root to run processes with chosen capability sets"),
-    pytest.mark.skipif(shutil.which("setpriv") is None, reason="needs setpriv (util-linux)"),
+    needs(os.geteuid() == 0, reason="needs root to run processes with chosen capability sets"),
+    needs(shutil.which("setpriv") is not None, reason="needs setpriv (util-linux)"),
 ]
 
 

@@ -19,6 +19,7 @@ from gpufence.enforcer.signals import Outcome, SafeSignaller, SignalTarget
 from gpufence.enforcer.stopped_state import StoppedState, recover
 from gpufence.enforcer.throttle import ThrottleExecutor, ThrottlePlan
 from tests.conftest import WORKLOAD, LineReader, proc_state, wait_state
+from tests.support.prerequisites import needs
 
 
 class Child:
@@ -228,7 +229,7 @@ def test_throttle_executor_cycles_and_releases(child, log, tmp_path):
     assert executor.throttled() == set()
 
 
-@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to take CAP_KILL away and give it back")
+@needs(os.geteuid() == 0, reason="needs root to take CAP_KILL away and give it back")
 def test_a_failed_sigcont_stays_recorded_and_is_retried(child, log, tmp_path):
     """SIGCONT fails for real (EPERM: this process is briefly uid 65534 without CAP_KILL, the child
     is root): the child stays stopped, in the executor and in the state file, and is continued by

@@ -31,6 +31,7 @@ import pytest
 from gpufence.webhook.admission import review
 from gpufence.webhook.client import decode_patch, pod_admission_review
 from gpufence.webhook.settings import AllNamespacesOptedIn, InjectionSettings
+from tests.support.prerequisites import missing, skip_by_design
 
 ENV_VAR = "GPUFENCE_FRAMEWORK_PYTHON"
 
@@ -94,12 +95,13 @@ else:
 def jax_python() -> str:
     python = python_with("jaxlib.xla_client")
     if python is None:
-        pytest.skip(f"no interpreter with jaxlib (tried {interpreters()}): set {ENV_VAR} to a Python with "
-                    "`pip install jax` (the CPU jaxlib is enough)")
+        missing(f"no interpreter with jaxlib (tried {interpreters()}): set {ENV_VAR} to a Python with "
+                "`pip install jax` (the CPU jaxlib is enough; make framework-python builds one)")
     probe = run(python, "import json; from jaxlib import xla_client; "
                 "print(json.dumps(hasattr(xla_client, 'generate_pjrt_gpu_plugin_options')))", {})
     if probe is not True:
-        pytest.skip("this jaxlib has no generate_pjrt_gpu_plugin_options (older than the CUDA plugin)")
+        skip_by_design("jaxlib-version",
+                       "this jaxlib has no generate_pjrt_gpu_plugin_options (older than the CUDA plugin)")
     return python
 
 
@@ -128,7 +130,7 @@ def test_jax_refuses_both_names_which_is_why_gpufence_never_adds_the_second(jax_
     both = {"XLA_CLIENT_MEM_FRACTION": "0.2", "XLA_PYTHON_CLIENT_MEM_FRACTION": "0.25"}
     result = run(jax_python, JAX_READER, both)
     if "error" not in result:
-        pytest.skip("this jaxlib reads only XLA_PYTHON_CLIENT_MEM_FRACTION (before 0.5.0)")
+        skip_by_design("jaxlib-version", "this jaxlib reads only XLA_PYTHON_CLIENT_MEM_FRACTION (before 0.5.0)")
     assert "XLA_CLIENT_MEM_FRACTION is specified together with XLA_PYTHON_CLIENT_MEM_FRACTION" in result["error"]
 
 
@@ -156,14 +158,14 @@ else:
 def test_pytorch_parses_the_merged_alloc_conf() -> None:
     python = python_with("torch")
     if python is None:
-        pytest.skip(f"no interpreter with torch (tried {interpreters()}): PyPI's Linux torch is the CUDA build "
-                    f"(about 1 GB plus the NVIDIA libraries); set {ENV_VAR} to a Python that has it")
+        skip_by_design("torch", f"no interpreter with torch (tried {interpreters()}): PyPI's Linux torch is the CUDA "
+                       f"build (about 1 GB plus the NVIDIA libraries); set {ENV_VAR} to a Python that has it")
     env = injected_env([{"name": "PYTORCH_CUDA_ALLOC_CONF", "value": "expandable_segments:True"}],
                        settings=InjectionSettings(pytorch_memory_fraction=True))
     assert env["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:True,per_process_memory_fraction:0.25"
     result = run(python, TORCH_READER, env)
     if "skip" in result:
-        pytest.skip(result["skip"])
+        skip_by_design("torch", result["skip"])
     major, minor = (int(part) for part in result["version"].split(".")[:2])
     if (major, minor) >= (2, 10):
         assert result.get("parsed") == env["PYTORCH_CUDA_ALLOC_CONF"], result
