@@ -1,4 +1,5 @@
-"""Test helpers: a CA and serving certs in a Kubernetes-style Secret volume, and an in-process webhook."""
+"""The test PKI (a CA and serving certs in a Kubernetes-style Secret volume, used by the tests and the
+benchmarks alike), and the webhook in process."""
 
 from __future__ import annotations
 
@@ -65,6 +66,11 @@ class LocalPKI:
     volume: SecretVolume
     serving: KeyPair
 
+    @property
+    def serial(self) -> int:
+        """The serial of the serving certificate now in the volume."""
+        return self.serving.cert.serial_number
+
     def new_pair(self) -> KeyPair:
         return make_serving_cert(self.ca, SANS)
 
@@ -84,11 +90,13 @@ class LocalPKI:
         return ctx
 
 
-def make_pki(tmp_path: Path) -> LocalPKI:
+def make_pki(root: Path) -> LocalPKI:
+    """A new CA (``root/ca.crt``) and a serving pair for localhost/127.0.0.1 in ``root/secret``."""
+    root.mkdir(parents=True, exist_ok=True)
     ca = make_ca()
-    ca_file = tmp_path / "ca.crt"
+    ca_file = root / "ca.crt"
     ca_file.write_bytes(ca.cert_pem)
-    volume = SecretVolume(tmp_path / "secret")
+    volume = SecretVolume(root / "secret")
     pki = LocalPKI(ca, ca_file, volume, make_serving_cert(ca, SANS))
     pki.rotate(pki.serving)
     return pki

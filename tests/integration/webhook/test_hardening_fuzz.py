@@ -10,8 +10,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from bench.common import Pki, admission_review, gpufence_server, typical_pod
-from bench.fuzz_webhook import HttpsClient, check_http, hypothesis_reviews, json_values
+from tests.support.review_checks import HttpsClient, check_http, hypothesis_reviews, json_values
+from tests.support.sample_pods import admission_review, typical_pod
+from tests.support.server_process import gpufence_server
+from tests.support.tlsutil import make_pki
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -22,7 +24,7 @@ FUZZ = settings(max_examples=300, deadline=None, database=None,
 
 @pytest.fixture(scope="module")
 def client(tmp_path_factory: pytest.TempPathFactory) -> Iterator[HttpsClient]:
-    pki = Pki.create(Path(tmp_path_factory.mktemp("fuzz")) / "pki")
+    pki = make_pki(Path(tmp_path_factory.mktemp("fuzz")) / "pki")
     with gpufence_server(pki) as (_, port):
         c = HttpsClient(port, pki.client_context())
         yield c

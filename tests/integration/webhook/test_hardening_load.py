@@ -1,4 +1,4 @@
-"""Sustained load over real TLS with two certificate rotations (a short bench.soak run).
+"""Sustained load over real TLS with two certificate rotations (a short soak, tests/support/soak.py).
 
 A verifying client (its own process) sends mixed valid/invalid AdmissionReviews at 300 req/s for
 10 s to ``python -m webhook``, reconnecting every 50 requests so new handshakes meet the rotated
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from bench.soak import soak
+from tests.support.soak import soak
 
 pytestmark = pytest.mark.timeout(90)
 

@@ -17,10 +17,12 @@ from pathlib import Path
 import psutil
 import pytest
 
-from bench.common import Pki, admission_review, gpufence_server, small_pod
 from gpufence.webhook.server import ServerLimits, create_app, start_server
 from gpufence.webhook.settings import AllNamespacesOptedIn, InjectionSettings
 from gpufence.webhook.tls import CertReloader
+from tests.support.sample_pods import admission_review, small_pod
+from tests.support.server_process import gpufence_server
+from tests.support.tlsutil import LocalPKI, make_pki
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -32,12 +34,12 @@ REQUEST = (b"POST /mutate HTTP/1.1\r\nHost: localhost\r\nContent-Type: applicati
 
 
 @pytest.fixture
-def pki(tmp_path: Path) -> Pki:
-    return Pki.create(tmp_path / "pki")
+def pki(tmp_path: Path) -> LocalPKI:
+    return make_pki(tmp_path / "pki")
 
 
 @pytest.fixture
-async def port(pki: Pki) -> AsyncIterator[int]:
+async def port(pki: LocalPKI) -> AsyncIterator[int]:
     reloader = CertReloader(pki.volume.cert_file, pki.volume.key_file, interval=0.1)
     app = create_app(InjectionSettings(), AllNamespacesOptedIn(), reloader, limits=LIMITS)
     running = await start_server(app, host="127.0.0.1", port=0)
@@ -57,7 +59,7 @@ async def _mutate(port: int, ctx: ssl.SSLContext, timeout: float = 5.0) -> tuple
     return status, time.monotonic() - t
 
 
-def _old_tls_client(pki: Pki, version: ssl.TLSVersion) -> ssl.SSLContext:
+def _old_tls_client(pki: LocalPKI, version: ssl.TLSVersion) -> ssl.SSLContext:
     ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
     ctx.load_verify_locations(pki.ca_file)
     with warnings.catch_warnings():
@@ -69,7 +71,7 @@ def _old_tls_client(pki: Pki, version: ssl.TLSVersion) -> ssl.SSLContext:
 
 
 @pytest.mark.parametrize("version", [ssl.TLSVersion.TLSv1, ssl.TLSVersion.TLSv1_1], ids=["TLSv1.0", "TLSv1.1"])
-async def test_protocols_below_tls12_are_refused(port: int, pki: Pki, version: ssl.TLSVersion):
+async def test_protocols_below_tls12_are_refused(port: int, pki: LocalPKI, version: ssl.TLSVersion):
     with pytest.raises((ssl.SSLError, ConnectionError, OSError)):
         async with asyncio.timeout(5):
             _, writer = await asyncio.open_connection("127.0.0.1", port, ssl=_old_tls_client(pki, version),
@@ -77,7 +79,7 @@ async def test_protocols_below_tls12_are_refused(port: int, pki: Pki, version: s
             writer.close()
 
 
-async def test_tls12_and_13_are_served(port: int, pki: Pki):
+async def test_tls12_and_13_are_served(port: int, pki: LocalPKI):
     for version in (ssl.TLSVersion.TLSv1_2, ssl.TLSVersion.TLSv1_3):
         ctx = pki.client_context()
         ctx.minimum_version = ctx.maximum_version = version
@@ -105,7 +107,7 @@ async def test_plaintext_http_gets_no_http_answer(port: int):
     assert not (await _plaintext_answer(port)).startswith(b"HTTP/")
 
 
-def test_the_cli_server_has_no_plaintext_listener(pki: Pki):
+def test_the_cli_server_has_no_plaintext_listener(pki: LocalPKI):
     with gpufence_server(pki) as (proc, port):
         listening = {c.laddr.port for c in psutil.Process(proc.pid).net_connections(kind="inet")
                      if c.status == psutil.CONN_LISTEN}
@@ -114,7 +116,7 @@ def test_the_cli_server_has_no_plaintext_listener(pki: Pki):
             assert not asyncio.run(_plaintext_answer(p)).startswith(b"HTTP/")
 
 
-def _client_hello(pki: Pki) -> bytes:
+def _client_hello(pki: LocalPKI) -> bytes:
     incoming, outgoing = ssl.MemoryBIO(), ssl.MemoryBIO()
     obj = pki.client_context().wrap_bio(incoming, outgoing, server_hostname="localhost")
     with pytest.raises(ssl.SSLWantReadError):
@@ -122,7 +124,7 @@ def _client_hello(pki: Pki) -> bytes:
     return outgoing.read()
 
 
-async def _stall(port: int, pki: Pki, kind: str) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+async def _stall(port: int, pki: LocalPKI, kind: str) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
     if kind == "half-client-hello":
         hello = _client_hello(pki)
         reader, writer = await asyncio.open_connection("127.0.0.1", port)
@@ -149,7 +151,7 @@ async def _closed_after(reader: asyncio.StreamReader, limit: float) -> float:
 
 
 @pytest.mark.parametrize("kind", ["half-client-hello", "half-headers", "half-body"])
-async def test_stalled_clients_time_out_without_holding_the_server(port: int, pki: Pki, kind: str):
+async def test_stalled_clients_time_out_without_holding_the_server(port: int, pki: LocalPKI, kind: str):
     stalled = [await _stall(port, pki, kind) for _ in range(30)]
     try:
         # Meanwhile other clients are served, promptly.

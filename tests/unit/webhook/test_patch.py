@@ -21,7 +21,6 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from bench.common import huge_pod, small_pod, typical_pod
 from gpufence.webhook.admission import injection_patch, review
 from gpufence.webhook.client import decode_patch
 from gpufence.webhook.desired import desired_pod
@@ -29,6 +28,7 @@ from gpufence.webhook.patch import diff, dumps, escape
 from gpufence.webhook.podshape import MutationError, check_shape, gpu_container_names
 from gpufence.webhook.settings import ANNOTATION_STATUS, SIDECAR_NAME, AllNamespacesOptedIn, InjectionSettings
 from gpufence.webhook.shares import resolve_shares
+from tests.support.sample_pods import huge_pod, small_pod, typical_pod
 from tests.unit.webhook.test_admission import good_pods, request, setting_variants
 
 NS = AllNamespacesOptedIn()

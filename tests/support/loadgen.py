@@ -1,8 +1,9 @@
-"""HTTPS load generator for the webhook benchmarks: open model (fixed arrival rate) or closed loop.
+"""HTTPS load generator for the webhook benchmarks and the soak test: open model (fixed arrival
+rate) or closed loop.
 
-    python -m bench.loadgen --port P --ca CA.crt (--body FILE ... | --mixed)
-                            (--rate R | --closed N) [--duration S] [--warmup S] [--connections N]
-                            [--reconnect-every K] [--timeout S] [--path /mutate]
+    python -m tests.support.loadgen --port P --ca CA.crt (--body FILE ... | --mixed)
+                                    (--rate R | --closed N) [--duration S] [--warmup S] [--connections N]
+                                    [--reconnect-every K] [--timeout S] [--path /mutate]
 
 Prints one JSON object (the result) on the last line of stdout.
 
@@ -34,7 +35,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from bench.common import mixed_bodies, percentile
+from tests.support.sample_pods import mixed_bodies
+from tests.support.stats import percentile
 
 
 class HttpError(Exception):
@@ -291,7 +293,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--ca", required=True)
     parser.add_argument("--body", action="append", default=[], help="request body file (repeatable: cycled)")
-    parser.add_argument("--mixed", action="store_true", help="mixed valid/invalid reviews (bench.common)")
+    parser.add_argument("--mixed", action="store_true", help="mixed valid/invalid reviews (tests.support.sample_pods)")
     group = parser.add_mutually_exclusive_group(required=True)
     group.add_argument("--rate", type=float, help="open model: requests per second")
     group.add_argument("--closed", type=int, metavar="N", help="closed loop over N connections")
