@@ -17,7 +17,7 @@ import pytest
 from gpufence.logs import JsonFormatter
 from gpufence.webhook.cli import FLAGS, parse_args, settings_from_args
 from gpufence.webhook.settings import InjectionSettings
-from tests.support.tlsutil import LocalPKI, make_pki, pod_review
+from tests.support.tlsutil import LocalPKI, pod_review
 
 REPO = Path(__file__).resolve().parents[3]
 TLS = ["--tls-cert-file", "c.crt", "--tls-private-key-file", "c.key"]
@@ -143,11 +143,6 @@ def outside_cluster_env(tmp_path: Path) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("KUBERNETES_", "GPUFENCE_"))}
     env.update(KUBECONFIG=str(tmp_path / "no-kubeconfig"), HOME=str(tmp_path), PYTHONPATH=str(REPO))
     return env
-
-
-@pytest.fixture
-def pki(tmp_path: Path) -> LocalPKI:
-    return make_pki(tmp_path)
 
 
 async def test_process_serves_outside_a_cluster_and_stops_on_sigterm(pki: LocalPKI, tmp_path: Path):

@@ -7,7 +7,6 @@ import base64
 import json
 import logging
 from collections.abc import AsyncIterator
-from pathlib import Path
 from typing import Any
 
 import aiohttp
@@ -18,14 +17,9 @@ from prometheus_client.parser import text_string_to_metric_families
 from gpufence.webhook import server as server_module
 from gpufence.webhook.server import MAX_BODY_BYTES, METRICS, RELOADER, ServerLimits, start_webhook
 from gpufence.webhook.settings import SIDECAR_NAME
-from tests.support.tlsutil import LocalPKI, Webhook, gpu_pod, make_pki, pod_review, running_webhook, wait_until
+from tests.support.tlsutil import LocalPKI, Webhook, gpu_pod, pod_review, running_webhook, wait_until
 
 JSON = {"Content-Type": "application/json"}
-
-
-@pytest.fixture
-def pki(tmp_path: Path) -> LocalPKI:
-    return make_pki(tmp_path)
 
 
 @pytest.fixture

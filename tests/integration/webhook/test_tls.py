@@ -13,16 +13,11 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from gpufence.webhook.server import ServerLimits
 from gpufence.webhook.tls import CertReloader, load_pair, new_server_context
-from tests.support.tlsutil import LocalPKI, Webhook, make_pki, peer_serial, pod_review, running_webhook, wait_until
+from tests.support.tlsutil import LocalPKI, Webhook, peer_serial, pod_review, running_webhook, wait_until
 
 # Long keep-alive so the keep-alive hammer's connections live through the rotations.
 LIMITS = ServerLimits(handshake_timeout=2, header_timeout=10, body_timeout=2, lingering_time=0.2,
                       shutdown_timeout=5)
-
-
-@pytest.fixture
-def pki(tmp_path: Path) -> LocalPKI:
-    return make_pki(tmp_path)
 
 
 def test_context_refuses_old_protocols():
