@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 import signal
 
-from tests.conftest import proc_state, wait_state
+from tests.support.enforcer_harness import proc_state, wait_state
 
 GIB = 1 << 30
 INTERVAL = 0.1

@@ -18,7 +18,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from tests.conftest import WORKLOAD, LineReader
+from tests.support.enforcer_harness import WORKLOAD, LineReader
 from tests.support.prerequisites import missing
 
 GIB = 1 << 30

@@ -12,7 +12,7 @@ import sys
 import pytest
 
 from gpufence.simnvml import SimProcess
-from tests.conftest import REPO_ROOT, proc_state, wait_state
+from tests.support.enforcer_harness import REPO_ROOT, proc_state, wait_state
 
 GIB = 1 << 30
 INTERVAL = 0.1

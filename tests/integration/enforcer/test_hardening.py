@@ -15,7 +15,7 @@ import time
 
 import pytest
 
-from tests.conftest import REPO_ROOT, wait_enforcer_polls
+from tests.support.enforcer_harness import REPO_ROOT, wait_enforcer_polls
 
 pytestmark = pytest.mark.timeout(60)
 

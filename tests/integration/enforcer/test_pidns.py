@@ -31,7 +31,7 @@ from typing import Any
 import pytest
 
 from gpufence.simnvml import SimProcess
-from tests.conftest import REPO_ROOT, WORKLOAD, Enforcer, LineReader
+from tests.support.enforcer_harness import REPO_ROOT, WORKLOAD, Enforcer, LineReader
 from tests.support.prerequisites import needs
 
 GIB = 1 << 30

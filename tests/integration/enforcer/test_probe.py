@@ -7,7 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from tests.conftest import REPO_ROOT, GpuSandbox
+from tests.support.enforcer_harness import REPO_ROOT, GpuSandbox
 
 
 def run_probe(state_dir: Path | None) -> subprocess.CompletedProcess[str]:

@@ -18,7 +18,7 @@ from gpufence.enforcer.procfs import read_stat
 from gpufence.enforcer.signals import Outcome, SafeSignaller, SignalTarget
 from gpufence.enforcer.stopped_state import StoppedState, recover
 from gpufence.enforcer.throttle import ThrottleExecutor, ThrottlePlan
-from tests.conftest import WORKLOAD, LineReader, proc_state, wait_state
+from tests.support.enforcer_harness import WORKLOAD, LineReader, proc_state, wait_state
 from tests.support.prerequisites import needs
 
 
