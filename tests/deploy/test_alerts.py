@@ -2,7 +2,7 @@
 
 * ``promtool check rules`` on the rule groups of the rendered PrometheusRule (what
   ``kubectl apply -k k8s/overlays/monitoring`` applies);
-* ``promtool test rules`` runs tests/promtool/alerts_test.yaml against those groups: every alert
+* ``promtool test rules`` runs tests/deploy/promtool/alerts_test.yaml against those groups: every alert
   fires in at least one case (the first kill among them) and stays silent in another;
 * every input series of those tests has the name, label names and enum label values of a series
   the enforcer or the webhook really exports, so the tests cannot drift from the code;

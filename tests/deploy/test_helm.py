@@ -4,10 +4,10 @@ The chart renders the kustomize manifests themselves (charts/gpufence/k8s links 
 main check is that, for the defaults and each variant, ``helm template`` gives exactly the objects
 of ``kubectl kustomize`` of the matching overlay, apart from Helm's own labels. Every rendered
 object, with the defaults and with every value changed, passes the validation the kustomize output
-gets (tests/test_manifests.py ``validate``), and the webhook flags the values produce are parsed by
+gets (tests/deploy/test_manifests.py ``validate``), and the webhook flags the values produce are parsed by
 the webhook's own argument parser.
 
-helm is built from its Go module (tests/helm_binary.py); without Go these tests skip. A cold build
+helm is built from its Go module (tests/support/helm_binary.py); without Go these tests skip. A cold build
 takes minutes: run ``python -m tests.support.helm_binary`` before pytest to keep it out of a test's time.
 """
 

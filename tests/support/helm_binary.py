@@ -1,6 +1,6 @@
 """The ``helm`` binary the chart tests use, built from its Go module and cached.
 
-tests/helm/go.mod pins ``helm.sh/helm/v3`` (a ``tool`` directive, so go.sum covers every
+tests/support/helm/go.mod pins ``helm.sh/helm/v3`` (a ``tool`` directive, so go.sum covers every
 dependency of ``cmd/helm``); the binary is built with ``GOFLAGS=-mod=mod`` into
 ``${GPUFENCE_CACHE:-${XDG_CACHE_HOME:-~/.cache}/gpufence}/helm-<version>-<key>/helm``, where the key hashes go.mod,
 go.sum, the Go version and the link flags, so a changed pin builds a new binary and an unchanged
@@ -48,7 +48,7 @@ def helm_version() -> str:
 def ldflags() -> str:
     client_go = re.fullmatch(r"v0\.(\d+)\.\d+.*", _required("k8s.io/client-go"))
     if client_go is None:
-        raise RuntimeError("unexpected k8s.io/client-go version in tests/helm/go.mod")
+        raise RuntimeError("unexpected k8s.io/client-go version in tests/support/helm/go.mod")
     major, minor = "1", client_go.group(1)
     flags = ["-s", "-w", f"-X helm.sh/helm/v3/internal/version.version={helm_version()}"]
     for package in ("helm.sh/helm/v3/pkg/lint/rules", "helm.sh/helm/v3/pkg/chartutil"):

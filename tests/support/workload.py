@@ -1,6 +1,6 @@
 """A tiny fake GPU workload for the enforcer's end-to-end tests.
 
-    python tests/workload.py DEVICE_FILE [--ignore-term]
+    python tests/support/workload.py DEVICE_FILE [--ignore-term]
 
 It sets nothing itself (its container comes from the GPUFENCE_CONTAINER the test puts in its
 environment), opens DEVICE_FILE (a temp file standing in for /dev/nvidia0: the enforcer accepts a

@@ -1,4 +1,4 @@
-"""Enforcer faults not covered by tests/test_enforcer_*.py: the log reader gone (stdout closed),
+"""Enforcer faults not covered by the other tests/integration/enforcer tests: the log reader gone (stdout closed),
 the metrics port flooded with stalled clients, and many GPU processes, while a container goes over
 its memory share. In each case the SIGTERM must still come within a few poll intervals.
 """

@@ -1,5 +1,5 @@
 """The signalling door, the stopped-state file and the throttle executor, in process, against real
-child processes (tests/workload.py) receiving real signals."""
+child processes (tests/support/workload.py) receiving real signals."""
 
 from __future__ import annotations
 

@@ -10,10 +10,12 @@ that runs the framework's own reader of those variables:
 
 Neither framework is a dependency of gpufence. The interpreters tried are those listed in
 ``GPUFENCE_FRAMEWORK_PYTHON`` (separated by ``os.pathsep``), then this one; a framework found in
-none of them is skipped with the reason. E.g.::
+none of them is skipped with the reason (jaxlib: fails under CI=true; ``make framework-python``
+builds the pinned one). E.g.::
 
     python3 -m venv /tmp/fw && /tmp/fw/bin/pip install jax   # CPU jaxlib, about 100 MB
-    GPUFENCE_FRAMEWORK_PYTHON=/tmp/fw/bin/python .venv/bin/python -m pytest tests/test_framework_env_real.py
+    GPUFENCE_FRAMEWORK_PYTHON=/tmp/fw/bin/python .venv/bin/python -m pytest \
+        tests/integration/webhook/test_framework_env_real.py
 """
 
 from __future__ import annotations

@@ -270,7 +270,7 @@ def test_orders_for_several_containers_at_once() -> None:
     ]
 
 
-# -- compute (the controller is tested in tests/test_compute.py) ------------------------------------
+# -- compute (the controller is tested in tests/unit/enforcer/test_compute.py) ----------------------
 
 
 def at(*processes: PodProcess) -> Attribution:

@@ -6,7 +6,7 @@ them; the pods there have the same container name and shares.
 Every forgery starts from what the webhook really injects (so it has the right image, command and
 status annotation) and weakens one thing; the guard must refuse each with a message that says
 what is wrong, and must keep admitting the webhook's own output and what a pod could legitimately
-have asked for. The policy is evaluated with cel-python (tests/test_guard_policy.py's harness); the
+have asked for. The policy is evaluated with cel-python (tests/unit/guard/test_policy.py's harness); the
 real kube-apiserver evaluates it in tests/e2e/test_guard.py.
 """
 
