@@ -4,7 +4,7 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: venv demo test lint bench clean e2e e2e-binaries bench-pods helm-binary test-ops system-deps framework-python
+.PHONY: venv demo test unit lint bench clean e2e e2e-binaries bench-pods helm-binary test-ops system-deps framework-python
 
 # gpufence/__init__.py holds the version, which the installed metadata copies.
 $(VENV)/.installed: pyproject.toml requirements/lock.txt gpufence/__init__.py
@@ -26,22 +26,28 @@ e2e-binaries: venv
 	$(PY) -m tests.e2e.binaries
 
 # Debian packages some tests use (promtool, the node's runtime); installed when missing and root, else
-# those tests skip.
+# those tests skip (and fail under CI=true: tests/support/prerequisites.py).
 system-deps:
 	./scripts/install_system_deps.sh
 
 # A separate interpreter with the CPU jaxlib, for the tests that check what real jaxlib reads
-# from the injected environment (tests/test_framework_env_real.py). Not a gpufence dependency;
-# about 15 s and 620 MB the first time, cached; where pip cannot fetch it those tests skip.
+# from the injected environment (tests/integration/webhook/test_framework_env_real.py). Not a gpufence
+# dependency; about 15 s and 620 MB the first time, cached; where pip cannot fetch it those tests skip
+# (and fail under CI=true).
 CACHE_DIR := $(or $(GPUFENCE_CACHE),$(or $(XDG_CACHE_HOME),$(HOME)/.cache)/gpufence)
 FRAMEWORK_VENV := $(CACHE_DIR)/framework-venv-jax-0.10.2
 framework-python:
 	@[ -f $(FRAMEWORK_VENV)/.ok ] || { $(PYTHON) -m venv $(FRAMEWORK_VENV) && \
 	  $(FRAMEWORK_VENV)/bin/pip install --quiet --disable-pip-version-check jax==0.10.2 jaxlib==0.10.2 && \
-	  touch $(FRAMEWORK_VENV)/.ok; } || echo "framework-python: jax not installed; its tests will skip" >&2
+	  touch $(FRAMEWORK_VENV)/.ok; } || echo "framework-python: jax not installed; its tests will skip (fail under CI=true)" >&2
 
 test: venv lint system-deps e2e-binaries helm-binary framework-python
 	GPUFENCE_FRAMEWORK_PYTHON=$(FRAMEWORK_VENV)/bin/python $(PY) -m pytest
+
+# The fast loop: lint and the pure tests (tests/unit: no child process, no network; about 40 s on
+# 2 cores). `make test` stays the whole suite.
+unit: venv lint
+	$(PY) -m pytest -q tests/unit
 
 e2e: venv system-deps e2e-binaries
 	$(PY) -m pytest tests/e2e
@@ -56,10 +62,10 @@ clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis .gpufence-cache
 
 # helm built from its pinned Go module into ${GPUFENCE_CACHE:-~/.cache/gpufence} (minutes when cold);
-# the chart tests use the same binary and skip without Go.
+# the chart tests use the same binary and skip without Go (fail under CI=true).
 helm-binary: venv
-	$(PY) -m tests.helm_binary
+	$(PY) -m tests.support.helm_binary
 
 # The operations checks: alerts with promtool, the Helm chart, the version copies.
 test-ops: venv
-	$(PY) -m pytest tests/test_alerts.py tests/test_helm.py tests/test_version.py
+	$(PY) -m pytest tests/deploy/test_alerts.py tests/deploy/test_helm.py tests/deploy/test_version.py

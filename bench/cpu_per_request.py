@@ -18,18 +18,11 @@ import os
 import tempfile
 from pathlib import Path
 
-from bench.common import (
-    Pki,
-    admission_review,
-    cpu_plan,
-    floor_server,
-    gpufence_server,
-    median,
-    run_loadgen,
-    table,
-    typical_pod,
-    write_section,
-)
+from bench.common import floor_server, run_loadgen, table, write_section
+from tests.support.sample_pods import admission_review, typical_pod
+from tests.support.server_process import cpu_plan, gpufence_server
+from tests.support.stats import median
+from tests.support.tlsutil import make_pki
 
 TARGET_RATIO = 0.5
 _TICKS = os.sysconf("SC_CLK_TCK")
@@ -53,7 +46,7 @@ def measure(repeats: int, duration: float) -> dict[str, list[float]]:
     per_request: dict[str, list[float]] = {"floor": [], "gpufence": []}
     with tempfile.TemporaryDirectory(prefix="gpufence-bench-") as tmp:
         root = Path(tmp)
-        pki = Pki.create(root / "pki")
+        pki = make_pki(root / "pki")
         body_file, canned_file = root / "typical.json", root / "canned.json"
         body = json.dumps(admission_review(typical_pod())).encode()
         body_file.write_bytes(body)

@@ -37,7 +37,9 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from bench.common import REPO_ROOT, child_env, median, percentile, table, write_section
+from bench.common import REPO_ROOT, table, write_section
+from tests.support.server_process import child_env
+from tests.support.stats import median, percentile
 
 MiB, GiB = 1 << 20, 1 << 30
 CONTAINERS = ("c0", "c1", "c2", "c3")

@@ -16,7 +16,9 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from bench.common import admission_review, huge_pod, median, small_pod, table, typical_pod, write_section
+from bench.common import table, write_section
+from tests.support.sample_pods import admission_review, huge_pod, small_pod, typical_pod
+from tests.support.stats import median
 
 TARGET_TYPICAL_US = 200.0
 

@@ -41,7 +41,7 @@ import aiohttp
 import jsonpatch
 import psutil
 
-from bench.common import median, percentile, table, write_section
+from bench.common import table, write_section
 from gpufence.webhook.admission import review
 from gpufence.webhook.client import decode_patch, pod_admission_review
 from gpufence.webhook.desired import SERVICE_ACCOUNT_MOUNT_PATH as SA_PATH
@@ -50,6 +50,7 @@ from tests.e2e import kube
 from tests.e2e.binaries import KUBERNETES_VERSIONS, build, control_plane, refwebhook_recipe
 from tests.e2e.controlplane import ControlPlane, free_port, running_control_plane, start
 from tests.e2e.gpufence_install import WebhookProcess, point_webhook_at, start_gpufence
+from tests.support.stats import median, percentile
 
 TARGET_RATIO = 0.9
 TARGET_ADDED_P99_MS = 5.0

@@ -13,7 +13,8 @@ import subprocess
 import sys
 import time
 
-from bench.common import REPO_ROOT, child_env
+from bench.common import REPO_ROOT
+from tests.support.server_process import child_env
 
 FULL = [
     ["bench.mutation_core"],

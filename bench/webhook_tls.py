@@ -4,7 +4,7 @@
                                 [--connections 8] [--closed 8] [--repeats 3] [--no-write]
 
 Both servers run as subprocesses for the whole run, pinned to one CPU; the load generator
-(``bench.loadgen``, a separate process per measurement) is pinned to another (``os.sched_setaffinity``).
+(``tests.support.loadgen``, a separate process per measurement) is pinned to another (``os.sched_setaffinity``).
 The body is the typical training pod of ``bench.mutation_core``; the floor answers with gpufence's
 own answer for it (same size). For each load point the two servers are measured back to back,
 alternating which goes first, so machine-load drift hits both; saturation (closed loop) is repeated
@@ -20,18 +20,11 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from bench.common import (
-    Pki,
-    admission_review,
-    cpu_plan,
-    floor_server,
-    gpufence_server,
-    median,
-    run_loadgen,
-    table,
-    typical_pod,
-    write_section,
-)
+from bench.common import floor_server, run_loadgen, table, write_section
+from tests.support.sample_pods import admission_review, typical_pod
+from tests.support.server_process import cpu_plan, gpufence_server
+from tests.support.stats import median
+from tests.support.tlsutil import make_pki
 
 TARGET_RATIO = 0.5  # with one patch path, at least half of a bare aiohttp endpoint
 TARGET_P99_300_MS = 10.0
@@ -49,7 +42,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     server_cpus, gen_cpus = cpu_plan()
     with tempfile.TemporaryDirectory(prefix="gpufence-bench-") as tmp:
         root = Path(tmp)
-        pki = Pki.create(root / "pki")
+        pki = make_pki(root / "pki")
         body_file, canned_file = root / "typical.json", root / "canned.json"
         body = json.dumps(admission_review(typical_pod())).encode()
         body_file.write_bytes(body)

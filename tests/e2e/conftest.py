@@ -2,7 +2,8 @@
 
 Every test here runs once against each version in ``KUBERNETES_VERSIONS``; pytest groups them so
 that one control plane runs at a time. Where Go (or the module proxy) is missing the binaries
-cannot be built and the tests skip with that reason (``-ra`` prints it).
+cannot be built and the tests skip with that reason (``-ra`` prints it), or fail with it under
+CI=true (tests/support/prerequisites.py).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from tests.e2e import kube
 from tests.e2e.binaries import KUBERNETES_VERSIONS, GoMissing, control_plane
 from tests.e2e.controlplane import ControlPlane, running_control_plane
 from tests.e2e.gpufence_install import WebhookProcess, start_gpufence
+from tests.support.prerequisites import missing, skip_by_design
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
@@ -32,11 +34,11 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 @pytest.fixture(scope="session", params=KUBERNETES_VERSIONS, ids=lambda v: f"k8s-{v}")
 def cluster(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ControlPlane]:
     if os.environ.get("GPUFENCE_SKIP_E2E"):
-        pytest.skip(f"GPUFENCE_SKIP_E2E={os.environ['GPUFENCE_SKIP_E2E']} set")
+        skip_by_design("opted-out", f"GPUFENCE_SKIP_E2E={os.environ['GPUFENCE_SKIP_E2E']} set")
     try:
         binaries = control_plane(request.param)
     except GoMissing as exc:
-        pytest.skip(f"cannot build Kubernetes {request.param}: {exc}")
+        missing(f"cannot build Kubernetes {request.param}: {exc}")
     with running_control_plane(binaries, tmp_path_factory.mktemp(f"k8s-{request.param}")) as cp:
         yield cp
 

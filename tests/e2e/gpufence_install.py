@@ -29,7 +29,7 @@ import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.e2e.controlplane import Component, ControlPlane, StartupFailed, free_port, start, write_kubeconfig
-from tests.tlsutil import SecretVolume
+from tests.support.tlsutil import SecretVolume
 
 REPO = Path(__file__).resolve().parents[2]
 WEBHOOK_CONFIGURATION = "gpufence"

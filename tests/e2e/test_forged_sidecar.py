@@ -15,9 +15,9 @@ from kubernetes import client
 
 from tests.e2e import kube
 from tests.e2e.gpufence_install import WebhookProcess
-from tests.test_guard_forged_sidecar import CEILINGS, FORGERIES, sidecar_of
+from tests.unit.guard.test_forged_sidecar import CEILINGS, FORGERIES, sidecar_of
 
-# Most of the unit tests' forgeries (tests/test_guard_forged_sidecar.py runs them all with cel-python).
+# Most of the unit tests' forgeries (tests/unit/guard/test_forged_sidecar.py runs them all with cel-python).
 CHOSEN = ("audit mode", "share above the ceiling", "compute above the ceiling", "more GPUs than requested",
           "container twice", "LD_PRELOAD", "no GPUs for NVML", "args", "mount over the code")
 

@@ -33,7 +33,8 @@ from tests.e2e.gpufence_install import (
     service_account_kubeconfig,
     set_ca_bundle,
 )
-from tests.tlsutil import SecretVolume
+from tests.support.prerequisites import missing, skip_by_design
+from tests.support.tlsutil import SecretVolume
 
 CHART = REPO / "charts" / "gpufence"
 RELEASE = "gpufence"
@@ -54,12 +55,12 @@ yaml.safe_dump_all(objects, sys.stdout)
 @pytest.fixture(scope="module")
 def helm_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ControlPlane]:
     if os.environ.get("GPUFENCE_SKIP_E2E"):
-        pytest.skip(f"GPUFENCE_SKIP_E2E={os.environ['GPUFENCE_SKIP_E2E']} set")
+        skip_by_design("opted-out", f"GPUFENCE_SKIP_E2E={os.environ['GPUFENCE_SKIP_E2E']} set")
     version = KUBERNETES_VERSIONS[0]
     try:
         binaries = control_plane(version)
     except GoMissing as exc:
-        pytest.skip(f"cannot build Kubernetes {version}: {exc}")
+        missing(f"cannot build Kubernetes {version}: {exc}")
     with running_control_plane(binaries, tmp_path_factory.mktemp(f"helm-k8s-{version}")) as cp:
         yield cp
 

@@ -2,7 +2,9 @@
 
 The node runs with the oldest tested control plane only: the kubelet is v1.30.14 (cgroup v1, which
 these machines mount), and the version skew policy allows a kubelet at most three minors older
-than the API server, so against v1.37 the node tests skip and say so.
+than the API server, so against v1.37 the node tests skip and say so. A missing prerequisite (root,
+containerd, runc, the CNI plugins, an image tool, Go) skips them too, or fails them under CI=true
+(tests/support/prerequisites.py); root and the runtime are checked before any control plane starts.
 """
 
 from __future__ import annotations
@@ -19,8 +21,9 @@ from tests.e2e.controlplane import ControlPlane
 from tests.e2e.gpufence_install import WebhookProcess
 from tests.node.binaries import NODE_VERSION
 from tests.node.images import ImageBuildUnavailable
-from tests.node.node import Node, NodeUnavailable, running_node
+from tests.node.node import Node, NodeUnavailable, check_prerequisites, running_node
 from tests.node.workloads import write_gpu_state
+from tests.support.prerequisites import missing, skip_by_design
 
 MAX_KUBELET_SKEW = 3  # minors, https://kubernetes.io/releases/version-skew-policy/#kubelet
 
@@ -29,18 +32,27 @@ def _minor(version: str) -> int:
     return int(version.lstrip("v").split(".")[1])
 
 
+@pytest.fixture(scope="session", autouse=True)
+def node_prerequisites() -> None:
+    """Autouse, so it comes before the control plane: a machine without them says so in seconds."""
+    if os.environ.get("GPUFENCE_SKIP_NODE"):
+        skip_by_design("opted-out", f"GPUFENCE_SKIP_NODE={os.environ['GPUFENCE_SKIP_NODE']} set")
+    try:
+        check_prerequisites()
+    except NodeUnavailable as exc:
+        missing(f"no node: {exc}")
+
+
 @pytest.fixture(scope="session")
 def node(cluster: ControlPlane, gpufence: WebhookProcess) -> Iterator[Node]:
-    if os.environ.get("GPUFENCE_SKIP_NODE"):
-        pytest.skip(f"GPUFENCE_SKIP_NODE={os.environ['GPUFENCE_SKIP_NODE']} set")
     if _minor(cluster.version) - _minor(NODE_VERSION) > MAX_KUBELET_SKEW:
-        pytest.skip(f"kubelet {NODE_VERSION} is more than {MAX_KUBELET_SKEW} minors older than the "
-                    f"API server {cluster.version} (unsupported skew); the node runs with v1.30 only")
+        skip_by_design("kubelet-skew", f"kubelet {NODE_VERSION} is more than {MAX_KUBELET_SKEW} minors older "
+                       f"than the API server {cluster.version} (unsupported skew); the node runs with v1.30 only")
     try:
         with running_node(cluster) as running:
             yield running
     except (NodeUnavailable, ImageBuildUnavailable, GoMissing) as exc:
-        pytest.skip(f"no node: {exc}")
+        missing(f"no node: {exc}")
 
 
 @pytest.fixture(scope="session")

@@ -1,0 +1,225 @@
+"""The guard against a sidecar of the pod author's own making while the webhook is down.
+
+``FORGERIES`` is shared with tests/e2e/test_forged_sidecar.py, where the real API server judges
+them; the pods there have the same container name and shares.
+
+Every forgery starts from what the webhook really injects (so it has the right image, command and
+status annotation) and weakens one thing; the guard must refuse each with a message that says
+what is wrong, and must keep admitting the webhook's own output and what a pod could legitimately
+have asked for. The policy is evaluated with cel-python (tests/unit/guard/test_policy.py's harness); the
+real kube-apiserver evaluates it in tests/e2e/test_guard.py.
+"""
+
+from __future__ import annotations
+
+import base64
+import copy
+import json
+from collections.abc import Callable
+from typing import Any
+
+import jsonpatch
+import pytest
+
+from gpufence.contract import INJECTION_ENABLED, INJECTION_LABEL, SIDECAR_NAME
+from gpufence.webhook import admission, client
+from gpufence.webhook.settings import InjectionSettings, NamespaceInfo
+from tests.unit.guard.test_policy import GUARD, POLICY, Guard
+
+CEILINGS = {"gpufence.io/max-memory": "20Gi", "gpufence.io/max-compute": "50"}
+
+
+def gpu_pod(annotations: dict[str, str] | None = None) -> dict[str, Any]:
+    return {
+        "apiVersion": "v1", "kind": "Pod",
+        "metadata": {"name": "train-0", "namespace": "team-a", "annotations": annotations or {}},
+        "spec": {"containers": [{"name": "trainer", "image": "cuda:12",
+                                 "resources": {"limits": {"nvidia.com/gpu": "1"}}}]},
+    }
+
+
+def injected(pod: dict[str, Any], ns_annotations: dict[str, str],
+             settings: InjectionSettings | None = None) -> dict[str, Any]:
+    """The pod as the webhook mutates it in a namespace with ``ns_annotations``."""
+
+    class Lookup:
+        def get(self, name: str) -> NamespaceInfo:
+            return NamespaceInfo(name=name, labels={INJECTION_LABEL: INJECTION_ENABLED}, annotations=ns_annotations)
+
+    review = admission.review(client.pod_admission_review(copy.deepcopy(pod), uid="u", namespace="team-a"),
+                              settings or InjectionSettings(), Lookup())
+    assert review.outcome == "mutated", review.review["response"]
+    patch = json.loads(base64.b64decode(review.review["response"]["patch"]))
+    return jsonpatch.apply_patch(pod, patch)
+
+
+def sidecar_of(pod: dict[str, Any]) -> dict[str, Any]:
+    (sidecar,) = [c for c in pod["spec"]["initContainers"] if c["name"] == SIDECAR_NAME]
+    return sidecar
+
+
+def config_of(pod: dict[str, Any]) -> dict[str, Any]:
+    (entry,) = [e for e in sidecar_of(pod)["env"] if e["name"] == "GPUFENCE_CONFIG"]
+    return json.loads(entry["value"])
+
+
+def with_config(pod: dict[str, Any], change: Callable[[dict[str, Any]], None]) -> None:
+    """Rewrites the sidecar's config as the webhook would write it (compact, keys sorted)."""
+    doc = config_of(pod)
+    change(doc)
+    for entry in sidecar_of(pod)["env"]:
+        if entry["name"] == "GPUFENCE_CONFIG":
+            entry["value"] = json.dumps(doc, separators=(",", ":"), sort_keys=True)
+
+
+def set_env(pod: dict[str, Any], name: str, value: str) -> None:
+    env = sidecar_of(pod)["env"]
+    env[:] = [e for e in env if e["name"] != name] + [{"name": name, "value": value}]
+
+
+GIB = 1 << 30
+
+
+def _twice(pod: dict[str, Any]) -> None:
+    """A small share listed first and none after: JSON keeps the last of two equal keys (no limit),
+    a regular expression would find the first."""
+    text = json.dumps(config_of(pod), separators=(",", ":"), sort_keys=True)
+    entry = text[text.index('"trainer":{'):].split("}", 1)[0] + "}"
+    set_env(pod, "GPUFENCE_CONFIG", text.replace(entry, '"trainer":{"memoryBytes":1073741824},"trainer":{}'))
+
+
+def _mount_over_code(pod: dict[str, Any]) -> None:
+    """A ConfigMap of the author's own over the enforcer's package (the volume must exist: the API
+    server validates the pod before the guard sees it)."""
+    pod["spec"].setdefault("volumes", []).append({"name": "mine", "configMap": {"name": "my-enforcer"}})
+    sidecar_of(pod)["volumeMounts"].append(
+        {"name": "mine", "mountPath": "/opt/gpufence/lib/python3.11/site-packages/enforcer"})
+
+
+FORGERIES: dict[str, tuple[Callable[[dict[str, Any]], None], str]] = {
+    "audit mode": (lambda p: with_config(p, lambda d: d.update(mode="audit")), "asks for audit mode"),
+    "share above the ceiling": (
+        lambda p: with_config(p, lambda d: d["containers"]["trainer"].update(memoryBytes=30 * GIB)),
+        "no memory share within the namespace's ceiling 20Gi"),
+    "no memory share": (
+        lambda p: with_config(p, lambda d: d["containers"]["trainer"].pop("memoryBytes")),
+        "no memory share within the namespace's ceiling 20Gi"),
+    "compute above the ceiling": (
+        lambda p: with_config(p, lambda d: d["containers"]["trainer"].update(computePercent=90)),
+        "no compute share within the namespace's ceiling 50"),
+    "container left out": (
+        lambda p: with_config(p, lambda d: d.update(containers={})), 'container "trainer" is not in it exactly once'),
+    "more GPUs than requested": (
+        lambda p: with_config(p, lambda d: d["containers"]["trainer"].update(gpus=8)),
+        "not the number of GPUs it requested"),
+    "GPU count left out": (
+        lambda p: with_config(p, lambda d: d["containers"]["trainer"].pop("gpus")),
+        "not the number of GPUs it requested"),
+    "poll interval stretched": (
+        lambda p: with_config(p, lambda d: d.update(pollIntervalSeconds=60)), "polls less often"),
+    "container twice": (_twice, 'container "trainer" is not in it exactly once'),
+    "not the webhook's JSON": (
+        lambda p: set_env(p, "GPUFENCE_CONFIG", json.dumps(config_of(p), indent=1)),
+        "not the JSON the webhook writes"),
+    "config from a ConfigMap": (
+        lambda p: sidecar_of(p)["env"].__setitem__(0, {"name": "GPUFENCE_CONFIG", "valueFrom": {
+            "configMapKeyRef": {"name": "weak", "key": "config"}}}),
+        "exactly one GPUFENCE_CONFIG with a value"),
+    "a second config": (
+        lambda p: sidecar_of(p)["env"].append({"name": "GPUFENCE_CONFIG", "value": '{"mode":"audit"}'}),
+        "exactly one GPUFENCE_CONFIG"),
+    "args": (lambda p: sidecar_of(p).update(args=["--config", "/tmp/weak.json"]), "it has args"),
+    "envFrom": (lambda p: sidecar_of(p).update(envFrom=[{"configMapRef": {"name": "x"}}]), "it has envFrom"),
+    "LD_PRELOAD": (lambda p: set_env(p, "LD_PRELOAD", "/tmp/fake-nvml.so"), "changes what the enforcer loads"),
+    "PYTHONPATH": (lambda p: set_env(p, "PYTHONPATH", "/tmp/mine"), "changes what the enforcer loads"),
+    "device prefix": (lambda p: set_env(p, "GPUFENCE_NVIDIA_DEVICE_PREFIX", "/dev/none"),
+                      "a GPUFENCE_* the webhook does not set"),
+    "no GPUs for NVML": (lambda p: set_env(p, "NVIDIA_VISIBLE_DEVICES", "void"), "NVML would not see the GPUs"),
+    "mount over the code": (_mount_over_code, "mounts a volume over the image's programs"),
+}
+
+
+def test_the_webhooks_sidecar_passes() -> None:
+    pod = injected(gpu_pod({"gpufence.io/memory": "4Gi", "gpufence.io/compute": "50"}), CEILINGS)
+    assert GUARD.admit(pod, namespace_annotations=CEILINGS) == (True, "allowed")
+
+
+@pytest.mark.parametrize("forgery", FORGERIES, ids=list(FORGERIES))
+def test_a_forged_sidecar_is_refused_with_what_is_wrong(forgery: str) -> None:
+    pod = injected(gpu_pod({"gpufence.io/memory": "4Gi", "gpufence.io/compute": "50"}), CEILINGS)
+    forge, expected = FORGERIES[forgery]
+    forge(pod)
+    allowed, message = GUARD.admit(pod, namespace_annotations=CEILINGS)
+    assert not allowed
+    assert expected in message, message
+    assert 'namespace "team-a"' in message and "remove the sidecar" in message
+
+
+def test_audit_is_admitted_where_the_namespace_allows_it() -> None:
+    annotations = {"gpufence.io/allow-audit": "true"}
+    pod = injected(gpu_pod({"gpufence.io/memory": "4Gi", "gpufence.io/mode": "audit"}), annotations)
+    assert config_of(pod)["mode"] == "audit"
+    assert GUARD.admit(pod, namespace_annotations=annotations)[0]
+    assert not GUARD.admit(pod, namespace_annotations={})[0]
+
+
+def test_a_pod_without_any_share_may_run_in_audit_mode() -> None:
+    """The webhook admits a pod with no share in audit mode (nothing to limit): not a forgery."""
+    pod = injected(gpu_pod(), {})
+    assert config_of(pod)["mode"] == "audit"
+    assert GUARD.admit(pod, namespace_annotations={})[0]
+
+
+@pytest.mark.parametrize(("share", "ceiling", "kept"),
+                         [("25%", "20Gi", "memoryBytes"), ("40Gi", "25%", "memoryPercent")])
+def test_a_share_in_the_other_unit_keeps_the_ceiling_and_dropping_it_is_refused(share: str, ceiling: str,
+                                                                                  kept: str) -> None:
+    annotations = {"gpufence.io/max-memory": ceiling}
+    pod = injected(gpu_pod({"gpufence.io/memory": share}), annotations)
+    entry = config_of(pod)["containers"]["trainer"]
+    assert {"memoryBytes", "memoryPercent"} <= set(entry)  # both: the enforcer applies the smaller
+    assert GUARD.admit(pod, namespace_annotations=annotations)[0]
+    with_config(pod, lambda d: d["containers"]["trainer"].pop(kept))
+    allowed, message = GUARD.admit(pod, namespace_annotations=annotations)
+    assert not allowed and "ceiling" in message
+
+
+def test_a_default_share_cannot_be_left_out() -> None:
+    annotations = {"gpufence.io/default-compute": "25"}
+    pod = injected(gpu_pod({"gpufence.io/memory": "4Gi"}), annotations)
+    assert config_of(pod)["containers"]["trainer"]["computePercent"] == 25
+    assert GUARD.admit(pod, namespace_annotations=annotations)[0]
+    with_config(pod, lambda d: d["containers"]["trainer"].pop("computePercent"))
+    allowed, message = GUARD.admit(pod, namespace_annotations=annotations)
+    assert not allowed and "no compute share where the namespace sets a default" in message
+
+
+def test_other_injectors_mounts_are_not_forgeries() -> None:
+    """Vault Agent mounts /vault/secrets into every container, ours included."""
+    pod = injected(gpu_pod({"gpufence.io/memory": "4Gi"}), {})
+    sidecar_of(pod)["volumeMounts"].append({"name": "vault-secrets", "mountPath": "/vault/secrets"})
+    assert GUARD.admit(pod, namespace_annotations={})[0]
+
+
+def test_the_cluster_wide_flags_are_admin_variables_of_the_guard() -> None:
+    """Where the Namespace says nothing, the webhook's flags apply; the guard holds the same values."""
+    settings = InjectionSettings(max_memory="16Gi", default_compute="40")
+    guard = Guard(POLICY, clusterMaxMemory="16Gi", clusterDefaultCompute="40")
+    pod = injected(gpu_pod({"gpufence.io/memory": "8Gi"}), {}, settings)
+    assert guard.admit(pod, namespace_annotations={})[0]
+    assert not GUARD.admit(pod, namespace_annotations={"gpufence.io/max-memory": "4Gi"})[0]
+    for change in (lambda d: d["containers"]["trainer"].update(memoryBytes=32 * GIB),
+                   lambda d: d["containers"]["trainer"].pop("computePercent")):
+        forged = copy.deepcopy(pod)
+        with_config(forged, change)
+        assert not guard.admit(forged, namespace_annotations={})[0]
+
+
+def test_a_container_named_like_a_config_key_is_judged_correctly() -> None:
+    """"containers" is also the config's top-level key: one entry is still exactly once."""
+    pod = gpu_pod({"gpufence.io/memory": "4Gi"})
+    pod["spec"]["containers"][0]["name"] = "containers"
+    mutated = injected(pod, CEILINGS)
+    assert GUARD.admit(mutated, namespace_annotations=CEILINGS)[0]
+    with_config(mutated, lambda d: d["containers"]["containers"].update(memoryBytes=30 * GIB))
+    assert not GUARD.admit(mutated, namespace_annotations=CEILINGS)[0]

@@ -1,0 +1,152 @@
+"""Golden files for the injection (Istio-injector style).
+
+``tests/golden/<case>.in.yaml`` is one YAML document::
+
+    namespace: ...   # optional: omitted = opted in, no annotations; "unknown" = not in the cache;
+                     # or {name, labels, annotations}
+    settings: ...    # optional: InjectionSettings field overrides
+    operation: ...   # optional: CREATE by default
+    pod: ...         # the submitted pod
+
+``<case>.out.yaml`` records the decision: ``outcome``, ``warnings`` (if any), ``message`` (denials)
+and ``pod`` (the pod after applying the webhook's JSON Patch with ``jsonpatch``; only when admitted
+with a patch or unchanged). ``GPUFENCE_UPDATE_GOLDEN=1`` rewrites the outputs.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import jsonpatch
+import kubernetes_validate
+import pytest
+import yaml
+
+from gpufence.contract import INJECTION_ENABLED, INJECTION_LABEL
+from gpufence.webhook import sidecar
+from gpufence.webhook.admission import review
+from gpufence.webhook.client import decode_patch, pod_admission_review
+from gpufence.webhook.settings import InjectionSettings, NamespaceInfo
+
+GOLDEN = Path(__file__).parents[2] / "golden"
+UPDATE = os.environ.get("GPUFENCE_UPDATE_GOLDEN") == "1"
+CASES = sorted(p.name.removesuffix(".in.yaml") for p in GOLDEN.glob("*.in.yaml"))
+K8S_VERSION = "1.30"
+
+
+class _Lookup:
+    def __init__(self, info: NamespaceInfo | None) -> None:
+        self.info = info
+
+    def get(self, name: str) -> NamespaceInfo | None:
+        return self.info
+
+
+@pytest.fixture(autouse=True)
+def _fixed_version(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The status annotation records the package version; goldens must not change with each release.
+    monkeypatch.setattr(sidecar, "GPUFENCE_VERSION", "0.0.0-test")
+
+
+def load_case(case: str) -> tuple[dict[str, Any], InjectionSettings, _Lookup, str]:
+    doc = yaml.safe_load((GOLDEN / f"{case}.in.yaml").read_text())
+    pod = doc["pod"]
+    overrides = dict(doc.get("settings") or {})
+    if "gpu_resource_names" in overrides:
+        overrides["gpu_resource_names"] = tuple(overrides["gpu_resource_names"])
+    if "gpu_memory" in overrides:
+        overrides["gpu_memory"] = tuple((name, int(size)) for name, size in overrides["gpu_memory"])
+    settings = InjectionSettings(**overrides)
+    ns_doc = doc.get("namespace")
+    if ns_doc == "unknown":
+        info = None
+    elif ns_doc is None:
+        info = NamespaceInfo(name=pod["metadata"]["namespace"], labels={INJECTION_LABEL: INJECTION_ENABLED})
+    else:
+        info = NamespaceInfo(
+            name=ns_doc["name"], labels=ns_doc.get("labels") or {}, annotations=ns_doc.get("annotations") or {}
+        )
+    return pod, settings, _Lookup(info), doc.get("operation", "CREATE")
+
+
+def admission_review(pod: dict[str, Any], operation: str = "CREATE", uid: str = "0b4e3c2a-golden") -> dict[str, Any]:
+    namespace = pod.get("metadata", {}).get("namespace", "team-a")
+    return pod_admission_review(pod, uid=uid, namespace=namespace, operation=operation)
+
+
+def run_case(case: str) -> dict[str, Any]:
+    pod, settings, lookup, operation = load_case(case)
+    result = review(admission_review(pod, operation), settings, lookup)
+    answer = result.review
+    assert answer["apiVersion"] == "admission.k8s.io/v1"
+    assert answer["kind"] == "AdmissionReview"
+    response = answer["response"]
+    assert response["uid"] == "0b4e3c2a-golden"
+    out: dict[str, Any] = {"outcome": result.outcome}
+    if response.get("warnings"):
+        out["warnings"] = response["warnings"]
+    patch = decode_patch(response)
+    if result.outcome == "denied":
+        assert response["allowed"] is False
+        assert response["status"]["code"] == 400
+        assert patch is None
+        out["message"] = response["status"]["message"]
+    else:
+        assert response["allowed"] is True
+        assert (patch is not None) == (result.outcome == "mutated")
+        if result.outcome != "skipped":
+            out["pod"] = jsonpatch.apply_patch(pod, patch) if patch else pod
+    return out
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_golden(case: str) -> None:
+    actual = run_case(case)
+    out_path = GOLDEN / f"{case}.out.yaml"
+    if UPDATE:
+        out_path.write_text(yaml.safe_dump(actual, sort_keys=False, width=100, allow_unicode=True))
+    assert out_path.exists(), f"{out_path.name} is missing: run with GPUFENCE_UPDATE_GOLDEN=1"
+    expected = yaml.safe_load(out_path.read_text())
+    assert actual == expected
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_golden_input_and_output_pods_are_valid_kubernetes(case: str) -> None:
+    pod, *_ = load_case(case)
+    kubernetes_validate.validate(pod, K8S_VERSION, strict=True)
+    expected = yaml.safe_load((GOLDEN / f"{case}.out.yaml").read_text())
+    if "pod" in expected:
+        kubernetes_validate.validate(expected["pod"], K8S_VERSION, strict=True)
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_golden_output_is_a_fixed_point(case: str) -> None:
+    """Reinvocation (reinvocationPolicy: IfNeeded) of the webhook's own output changes nothing."""
+    _, settings, lookup, operation = load_case(case)
+    expected = yaml.safe_load((GOLDEN / f"{case}.out.yaml").read_text())
+    if expected["outcome"] not in ("mutated", "unchanged"):
+        return
+    result = review(admission_review(expected["pod"], operation), settings, lookup)
+    assert result.outcome == "unchanged"
+    assert "patch" not in result.review["response"]
+
+
+def test_every_golden_file_has_a_partner() -> None:
+    names = {p.name for p in GOLDEN.iterdir()}
+    unpaired = sorted(
+        n
+        for n in names
+        if not (
+            (n.endswith(".in.yaml") and n.replace(".in.yaml", ".out.yaml") in names)
+            or (n.endswith(".out.yaml") and n.replace(".out.yaml", ".in.yaml") in names)
+        )
+    )
+    assert not unpaired, f"golden files without a partner (stale or unused): {unpaired}"
+
+
+def test_golden_covers_every_outcome() -> None:
+    assert len(CASES) >= 22
+    outcomes = {yaml.safe_load((GOLDEN / f"{c}.out.yaml").read_text())["outcome"] for c in CASES}
+    assert outcomes == {"mutated", "unchanged", "denied", "skipped"}
