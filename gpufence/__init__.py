@@ -4,7 +4,7 @@ The package version (pyproject.toml reads ``__version__`` at build time), the im
 webhook puts on the sidecar by default, and ``--version`` of gpufence-webhook, gpufence-enforcer
 and gpufence-certs all come from here. Manifests cannot import Python, so the kustomize files and
 the Helm chart repeat the version literally; ``python -m scripts.set_version NEW`` rewrites every
-copy and tests/test_version.py fails when one differs.
+copy and tests/deploy/test_version.py fails when one differs.
 """
 
 __version__ = "0.1.0"

@@ -3,7 +3,7 @@
 # missing and only where we may (root with apt-get); elsewhere the tests that need them skip and
 # name what is missing. `make test` runs this first; it is idempotent (a second run installs
 # nothing and takes milliseconds).
-#   prometheus                  promtool: `promtool check/test rules` (tests/test_alerts.py)
+#   prometheus                  promtool: `promtool check/test rules` (tests/deploy/test_alerts.py)
 #   containerd, runc            the node's container runtime (tests/e2e/node); containerd's own
 #                               service is never started: the tests run theirs with their own config
 #   containernetworking-plugins pod networking on the node: bridge, host-local, loopback

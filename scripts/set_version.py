@@ -2,7 +2,7 @@
 
 gpufence/__init__.py is the source; the Python side (package metadata, ``--version``, the default
 sidecar image) reads it. Manifests cannot import it, so the kustomize files, the Helm chart and
-the install docs repeat it; SITES lists every such place. tests/test_version.py checks that all of
+the install docs repeat it; SITES lists every such place. tests/deploy/test_version.py checks that all of
 them agree with the source, so a release that forgets one fails the suite instead of shipping a
 webhook that injects another version's sidecar.
 """

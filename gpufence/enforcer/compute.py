@@ -15,7 +15,7 @@ the use measured over the last period, whatever the lag between stopping and the
 * each plan: ``f = KP * e + I``, ``I += KI * e * dt``, ``e = share - use``; the integral is kept
   within the output's range [min, 1] (anti-windup), so a long stop or a burst cannot wind it up;
 * end: ``f`` reaches 1, i.e. the container runs all the time at or under its share. A container at
-  its share is therefore not throttled; one over it converges to it (tests/test_compute.py holds
+  its share is therefore not throttled; one over it converges to it (tests/unit/enforcer/test_compute.py holds
   it within a stated tolerance with a lagged plant, and the simulated driver models the lag).
 
 In audit mode nothing is stopped, so there is no loop to close: the plan says what enforcement
@@ -36,7 +36,7 @@ START_MARGIN = 0.10
 # Gains, in run fraction per unit of utilisation error (KP) and per error-second (KI). With a
 # container using up to a whole GPU the loop gain is at most 1·KP; KI brings a 0.1 error back in
 # about a second, several times slower than a typical queued-kernel lag (0.1-0.5 s), so the loop
-# does not oscillate on it (see the lag cases in tests/test_compute.py).
+# does not oscillate on it (see the lag cases in tests/unit/enforcer/test_compute.py).
 KP = 0.3
 KI = 1.0
 

@@ -8,7 +8,7 @@ first time, and the throttle plan with its transitions. ``release`` (NVML lost, 
 controller inside it is the only place that decides, the loop only logs the transitions and hands
 the plan to the throttle executor, which executes it.
 
-No I/O and no clock reads: testable without processes (tests/test_core.py). What stays at the edges
+No I/O and no clock reads: testable without processes (tests/unit/enforcer/test_machine.py). What stays at the edges
 and why: the SIGKILL timers of terminated processes (``terminate.Terminator``) depend on whether
 each signal was delivered and whether the process has exited, which only the edge can know; the
 duty cycle's phase timing (``throttle.ThrottleExecutor``) runs on its own thread between polls.

@@ -12,7 +12,7 @@ Why our own diff rather than ``jsonpatch.make_patch``: both give correct patches
   insertions and in-place updates in the new order), and otherwise by position, and emits only
   ``add`` / ``remove`` / ``replace``. For the shapes ``desired_pod`` makes (a sidecar inserted at
   ``initContainers[0]``, env entries appended, fields added) it is minimal: one ``add`` per new
-  value, nothing for a fixed point. tests/test_patch.py checks it on arbitrary JSON against
+  value, nothing for a fixed point. tests/unit/webhook/test_patch.py checks it on arbitrary JSON against
   ``jsonpatch.apply_patch``.
 
 JSON on the wire: orjson for the AdmissionReview in and out, the stdlib where orjson refuses.

@@ -6,7 +6,7 @@ their hash changes, load the new pair into a throwaway ``SSLContext``. Only a pa
 is switched in, atomically, through an ``sni_callback`` that points each new handshake at the
 current context: established connections (and the requests on them) keep the context they
 handshook with. ``load_cert_chain`` on the live context is never called, because a broken pair
-would leave it without a usable key (measured with aiohttp 3.14 on OpenSSL 3; tests/test_tls.py
+would leave it without a usable key (measured with aiohttp 3.14 on OpenSSL 3; tests/integration/webhook/test_tls.py
 reloads a broken pair and checks that handshakes keep working).
 """
 
