@@ -1,8 +1,9 @@
 """The HTTPS edge around ``webhook.admission.review``: routes, limits, TLS listener, lifecycle.
 
 Every way a client can misbehave is bounded (each bound is exercised by
-tests/integration/webhook/test_server_limits.py): a TLS handshake by ``ssl_handshake_timeout``; a request whose headers never complete (and an idle
-keep-alive connection) by aiohttp's ``keepalive_timeout``; a body by ``asyncio.timeout`` around
+tests/integration/webhook/test_server_limits.py): a TLS handshake by ``ssl_handshake_timeout``; a
+request whose headers never complete (and an idle keep-alive connection) by aiohttp's
+``keepalive_timeout``; a body by ``asyncio.timeout`` around
 ``request.read()``; its size by ``client_max_size``; the drain of an unread body after an error by
 ``lingering_time``. ``web.run_app``/``TCPSite`` cannot set a handshake timeout, hence
 ``loop.create_server(runner.server, ...)``.
