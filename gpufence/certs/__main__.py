@@ -1,4 +1,4 @@
-"""``python -m certs`` == ``gpufence-certs``."""
+"""``python -m gpufence.certs`` == ``gpufence-certs``."""
 
 import sys
 

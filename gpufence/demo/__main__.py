@@ -3,11 +3,11 @@
     make demo            (or: .venv/bin/python -m gpufence.demo)
 
 1. Generates a throwaway CA and serving certificate.
-2. Starts the real webhook (``python -m webhook``) on localhost over TLS.
+2. Starts the real webhook (``python -m gpufence.webhook``) on localhost over TLS.
 3. Sends it a GPU pod as the API server would (AdmissionReview over HTTPS, chain verified against
    the demo CA), prints what it injected, shows that a repeat review gives no patch and that a bad
    share is denied with a clear message.
-4. Runs the real enforcer (``python -m enforcer --simulate``) against the simulated NVIDIA driver
+4. Runs the real enforcer (``python -m gpufence.enforcer --simulate``) against the simulated NVIDIA driver
    (a fake libnvidia-ml.so.1 loaded by the real pynvml) with three real workload processes that
    carry the environment the webhook injected: ``steady`` stays inside its memory share, ``greedy``
    grows beyond it and is terminated, ``hog`` uses more SM than its compute share and is throttled
@@ -113,7 +113,7 @@ def start_webhook(cert: Path, key: Path, procs: list[subprocess.Popen[str]]) -> 
     for record in JsonLines(proc.stderr).until(time.monotonic() + STARTUP_TIMEOUT):
         if record.get("message") == "serving" or record.get("event") == "serving":
             return int(record["port"])
-    raise RuntimeError("the webhook did not start; run `python -m webhook --help` to check the environment")
+    raise RuntimeError("the webhook did not start; run `python -m gpufence.webhook --help` to check the environment")
 
 
 class JsonLines:
@@ -377,7 +377,7 @@ def main() -> int:
 
             heading("2/4 webhook")
             port = start_webhook(cert_file, key_file, procs)
-            say(f"python -m webhook is serving https://localhost:{port}/mutate (TLS >= 1.2)")
+            say(f"python -m gpufence.webhook is serving https://localhost:{port}/mutate (TLS >= 1.2)")
 
             heading("3/4 admission review of a GPU pod")
             say("pod trainer-* in namespace ml-team: containers steady, greedy, hog (1 GPU each);")

@@ -1,4 +1,4 @@
-"""``python -m enforcer``: same as ``gpufence-enforcer``."""
+"""``python -m gpufence.enforcer``: same as ``gpufence-enforcer``."""
 
 import sys
 

@@ -1,4 +1,4 @@
-"""``gpufence-enforcer`` / ``python -m enforcer``: the per-pod GPU share enforcer.
+"""``gpufence-enforcer`` / ``python -m gpufence.enforcer``: the per-pod GPU share enforcer.
 
 Usage::
 

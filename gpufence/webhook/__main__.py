@@ -1,4 +1,4 @@
-"""``python -m webhook``: the same as ``gpufence-webhook``."""
+"""``python -m gpufence.webhook``: the same as ``gpufence-webhook``."""
 
 from gpufence.webhook.cli import main
 
