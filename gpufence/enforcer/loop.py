@@ -44,7 +44,7 @@ from gpufence.enforcer.metrics import EnforcerMetrics
 from gpufence.enforcer.nvml import NvmlClient, NvmlSample, NvmlUnavailable
 from gpufence.enforcer.reporting import Reporter
 from gpufence.enforcer.signals import SafeSignaller, SignalTarget
-from gpufence.enforcer.stopped_state import StoppedState, recover
+from gpufence.enforcer.stopped_state import Recovery, StoppedState, recover
 from gpufence.enforcer.terminate import Terminator
 from gpufence.enforcer.throttle import ThrottleExecutor, ThrottlePlan
 from gpufence.enforcer.watchdog import DeadlineRunner, NvmlHung
@@ -112,8 +112,12 @@ class Enforcer:
 
     # -- lifecycle -----------------------------------------------------------------------------
 
-    def recover_stopped(self) -> int:
-        return recover(self._stopped, self._signaller, self._log)
+    def recover_stopped(self) -> Recovery:
+        """Continue what a previous enforcer left stopped; what cannot be continued yet (a failed
+        SIGCONT) stays on record and is retried by the throttle executor with its own."""
+        recovery = recover(self._stopped, self._signaller, self._log)
+        self._throttle.hold_unreleased(recovery.unreleased)
+        return recovery
 
     def open_nvml(self) -> bool:
         """Try to open NVML now; on failure schedule the next try (exponential backoff)."""
