@@ -10,6 +10,7 @@ import os
 import shutil
 import signal
 import subprocess
+import time
 from typing import Any
 
 import pytest
@@ -130,3 +131,78 @@ def test_a_recorded_process_that_is_gone_is_dropped_from_the_record(gpu, make_co
     assert enforcer.stop() == 0  # the file is rewritten right after that line: read it once it exited
     assert _stopped_file(gpu) == []
     assert not enforcer.events("sigcont", pid=held.pid, outcome="refused")
+
+
+# -- pending SIGKILLs ----------------------------------------------------------------------------
+
+GIB = 1 << 30
+
+
+def _kill_deadlines(gpu: Any) -> dict[str, Any]:
+    return json.loads((gpu.state_dir / "kill_deadlines.json").read_text())
+
+
+def _sigterms(workload: Any) -> int:
+    return sum(1 for line in workload.out.snapshot() if line == "got SIGTERM")
+
+
+def test_a_grace_period_that_ran_out_while_the_sidecar_was_down_ends_in_sigkill_at_once(gpu, make_config):
+    """A workload that traps SIGTERM and kills its sidecar gets no new grace period: the restarted
+    enforcer SIGKILLs it before its first poll, once it checked the PID still names that process."""
+    stubborn = gpu.workload("stubborn", ignore_term=True)
+    decoy = gpu.workload("decoy")
+    gpu.write(gpu.device_with(gpu.proc(stubborn, 3 * GIB)))
+    config = make_config({"stubborn": {"memoryBytes": 2 * GIB}, "decoy": {}}, grace=1)
+    first = gpu.enforcer(config)
+    stubborn.wait_line("ignored SIGTERM", 5)
+    term_seen = time.monotonic()
+    first.proc.kill()  # within the grace period (what a workload that kills its sidecar does)
+    assert first.proc.wait(5) == -signal.SIGKILL
+
+    doc = _kill_deadlines(gpu)
+    (recorded,) = doc["processes"]
+    stat = read_stat(stubborn.pid)
+    assert stat is not None and (recorded["pid"], recorded["start_time_ticks"]) == (stubborn.pid, stat.start_time_ticks)
+    # A record whose PID now names another process (its start time differs): never signalled.
+    decoy_stat = read_stat(decoy.pid)
+    assert decoy_stat is not None
+    doc["processes"].append({**recorded, "pid": decoy.pid, "start_time_ticks": decoy_stat.start_time_ticks + 1})
+    (gpu.state_dir / "kill_deadlines.json").write_text(json.dumps(doc))
+    # The grace period runs out while no enforcer runs (a deadline, not an event: nothing to await).
+    time.sleep(max(0.0, term_seen + 1 - time.monotonic()))
+
+    second = gpu.enforcer(config)
+    assert stubborn.proc.wait(5) == -signal.SIGKILL
+    kill = second.wait_event("sigkill", 5, pid=stubborn.pid)
+    assert kill["outcome"] == "sent" and kill["reason"] == "grace_period_expired"
+    events = [r["event"] for r in second.records()]
+    assert events.index("sigkill") < events.index("started")  # at once, before the first poll
+    assert second.events("sigterm") == [] and _sigterms(stubborn) == 1  # no second SIGTERM, no new grace
+    # The decoy's record names a process that is gone (its PID names another now): dropped unsignalled.
+    assert second.events("sigkill", pid=decoy.pid) == [] and second.events("terminated", pid=decoy.pid)
+    assert decoy.alive() and not decoy.said("got SIGTERM")
+    assert second.stop() == 0
+    assert _kill_deadlines(gpu)["processes"] == []
+
+
+def test_a_restart_within_the_grace_period_keeps_the_first_deadline(gpu, make_config):
+    grace = 3.0
+    stubborn = gpu.workload("stubborn", ignore_term=True)
+    gpu.write(gpu.device_with(gpu.proc(stubborn, 3 * GIB)))
+    config = make_config({"stubborn": {"memoryBytes": 2 * GIB}}, grace=grace)
+    first = gpu.enforcer(config)
+    stubborn.wait_line("ignored SIGTERM", 5)
+    term_seen = time.monotonic()  # just after the enforcer's SIGTERM
+    first.proc.kill()
+    assert first.proc.wait(5) == -signal.SIGKILL
+
+    second = gpu.enforcer(config)
+    assert stubborn.proc.wait(grace + 5) == -signal.SIGKILL
+    killed = time.monotonic()
+    # Killed when the first grace period ended: without a second SIGTERM, and not before.
+    assert second.events("sigterm") == [] and _sigterms(stubborn) == 1
+    assert killed - term_seen >= grace - 0.2
+    assert second.wait_event("sigkill", 5, pid=stubborn.pid)["outcome"] == "sent"
+    recovered = second.events("kill_deadlines_recovered")[0]
+    assert recovered["processes"] == 1 and recovered["overdue"] == 0
+    assert second.stop() == 0

@@ -107,7 +107,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--state-dir", default=env.get(ENV_STATE_DIR) or None,
-        help=f"directory for stopped.json, the record of stopped processes (default: ${ENV_STATE_DIR})",
+        help=f"directory for the records a restarted enforcer takes over: stopped processes, pending "
+        f"SIGKILLs (default: ${ENV_STATE_DIR})",
     )
     p.add_argument(
         "--nvidia-device-prefix", default=env.get(ENV_NVIDIA_DEVICE_PREFIX) or None,
@@ -234,6 +235,7 @@ def _run(
     from gpufence.enforcer.attribution import Attributor, choose_mode
     from gpufence.enforcer.events import EventRecorder, PodRef
     from gpufence.enforcer.health import Health
+    from gpufence.enforcer.kill_deadlines import KillDeadlines
     from gpufence.enforcer.loop import Enforcer
     from gpufence.enforcer.metrics import EnforcerMetrics
     from gpufence.enforcer.procfs import NVIDIA_DEVICE_PREFIX_DEFAULT
@@ -275,13 +277,16 @@ def _run(
         metrics=metrics,
         health=health,
         events=events,
+        kill_deadlines=KillDeadlines(args.state_dir, log),
         config_source=_FileWatcher(args.config, log) if args.config else None,
         compute_window_seconds=args.compute_window,
         compute_period_seconds=args.compute_period,
         nvml_timeout_seconds=args.nvml_timeout,
     )
-    # 1. Continue whatever a previous incarnation left stopped, before anything else.
+    # 1. Continue whatever a previous incarnation left stopped, before anything else; then take
+    #    over its SIGKILL deadlines (no restart grants a new grace period).
     enforcer.recover_stopped()
+    enforcer.recover_kill_deadlines()
     if stopped.path is None:
         log.warning(
             "stopped_state_disabled",

@@ -9,8 +9,9 @@ the refusal, unless all of these hold:
   handed over with :meth:`authorize` (every GPU process of the latest attribution, attributed or
   not: the pod budget terminates unattributed ones), or one the terminator found in the cgroup of
   a container it terminates (:meth:`admit_members`: the container's launchers, which hold no GPU
-  context); the follow-up signals SIGKILL (after our SIGTERM) and SIGCONT (after our SIGSTOP, or
-  for an entry of the stopped-state file) are also allowed for processes that have since left;
+  context); the follow-up signals SIGKILL (after our SIGTERM, or for an entry of the pending-SIGKILL
+  file) and SIGCONT (after our SIGSTOP, or for an entry of the stopped-state file) are also allowed
+  for processes that have since left;
 * the process still exists with the same start time (field 22 of ``/proc/<pid>/stat``), read right
   before the kill. With ``pidfd_open`` (Linux >= 5.3) the pidfd is opened *first*, then the start
   time is checked, then the signal goes through the pidfd: a PID recycled after the check cannot
@@ -137,6 +138,11 @@ class SafeSignaller:
         """Allow SIGCONT for a process a previous enforcer recorded as stopped."""
         with self._lock:
             self._follow_up.setdefault(target.key, set()).add(signal.SIGSTOP)
+
+    def adopt_terminated(self, target: SignalTarget) -> None:
+        """Allow SIGKILL for a process a previous enforcer SIGTERMed (its recorded grace period)."""
+        with self._lock:
+            self._follow_up.setdefault(target.key, set()).add(signal.SIGTERM)
 
     def is_authorized(self, target: SignalTarget) -> bool:
         with self._lock:

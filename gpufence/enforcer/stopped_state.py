@@ -1,10 +1,10 @@
 """The stopped-process state file: ``<state-dir>/stopped.json``.
 
 Before the throttle executor SIGSTOPs a process it records ``(pid, start_time_ticks, container)``
-here; after SIGCONT it removes the entry. Every change rewrites the whole file atomically (a temp
-file in the same directory, fsync, rename), so a reader sees the old or the new content, never a
-torn one. If the enforcer dies while holding processes stopped (SIGKILL, OOM kill), the restarted
-enforcer calls :func:`recover` before anything else: every recorded process whose start time still
+here; after SIGCONT it removes the entry. Every change rewrites the whole file atomically
+(``state_files.write_json``), so a reader sees the old or the new content, never a torn one.
+If the enforcer dies while holding processes stopped (SIGKILL, OOM kill), the restarted enforcer
+calls :func:`recover` before anything else: every recorded process whose start time still
 matches is SIGCONTed (through the safe signaller). A process that is gone or whose PID was reused
 (the start-time check) is dropped from the file; one whose SIGCONT failed (EPERM: a process the
 enforcer may not signal) stays in the file, and the throttle executor retries it with its own
@@ -20,11 +20,8 @@ Format::
 
 from __future__ import annotations
 
-import contextlib
-import json
 import os
 import signal
-import tempfile
 import threading
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -32,6 +29,7 @@ from pathlib import Path
 
 from gpufence.enforcer.logs import DecisionLog
 from gpufence.enforcer.signals import Outcome, SafeSignaller, SignalTarget
+from gpufence.enforcer.state_files import read_json, write_json
 
 FILE_NAME = "stopped.json"
 VERSION = 1
@@ -52,9 +50,7 @@ class StoppedState:
         if self.path is None:
             return []
         try:
-            doc = json.loads(self.path.read_text())
-        except FileNotFoundError:
-            return []
+            doc = read_json(self.path)
         except (OSError, ValueError) as exc:
             self._log.error("stopped_state_unreadable", path=str(self.path), error=str(exc))
             return []
@@ -115,18 +111,7 @@ class StoppedState:
             ],
         }
         try:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            fd, tmp = tempfile.mkstemp(prefix=".stopped.", suffix=".tmp", dir=self.path.parent)
-            try:
-                with os.fdopen(fd, "w") as f:
-                    json.dump(doc, f, separators=(",", ":"))
-                    f.flush()
-                    os.fsync(f.fileno())
-                os.replace(tmp, self.path)
-            except BaseException:
-                with contextlib.suppress(OSError):
-                    os.unlink(tmp)
-                raise
+            write_json(self.path, doc)
         except OSError as exc:
             # Without the file a crash could leave processes stopped; say so loudly, keep going
             # (the in-process release on exit still works).
