@@ -1,17 +1,22 @@
 """The state directory's files on their own: the pending-SIGKILL record (``kill_deadlines.py``) as a
-restarted enforcer reads it back, including records it must not trust."""
+restarted enforcer reads it back, including records it must not trust; what a write costs; and the
+volume the webhook gives them."""
 
 from __future__ import annotations
 
 import io
 import json
 import math
+import os
 from pathlib import Path
+
+import pytest
 
 from gpufence.enforcer.config import MAX_GRACE_PERIOD_SECONDS
 from gpufence.enforcer.kill_deadlines import FILE_NAME, KillDeadlines, PendingKill, boot_clock, boot_id
 from gpufence.enforcer.logs import DecisionLog
 from gpufence.enforcer.signals import SignalTarget
+from gpufence.enforcer.stopped_state import StoppedState
 
 
 class Clock:
@@ -86,3 +91,45 @@ def test_the_real_clock_and_boot_id() -> None:
     first = boot_clock()
     assert boot_clock() >= first > 0
     assert boot_id() == Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+
+
+def test_a_state_file_write_pays_no_fsync(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The files need to outlive the enforcer process, not the kernel (a node that crashes takes
+    every recorded process with it), and the throttle rewrites stopped.json on every SIGSTOP and
+    SIGCONT: a write is a temp file and a rename, never a flush to the disk."""
+    synced: list[int] = []
+    for name in ("fsync", "fdatasync"):
+        real = getattr(os, name)
+        monkeypatch.setattr(os, name, lambda fd, real=real: synced.append(fd) or real(fd))
+    log, _ = _log()
+    state = StoppedState(tmp_path, log)
+    state.add([SignalTarget(42, 7, "train")])
+    state.remove([SignalTarget(42, 7, "train")])
+    KillDeadlines(tmp_path, log).write([PendingKill(1.0, {}, target=SignalTarget(42, 7, "train"))])
+    assert synced == []
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["kill_deadlines.json", "stopped.json"]
+    assert json.loads((tmp_path / "stopped.json").read_text())["stopped"] == []
+
+
+def test_the_sidecar_state_volume_is_a_small_tmpfs_the_files_fit_in(tmp_path: Path) -> None:
+    """Memory-backed: it survives a restart of the sidecar within the pod (what the files are for)
+    and costs no disk I/O per signal. Its pages count against the sidecar's memory, so it is small,
+    yet big enough for both files at their largest plausible size, twice (a temp file before its
+    rename): 10,000 processes held stopped and 10,000 pending SIGKILLs."""
+    from gpufence.webhook.quantity import parse_bytes
+    from gpufence.webhook.settings import InjectionSettings
+    from gpufence.webhook.sidecar import STATE_VOLUME, pod_volumes
+
+    (volume,) = [v for v in pod_volumes(InjectionSettings()) if v["name"] == STATE_VOLUME]
+    assert volume["emptyDir"]["medium"] == "Memory"
+    limit = parse_bytes(volume["emptyDir"]["sizeLimit"])
+    assert limit <= 16 << 20
+
+    log, _ = _log()
+    many = [SignalTarget(4_000_000 + i, 10**12 + i, "c" * 63) for i in range(10_000)]
+    StoppedState(tmp_path, log).add(many)
+    order = {"container": "c" * 63, "device_uuid": "GPU-" + "f" * 36, "device_index": 7, "used_bytes": 2**50,
+             "limit_bytes": 2**50, "gpus_requested": 8, "devices_used": list(range(8))}
+    KillDeadlines(tmp_path, log).write([PendingKill(3600.0, order, target=t) for t in many])
+    used = sum(p.stat().st_size for p in tmp_path.iterdir())
+    assert 2 * used < limit

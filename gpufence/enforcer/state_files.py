@@ -6,6 +6,13 @@ within its pod: ``stopped.json`` (``stopped_state.py``: processes held stopped) 
 HTTP port for ``--probe`` sits next to them (``probe.py``). Each file is rewritten whole: a temp
 file in the same directory, then a rename, so a reader (the next enforcer) sees the old or the new
 content, never a torn one.
+
+No fsync: the files must outlive the enforcer *process* (its page cache writes are the kernel's
+from the moment ``write`` returns, and ``rename`` is atomic for every later reader), not the
+kernel: a node that crashes takes every recorded process with it, and the webhook mounts the
+directory as a tmpfs (a memory-backed emptyDir, which survives a restart of the sidecar within
+its pod), where fsync does nothing anyway. The throttle rewrites ``stopped.json`` on every SIGSTOP
+and SIGCONT, several times a second: a flush to a disk each time would buy nothing.
 """
 
 from __future__ import annotations
@@ -25,8 +32,6 @@ def write_json(path: Path, doc: Any) -> None:
     try:
         with os.fdopen(fd, "w") as f:
             json.dump(doc, f, separators=(",", ":"))
-            f.flush()
-            os.fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException:
         with contextlib.suppress(OSError):
