@@ -11,6 +11,7 @@ import shutil
 import signal
 import subprocess
 import time
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
@@ -48,7 +49,8 @@ class Stranger:
             start_new_session=True, env={"PATH": os.environ.get("PATH", "/usr/bin:/bin")},
         )
         self.pid = self.proc.pid
-        # setpriv execs sleep in place: wait until the PID runs sleep (its start time is fixed).
+        # setpriv drops to uid 65534, then execs sleep in place (same PID, same start time): wait for
+        # the exec, so that what is stopped is no longer a process of uid 0.
         wait_state(self.pid, lambda s: s is not None and _comm(self.pid) == "sleep", 5)
         stat = read_stat(self.pid)
         assert stat is not None
@@ -72,7 +74,7 @@ def _comm(pid: int) -> str | None:
 
 
 @pytest.fixture
-def stranger(gpu: Any):
+def stranger(gpu: Any) -> Iterator[Callable[[], Stranger]]:
     made: list[Stranger] = []
 
     def make() -> Stranger:
