@@ -20,7 +20,9 @@ file and uses it instead of the driver: try policies on a laptop. Simulated proc
 processes open (the local PID mode accepts only processes holding a device file).
 
 Exit status: 0 after SIGTERM/SIGINT, 1 on a fatal startup error (port in use ...), 2 for usage
-and configuration errors.
+and configuration errors, 3 when the poll thread died (an exception the loop did not catch):
+nothing is enforced without it, so the enforcer continues what it holds stopped and exits non-zero,
+which the kubelet restarts under every restart policy but ``Never`` (docs/enforcer-internals.md).
 """
 
 from __future__ import annotations
@@ -28,10 +30,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import atexit
+import contextlib
 import os
 import signal
 import sys
 import threading
+import traceback
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -56,6 +60,7 @@ from gpufence.enforcer.procfs import ENV_NVIDIA_DEVICE_PREFIX
 PROG = "gpufence-enforcer"
 ENV_LOG_LEVEL = "GPUFENCE_LOG_LEVEL"
 EXIT_USAGE = 2
+EXIT_POLL_THREAD_DIED = 3
 
 
 class _Parser(argparse.ArgumentParser):
@@ -102,7 +107,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--state-dir", default=env.get(ENV_STATE_DIR) or None,
-        help=f"directory for stopped.json, the record of stopped processes (default: ${ENV_STATE_DIR})",
+        help=f"directory for the records a restarted enforcer takes over: stopped processes, pending "
+        f"SIGKILLs (default: ${ENV_STATE_DIR})",
     )
     p.add_argument(
         "--nvidia-device-prefix", default=env.get(ENV_NVIDIA_DEVICE_PREFIX) or None,
@@ -229,6 +235,7 @@ def _run(
     from gpufence.enforcer.attribution import Attributor, choose_mode
     from gpufence.enforcer.events import EventRecorder, PodRef
     from gpufence.enforcer.health import Health
+    from gpufence.enforcer.kill_deadlines import KillDeadlines
     from gpufence.enforcer.loop import Enforcer
     from gpufence.enforcer.metrics import EnforcerMetrics
     from gpufence.enforcer.procfs import NVIDIA_DEVICE_PREFIX_DEFAULT
@@ -270,13 +277,16 @@ def _run(
         metrics=metrics,
         health=health,
         events=events,
+        kill_deadlines=KillDeadlines(args.state_dir, log),
         config_source=_FileWatcher(args.config, log) if args.config else None,
         compute_window_seconds=args.compute_window,
         compute_period_seconds=args.compute_period,
         nvml_timeout_seconds=args.nvml_timeout,
     )
-    # 1. Continue whatever a previous incarnation left stopped, before anything else.
+    # 1. Continue whatever a previous incarnation left stopped, before anything else; then take
+    #    over its SIGKILL deadlines (no restart grants a new grace period).
     enforcer.recover_stopped()
+    enforcer.recover_kill_deadlines()
     if stopped.path is None:
         log.warning(
             "stopped_state_disabled",
@@ -331,11 +341,28 @@ async def _serve(
     throttle.start()
     thread_stop = threading.Event()
 
+    died: list[str] = []
+
     def poll() -> None:
         try:
             enforcer.run(thread_stop)
-        except BaseException as exc:  # the loop itself catches everything; belt and braces
-            log.error("poll_thread_died", error=f"{type(exc).__name__}: {exc}")
+        except BaseException as exc:  # the loop catches every Exception of a tick; not all of them
+            # format_exception_only survives an exception whose str() raises.
+            error = "".join(traceback.format_exception_only(type(exc), exc)).strip()
+            trace = traceback.format_exc(limit=8)
+        else:
+            if thread_stop.is_set():
+                return
+            error, trace = "the poll loop returned", None
+        died.append(error)
+        # Nothing is enforced from here on: /healthz fails, and the process exits non-zero so the
+        # kubelet restarts it (a plain container under OnFailure restarts only on failure).
+        health.poll_thread_died(error)
+        log.error(
+            "poll_thread_died", error=error, traceback=trace, exit_status=EXIT_POLL_THREAD_DIED,
+            reason="nothing is enforced without the poll thread: exiting for the kubelet to restart the sidecar",
+        )
+        with contextlib.suppress(RuntimeError):  # the event loop is already closing
             loop.call_soon_threadsafe(stop.set)
 
     poller = threading.Thread(target=poll, name="gpufence-poll", daemon=True)
@@ -349,5 +376,6 @@ async def _serve(
         throttle.close("shutdown")
         await asyncio.to_thread(poller.join, 10)
         await runner.cleanup()
-        log.info("shutdown", signal=received[0] if received else None)
-    return 0
+        status = EXIT_POLL_THREAD_DIED if died else 0
+        log.info("shutdown", signal=received[0] if received else None, exit_status=status)
+    return status

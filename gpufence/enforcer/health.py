@@ -2,9 +2,10 @@
 
 * ``/healthz`` — liveness. 503 when an NVML call has hung past its deadline (only a new process
   can use NVML again: the kubelet restarts the sidecar, which continues what this one stopped from
-  the stopped-state file), or when the poll loop has not completed a tick for a while (stuck);
-  otherwise 200. NVML merely unavailable (an error, not a hang) stays 200: the poll loop retries by
-  itself and a restart loop would not help.
+  the stopped-state file), when the poll loop has not completed a tick for a while (stuck), or once
+  the poll thread died (until the process, which then exits non-zero, is gone); otherwise 200.
+  NVML merely unavailable (an error, not a hang) stays 200: the poll loop retries by itself and a
+  restart loop would not help.
 * ``/readyz`` — 200 once NVML answered and the last successful poll is fresher than three poll
   intervals, else 503 with the reason.
 * ``/metrics`` — the enforcer's own Prometheus registry.
@@ -48,12 +49,18 @@ class Health:
         self._last_tick: float | None = None
         self._nvml_hung: Callable[[], float | None] = lambda: None
         self._nvml_timeout = 0.0
+        self._poll_thread_died: str | None = None
 
     def watch_nvml(self, hung_for: Callable[[], float | None], timeout: float = 0.0) -> None:
         """``hung_for()``: seconds an NVML call is overdue, None if none is (the deadline runner)."""
         with self._lock:
             self._nvml_hung = hung_for
             self._nvml_timeout = timeout
+
+    def poll_thread_died(self, error: str) -> None:
+        """Nothing is enforced any more: liveness fails from now on."""
+        with self._lock:
+            self._poll_thread_died = error
 
     def tick_completed(self) -> None:
         with self._lock:
@@ -64,6 +71,9 @@ class Health:
             hung_for, last, interval = self._nvml_hung, self._last_tick, self._interval
             since = self._started if last is None else last
             limit = LIVE_STALENESS_INTERVALS * interval + self._nvml_timeout
+            died = self._poll_thread_died
+        if died is not None:
+            return False, f"the poll thread died ({died}): nothing is enforced; the enforcer exits"
         late = hung_for()
         if late is not None:
             return False, f"an NVML call is hung ({late:.1f}s past its deadline): restart to use NVML again"

@@ -38,13 +38,14 @@ from gpufence.contract import EnforcerConfig, Mode
 from gpufence.enforcer.attribution import Attribution, Attributor, PidMode
 from gpufence.enforcer.events import EventRecorder
 from gpufence.enforcer.health import Health
+from gpufence.enforcer.kill_deadlines import KillDeadlines
 from gpufence.enforcer.logs import DecisionLog
 from gpufence.enforcer.machine import Core, Decisions
 from gpufence.enforcer.metrics import EnforcerMetrics
 from gpufence.enforcer.nvml import NvmlClient, NvmlSample, NvmlUnavailable
 from gpufence.enforcer.reporting import Reporter
 from gpufence.enforcer.signals import SafeSignaller, SignalTarget
-from gpufence.enforcer.stopped_state import StoppedState, recover
+from gpufence.enforcer.stopped_state import Recovery, StoppedState, recover
 from gpufence.enforcer.terminate import Terminator
 from gpufence.enforcer.throttle import ThrottleExecutor, ThrottlePlan
 from gpufence.enforcer.watchdog import DeadlineRunner, NvmlHung
@@ -69,6 +70,7 @@ class Enforcer:
         metrics: EnforcerMetrics,
         health: Health,
         events: EventRecorder,
+        kill_deadlines: KillDeadlines | None = None,
         config_source: Callable[[], EnforcerConfig | None] | None = None,
         compute_window_seconds: float = 5.0,
         compute_period_seconds: float = 1.0,
@@ -97,7 +99,9 @@ class Enforcer:
         self._backoff = config.poll_interval_seconds
         self._next_open = 0.0
         self._report = Reporter(log, metrics, events)
-        self._terminator = Terminator(signaller, throttle, log, metrics, events, clock=clock)
+        self._terminator = Terminator(
+            signaller, throttle, log, metrics, events, clock=clock, deadlines=kill_deadlines
+        )
         self._nvml = DeadlineRunner(nvml_timeout_seconds, clock=clock)
         health.watch_nvml(self._nvml.hung_for, nvml_timeout_seconds)
         self._lost_devices: set[int] = set()
@@ -112,8 +116,17 @@ class Enforcer:
 
     # -- lifecycle -----------------------------------------------------------------------------
 
-    def recover_stopped(self) -> int:
-        return recover(self._stopped, self._signaller, self._log)
+    def recover_stopped(self) -> Recovery:
+        """Continue what a previous enforcer left stopped; what cannot be continued yet (a failed
+        SIGCONT) stays on record and is retried by the throttle executor with its own."""
+        recovery = recover(self._stopped, self._signaller, self._log)
+        self._throttle.hold_unreleased(recovery.unreleased)
+        return recovery
+
+    def recover_kill_deadlines(self) -> int:
+        """Honour the SIGKILL deadlines a previous enforcer recorded (overdue ones at once): a
+        restart of the sidecar does not grant a new grace period."""
+        return self._terminator.restore(self.config.mode)
 
     def open_nvml(self) -> bool:
         """Try to open NVML now; on failure schedule the next try (exponential backoff)."""

@@ -9,16 +9,19 @@ the refusal, unless all of these hold:
   handed over with :meth:`authorize` (every GPU process of the latest attribution, attributed or
   not: the pod budget terminates unattributed ones), or one the terminator found in the cgroup of
   a container it terminates (:meth:`admit_members`: the container's launchers, which hold no GPU
-  context); the follow-up signals SIGKILL (after our SIGTERM) and SIGCONT (after our SIGSTOP, or
-  for an entry of the stopped-state file) are also allowed for processes that have since left;
+  context); the follow-up signals SIGKILL (after our SIGTERM, or for an entry of the pending-SIGKILL
+  file) and SIGCONT (after our SIGSTOP, or for an entry of the stopped-state file) are also allowed
+  for processes that have since left;
 * the process still exists with the same start time (field 22 of ``/proc/<pid>/stat``), read right
   before the kill. With ``pidfd_open`` (Linux >= 5.3) the pidfd is opened *first*, then the start
   time is checked, then the signal goes through the pidfd: a PID recycled after the check cannot
   receive it. Without pidfds, ``os.kill`` follows the check (a window of microseconds).
 
 A process that vanished (``ProcessLookupError``, no ``/proc`` entry, a zombie) is a normal outcome,
-not an error. Every decision is logged: SIGTERM/SIGKILL at info, SIGSTOP/SIGCONT (the duty cycle
-sends many) at debug; refused and failed signals at warning.
+not an error, also when it is no longer one this enforcer may signal: the rights of vanished
+processes are forgotten each poll, and a follow-up (a retried SIGCONT) that comes after the exit
+is ``gone``, not a refusal. Every decision is logged: SIGTERM/SIGKILL at info, SIGSTOP/SIGCONT
+(the duty cycle sends many) at debug; refused and failed signals at warning.
 """
 
 from __future__ import annotations
@@ -68,6 +71,7 @@ SIGNAL_NAMES = {
     signal.SIGCONT: "sigcont",
 }
 _FOLLOW_UPS = {signal.SIGKILL: signal.SIGTERM, signal.SIGCONT: signal.SIGSTOP}
+_NOT_OURS = "not in this pod's attribution"
 
 
 def ancestors(pid: int, proc_root: str = "/proc") -> set[int]:
@@ -135,6 +139,11 @@ class SafeSignaller:
         with self._lock:
             self._follow_up.setdefault(target.key, set()).add(signal.SIGSTOP)
 
+    def adopt_terminated(self, target: SignalTarget) -> None:
+        """Allow SIGKILL for a process a previous enforcer SIGTERMed (its recorded grace period)."""
+        with self._lock:
+            self._follow_up.setdefault(target.key, set()).add(signal.SIGTERM)
+
     def is_authorized(self, target: SignalTarget) -> bool:
         with self._lock:
             return target.key in self._authorized
@@ -144,13 +153,14 @@ class SafeSignaller:
     def send(self, target: SignalTarget, sig: int, *, reason: str, **fields: Any) -> Outcome:
         name = SIGNAL_NAMES.get(sig, f"signal_{int(sig)}")
         why = self._refusal(target, sig)
-        if why is not None:
+        vanished = self._vanished(target) if why == _NOT_OURS else None
+        if why is not None and vanished is None:
             self._log.warning(
                 name, outcome=Outcome.REFUSED, why=why, reason=reason,
                 pid=target.pid, container=target.container, **fields,
             )
             return Outcome.REFUSED
-        outcome, detail = self._deliver(target, sig)
+        outcome, detail = vanished if vanished is not None else self._deliver(target, sig)
         with self._lock:
             if outcome is Outcome.SENT and sig in (signal.SIGTERM, signal.SIGSTOP):
                 self._follow_up.setdefault(target.key, set()).add(sig)
@@ -189,7 +199,18 @@ class SafeSignaller:
             needed = _FOLLOW_UPS.get(sig)
             if needed is not None and needed in self._follow_up.get(target.key, ()):
                 return None
-        return "not in this pod's attribution"
+        return _NOT_OURS
+
+    def _vanished(self, target: SignalTarget) -> tuple[Outcome, str] | None:
+        """Why ``target`` names no live process any more (GONE, REUSED), None while it lives."""
+        stat = read_stat(target.pid, self._proc_root)
+        if stat is None:
+            return Outcome.GONE, "no such process"
+        if stat.start_time_ticks != target.start_time_ticks:
+            return Outcome.REUSED, f"start time {stat.start_time_ticks} != {target.start_time_ticks}"
+        if stat.is_dead:
+            return Outcome.GONE, "zombie"
+        return None
 
     def _deliver(self, target: SignalTarget, sig: int) -> tuple[Outcome, str | None]:
         pidfd: int | None = None
@@ -201,13 +222,9 @@ class SafeSignaller:
                     return Outcome.GONE, "no such process"
                 except OSError:  # ENOSYS (old kernel, seccomp) -> fall back to kill()
                     pidfd = None
-            stat = read_stat(target.pid, self._proc_root)
-            if stat is None:
-                return Outcome.GONE, "no such process"
-            if stat.start_time_ticks != target.start_time_ticks:
-                return Outcome.REUSED, f"start time {stat.start_time_ticks} != {target.start_time_ticks}"
-            if stat.is_dead:
-                return Outcome.GONE, "zombie"
+            vanished = self._vanished(target)
+            if vanished is not None:
+                return vanished
             if self._dry_run:
                 return Outcome.DRY_RUN, None
             try:

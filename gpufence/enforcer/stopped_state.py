@@ -1,15 +1,17 @@
 """The stopped-process state file: ``<state-dir>/stopped.json``.
 
 Before the throttle executor SIGSTOPs a process it records ``(pid, start_time_ticks, container)``
-here; after SIGCONT it removes the entry. Every change rewrites the whole file atomically (a temp
-file in the same directory, fsync, rename), so a reader sees the old or the new content, never a
-torn one. If the enforcer dies while holding processes stopped (SIGKILL, OOM kill), the restarted
-enforcer calls :func:`recover` before anything else: every recorded process whose start time still
-matches is SIGCONTed (through the safe signaller), then the file is cleared.
+here; after SIGCONT it removes the entry. Every change rewrites the whole file atomically
+(``state_files.write_json``), so a reader sees the old or the new content, never a torn one.
+If the enforcer dies while holding processes stopped (SIGKILL, OOM kill), the restarted enforcer
+calls :func:`recover` before anything else: every recorded process whose start time still
+matches is SIGCONTed (through the safe signaller). A process that is gone or whose PID was reused
+(the start-time check) is dropped from the file; one whose SIGCONT failed (EPERM: a process the
+enforcer may not signal) stays in the file, and the throttle executor retries it with its own
+failed SIGCONTs until it runs or is gone, so no restart, however many, forgets it.
 
 A record is written *before* the SIGSTOP, so the file may name a process that was never stopped
-(the enforcer died in between): SIGCONT to a running process is harmless. A process that is gone
-or whose PID was reused is skipped by the start-time check.
+(the enforcer died in between): SIGCONT to a running process is harmless.
 
 Format::
 
@@ -18,17 +20,16 @@ Format::
 
 from __future__ import annotations
 
-import contextlib
-import json
 import os
 import signal
-import tempfile
 import threading
 from collections.abc import Iterable
+from dataclasses import dataclass
 from pathlib import Path
 
 from gpufence.enforcer.logs import DecisionLog
 from gpufence.enforcer.signals import Outcome, SafeSignaller, SignalTarget
+from gpufence.enforcer.state_files import read_json, write_json
 
 FILE_NAME = "stopped.json"
 VERSION = 1
@@ -49,9 +50,7 @@ class StoppedState:
         if self.path is None:
             return []
         try:
-            doc = json.loads(self.path.read_text())
-        except FileNotFoundError:
-            return []
+            doc = read_json(self.path)
         except (OSError, ValueError) as exc:
             self._log.error("stopped_state_unreadable", path=str(self.path), error=str(exc))
             return []
@@ -92,8 +91,13 @@ class StoppedState:
                 self._write_locked()
 
     def clear(self) -> None:
+        self.replace(())
+
+    def replace(self, targets: Iterable[SignalTarget]) -> None:
+        """Record exactly ``targets`` (written even when nothing changed in memory: the file on
+        disk may hold a previous enforcer's entries)."""
         with self._lock:
-            self._entries.clear()
+            self._entries = {t.key: t for t in targets}
             self._write_locked()
 
     def _write_locked(self) -> None:
@@ -107,18 +111,7 @@ class StoppedState:
             ],
         }
         try:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            fd, tmp = tempfile.mkstemp(prefix=".stopped.", suffix=".tmp", dir=self.path.parent)
-            try:
-                with os.fdopen(fd, "w") as f:
-                    json.dump(doc, f, separators=(",", ":"))
-                    f.flush()
-                    os.fsync(f.fileno())
-                os.replace(tmp, self.path)
-            except BaseException:
-                with contextlib.suppress(OSError):
-                    os.unlink(tmp)
-                raise
+            write_json(self.path, doc)
         except OSError as exc:
             # Without the file a crash could leave processes stopped; say so loudly, keep going
             # (the in-process release on exit still works).
@@ -127,19 +120,32 @@ class StoppedState:
                 self._log.error("stopped_state_unwritable", path=str(self.path), error=str(exc))
 
 
-def recover(state: StoppedState, signaller: SafeSignaller, log: DecisionLog) -> int:
-    """SIGCONT every process a previous enforcer left recorded as stopped; returns how many."""
+@dataclass(frozen=True)
+class Recovery:
+    recorded: int  # entries in the file
+    continued: int  # SIGCONT sent
+    unreleased: tuple[SignalTarget, ...]  # SIGCONT failed: still stopped, still on record
+
+
+def recover(state: StoppedState, signaller: SafeSignaller, log: DecisionLog) -> Recovery:
+    """SIGCONT every process a previous enforcer left recorded as stopped. The file keeps the ones
+    whose SIGCONT failed (``Recovery.unreleased``: hand them to the throttle executor to retry)."""
     targets = state.load()
     continued = 0
+    unreleased: list[SignalTarget] = []
     for target in targets:
         signaller.adopt_stopped(target)
         outcome = signaller.send(target, signal.SIGCONT, reason="recover_stopped_state")
         if outcome is Outcome.SENT:
             continued += 1
+        elif outcome is Outcome.FAILED:
+            unreleased.append(target)
+        # GONE, REUSED: nothing of ours to continue. REFUSED: PID <= 1, the enforcer or one of its
+        # ancestors, which are running (this process is one of them): not a record of ours.
     if targets:
         log.info(
             "stopped_state_recovered",
-            path=str(state.path), recorded=len(targets), continued=continued,
+            path=str(state.path), recorded=len(targets), continued=continued, unreleased=len(unreleased),
         )
-    state.clear()
-    return continued
+    state.replace(unreleased)
+    return Recovery(len(targets), continued, tuple(unreleased))

@@ -14,18 +14,24 @@ keeps the SIGKILL timers, which depend on signal outcomes and process exits).
 
 Every signal goes through the ``SafeSignaller`` (start time checked, never outside the pod); a
 process held stopped by the throttle is exempted (continued) before its SIGTERM.
+
+The SIGKILL deadlines are recorded (``kill_deadlines.py``) before the SIGTERMs that start them and
+taken over by a restarted enforcer (``restore``), so a restart of the sidecar never grants a new
+grace period.
 """
 
 from __future__ import annotations
 
 import signal
 import time
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import asdict, dataclass
+from typing import Any
 
 from gpufence.contract import Mode
 from gpufence.enforcer.attribution import Attribution
 from gpufence.enforcer.events import EventRecorder
+from gpufence.enforcer.kill_deadlines import KillDeadlines, PendingKill
 from gpufence.enforcer.logs import DecisionLog
 from gpufence.enforcer.machine import Decisions
 from gpufence.enforcer.metrics import EnforcerMetrics
@@ -54,6 +60,24 @@ class _Why:
     def of(cls, order: TerminateOrder) -> _Why:
         return cls(order.container, order.device_uuid, order.device_index, order.used_bytes, order.limit_bytes,
                    order.gpus_requested, order.devices_used)
+
+    def record(self) -> dict[str, Any]:
+        return {**asdict(self), "devices_used": list(self.devices_used)}
+
+    @classmethod
+    def from_record(cls, record: Mapping[str, Any], container: str | None) -> _Why:
+        """From ``record`` (a previous enforcer's); what is missing or malformed gets a neutral value
+        (only the log lines and Events say it: the deadline is what matters)."""
+
+        def get(key: str, kind: type, default: Any) -> Any:
+            value = record.get(key)
+            return value if isinstance(value, kind) and not isinstance(value, bool) else default
+
+        requested = get("gpus_requested", int, None)
+        used = record.get("devices_used")
+        devices = tuple(d for d in used if isinstance(d, int)) if isinstance(used, list) else ()
+        return cls(get("container", str, container), get("device_uuid", str, ""), get("device_index", int, -1),
+                   get("used_bytes", int, 0), get("limit_bytes", int, 0), requested, devices)
 
     @property
     def resource(self) -> str:
@@ -97,8 +121,10 @@ class Terminator:
         *,
         clock: Callable[[], float] = time.monotonic,
         proc_root: str = "/proc",
+        deadlines: KillDeadlines | None = None,
     ) -> None:
         self._signaller = signaller
+        self._deadlines = deadlines
         self._throttle = throttle
         self._log = log
         self._metrics = metrics
@@ -129,8 +155,7 @@ class Terminator:
         for order in decisions.orders:
             why = _Why.of(order)
             if order.container is None:
-                for victim in order.victims:
-                    self._sigterm(SignalTarget.of(victim), why, grace, victim.used_memory_bytes)
+                self._sigterm([(SignalTarget.of(v), v.used_memory_bytes) for v in order.victims], why, grace)
             else:
                 self._terminate_container(order.container, why, attribution, grace)
 
@@ -185,11 +210,9 @@ class Terminator:
         fresh = [t for t in targets.values() if t.key not in self._pending and t.key not in self._finished]
         if not fresh:
             return  # its grace period is running, or it is already gone
-        deadline = self._clock() + grace
-        for cgroup in cgroups:
-            self._sweeps.setdefault(cgroup, _Sweep(cgroup, deadline, why))
         used = {(p.pid, p.start_time_ticks): p.used_memory_bytes for p in mine if p.device_index == why.device_index}
-        sent = [t.pid for t in sorted(fresh, key=lambda t: t.pid) if self._sigterm(t, why, grace, used.get(t.key))]
+        victims = [(t, used.get(t.key)) for t in sorted(fresh, key=lambda t: t.pid)]
+        sent = self._sigterm(victims, why, grace, cgroups=sorted(cgroups))
         if sent:
             if why.gpus_requested is not None:
                 what = (f"container {container} runs on GPUs {list(why.devices_used)}, more than the "
@@ -203,37 +226,105 @@ class Terminator:
                 action="Terminate",
             )
 
-    def _sigterm(self, target: SignalTarget, why: _Why, grace: float, process_used: int | None) -> bool:
-        if target.key in self._pending or target.key in self._finished:
-            return False
-        # A process we hold stopped would not act on SIGTERM: continue it, never stop it again.
-        self._throttle.exempt(target)
-        outcome = self._signaller.send(
-            target, signal.SIGTERM, reason=why.log_reason, uuid=why.device_uuid, gpu=why.device_index,
-            used_bytes=why.used_bytes, limit_bytes=why.limit_bytes, process_used_bytes=process_used,
-            action="sigterm", grace_period_seconds=grace,
-        )
-        if outcome is not Outcome.SENT:
-            if outcome in (Outcome.GONE, Outcome.REUSED, Outcome.REFUSED):
-                self._finished.add(target.key)
-            return False
-        # The grace period counts from the SIGTERM actually sent (the poll's ``now`` is earlier).
-        self._pending[target.key] = _Pending(target, self._clock() + grace, why)
-        self._metrics.action(target.container or UNATTRIBUTED, "sigterm", why.resource)
-        if why.container is None:
-            self._events.record(
-                "GPUPodOverBudget",
-                f"the pod uses {why.used_bytes} bytes of GPU memory on {why.device_uuid}, over its budget of "
-                f"{why.limit_bytes}: SIGTERM to unattributed pid {target.pid} ({process_used} bytes), SIGKILL "
-                f"after {grace:g}s",
-                action="Terminate",
+    def _sigterm(
+        self, victims: list[tuple[SignalTarget, int | None]], why: _Why, grace: float, *, cgroups: Sequence[str] = ()
+    ) -> list[int]:
+        """SIGTERM ``victims`` ((target, its used bytes)); returns the PIDs signalled. Their SIGKILL
+        deadline, and the sweep of ``cgroups``, are on record before the first SIGTERM: a workload
+        that traps it and kills its sidecar at once must not win a new grace period."""
+        victims = [(t, used) for t, used in victims if t.key not in self._pending and t.key not in self._finished]
+        if not victims:
+            return []
+        # One deadline for the lot, from just before the SIGTERMs (signalling them takes microseconds).
+        deadline = self._clock() + grace
+        for target, _ in victims:
+            self._pending[target.key] = _Pending(target, deadline, why)
+        for cgroup in cgroups:
+            self._sweeps.setdefault(cgroup, _Sweep(cgroup, deadline, why))
+        self._persist()
+        sent: list[int] = []
+        for target, process_used in victims:
+            # A process we hold stopped would not act on SIGTERM: continue it, never stop it again.
+            self._throttle.exempt(target)
+            outcome = self._signaller.send(
+                target, signal.SIGTERM, reason=why.log_reason, uuid=why.device_uuid, gpu=why.device_index,
+                used_bytes=why.used_bytes, limit_bytes=why.limit_bytes, process_used_bytes=process_used,
+                action="sigterm", grace_period_seconds=grace,
             )
-        return True
+            if outcome is not Outcome.SENT:
+                del self._pending[target.key]
+                if outcome in (Outcome.GONE, Outcome.REUSED, Outcome.REFUSED):
+                    self._finished.add(target.key)
+                continue
+            sent.append(target.pid)
+            self._metrics.action(target.container or UNATTRIBUTED, "sigterm", why.resource)
+            if why.container is None:
+                self._events.record(
+                    "GPUPodOverBudget",
+                    f"the pod uses {why.used_bytes} bytes of GPU memory on {why.device_uuid}, over its budget of "
+                    f"{why.limit_bytes}: SIGTERM to unattributed pid {target.pid} ({process_used} bytes), SIGKILL "
+                    f"after {grace:g}s",
+                    action="Terminate",
+                )
+        if len(sent) < len(victims):
+            self._persist()
+        return sent
+
+    # -- across restarts -------------------------------------------------------------------------
+
+    def restore(self, mode: Mode) -> int:
+        """Take over the SIGKILL deadlines a previous enforcer left on record (before the first
+        poll); SIGKILL at once what is overdue. Returns how many were taken over."""
+        if self._deadlines is None:
+            return 0
+        recorded = self._deadlines.load()
+        if not recorded:
+            return 0
+        now = self._clock()
+        processes = [k for k in recorded if k.target is not None]
+        cgroups = [k for k in recorded if k.cgroup is not None]
+        self._log.info(
+            "kill_deadlines_recovered", path=str(self._deadlines.path), processes=len(processes),
+            cgroups=len(cgroups), overdue=sum(1 for k in recorded if k.remaining <= 0), mode=mode,
+        )
+        if mode is Mode.AUDIT:  # audit mode kills nothing: what was pending is dropped
+            self._persist()
+            return 0
+        for kill in processes:
+            target = kill.target
+            assert target is not None
+            why = _Why.from_record(kill.order, target.container)
+            # Our SIGTERM, a previous incarnation's: its SIGKILL is a follow-up this enforcer may send.
+            self._signaller.adopt_terminated(target)
+            self._throttle.exempt(target)
+            self._pending[target.key] = _Pending(target, now + kill.remaining, why)
+        for kill in cgroups:
+            assert kill.cgroup is not None
+            why = _Why.from_record(kill.order, None)
+            self._sweeps[kill.cgroup] = _Sweep(kill.cgroup, now + kill.remaining, why)
+        self.check(now, mode)
+        self._persist()
+        return len(recorded)
+
+    def _persist(self) -> None:
+        if self._deadlines is None:
+            return
+        now = self._clock()
+        self._deadlines.write(
+            [PendingKill(p.deadline - now, p.why.record(), target=p.target) for p in self._pending.values()]
+            + [PendingKill(s.deadline - now, s.why.record(), cgroup=s.cgroup) for s in self._sweeps.values()]
+        )
 
     # -- between polls ---------------------------------------------------------------------------
 
     def check(self, now: float, mode: Mode) -> None:
         """Log exits, SIGKILL what outlived its grace period, sweep the cgroups of terminated containers."""
+        before = (len(self._pending), len(self._sweeps))
+        self._check(now, mode)
+        if (len(self._pending), len(self._sweeps)) != before:  # only ever removes: a count says it all
+            self._persist()
+
+    def _check(self, now: float, mode: Mode) -> None:
         for key, pending in list(self._pending.items()):
             target = pending.target
             if not self._signaller.alive(target):
@@ -287,6 +378,7 @@ class Terminator:
         if mode is Mode.AUDIT:
             self._pending.clear()
             self._sweeps.clear()
-            return
-        for item in (*self._pending.values(), *self._sweeps.values()):
-            item.deadline = min(item.deadline, item.deadline - old_grace + new_grace)
+        else:
+            for item in (*self._pending.values(), *self._sweeps.values()):
+                item.deadline = min(item.deadline, item.deadline - old_grace + new_grace)
+        self._persist()

@@ -18,6 +18,8 @@ Invariants (a stopped process is never left behind):
   it may hold stopped: a stopped process would not act on SIGTERM until continued);
 * a SIGCONT that fails (EPERM, ...) leaves the process recorded, in memory and in the state file,
   and is retried every ``RETRY_SECONDS`` until the process runs or is gone (also by ``close``);
+  so are the processes a previous enforcer left stopped whose SIGCONT failed at recovery
+  (``hold_unreleased``);
 * a plan carries a lease (``update(..., lease_seconds=...)``): when no fresh poll renews it in time
   (the poll loop is stuck), everything is continued (``lease_expired``);
 * an unexpected exception in the thread continues everything, is logged, and the thread goes on.
@@ -139,6 +141,17 @@ class ThrottleExecutor:
                 cycle.targets.pop(target.key, None)
                 if target.key in cycle.stopped:
                     self._continue_locked(cycle, [cycle.stopped[target.key]], "exempt")
+
+    def hold_unreleased(self, targets: Iterable[SignalTarget]) -> None:
+        """Take over stopped processes whose SIGCONT failed (a previous enforcer's, from
+        ``stopped_state.recover``): kept on record and retried like this executor's own."""
+        held = list(targets)
+        if not held:
+            return
+        with self._cond:
+            self._state.add(held)
+            self._unreleased.update((t.key, t) for t in held)
+            self._cond.notify_all()
 
     def release_all(self, reason: str) -> None:
         with self._cond:

@@ -42,6 +42,11 @@ from gpufence.webhook.shares import SharePlan, quote
 GPUFENCE_VERSION = __version__
 
 STATE_VOLUME = "gpufence-state"
+# The enforcer's state directory is a tmpfs: it survives a restart of the sidecar within the pod
+# (what its files are for) and costs no disk I/O on the SIGSTOP/SIGCONT that rewrite them. Its pages
+# count against the sidecar's memory, hence the small limit; the files of 10,000 stopped processes
+# and as many pending SIGKILLs fit in it twice (tests/test_stopped_state_files.py).
+STATE_VOLUME_SIZE_LIMIT = "16Mi"
 HOST_PROC_VOLUME = "gpufence-host-proc"
 PRELOAD_VOLUME = "gpufence-preload"
 RESERVED_VOLUMES = (STATE_VOLUME, HOST_PROC_VOLUME, PRELOAD_VOLUME)
@@ -68,7 +73,9 @@ def preload_library_path(settings: InjectionSettings) -> str | None:
 
 
 def pod_volumes(settings: InjectionSettings) -> list[dict[str, Any]]:
-    volumes: list[dict[str, Any]] = [{"name": STATE_VOLUME, "emptyDir": {}}]
+    volumes: list[dict[str, Any]] = [
+        {"name": STATE_VOLUME, "emptyDir": {"medium": "Memory", "sizeLimit": STATE_VOLUME_SIZE_LIMIT}}
+    ]
     if settings.mount_host_proc:
         volumes.append({"name": HOST_PROC_VOLUME, "hostPath": {"path": "/proc", "type": "Directory"}})
     if settings.preload_library_host_path:

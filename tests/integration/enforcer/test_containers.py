@@ -194,3 +194,36 @@ def test_env_less_gpu_workers_take_the_name_their_launcher_claims(cgroups, gpu, 
         if boss.poll() is None:
             boss.kill()
         boss.wait(5)
+
+
+def test_a_restarted_enforcer_sweeps_the_cgroup_when_the_recorded_grace_period_ends(
+    cgroups, gpu, make_config, tmp_path
+):
+    """The sweep of a terminated container's cgroup is on record with its deadline too: a worker
+    its launcher started after the SIGTERM (no GPU context yet, never SIGTERMed) is killed by the
+    next enforcer when the first grace period ends, although NVML no longer lists anything."""
+    train_cg = cgroups.make("train")
+    worker = gpu.workload("train", ignore_term=True)
+    cgroups.move(train_cg, worker.pid)
+    gpu.write(gpu.device_with(gpu.proc(worker, 3 * GIB)))
+    config = make_config({"train": {"memoryBytes": 2 * GIB}}, grace=2)
+    first = gpu.enforcer(config)
+    worker.wait_line("ignored SIGTERM", 5)
+    first.proc.kill()
+    assert first.proc.wait(5) == -signal.SIGKILL
+
+    gpu.write(gpu.device_with())
+    late, late_out = launcher(tmp_path, ignore_term=True)
+    try:
+        cgroups.move(train_cg, late.pid)
+        second = gpu.enforcer(config)
+        assert worker.proc.wait(5) == -signal.SIGKILL
+        assert late.wait(5) == -signal.SIGKILL
+        assert not any(line == "got SIGTERM" for line in late_out.snapshot())  # killed by the sweep
+        assert second.wait_event("sigkill", 5, pid=late.pid)["container"] == "train"
+        assert second.events("kill_deadlines_recovered")[0]["cgroups"] == 1
+        assert second.stop() == 0
+    finally:
+        if late.poll() is None:
+            late.kill()
+        late.wait(5)

@@ -1,5 +1,6 @@
 """End to end: faults. The enforcer keeps serving through NVML trouble, per-device errors and
-processes that vanish under it; only a bad configuration stops it, at once, with exit status 2."""
+processes that vanish under it; only a bad configuration stops it, at once, with exit status 2, and
+a dead poll thread, with exit status 3 (for the kubelet to restart it)."""
 
 from __future__ import annotations
 
@@ -272,3 +273,89 @@ def test_a_hung_nvml_call_leaves_nothing_stopped_fires_sigkills_and_fails_livene
 def _stopped_file(gpu) -> list[dict]:
     path = gpu.state_dir / "stopped.json"
     return json.loads(path.read_text())["stopped"] if path.exists() else []
+
+
+# The real CLI with one fault injected: SIGUSR1 raises an exception in the poll thread at its next
+# bytecode (CPython's PyThreadState_SetAsyncExc), wherever it is in the loop. No input at the NVML
+# boundary escapes the loop (it catches every Exception of a tick, and nvml.py turns driver errors
+# into values), so this stands for what does: an exception the loop does not catch (BaseException,
+# a failure in its own error handling). The enforcer's code is not touched.
+POLL_THREAD_FAULT = """
+import ctypes, signal, sys, threading
+from gpufence.enforcer.cli import main
+
+class InjectedFault(BaseException):
+    def __init__(self):
+        super().__init__("injected into the poll thread")
+
+set_async_exc = ctypes.pythonapi.PyThreadState_SetAsyncExc
+set_async_exc.argtypes = (ctypes.c_ulong, ctypes.py_object)
+
+def inject(signum, frame):
+    (poll,) = [t for t in threading.enumerate() if t.name == "gpufence-poll"]
+    assert set_async_exc(poll.ident, InjectedFault) == 1
+
+signal.signal(signal.SIGUSR1, inject)
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_a_dead_poll_thread_exits_non_zero_and_leaves_nothing_stopped(gpu, make_config):
+    """Nothing is enforced without the poll thread: the sidecar must exit non-zero so the kubelet
+    restarts it under every restart policy that restarts on failure (a plain container in a Job
+    with OnFailure restarts only then), after continuing whatever it held stopped."""
+    from tests.conftest import Enforcer
+
+    busy = gpu.workload("busy")
+    gpu.write(gpu.device_with(gpu.proc(busy, GIB, sm=100)))
+    env = gpu.env()
+    env["GPUFENCE_CONFIG"] = json.dumps(make_config({"busy": {"computePercent": 10}}, interval=INTERVAL))
+    argv = [
+        sys.executable, "-c", POLL_THREAD_FAULT, "--metrics-port", "0", "--bind-address", "127.0.0.1",
+        "--nvidia-device-prefix", gpu.device_prefix, "--state-dir", str(gpu.state_dir),
+        "--compute-window", "0.5", "--compute-period", "0.3",
+    ]
+    stderr_path = gpu.root / "enforcer-fault.stderr"
+    with open(stderr_path, "w") as err:
+        proc = subprocess.Popen(argv, env=env, cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=err, text=True)
+    enforcer = Enforcer(proc, stderr_path)
+    gpu.enforcers.append(enforcer)
+    enforcer.wait_started()
+    enforcer.wait_event("throttle_start", 10, container="busy")
+    wait_state(busy.pid, lambda s: s == "T", 5)
+
+    proc.send_signal(signal.SIGUSR1)
+    assert proc.wait(10) == 3, enforcer.stderr()
+    died = enforcer.wait_event("poll_thread_died", 5)
+    assert died["level"] == "error" and "InjectedFault: injected into the poll thread" in died["error"]
+    assert enforcer.wait_event("shutdown", 5)["exit_status"] == 3
+    # Whatever it held stopped is continued on the way out, and nothing is left on record.
+    wait_state(busy.pid, lambda s: s not in ("T", None), 2)
+    assert _stopped_file(gpu) == []
+
+
+def test_healthz_fails_from_the_moment_the_poll_thread_died():
+    """Between the poll thread's death and the exit (continuing what it held stopped, closing the
+    server) the liveness probe must not pass."""
+    import asyncio
+
+    from gpufence.enforcer.health import Health, make_app, start_server
+    from gpufence.enforcer.metrics import EnforcerMetrics
+    from tests.conftest import enforcer_http
+
+    health = Health(INTERVAL)
+    health.tick_completed()
+
+    async def probe_around_the_death() -> tuple[tuple[int, str], tuple[int, str]]:
+        runner, port = await start_server(make_app(EnforcerMetrics("ns", "p"), health), "127.0.0.1", 0)
+        try:
+            before = await asyncio.to_thread(enforcer_http, port, "/healthz")
+            health.poll_thread_died("InjectedFault: injected into the poll thread")
+            after = await asyncio.to_thread(enforcer_http, port, "/healthz")
+        finally:
+            await runner.cleanup()
+        return before, after
+
+    before, after = asyncio.run(probe_around_the_death())
+    assert before == (200, "ok\n")
+    assert after[0] == 503 and "the poll thread died (InjectedFault: injected into the poll thread)" in after[1]

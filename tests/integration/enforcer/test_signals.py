@@ -180,7 +180,7 @@ def test_stopped_state_file_and_recovery(child, log, tmp_path):
 
     # A new enforcer (new signaller, nothing authorized yet) continues only the matching record.
     fresh = SafeSignaller(log)
-    assert recover(StoppedState(tmp_path / "state", log), fresh, log) == 1
+    assert recover(StoppedState(tmp_path / "state", log), fresh, log).continued == 1
     wait_state(held.pid, lambda s: s not in ("T", None), 5)
     assert proc_state(reused.pid) == "T"  # start time differs: "another process", left alone
     assert json.loads((tmp_path / "state" / "stopped.json").read_text())["stopped"] == []
@@ -189,7 +189,7 @@ def test_stopped_state_file_and_recovery(child, log, tmp_path):
 
 def test_corrupt_stopped_state_is_reported_not_fatal(log, tmp_path):
     (tmp_path / "stopped.json").write_text("{torn")
-    assert recover(StoppedState(tmp_path, log), SafeSignaller(log), log) == 0
+    assert recover(StoppedState(tmp_path, log), SafeSignaller(log), log).continued == 0
     assert any(r["event"] == "stopped_state_unreadable" for r in log.records())
 
 
