@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from gpufence.enforcer.config import MAX_GRACE_PERIOD_SECONDS
+from gpufence.contract import MAX_GRACE_PERIOD_SECONDS
 from gpufence.enforcer.logs import DecisionLog
 from gpufence.enforcer.signals import SignalTarget
 from gpufence.enforcer.state_files import read_json, write_json

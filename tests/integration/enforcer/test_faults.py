@@ -304,7 +304,7 @@ def test_a_dead_poll_thread_exits_non_zero_and_leaves_nothing_stopped(gpu, make_
     """Nothing is enforced without the poll thread: the sidecar must exit non-zero so the kubelet
     restarts it under every restart policy that restarts on failure (a plain container in a Job
     with OnFailure restarts only then), after continuing whatever it held stopped."""
-    from tests.conftest import Enforcer
+    from tests.support.enforcer_harness import Enforcer
 
     busy = gpu.workload("busy")
     gpu.write(gpu.device_with(gpu.proc(busy, GIB, sm=100)))
@@ -341,7 +341,7 @@ def test_healthz_fails_from_the_moment_the_poll_thread_died():
 
     from gpufence.enforcer.health import Health, make_app, start_server
     from gpufence.enforcer.metrics import EnforcerMetrics
-    from tests.conftest import enforcer_http
+    from tests.support.enforcer_harness import enforcer_http
 
     health = Health(INTERVAL)
     health.tick_completed()

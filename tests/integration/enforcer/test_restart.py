@@ -20,7 +20,7 @@ from gpufence.enforcer.logs import DecisionLog
 from gpufence.enforcer.procfs import read_stat
 from gpufence.enforcer.signals import SignalTarget
 from gpufence.enforcer.stopped_state import StoppedState
-from tests.conftest import proc_state, wait_state
+from tests.support.enforcer_harness import proc_state, wait_state
 
 # Root without any capability: it may signal only processes of its own uid (no CAP_KILL).
 NO_CAPS = ("setpriv", "--bounding-set=-all", "--inh-caps=-all", "--")

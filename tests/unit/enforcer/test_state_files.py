@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from gpufence.enforcer.config import MAX_GRACE_PERIOD_SECONDS
+from gpufence.contract import MAX_GRACE_PERIOD_SECONDS
 from gpufence.enforcer.kill_deadlines import FILE_NAME, KillDeadlines, PendingKill, boot_clock, boot_id
 from gpufence.enforcer.logs import DecisionLog
 from gpufence.enforcer.signals import SignalTarget
