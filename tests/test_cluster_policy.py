@@ -247,9 +247,13 @@ class FakeConfigMaps:
         self.queries: list[dict[str, str]] = []
         self.items: list[dict[str, Any]] = []
         self.events: asyncio.Queue[dict[str, Any] | None] = asyncio.Queue()
+        self.forbidden = False  # answer lists as the API server does without the Role
 
     async def handle(self, request: web.Request) -> web.StreamResponse:
         self.queries.append(dict(request.query))
+        if self.forbidden:
+            return web.json_response({"kind": "Status", "code": 403, "reason": "Forbidden",
+                                      "message": 'configmaps "gpufence-policy" is forbidden'}, status=403)
         if request.query.get("watch") != "true":
             return web.json_response({"kind": "ConfigMapList", "apiVersion": "v1",
                                       "metadata": {"resourceVersion": "10"}, "items": self.items})
@@ -261,7 +265,8 @@ class FakeConfigMaps:
         return response
 
 
-async def test_the_watch_selects_the_configmap_by_name_and_follows_it() -> None:
+@pytest.fixture
+async def fake_api() -> AsyncIterator[tuple[FakeConfigMaps, client.CoreV1Api]]:
     fake = FakeConfigMaps()
     app = web.Application()
     app.router.add_get("/api/v1/namespaces/gpufence/configmaps", fake.handle)
@@ -271,9 +276,19 @@ async def test_the_watch_selects_the_configmap_by_name_and_follows_it() -> None:
     await site.start()
     configuration = client.Configuration()
     configuration.host = f"http://127.0.0.1:{runner.addresses[0][1]}"
+    try:
+        yield fake, client.CoreV1Api(client.ApiClient(configuration))
+    finally:
+        for _ in range(3):
+            fake.events.put_nowait(None)
+        await runner.cleanup()
+
+
+async def test_the_watch_selects_the_configmap_by_name_and_follows_it(
+        fake_api: tuple[FakeConfigMaps, client.CoreV1Api]) -> None:
+    fake, api = fake_api
     policy = ClusterPolicy(source=SOURCE)
-    watch = PolicyWatch(client.CoreV1Api(client.ApiClient(configuration)), "gpufence", "gpufence-policy", policy,
-                        min_backoff=0.01)
+    watch = PolicyWatch(api, "gpufence", "gpufence-policy", policy, min_backoff=0.01)
     watch.start()
     try:
         assert await asyncio.to_thread(watch.wait_for, lambda w: w.has_synced(), 5.0)
@@ -289,7 +304,23 @@ async def test_the_watch_selects_the_configmap_by_name_and_follows_it() -> None:
             assert query["fieldSelector"] == "metadata.name=gpufence-policy"
         assert [q.get("watch") for q in fake.queries] == [None, "true"]
     finally:
-        for _ in range(3):
-            fake.events.put_nowait(None)
         await asyncio.to_thread(watch.stop, 5.0)
-        await runner.cleanup()
+
+
+async def test_an_unreadable_configmap_is_the_readiness_reason(
+        fake_api: tuple[FakeConfigMaps, client.CoreV1Api]) -> None:
+    fake, api = fake_api
+    fake.forbidden = True
+    policy = ClusterPolicy(source=SOURCE)
+    watch = PolicyWatch(api, "gpufence", "gpufence-policy", policy, min_backoff=0.01, max_backoff=0.05)
+    watch.start()
+    try:
+        assert await asyncio.to_thread(watch.wait_for, lambda w: "403" in (w.policy.problem or ""), 5.0)
+        reason = policy.not_ready_reason() or ""
+        assert "cannot read ConfigMap gpufence/gpufence-policy" in reason and "Forbidden" in reason, reason
+        fake.forbidden = False  # the Role arrives: the watch recovers by itself
+        fake.items = [configmap({"max-memory": "8Gi"})]
+        assert await asyncio.to_thread(watch.wait_for, lambda w: w.policy.current is not None, 5.0)
+        assert policy.not_ready_reason() is None
+    finally:
+        await asyncio.to_thread(watch.stop, 5.0)

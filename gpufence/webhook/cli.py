@@ -2,6 +2,8 @@
 
 Every flag ``--some-flag`` can be given as ``GPUFENCE_WEBHOOK_SOME_FLAG``; the flag wins. A bad value,
 from either place, exits 2 with a message naming it. Repeatable flags take a comma-separated env value.
+In a cluster the policy flags come from a ConfigMap instead (``--policy-configmap``, read and watched
+by webhook.cluster_policy with these flags' converters); given together with it, a policy flag exits 2.
 """
 
 from __future__ import annotations

@@ -139,6 +139,12 @@ class ClusterPolicy:
                 log_event(log, "policy_loaded", configmap=self.source, resource_version=version, changed=changed)
             return True
 
+    def unreadable(self, error: str) -> None:
+        """The ConfigMap could not be read (the watch retries); the reason, while there is no policy yet."""
+        with self._lock:
+            if self.current is None:
+                self.problem = f"cannot read ConfigMap {self.source}: {error[:300]}"
+
     def _reject(self, problem: str, version: str | None, *, event: str) -> bool:
         self.valid, self.problem = False, problem
         self.failures += 1
@@ -170,3 +176,7 @@ class PolicyWatch(ListWatch):
 
     def _apply(self, kind: str, obj: Mapping[str, Any]) -> None:
         self.policy.offer(None if kind == "DELETED" else obj)
+
+    def _failed(self, error: Exception) -> None:
+        # Before a first version, /readyz says why none came (a 403 means the Role is missing).
+        self.policy.unreadable(f"{type(error).__name__}: {error}".strip())

@@ -10,6 +10,7 @@ to list and what a list or an event means; readers see what it publishes, never 
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import logging
 import random
@@ -81,6 +82,9 @@ class ListWatch:
         """One ADDED, MODIFIED or DELETED event (called under ``_publish``)."""
         raise NotImplementedError
 
+    def _failed(self, error: Exception) -> None:
+        """The list or the watch failed with ``error`` (called under ``_publish``); the loop retries."""
+
     # --- lifecycle -----------------------------------------------------------------------------
     def has_synced(self) -> bool:
         return self._synced.is_set()
@@ -117,6 +121,7 @@ class ListWatch:
                 resource_version = None  # start over with a fresh list; meanwhile readers see the old state
                 if self._stopping.is_set():
                     break
+                self._publish(functools.partial(self._failed, exc))
                 delay = backoff * random.uniform(0.8, 1.2)  # jitter: replicas should not relist in step
                 expired = getattr(exc, "status", None) == HTTP_GONE  # routine after etcd compaction
                 logging.getLogger(type(self).__module__).log(
