@@ -18,6 +18,8 @@ from typing import Any
 import aiohttp
 import pytest
 from aiohttp import web
+from hypothesis import given
+from hypothesis import strategies as st
 from kubernetes import client
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -98,6 +100,15 @@ def test_bad_keys_and_values_name_the_key_the_value_the_rule_and_an_example(data
     assert message.startswith(f"ConfigMap {SOURCE}: ")
     for needle in needles:
         assert needle in message, message
+
+
+@given(st.sampled_from(sorted(EVERY_KEY)), st.text(max_size=40))
+def test_any_text_in_any_key_is_a_policy_or_a_policy_error(key: str, text: str) -> None:
+    """Whatever an admin writes, the webhook gets settings or a message, never a traceback."""
+    try:
+        parse_policy({key: text})
+    except PolicyError as exc:
+        assert f'key "{key}"' in str(exc)
 
 
 def test_every_problem_is_reported_at_once() -> None:
