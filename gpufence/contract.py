@@ -1,7 +1,7 @@
 """The contract between the webhook, the guard and the enforcer, in one place.
 
 The webhook writes it, the enforcer reads it, the guard (k8s/base/guard-policy.yaml, which cannot
-import Python) checks a pod against it and tests/test_contract.py checks the guard against this
+import Python) checks a pod against it and tests/unit/test_contract.py checks the guard against this
 module. Neither gpufence.webhook nor gpufence.enforcer imports the other: both import this module,
 which imports the standard library only (the sidecar loads it at start).
 

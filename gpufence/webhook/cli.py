@@ -2,6 +2,8 @@
 
 Every flag ``--some-flag`` can be given as ``GPUFENCE_WEBHOOK_SOME_FLAG``; the flag wins. A bad value,
 from either place, exits 2 with a message naming it. Repeatable flags take a comma-separated env value.
+In a cluster the policy flags come from a ConfigMap instead (``--policy-configmap``, read and watched
+by webhook.cluster_policy with these flags' converters); given together with it, a policy flag exits 2.
 """
 
 from __future__ import annotations
@@ -10,10 +12,9 @@ import argparse
 import asyncio
 import logging
 import os
-import re
 import signal
 import ssl
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -21,124 +22,25 @@ from gpufence import version_line
 from gpufence.contract import MAX_GRACE_PERIOD_SECONDS, MAX_POLL_INTERVAL_SECONDS, MIN_POLL_INTERVAL_SECONDS
 from gpufence.logs import log_event
 from gpufence.logs import setup_logging as _setup_logging
+from gpufence.webhook.flag_values import (
+    boolean,
+    choice,
+    compute_share,
+    duration,
+    gpu_memory,
+    headroom,
+    memory_share,
+    namespaced_name,
+    non_empty,
+    optional_resource_quantity,
+    port,
+    resource_quantity,
+)
 from gpufence.webhook.settings import DEFAULT_GPU_RESOURCE, InjectionSettings
 from gpufence.webhook.tls import DEFAULT_RELOAD_INTERVAL_SECONDS
 
 ENV_PREFIX = "GPUFENCE_WEBHOOK_"
 _defaults = InjectionSettings()
-
-
-# --- value converters: raise ValueError with a short reason -------------------------------------
-def port(text: str) -> int:
-    if not text.strip().isdigit():
-        raise ValueError("not a port number")
-    value = int(text)
-    if not 0 <= value <= 65535:
-        raise ValueError("must be between 0 and 65535")
-    return value
-
-
-def boolean(text: str) -> bool:
-    lowered = text.strip().lower()
-    if lowered in ("true", "1", "yes"):
-        return True
-    if lowered in ("false", "0", "no"):
-        return False
-    raise ValueError('use "true" or "false"')
-
-
-_DURATION_RE = re.compile(r"(?P<num>[0-9]+(?:\.[0-9]*)?|\.[0-9]+)(?P<unit>ms|s|m|h)?", re.ASCII)
-_UNIT_SECONDS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, None: 1.0}
-
-
-def duration(low: float, high: float) -> Callable[[str], float]:
-    """Seconds as "2.5", "500ms", "10s" or "1m", within [low, high]."""
-
-    def convert(text: str) -> float:
-        match = _DURATION_RE.fullmatch(text.strip()) if len(text) <= 32 else None
-        if match is None:
-            raise ValueError('use seconds such as "10", "500ms", "10s" or "1m"')
-        seconds = float(match["num"]) * _UNIT_SECONDS[match["unit"]]
-        if not low <= seconds <= high:
-            raise ValueError(f"must be between {low:g}s and {high:g}s")
-        return seconds
-
-    convert.__name__ = "duration"
-    return convert
-
-
-def choice(*allowed: str) -> Callable[[str], str]:
-    def convert(text: str) -> str:
-        if text not in allowed:
-            raise ValueError("use one of " + ", ".join(allowed))
-        return text
-
-    convert.__name__ = "choice"
-    return convert
-
-
-def non_empty(text: str) -> str:
-    if not text.strip():
-        raise ValueError("must not be empty")
-    return text
-
-
-def resource_quantity(text: str) -> str:
-    """A container resource quantity, written back canonically (the API server's form), so that a
-    reinvocation after the API server canonicalised the pod sees the same value and patches nothing."""
-    from gpufence.webhook.quantity import canonical_quantity
-
-    canonical = canonical_quantity(text.strip())
-    if canonical == "0":
-        raise ValueError("must be greater than zero")
-    return canonical
-
-
-def optional_resource_quantity(text: str) -> str | None:
-    """``resource_quantity``, or None for "none" (no such limit)."""
-    return None if text.strip().lower() == "none" else resource_quantity(text)
-
-
-def memory_share(text: str) -> str:
-    from gpufence.webhook.shares import parse_memory_share  # the core's own parser: the same rules as annotations
-
-    parse_memory_share(text)
-    return text
-
-
-def compute_share(text: str) -> str:
-    from gpufence.webhook.shares import parse_compute_share
-
-    parse_compute_share(text)
-    return text
-
-
-def gpu_memory(text: str) -> tuple[str, int]:
-    """RESOURCE=QUANTITY, e.g. "nvidia.com/gpu=80Gi": the memory of one GPU of that resource."""
-    from gpufence.webhook.quantity import QuantityError, parse_bytes
-
-    name, sep, amount = text.strip().partition("=")
-    if not sep or not name.strip() or not amount.strip():
-        raise ValueError('use RESOURCE=QUANTITY such as "nvidia.com/gpu=80Gi"')
-    try:
-        num_bytes = parse_bytes(amount.strip())
-    except QuantityError:
-        raise ValueError(f'{amount.strip()!r} is not a quantity such as "80Gi"') from None
-    if num_bytes < 1 << 30:
-        raise ValueError("a GPU's memory must be at least 1Gi")
-    return name.strip(), num_bytes
-
-
-def headroom(text: str) -> int:
-    from gpufence.webhook.quantity import QuantityError, parse_bytes
-
-    try:
-        num_bytes = parse_bytes(text.strip())
-    except QuantityError:
-        raise ValueError('use a quantity such as "512Mi" or "0"') from None
-    if num_bytes < 0:
-        raise ValueError("must not be negative")
-    return num_bytes
 
 
 # --- the flag table ---------------------------------------------------------------------------------
@@ -152,6 +54,8 @@ class Flag:
     # The flag's name before it said what it sets (--poll-interval for --sidecar-poll-interval):
     # still accepted, as a flag and as an env var, with a "deprecated_flag" warning, for one release.
     deprecated: str | None = None
+    # An accepted value, quoted in the errors of the policy ConfigMap; the default where unset.
+    example: str | None = None
 
     @property
     def dest(self) -> str:
@@ -177,9 +81,13 @@ class Flag:
             return "true" if self.default else "false"
         return str(self.default)
 
+    @property
+    def example_value(self) -> str:
+        return self.example or self.shown_default
 
-FLAGS: tuple[Flag, ...] = (
-    # The server.
+
+# The server: only ever flags (or env vars), never keys of the policy ConfigMap.
+SERVER_FLAGS: tuple[Flag, ...] = (
     Flag("port", port, 8443, "HTTPS port to serve on (0 picks a free one)"),
     Flag("bind-address", non_empty, "0.0.0.0", "address to listen on"),
     Flag("tls-cert-file", non_empty, None, "serving certificate (PEM), reloaded when it changes"),
@@ -187,18 +95,26 @@ FLAGS: tuple[Flag, ...] = (
     Flag("cert-reload-interval", duration(0.01, 3600), DEFAULT_RELOAD_INTERVAL_SECONDS,
          "how often to check the certificate files for a change"),
     Flag("kubeconfig", non_empty, None,
-         "kubeconfig for the namespace watch (default: in-cluster, then ~/.kube/config; "
+         "kubeconfig for the namespace and policy watches (default: in-cluster, then ~/.kube/config; "
          "neither: all namespaces opted in)"),
     Flag("log-level", choice("debug", "info", "warning", "error"), "info", "log level"),
     Flag("shutdown-delay", duration(0, 60), 5.0,
          "after SIGTERM, keep serving this long with /readyz failing so endpoints drop the replica first"),
-    # InjectionSettings, one flag per field.
+    Flag("policy-configmap", namespaced_name, None,
+         "read the policy flags below from this ConfigMap (NAMESPACE/NAME, keys the flag names without "
+         "\"--\"), which the guard policy reads too, and apply its changes without a restart; refuses to start "
+         "with any policy flag given as well (default none: the policy flags apply)"),
+)
+
+# The policy: InjectionSettings, one flag per field. With --policy-configmap they are that ConfigMap's
+# keys (webhook.cluster_policy), parsed by the same converters.
+POLICY_FLAGS: tuple[Flag, ...] = (
     Flag("sidecar-image", non_empty, _defaults.sidecar_image, "enforcer sidecar image"),
     Flag("sidecar-image-pull-policy", choice("Always", "IfNotPresent", "Never"), _defaults.sidecar_image_pull_policy,
          "imagePullPolicy of the sidecar"),
     Flag("gpu-resource-name", non_empty, None,
          f"extended resource that makes a container a GPU container (repeatable; default {DEFAULT_GPU_RESOURCE})",
-         repeat=True),
+         repeat=True, example=DEFAULT_GPU_RESOURCE),
     Flag("sidecar-mode", choice("native", "container"), "native" if _defaults.native_sidecar else "container",
          "native sidecar (init container with restartPolicy Always, Kubernetes >= 1.29) or a plain container"),
     Flag("sidecar-metrics-port", port, _defaults.metrics_port, "port of the sidecar's /metrics",
@@ -210,13 +126,14 @@ FLAGS: tuple[Flag, ...] = (
          "memory request of the sidecar"),
     Flag("sidecar-memory-limit", resource_quantity, _defaults.sidecar_memory_limit, "memory limit of the sidecar"),
     Flag("default-memory", memory_share, _defaults.default_memory,
-         'memory share when neither pod nor namespace sets one ("8Gi" or "25%")'),
+         'memory share when neither pod nor namespace sets one ("8Gi" or "25%")', example="25%"),
     Flag("default-compute", compute_share, _defaults.default_compute,
-         'compute share when neither pod nor namespace sets one ("50" or "50%")'),
+         'compute share when neither pod nor namespace sets one ("50" or "50%")', example="50"),
     Flag("max-memory", memory_share, _defaults.max_memory,
-         "ceiling on each GPU container's memory share where the namespace sets none (\"8Gi\" or \"25%\")"),
+         "ceiling on each GPU container's memory share where the namespace sets none (\"8Gi\" or \"25%\")",
+         example="25%"),
     Flag("max-compute", compute_share, _defaults.max_compute,
-         "ceiling on each GPU container's compute share where the namespace sets none (\"25\")"),
+         "ceiling on each GPU container's compute share where the namespace sets none (\"25\")", example="25"),
     Flag("default-mode", choice("enforce", "audit"), _defaults.default_mode,
          "mode of namespaces that do not set gpufence.io/mode"),
     Flag("allow-audit", boolean, _defaults.allow_audit,
@@ -241,12 +158,13 @@ FLAGS: tuple[Flag, ...] = (
          "can hand them GPUs through the NVIDIA container toolkit"),
     Flag("mps-limits", boolean, _defaults.mps_limits, "set CUDA MPS per-client limits from the shares"),
     Flag("preload-library", non_empty, _defaults.preload_library_host_path,
-         "host path of an LD_PRELOAD GPU limiter (e.g. HAMi-core libvgpu.so) to inject"),
+         "host path of an LD_PRELOAD GPU limiter (e.g. HAMi-core libvgpu.so) to inject",
+         example="/usr/local/lib/libvgpu.so"),
     Flag("preload-library-mount-dir", non_empty, _defaults.preload_library_mount_dir,
          "where the preload library's directory is mounted in GPU containers"),
     Flag("gpu-memory", gpu_memory, None,
          'memory of one GPU of a resource, for homogeneous pools ("nvidia.com/gpu=80Gi"; repeatable): turns '
-         "byte shares into the frameworks' memory fractions", repeat=True),
+         "byte shares into the frameworks' memory fractions", repeat=True, example="nvidia.com/gpu=80Gi"),
     Flag("pytorch-memory-fraction", boolean, _defaults.pytorch_memory_fraction,
          "cap PyTorch's allocator (PYTORCH_CUDA_ALLOC_CONF per_process_memory_fraction; PyTorch >= 2.10 only) "
          "where the namespace does not set gpufence.io/pytorch-memory-fraction"),
@@ -254,6 +172,7 @@ FLAGS: tuple[Flag, ...] = (
          "taken off a share before it becomes a framework's memory fraction, for the CUDA context (bytes or a "
          'quantity such as "512Mi")'),
 )
+FLAGS: tuple[Flag, ...] = SERVER_FLAGS + POLICY_FLAGS
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -293,6 +212,7 @@ def parse_args(argv: Sequence[str] | None = None, environ: dict[str, str] | None
     raw = parser.parse_args(argv)
     values: dict[str, Any] = {}
     deprecated: list[tuple[str, str]] = []  # (the old name used, the name to use)
+    policy_given: list[tuple[str, str]] = []  # (flag or env var, its ConfigMap key: value) of each policy flag set
     for flag in FLAGS:
         given = getattr(raw, flag.dest)
         old_given = getattr(raw, f"deprecated__{flag.dest}", None)
@@ -317,12 +237,26 @@ def parse_args(argv: Sequence[str] | None = None, environ: dict[str, str] | None
             continue
         converted = [_convert(parser, flag, t, source) for t in texts]
         values[flag.dest] = tuple(converted) if flag.repeat else converted[0]
+        if flag in POLICY_FLAGS:
+            policy_given.append((source, f'{flag.name}: "{",".join(texts)}"'))
+    if values["policy_configmap"] is not None and policy_given:
+        # The guard reads only the ConfigMap: a flag on top would make the webhook and the guard disagree.
+        where = "/".join(values["policy_configmap"])
+        parser.error(f"--policy-configmap {where} takes the policy from that ConfigMap, which the guard policy "
+                     f"reads too, so {', '.join(s for s, _ in policy_given)} would make the webhook and the guard "
+                     f"disagree: set each in the ConfigMap's data instead ({'; '.join(k for _, k in policy_given)}), "
+                     f"or leave out --policy-configmap to run on flags alone")
     args = argparse.Namespace(**values, deprecated=deprecated)
     for required in ("tls_cert_file", "tls_private_key_file"):
         if getattr(args, required) is None:
             flag = next(f for f in FLAGS if f.dest == required)
             parser.error(f"--{flag.name} (or {flag.env}) is required")
     return args
+
+
+def policy_settings(values: Mapping[str, Any]) -> InjectionSettings:
+    """InjectionSettings from converted policy values by flag dest (``max_memory``); the rest default."""
+    return settings_from_args(argparse.Namespace(**{f.dest: values.get(f.dest, f.default) for f in POLICY_FLAGS}))
 
 
 def settings_from_args(args: argparse.Namespace) -> InjectionSettings:
@@ -368,19 +302,30 @@ def setup_logging(level: str) -> None:
 
 # --- main --------------------------------------------------------------------------------------------
 async def run(args: argparse.Namespace) -> None:
-    from gpufence.webhook.namespaces import load_namespace_lookup
+    from gpufence.webhook.cluster_policy import ClusterPolicy, PolicyWatch
+    from gpufence.webhook.namespaces import NamespaceCache, load_core_api
     from gpufence.webhook.server import ServerLimits, serve
+    from gpufence.webhook.settings import AllNamespacesOptedIn
     from gpufence.webhook.tls import CertReloader
 
     reloader = CertReloader(args.tls_cert_file, args.tls_private_key_file, interval=args.cert_reload_interval)
-    namespaces = load_namespace_lookup(args.kubeconfig)
+    api = load_core_api(args.kubeconfig)
+    namespaces = AllNamespacesOptedIn() if api is None else NamespaceCache(api)
+    policy, policy_watch = ClusterPolicy(settings_from_args(args)), None
+    if args.policy_configmap is not None:
+        namespace, name = args.policy_configmap
+        if api is None:
+            raise ValueError(f"--policy-configmap {namespace}/{name} needs the Kubernetes API: run in a cluster "
+                             "or give --kubeconfig (or leave out --policy-configmap to run on flags alone)")
+        policy = ClusterPolicy(source=f"{namespace}/{name}")
+        policy_watch = PolicyWatch(api, namespace, name, policy)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)  # graceful: stop accepting, finish in-flight requests
     limits = ServerLimits(shutdown_delay=args.shutdown_delay)
-    await serve(settings_from_args(args), namespaces, reloader, stop, host=args.bind_address, port=args.port,
-                limits=limits)
+    await serve(policy, namespaces, reloader, stop, host=args.bind_address, port=args.port, limits=limits,
+                policy_watch=policy_watch)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -8,6 +8,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, H
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from gpufence.webhook.cluster_policy import ClusterPolicy
 from gpufence.webhook.tls import CertReloader
 
 OUTCOMES = ("mutated", "unchanged", "denied", "skipped", "invalid", "error")
@@ -39,6 +40,30 @@ class _CertificateCollector(Collector):
         yield reloads
 
 
+class _PolicyCollector(Collector):
+    """Reads the cluster policy's state at scrape time (webhook.cluster_policy)."""
+
+    def __init__(self, policy: ClusterPolicy) -> None:
+        self._policy = policy
+
+    def collect(self) -> Iterator[Metric]:
+        valid = GaugeMetricFamily(
+            "gpufence_webhook_policy_valid",
+            "1 when the last version of the policy ConfigMap seen is valid and in use (always 1 on flags); "
+            "0 when it is invalid or missing and the webhook keeps the last valid one (or has none).",
+        )
+        valid.add_metric([], 1.0 if self._policy.valid else 0.0)
+        yield valid
+        reloads = CounterMetricFamily(
+            "gpufence_webhook_policy_reloads",
+            "Versions of the policy ConfigMap applied (success) or refused as invalid or missing (failure).",
+            labels=["result"],
+        )
+        reloads.add_metric(["success"], self._policy.successes)
+        reloads.add_metric(["failure"], self._policy.failures)
+        yield reloads
+
+
 class WebhookMetrics:
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         self.registry = registry if registry is not None else CollectorRegistry()
@@ -60,6 +85,9 @@ class WebhookMetrics:
 
     def watch_certificates(self, reloader: CertReloader) -> None:
         self.registry.register(_CertificateCollector(reloader))
+
+    def watch_policy(self, policy: ClusterPolicy) -> None:
+        self.registry.register(_PolicyCollector(policy))
 
     def render(self) -> tuple[bytes, str]:
         return generate_latest(self.registry), CONTENT_TYPE_LATEST

@@ -27,12 +27,13 @@ from aiohttp.web_protocol import RequestPayloadError
 from gpufence import __version__
 from gpufence.logs import log_event
 from gpufence.webhook.admission import InvalidReview, review
+from gpufence.webhook.cluster_policy import ClusterPolicy
 from gpufence.webhook.decisions import log_decision, log_review_failed
 from gpufence.webhook.metrics import WebhookMetrics
-from gpufence.webhook.namespaces import BackgroundLookup
 from gpufence.webhook.patch import dumps, loads
 from gpufence.webhook.settings import AllNamespacesOptedIn, InjectionSettings, NamespaceLookup
 from gpufence.webhook.tls import DEFAULT_RELOAD_INTERVAL_SECONDS, CertReloader
+from gpufence.webhook.watch import BackgroundLookup
 
 log = logging.getLogger(__name__)
 
@@ -63,7 +64,9 @@ class ServerLimits:
     shutdown_delay: float = 0.0
 
 
-SETTINGS = web.AppKey("settings", InjectionSettings)
+POLICY = web.AppKey("policy", ClusterPolicy)
+# Background watches besides the namespace cache (the policy ConfigMap's), started and stopped with the app.
+WATCHES = web.AppKey("watches", tuple)
 NAMESPACES = web.AppKey("namespaces", NamespaceLookup)
 RELOADER = web.AppKey("reloader", CertReloader)
 METRICS = web.AppKey("metrics", WebhookMetrics)
@@ -217,14 +220,18 @@ async def mutate(request: web.Request) -> web.Response:
     app = request.app
     _check_content_type(request)
     body = await _read_body(request, app[LIMITS])
+    # Read once: the policy watch may swap in a new policy meanwhile; this review keeps the one it began with.
+    settings = app[POLICY].current
+    if settings is None:  # /readyz fails meanwhile; the API server ignores the error (failurePolicy Ignore)
+        raise web.HTTPServiceUnavailable(text=app[POLICY].not_ready_reason() or "no cluster policy")
     if len(body) >= OFFLOAD_BODY_BYTES:
         # A body this large takes milliseconds to decode and review (about 70 ms at the 6 MiB
         # limit); on the event loop that would stall every other request of this replica. In a
         # worker thread the GIL still serialises the Python work, but its switch interval lets
         # the loop keep answering small reviews meanwhile.
-        outcome, answer = await asyncio.to_thread(_answer, body, app[SETTINGS], app[NAMESPACES])
+        outcome, answer = await asyncio.to_thread(_answer, body, settings, app[NAMESPACES])
     else:
-        outcome, answer = _answer(body, app[SETTINGS], app[NAMESPACES])
+        outcome, answer = _answer(body, settings, app[NAMESPACES])
     request[OUTCOME] = outcome
     return web.Response(body=answer, content_type="application/json")
 
@@ -235,11 +242,15 @@ async def healthz(request: web.Request) -> web.Response:
 
 def not_ready_reasons(app: web.Application) -> list[str]:
     # The certificate is loaded before the app exists (CertReloader refuses to start without one);
-    # only the namespace cache can lag.
+    # only the namespace cache and the policy ConfigMap can lag.
+    reasons = []
     namespaces = app[NAMESPACES]
     if isinstance(namespaces, BackgroundLookup) and not namespaces.has_synced():
-        return ["namespace cache has not synced"]
-    return []
+        reasons.append("namespace cache has not synced")
+    policy = app[POLICY].not_ready_reason()
+    if policy is not None:
+        reasons.append(policy)
+    return reasons
 
 
 async def readyz(request: web.Request) -> web.Response:
@@ -264,21 +275,27 @@ async def _reload_certificates(app: web.Application) -> AsyncIterator[None]:
         await task
 
 
-async def _watch_namespaces(app: web.Application) -> AsyncIterator[None]:
+async def _run_watches(app: web.Application) -> AsyncIterator[None]:
     namespaces = app[NAMESPACES]
-    if not isinstance(namespaces, BackgroundLookup):
-        yield
-        return
-    namespaces.start()
+    watches = [w for w in (namespaces, *app[WATCHES]) if isinstance(w, BackgroundLookup)]
+    for watch in watches:
+        watch.start()
     yield
-    await asyncio.to_thread(namespaces.stop, 5.0)
+    for watch in watches:
+        await asyncio.to_thread(watch.stop, 5.0)
 
 
-def create_app(settings: InjectionSettings, namespaces: NamespaceLookup, reloader: CertReloader, *,
-               limits: ServerLimits = ServerLimits(), metrics: WebhookMetrics | None = None) -> web.Application:
-    """The webhook application. ``reloader`` holds the serving certificate (see ``start_server``)."""
+def create_app(settings: InjectionSettings | ClusterPolicy, namespaces: NamespaceLookup, reloader: CertReloader, *,
+               limits: ServerLimits = ServerLimits(), metrics: WebhookMetrics | None = None,
+               policy_watch: BackgroundLookup | None = None) -> web.Application:
+    """The webhook application. ``reloader`` holds the serving certificate (see ``start_server``).
+
+    ``settings``: fixed InjectionSettings (the flags), or a ClusterPolicy that ``policy_watch`` feeds.
+    """
     app = web.Application(middlewares=[error_middleware], client_max_size=limits.max_body_bytes)
-    app[SETTINGS] = settings
+    policy = settings if isinstance(settings, ClusterPolicy) else ClusterPolicy(settings)
+    app[POLICY] = policy
+    app[WATCHES] = (policy_watch,) if policy_watch is not None else ()
     app[NAMESPACES] = namespaces
     app[RELOADER] = reloader
     app[LIMITS] = limits
@@ -286,8 +303,9 @@ def create_app(settings: InjectionSettings, namespaces: NamespaceLookup, reloade
     app[DRAINING] = asyncio.Event()
     app[METRICS] = metrics or WebhookMetrics()
     app[METRICS].watch_certificates(reloader)
+    app[METRICS].watch_policy(policy)
     app.cleanup_ctx.append(_reload_certificates)
-    app.cleanup_ctx.append(_watch_namespaces)
+    app.cleanup_ctx.append(_run_watches)
     app.router.add_post(MUTATE_PATH, mutate)
     app.router.add_get("/healthz", healthz)
     app.router.add_get("/readyz", readyz)
@@ -359,11 +377,11 @@ async def start_webhook(cert_file: str | Path, key_file: str | Path, *,
     return await start_server(app, host=host, port=port)
 
 
-async def serve(settings: InjectionSettings, namespaces: NamespaceLookup, reloader: CertReloader,
+async def serve(settings: InjectionSettings | ClusterPolicy, namespaces: NamespaceLookup, reloader: CertReloader,
                 stop: asyncio.Event, *, host: str = "0.0.0.0", port: int = 8443,
-                limits: ServerLimits = ServerLimits()) -> None:
+                limits: ServerLimits = ServerLimits(), policy_watch: BackgroundLookup | None = None) -> None:
     """Run until ``stop`` is set, then shut down gracefully."""
-    app = create_app(settings, namespaces, reloader, limits=limits)
+    app = create_app(settings, namespaces, reloader, limits=limits, policy_watch=policy_watch)
     running = await start_server(app, host=host, port=port)
     log_event(log, "serving", address=host, port=running.port, serial=format(reloader.cert.serial_number, "x"),
               version=__version__)

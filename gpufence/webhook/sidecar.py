@@ -45,7 +45,7 @@ STATE_VOLUME = "gpufence-state"
 # The enforcer's state directory is a tmpfs: it survives a restart of the sidecar within the pod
 # (what its files are for) and costs no disk I/O on the SIGSTOP/SIGCONT that rewrite them. Its pages
 # count against the sidecar's memory, hence the small limit; the files of 10,000 stopped processes
-# and as many pending SIGKILLs fit in it twice (tests/test_stopped_state_files.py).
+# and as many pending SIGKILLs fit in it twice (tests/unit/enforcer/test_state_files.py).
 STATE_VOLUME_SIZE_LIMIT = "16Mi"
 HOST_PROC_VOLUME = "gpufence-host-proc"
 PRELOAD_VOLUME = "gpufence-preload"

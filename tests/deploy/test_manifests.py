@@ -27,7 +27,9 @@ import pytest
 import yaml
 
 from gpufence.contract import DEFAULT_METRICS_PORT, INJECTION_ENABLED, INJECTION_LABEL, SIDECAR_PORT_NAME
-from gpufence.webhook.settings import DEFAULT_SIDECAR_IMAGE
+from gpufence.webhook.cli import parse_args
+from gpufence.webhook.cluster_policy import parse_policy
+from gpufence.webhook.settings import DEFAULT_SIDECAR_IMAGE, InjectionSettings
 from tests.support.prerequisites import missing
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -39,6 +41,7 @@ K8S_VERSION = "1.30"
 NAMESPACE = "gpufence"
 WEBHOOK_CONFIGURATION = "gpufence"
 TLS_SECRET = "gpufence-webhook-tls"
+POLICY_CONFIGMAP = "gpufence-policy"
 SERVICE = "gpufence-webhook"
 # The sidecar's metrics port name (gpufence/contract.py SIDECAR_PORT_NAME); port names are IANA service
 # names of at most 15 characters, so "gpufence-metrics" (16) would be refused by the API server.
@@ -442,6 +445,19 @@ def test_rbac_is_least_privilege(directory: str) -> None:
     assert webhook_role["rules"] == [
         {"apiGroups": [""], "resources": ["namespaces"], "verbs": ["get", "list", "watch"]}
     ]
+    # The policy ConfigMap by name only (the webhook lists and watches it with a metadata.name selector).
+    policy_role = one(objects, "Role", "gpufence-webhook-policy")
+    assert policy_role["metadata"]["namespace"] == NAMESPACE
+    assert policy_role["rules"] == [
+        {"apiGroups": [""], "resources": ["configmaps"], "resourceNames": [POLICY_CONFIGMAP],
+         "verbs": ["get", "list", "watch"]}
+    ]
+    binding = one(objects, "RoleBinding", "gpufence-webhook-policy")
+    assert binding["roleRef"]["name"] == "gpufence-webhook-policy"
+    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": "gpufence-webhook", "namespace": NAMESPACE}]
+    for _, rule in _rules(objects):
+        if "configmaps" in rule["resources"]:
+            assert rule.get("resourceNames") == [POLICY_CONFIGMAP], "no other ConfigMap is anyone's business"
     if not BUILDS[directory]["cert_manager"]:
         role = one(objects, "Role", "gpufence-certs")
         assert {"get", "update", "patch", "create"} == {v for r in role["rules"] for v in r["verbs"]}
@@ -494,8 +510,11 @@ def test_webhook_deployment() -> None:
     assert container["readinessProbe"]["httpGet"]["path"] == "/readyz"
     args = container["args"]
     assert "--port=8443" in args
-    assert f"--sidecar-image={DEFAULT_SIDECAR_IMAGE}" in args
     assert container["image"] == DEFAULT_SIDECAR_IMAGE, "webhook and sidecar images are the same release"
+    # The policy comes from the ConfigMap the guard reads too; the webhook refuses policy flags with it.
+    assert f"--policy-configmap={NAMESPACE}/{POLICY_CONFIGMAP}" in args
+    settings_args = parse_args(args, environ={})
+    assert settings_args.policy_configmap == (NAMESPACE, POLICY_CONFIGMAP)
     # The TLS files named on the command line come from the Secret volume.
     (tls_volume,) = [v for v in pod["volumes"] if "secret" in v]
     assert tls_volume["secret"]["secretName"] == TLS_SECRET
@@ -528,6 +547,17 @@ def test_pods_meet_the_restricted_pod_security_standard(directory: str) -> None:
             assert sc.get("runAsUser", pod["securityContext"].get("runAsUser", 1)) != 0, where
             assert "cpu" not in container["resources"].get("limits", {}), where
             assert "memory" in container["resources"]["limits"], where
+
+
+def test_the_policy_configmap_is_valid_and_names_this_release() -> None:
+    """The shipped policy parses with the webhook's own parser into its defaults, this release's image included."""
+    configmap = one(objects_of("k8s"), "ConfigMap", POLICY_CONFIGMAP)
+    assert configmap["metadata"]["namespace"] == NAMESPACE
+    assert parse_policy(configmap["data"]) == InjectionSettings()
+    assert configmap["data"]["sidecar-image"] == DEFAULT_SIDECAR_IMAGE
+    guard = one(objects_of("k8s"), "ValidatingAdmissionPolicyBinding", "gpufence-guard")
+    assert guard["spec"]["paramRef"]["name"] == POLICY_CONFIGMAP
+    assert guard["spec"]["paramRef"]["namespace"] == NAMESPACE
 
 
 def test_certificate_jobs() -> None:

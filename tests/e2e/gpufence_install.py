@@ -2,11 +2,12 @@
 
 ``kubectl apply --server-side -k k8s/`` installs everything as shipped. The webhook then runs as a
 local process (there is no node to run its Deployment) with the serving pair the project's own
-``gpufence-certs generate`` wrote, laid out like a mounted Secret, and with a ServiceAccount token of
-the install's ``gpufence-webhook`` account (TokenRequest) for its namespace watch. The one change to
-the shipped objects: the MutatingWebhookConfiguration's ``clientConfig`` points at that process by
-``url:`` with the ``caBundle`` the cert tooling produced, which is exactly what the certs Job would
-patch in, plus the address.
+``gpufence-certs generate`` wrote, laid out like a mounted Secret, with a ServiceAccount token of
+the install's ``gpufence-webhook`` account (TokenRequest) for its namespace and policy watches, and
+with the Deployment's own ``--policy-configmap`` (so it reads the shipped ConfigMap gpufence-policy,
+as the guard does). The one change to the shipped objects: the MutatingWebhookConfiguration's
+``clientConfig`` points at that process by ``url:`` with the ``caBundle`` the cert tooling produced,
+which is exactly what the certs Job would patch in, plus the address.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from tests.support.tlsutil import SecretVolume
 REPO = Path(__file__).resolve().parents[2]
 WEBHOOK_CONFIGURATION = "gpufence"
 NAMESPACE = "gpufence"
+POLICY_CONFIGMAP = "gpufence-policy"
 VENV_BIN = Path(sys.executable).parent
 
 
@@ -82,7 +84,7 @@ class WebhookProcess:
         self.wait_ready()
 
     def wait_ready(self, timeout: float = 30.0) -> None:
-        """Poll /readyz (ready means serving TLS and the namespace cache synced)."""
+        """Poll /readyz (ready: serving TLS, the namespace cache synced, a valid policy loaded)."""
         deadline = time.monotonic() + timeout
         ctx = self.client_context()
         last = ""
@@ -99,7 +101,13 @@ class WebhookProcess:
         raise StartupFailed(f"gpufence-webhook not ready: {last}\n{self.component.log_tail()}")
 
     def patch_for(self, namespace: str, pod: dict[str, Any]) -> list[dict[str, Any]] | None:
-        """The webhook's answer to a CREATE review of ``pod``, over TLS as the API server sends it."""
+        """The webhook's patch for a CREATE review of ``pod``, over TLS as the API server sends it."""
+        answer = self.review(namespace, pod)
+        assert answer["allowed"] is True, answer
+        return json.loads(base64.b64decode(answer["patch"])) if "patch" in answer else None
+
+    def review(self, namespace: str, pod: dict[str, Any]) -> dict[str, Any]:
+        """The webhook's AdmissionReview response to a CREATE of ``pod`` (allowed or not)."""
         body = {
             "apiVersion": "admission.k8s.io/v1", "kind": "AdmissionReview",
             "request": {
@@ -115,18 +123,32 @@ class WebhookProcess:
         req = urllib.request.Request(self.url + "/mutate", data=json.dumps(body).encode(),
                                      headers={"Content-Type": "application/json"})
         with urllib.request.urlopen(req, context=self.client_context(), timeout=10) as resp:
-            answer = json.loads(resp.read())["response"]
-        assert answer["allowed"] is True, answer
-        return json.loads(base64.b64decode(answer["patch"])) if "patch" in answer else None
+            return json.loads(resp.read())["response"]
 
-    def request_counts(self) -> dict[str, float]:
-        """The webhook's own count of the reviews it answered, by outcome (its /metrics)."""
+    def wait_until_known(self, namespace: str, timeout: float = 30.0) -> None:
+        """Until the webhook's namespace cache has ``namespace``: its watch runs apart from our create,
+        and until then the webhook ignores the namespace's labels and annotations (and warns so)."""
+        probe = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "probe"},
+                 "spec": {"containers": [{"name": "c", "image": "busybox"}]}}
+        deadline = time.monotonic() + timeout
+        while any("not in the webhook's cache" in w for w in self.review(namespace, probe).get("warnings") or []):
+            if time.monotonic() > deadline:
+                raise AssertionError(f"the webhook did not see namespace {namespace} within {timeout:.0f}s")
+            time.sleep(0.05)
+
+    def metric_samples(self, name: str) -> dict[str, float]:
+        """The samples of the webhook's metric family ``name`` (its /metrics), by their first label's value."""
         with urllib.request.urlopen(self.url + "/metrics", context=self.client_context(), timeout=10) as resp:
             text = resp.read().decode()
         for family in text_string_to_metric_families(text):
-            if family.name == "gpufence_webhook_requests":
-                return {s.labels["outcome"]: s.value for s in family.samples if s.name.endswith("_total")}
-        raise AssertionError("the webhook exports no request counter")
+            if family.name == name:
+                return {next(iter(s.labels.values()), s.name): s.value for s in family.samples
+                        if not s.name.endswith("_created")}
+        raise AssertionError(f"the webhook exports no {name}")
+
+    def request_counts(self) -> dict[str, float]:
+        """The webhook's own count of the reviews it answered, by outcome (its /metrics)."""
+        return self.metric_samples("gpufence_webhook_requests")
 
     def stop(self, sig: str = "TERM") -> None:
         if self.component is None:
@@ -190,15 +212,26 @@ def install(cp: ControlPlane, webhook_url: str) -> subprocess.CompletedProcess[s
     return apply_objects(cp, rendered(cp, REPO / "k8s", webhook_url))
 
 
+def shipped_policy_args(objects: list[dict[str, Any]]) -> tuple[str, ...]:
+    """The policy arguments of the shipped webhook Deployment (its --policy-configmap), to run it so."""
+    (deployment,) = [o for o in objects if o["kind"] == "Deployment" and o["metadata"]["name"] == "gpufence-webhook"]
+    (container,) = deployment["spec"]["template"]["spec"]["containers"]
+    args = tuple(a for a in container["args"] if a.startswith("--policy-configmap="))
+    assert args == (f"--policy-configmap={NAMESPACE}/{POLICY_CONFIGMAP}",), container["args"]
+    return args
+
+
 def start_gpufence(cp: ControlPlane, workdir: Path) -> WebhookProcess:
     certs = workdir / "webhook-certs"
     ca_file, cert_file, key_file = generate_webhook_certs(certs)
     secret = SecretVolume(workdir / "webhook-secret")
     secret.write(cert_file.read_bytes(), key_file.read_bytes())
     port = free_port()
-    install(cp, f"https://127.0.0.1:{port}")
+    objects = rendered(cp, REPO / "k8s", f"https://127.0.0.1:{port}")
+    apply_objects(cp, objects)
     kubeconfig = service_account_kubeconfig(cp, NAMESPACE, "gpufence-webhook", workdir / "webhook.kubeconfig")
-    hook = WebhookProcess(cp, workdir, secret, ca_file, certs / "ca.key", kubeconfig, port)
+    hook = WebhookProcess(cp, workdir, secret, ca_file, certs / "ca.key", kubeconfig, port,
+                          extra_args=shipped_policy_args(objects))
     hook.start()
     set_ca_bundle(cp, ca_file.read_bytes())
     return hook

@@ -33,6 +33,7 @@ def test_mutated_pod_meets_the_documented_pod_security_level(
         **kube.OPT_IN, "pod-security.kubernetes.io/enforce": level,
         "pod-security.kubernetes.io/enforce-version": "latest",
     }, annotations={"gpufence.io/allow-opt-out": "true"})  # for the workload-alone check below
+    webhook.wait_until_known(namespace)  # else it would miss the level and the opt-out of the new namespace
     pod = kube.gpu_pod(restricted=non_root)
     # The workload alone passes the level (checked with the webhook out of the picture).
     alone = kube.create_pod(admin, namespace, {**pod, "metadata": {**pod["metadata"],

@@ -14,7 +14,14 @@ from gpufence.enforcer.events import EventRecorder, PodRef
 from gpufence.enforcer.logs import DecisionLog
 from tests.e2e import kube
 from tests.e2e.controlplane import ControlPlane
-from tests.e2e.gpufence_install import NAMESPACE, WEBHOOK_CONFIGURATION, WebhookProcess, cli, service_account_kubeconfig
+from tests.e2e.gpufence_install import (
+    NAMESPACE,
+    POLICY_CONFIGMAP,
+    WEBHOOK_CONFIGURATION,
+    WebhookProcess,
+    cli,
+    service_account_kubeconfig,
+)
 
 WEBHOOK_SA = f"system:serviceaccount:{NAMESPACE}:gpufence-webhook"
 CERTS_SA = f"system:serviceaccount:{NAMESPACE}:gpufence-certs"
@@ -35,6 +42,12 @@ def can_i(cp: ControlPlane, user: str, verb: str, resource: str, namespace: str 
     (WEBHOOK_SA, "get", "secrets", NAMESPACE, False),
     (WEBHOOK_SA, "create", "pods", "default", False),
     (WEBHOOK_SA, "patch", f"mutatingwebhookconfigurations/{WEBHOOK_CONFIGURATION}", None, False),
+    (WEBHOOK_SA, "get", f"configmaps/{POLICY_CONFIGMAP}", NAMESPACE, True),
+    (WEBHOOK_SA, "watch", f"configmaps/{POLICY_CONFIGMAP}", NAMESPACE, True),
+    (WEBHOOK_SA, "update", f"configmaps/{POLICY_CONFIGMAP}", NAMESPACE, False),
+    (WEBHOOK_SA, "get", "configmaps/another", NAMESPACE, False),
+    (WEBHOOK_SA, "list", "configmaps", NAMESPACE, False),
+    (WEBHOOK_SA, "get", f"configmaps/{POLICY_CONFIGMAP}", "default", False),
     (CERTS_SA, "get", "secrets/gpufence-webhook-tls", NAMESPACE, True),
     (CERTS_SA, "update", "secrets/gpufence-webhook-tls", NAMESPACE, True),
     (CERTS_SA, "create", "secrets", NAMESPACE, True),
@@ -49,6 +62,23 @@ def can_i(cp: ControlPlane, user: str, verb: str, resource: str, namespace: str 
 def test_service_account_permissions(cluster: ControlPlane, gpufence: WebhookProcess, user: str, verb: str,
                                      resource: str, namespace: str | None, allowed: bool):
     assert can_i(cluster, user, verb, resource, namespace) is allowed
+
+
+def test_webhook_token_reads_its_policy_configmap_by_name_only(gpufence: WebhookProcess):
+    """The webhook's list and watch select the ConfigMap by metadata.name, which resourceNames allows."""
+    core = client.CoreV1Api(kube.api_client(gpufence.kubeconfig))
+    selector = f"metadata.name={POLICY_CONFIGMAP}"
+    (item,) = core.list_namespaced_config_map(NAMESPACE, field_selector=selector).items
+    assert item.metadata.name == POLICY_CONFIGMAP
+    stream = core.list_namespaced_config_map(NAMESPACE, field_selector=selector, watch=True, timeout_seconds=1,
+                                             _preload_content=False)
+    assert stream.status == 200
+    stream.release_conn()
+    for call in (lambda: core.list_namespaced_config_map(NAMESPACE),
+                 lambda: core.read_namespaced_config_map("kube-root-ca.crt", NAMESPACE)):
+        with pytest.raises(client.ApiException) as refused:
+            call()
+        assert refused.value.status == 403
 
 
 def test_webhook_watch_cache_sees_namespace_changes_live(admin: client.ApiClient, webhook: WebhookProcess):

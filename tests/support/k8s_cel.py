@@ -3,7 +3,8 @@
 cel-python implements the CEL language but none of the libraries Kubernetes adds to it. The guard
 uses these (all available from Kubernetes 1.30, the oldest version we support):
 
-* strings extension (cel-go ``ext.Strings``): ``s.split(sep)``, ``s.trim()``, ``s.replace(a, b)``;
+* strings extension (cel-go ``ext.Strings``): ``s.split(sep)``, ``s.trim()``, ``s.replace(a, b)``,
+  ``s.lowerAscii()``;
 * regex library (``k8s.io/apiserver/pkg/cel/library/regex.go``): ``s.find(re)``, the first match
   or ``''``;
 * quantity library (``.../library/quantity.go``): ``isQuantity(s)``, ``quantity(s).asInteger()``;
@@ -54,6 +55,14 @@ def _replace(text: Any, old: Any, new: Any) -> celtypes.StringType:
     return celtypes.StringType(str(text).replace(str(old), str(new)))
 
 
+def _lower_ascii(text: Any) -> celtypes.StringType:
+    """Only A-Z change, as in cel-go (Python's lower() would also fold other letters)."""
+    return celtypes.StringType(str(text).translate(_ASCII_LOWER))
+
+
+_ASCII_LOWER = str.maketrans("ABCDEFGHIJKLMNOPQRSTUVWXYZ", "abcdefghijklmnopqrstuvwxyz")
+
+
 def _find(text: Any, pattern: Any) -> celtypes.StringType:
     match = re.search(str(pattern), str(text))
     return celtypes.StringType(match.group(0) if match else "")
@@ -83,6 +92,7 @@ FUNCTIONS = {
     "split": _split,
     "trim": _trim,
     "replace": _replace,
+    "lowerAscii": _lower_ascii,
     "find": _find,
     "isQuantity": _is_quantity,
     "quantity": _quantity,

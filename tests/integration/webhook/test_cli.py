@@ -215,3 +215,60 @@ def test_sidecar_resources_are_written_as_the_api_server_stores_them(flag: str, 
     settings = settings_from_args(parse_args([*TLS, f"{flag}={given}"], environ={}))
     field = flag.removeprefix("--").replace("-", "_")
     assert getattr(settings, field) == stored
+
+
+# --- --policy-configmap: the policy from the ConfigMap the guard reads, never also from flags ------------
+
+
+POLICY = ["--policy-configmap", "gpufence/gpufence-policy"]
+
+
+def test_policy_configmap_alone_is_accepted() -> None:
+    args = parse_args(TLS + POLICY + ["--port", "9443", "--log-level", "debug"], environ={})
+    assert args.policy_configmap == ("gpufence", "gpufence-policy") and args.port == 9443
+    assert parse_args(TLS, environ={"GPUFENCE_WEBHOOK_POLICY_CONFIGMAP": "ns/p"}).policy_configmap == ("ns", "p")
+    assert parse_args(TLS, environ={}).policy_configmap is None  # the local override: flags alone
+
+
+@pytest.mark.parametrize(("argv", "environ", "named", "key"), [
+    (["--max-memory=40Gi"], {}, "--max-memory", 'max-memory: "40Gi"'),
+    (["--poll-interval=1s"], {}, "--sidecar-poll-interval", 'sidecar-poll-interval: "1s"'),  # the old name too
+    (["--gpu-resource-name=a/b", "--gpu-resource-name=c/d"], {}, "--gpu-resource-name", 'gpu-resource-name: "a/b,c/d"'),
+    ([], {"GPUFENCE_WEBHOOK_ALLOW_OPT_OUT": "true"}, "GPUFENCE_WEBHOOK_ALLOW_OPT_OUT", 'allow-opt-out: "true"'),
+    ([], {"GPUFENCE_WEBHOOK_SIDECAR_IMAGE": "img:1"}, "GPUFENCE_WEBHOOK_SIDECAR_IMAGE", 'sidecar-image: "img:1"'),
+])
+def test_policy_configmap_with_a_policy_flag_refuses_to_start(argv: list[str], environ: dict[str, str], named: str,
+                                                               key: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """The guard reads only the ConfigMap: a flag on top would make the webhook and the guard disagree."""
+    with pytest.raises(SystemExit) as exited:
+        parse_args(TLS + POLICY + argv, environ=environ)
+    assert exited.value.code == 2
+    err = " ".join(capsys.readouterr().err.split())
+    assert "--policy-configmap gpufence/gpufence-policy" in err and named in err and key in err
+    assert "the webhook and the guard disagree" in err and "leave out --policy-configmap" in err
+
+
+def test_an_empty_policy_env_var_is_not_a_flag() -> None:
+    """As everywhere else, an empty GPUFENCE_WEBHOOK_* variable means unset."""
+    assert parse_args(TLS + POLICY, environ={"GPUFENCE_WEBHOOK_MAX_MEMORY": ""}).max_memory is None
+
+
+@pytest.mark.parametrize("value", ["gpufence", "Gpufence/policy", "gpufence/", "/gpufence-policy", "a/b/c"])
+def test_bad_policy_configmap_names_are_refused(value: str, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exited:
+        parse_args([*TLS, f"--policy-configmap={value}"], environ={})
+    assert exited.value.code == 2
+    err = capsys.readouterr().err
+    assert "--policy-configmap" in err and "NAMESPACE/NAME" in err and "gpufence/gpufence-policy" in err
+
+
+async def test_policy_configmap_without_a_cluster_fails_with_a_clear_message(pki: LocalPKI, tmp_path: Path):
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "gpufence.webhook", "--port=0", "--bind-address=127.0.0.1", *POLICY,
+        f"--tls-cert-file={pki.volume.cert_file}", f"--tls-private-key-file={pki.volume.key_file}",
+        env=outside_cluster_env(tmp_path), cwd=REPO, stderr=asyncio.subprocess.PIPE)
+    _, err = await asyncio.wait_for(proc.communicate(), 20)
+    assert proc.returncode == 1
+    (failed,) = [entry for entry in map(json.loads, err.decode().splitlines()) if entry["event"] == "startup_failed"]
+    assert "--policy-configmap gpufence/gpufence-policy needs the Kubernetes API" in failed["error"]
+    assert "--kubeconfig" in failed["error"]

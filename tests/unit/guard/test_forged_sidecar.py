@@ -23,8 +23,9 @@ import pytest
 
 from gpufence.contract import INJECTION_ENABLED, INJECTION_LABEL, SIDECAR_NAME
 from gpufence.webhook import admission, client
+from gpufence.webhook.cluster_policy import parse_policy
 from gpufence.webhook.settings import InjectionSettings, NamespaceInfo
-from tests.unit.guard.test_policy import GUARD, POLICY, Guard
+from tests.unit.guard.test_policy import GUARD, POLICY, SHIPPED_POLICY, Guard
 
 CEILINGS = {"gpufence.io/max-memory": "20Gi", "gpufence.io/max-compute": "50"}
 
@@ -201,10 +202,12 @@ def test_other_injectors_mounts_are_not_forgeries() -> None:
     assert GUARD.admit(pod, namespace_annotations={})[0]
 
 
-def test_the_cluster_wide_flags_are_admin_variables_of_the_guard() -> None:
-    """Where the Namespace says nothing, the webhook's flags apply; the guard holds the same values."""
-    settings = InjectionSettings(max_memory="16Gi", default_compute="40")
-    guard = Guard(POLICY, clusterMaxMemory="16Gi", clusterDefaultCompute="40")
+def test_the_cluster_policy_configmap_binds_the_webhook_and_the_guard_alike() -> None:
+    """Where the Namespace says nothing, the cluster policy applies: one ConfigMap for both."""
+    data = {**SHIPPED_POLICY, "max-memory": "16Gi", "default-compute": "40"}
+    settings = parse_policy(data)
+    assert (settings.max_memory, settings.default_compute) == ("16Gi", "40")
+    guard = Guard(POLICY, data)
     pod = injected(gpu_pod({"gpufence.io/memory": "8Gi"}), {}, settings)
     assert guard.admit(pod, namespace_annotations={})[0]
     assert not GUARD.admit(pod, namespace_annotations={"gpufence.io/max-memory": "4Gi"})[0]

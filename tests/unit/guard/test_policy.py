@@ -8,7 +8,8 @@ estimate) is listed in docs/install.md, "What is not checked".
 
 The admission flow is simulated as the API server runs it: the policy's namespaceSelector and
 objectSelector (label selectors, evaluated here in Python), then the matchConditions, then the
-variables in order, then the validations.
+variables in order, then the validations. ``params`` is the cluster policy ConfigMap
+(k8s/base/policy-configmap.yaml, the binding's paramRef): as shipped unless a test gives its data.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from __future__ import annotations
 import base64
 import copy
 import json
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -38,12 +40,13 @@ from gpufence.contract import (
     EnforcerConfig,
     MemoryShare,
 )
-from gpufence.webhook.settings import DEFAULT_GPU_RESOURCE, DEFAULT_SIDECAR_IMAGE
+from gpufence.webhook.settings import DEFAULT_GPU_RESOURCE, DEFAULT_SIDECAR_IMAGE, InjectionSettings
 from tests.support.k8s_cel import FUNCTIONS as K8S_FUNCTIONS
 from tests.unit.webhook.test_admission import good_pods
 
 ROOT = Path(__file__).resolve().parents[3]
 POLICY_FILE = ROOT / "k8s" / "base" / "guard-policy.yaml"
+POLICY_CONFIGMAP_FILE = ROOT / "k8s" / "base" / "policy-configmap.yaml"
 WEBHOOK_CONFIG_FILE = ROOT / "k8s" / "base" / "mutatingwebhookconfiguration.yaml"
 
 _ENV = celpy.Environment()
@@ -59,6 +62,8 @@ def _policy() -> dict[str, Any]:
 
 
 POLICY = _policy()
+(POLICY_CONFIGMAP,) = _docs(POLICY_CONFIGMAP_FILE)
+SHIPPED_POLICY: dict[str, str] = dict(POLICY_CONFIGMAP["data"])
 
 
 def _compile(expression: str) -> celpy.Runner:
@@ -66,26 +71,19 @@ def _compile(expression: str) -> celpy.Runner:
 
 
 class Guard:
-    """A compiled copy of the policy; ``gpu_resource_names`` replaces the admin's variable."""
+    """A compiled copy of the policy, judging with the cluster policy ConfigMap as its params."""
 
-    def __init__(self, policy: dict[str, Any], gpu_resource_names: list[str] | None = None,
-                 sidecar_image: str | None = None, **admin_variables: object) -> None:
-        """``admin_variables``: values (as JSON) for the variables an admin edits, by name."""
+    def __init__(self, policy: dict[str, Any], policy_data: Mapping[str, str] | None = None, *,
+                 params: dict[str, Any] | None = None) -> None:
+        """``policy_data``: the ConfigMap's data (default: as shipped); ``params``: the whole ConfigMap."""
         spec = policy["spec"]
         self.spec = spec
+        if params is None:
+            params = {"apiVersion": "v1", "kind": "ConfigMap", "metadata": dict(POLICY_CONFIGMAP["metadata"]),
+                      "data": dict(SHIPPED_POLICY if policy_data is None else policy_data)}
+        self.params = celpy.json_to_cel(params)
         self.match_conditions = [(m["name"], _compile(m["expression"])) for m in spec.get("matchConditions", [])]
-        self.variables = []
-        names = {v["name"] for v in spec.get("variables", [])}
-        assert set(admin_variables) <= names, f"no such variables: {set(admin_variables) - names}"
-        for v in spec.get("variables", []):
-            expression = v["expression"]
-            if v["name"] == "gpuResourceNames" and gpu_resource_names is not None:
-                expression = json.dumps(gpu_resource_names)
-            if v["name"] == "sidecarImage" and sidecar_image is not None:
-                expression = json.dumps(sidecar_image)
-            if v["name"] in admin_variables:
-                expression = json.dumps(admin_variables[v["name"]])
-            self.variables.append((v["name"], _compile(expression)))
+        self.variables = [(v["name"], _compile(v["expression"])) for v in spec.get("variables", [])]
         self.validations = [
             (_compile(v["expression"]), _compile(v["messageExpression"]) if "messageExpression" in v else None, v)
             for v in spec["validations"]
@@ -108,18 +106,12 @@ class Guard:
         namespace_object: dict[str, Any] = {"metadata": {"name": namespace, "labels": namespace_labels}}
         if namespace_annotations is not None:
             namespace_object["metadata"]["annotations"] = namespace_annotations
-        activation: dict[str, Any] = {"object": celpy.json_to_cel(pod),
+        activation: dict[str, Any] = {"object": celpy.json_to_cel(pod), "params": self.params,
                                       "namespaceObject": celpy.json_to_cel(namespace_object)}
         for name, program in self.match_conditions:
             if not _boolean(program.evaluate(activation), f"matchCondition {name}"):
                 return True, f"matchCondition {name} is false"
-        variables: dict[str, Any] = {}
-        for name, program in self.variables:
-            activation["variables"] = celtypes.MapType({celtypes.StringType(k): v for k, v in variables.items()})
-            value = program.evaluate(activation)
-            assert not isinstance(value, celpy.CELEvalError), f"variable {name}: {value}"
-            variables[name] = value
-        activation["variables"] = celtypes.MapType({celtypes.StringType(k): v for k, v in variables.items()})
+        activation["variables"] = self._variables(activation)
         for program, message_program, validation in self.validations:
             if not _boolean(program.evaluate(activation), validation["expression"]):
                 if message_program is None:
@@ -128,6 +120,22 @@ class Guard:
                 assert isinstance(message, str), f"messageExpression gave {message!r}"  # StringType subclasses str
                 return False, str(message)
         return True, "allowed"
+
+    def variables_for(self, pod: dict[str, Any], namespace: str = "team-a") -> dict[str, Any]:
+        """Every variable's value for a CREATE of ``pod`` in an opted-in ``namespace`` without annotations."""
+        namespace_object = {"metadata": {"name": namespace, "labels": {INJECTION_LABEL: INJECTION_ENABLED}}}
+        activation = {"object": celpy.json_to_cel(pod), "params": self.params,
+                      "namespaceObject": celpy.json_to_cel(namespace_object)}
+        return dict(self._variables(activation))
+
+    def _variables(self, activation: dict[str, Any]) -> celtypes.MapType:
+        variables: dict[str, Any] = {}
+        for name, program in self.variables:
+            activation["variables"] = celtypes.MapType({celtypes.StringType(k): v for k, v in variables.items()})
+            value = program.evaluate(activation)
+            assert not isinstance(value, celpy.CELEvalError), f"variable {name}: {value}"
+            variables[name] = value
+        return celtypes.MapType({celtypes.StringType(k): v for k, v in variables.items()})
 
 
 def _boolean(value: Any, what: str) -> bool:
@@ -152,6 +160,23 @@ def _selector_matches(selector: dict[str, Any], labels: dict[str, str]) -> bool:
         if operator == "DoesNotExist" and key in labels:
             return False
     return True
+
+
+def policy_data_for(settings: InjectionSettings) -> dict[str, str]:
+    """The ConfigMap data, for the keys the guard reads, that the webhook parses into ``settings``."""
+    return {
+        "sidecar-image": settings.sidecar_image,
+        "gpu-resource-name": ",".join(settings.gpu_resource_names),
+        "default-mode": settings.default_mode,
+        "allow-audit": str(settings.allow_audit).lower(),
+        "allow-opt-out": str(settings.allow_opt_out).lower(),
+        "max-memory": settings.max_memory or "",
+        "max-compute": settings.max_compute or "",
+        "default-memory": settings.default_memory or "",
+        "default-compute": settings.default_compute or "",
+        "sidecar-poll-interval": repr(settings.poll_interval_seconds),
+        "sidecar-nvidia-visible-devices": settings.nvidia_visible_devices,
+    }
 
 
 GUARD = Guard(POLICY)
@@ -269,9 +294,12 @@ def test_a_container_merely_named_like_the_sidecar_does_not_pass(forgery: Any) -
     assert not allowed and "has no gpufence-enforcer sidecar" in message
 
 
-def test_the_sidecar_image_is_kept_in_step_with_the_webhook() -> None:
-    (variable,) = [v for v in POLICY["spec"]["variables"] if v["name"] == "sidecarImage"]
-    assert variable["expression"] == f"'{DEFAULT_SIDECAR_IMAGE}'"
+def test_the_shipped_sidecar_image_is_this_release() -> None:
+    """The webhook and the guard read the image from the ConfigMap; as shipped it is the webhook's own."""
+    assert SHIPPED_POLICY["sidecar-image"] == DEFAULT_SIDECAR_IMAGE
+    assert GUARD.variables_for(pod())["sidecarImage"] == DEFAULT_SIDECAR_IMAGE
+    elsewhere = Guard(POLICY, {**SHIPPED_POLICY, "sidecar-image": "registry.example.com/gpufence:1"})
+    assert not elsewhere.admit(pod(sidecar="native", share=True))[0]  # the image of the default sidecar
 
 
 def test_non_gpu_pod_is_allowed() -> None:
@@ -306,14 +334,9 @@ def test_opt_out_is_honoured_only_where_the_namespace_allows_it() -> None:
     assert GUARD.admit(pod(gpu_in=None, labels={POD_OPT_OUT_LABEL: "false"})) == (True, "allowed")
 
 
-def test_the_cluster_wide_opt_out_is_an_admin_variable() -> None:
-    (variable,) = [v for v in POLICY["spec"]["variables"] if v["name"] == "clusterAllowsOptOut"]
-    assert variable["expression"] == "false"  # the safe default, like the webhook's --allow-opt-out
-    policy = copy.deepcopy(POLICY)
-    for v in policy["spec"]["variables"]:
-        if v["name"] == "clusterAllowsOptOut":
-            v["expression"] = "true"
-    widened = Guard(policy)
+def test_the_cluster_wide_opt_out_is_read_from_the_policy_configmap() -> None:
+    assert SHIPPED_POLICY["allow-opt-out"] == "false"  # the safe default, like the webhook's
+    widened = Guard(POLICY, {**SHIPPED_POLICY, "allow-opt-out": "true"})
     opted_out = pod(labels={POD_OPT_OUT_LABEL: "false"})
     assert widened.admit(opted_out) == (True, "allowed")
     # The namespace's own "false" still wins over the cluster-wide default.
@@ -340,12 +363,12 @@ def test_namespaces_not_opted_in_or_excluded_are_not_selected(namespace: str, la
     assert GUARD.admit(pod(), namespace=namespace, namespace_labels=labels) == (True, "not selected")
 
 
-def test_gpu_resource_names_are_an_admin_variable() -> None:
-    (default,) = [v for v in POLICY["spec"]["variables"] if v["name"] == "gpuResourceNames"]
-    assert json.loads(default["expression"].replace("'", '"')) == [DEFAULT_GPU_RESOURCE]
+def test_gpu_resource_names_are_read_from_the_policy_configmap() -> None:
+    assert SHIPPED_POLICY["gpu-resource-name"] == DEFAULT_GPU_RESOURCE
     assert GUARD.admit(pod(resource="amd.com/gpu"))[0]
-    widened = Guard(POLICY, gpu_resource_names=[DEFAULT_GPU_RESOURCE, "amd.com/gpu"])
+    widened = Guard(POLICY, {**SHIPPED_POLICY, "gpu-resource-name": f"{DEFAULT_GPU_RESOURCE}, amd.com/gpu"})
     assert not widened.admit(pod(resource="amd.com/gpu"))[0]
+    assert not widened.admit(pod())[0]
 
 
 def test_policy_scope_matches_the_webhook_configuration() -> None:
@@ -360,6 +383,16 @@ def test_policy_scope_matches_the_webhook_configuration() -> None:
     (binding,) = [d for d in _docs(POLICY_FILE) if d["kind"] == "ValidatingAdmissionPolicyBinding"]
     assert binding["spec"]["policyName"] == POLICY["metadata"]["name"]
     assert binding["spec"]["validationActions"] == ["Deny"]
+
+
+def test_the_guard_reads_the_policy_configmap_and_refuses_without_it() -> None:
+    """One source: the binding's params are the ConfigMap the webhook reads; missing, it fails closed."""
+    assert POLICY["spec"]["paramKind"] == {"apiVersion": "v1", "kind": "ConfigMap"}
+    (binding,) = [d for d in _docs(POLICY_FILE) if d["kind"] == "ValidatingAdmissionPolicyBinding"]
+    metadata = POLICY_CONFIGMAP["metadata"]
+    assert binding["spec"]["paramRef"] == {"name": metadata["name"], "namespace": metadata["namespace"],
+                                           "parameterNotFoundAction": "Deny"}
+    assert (metadata["namespace"], metadata["name"]) == ("gpufence", "gpufence-policy")
 
 
 def test_a_pod_mutated_by_the_webhook_passes_the_guard() -> None:
@@ -405,7 +438,7 @@ def test_the_guard_agrees_with_the_webhook_on_every_golden_case(case: str) -> No
     info = lookup.get(pod_in["metadata"].get("namespace", ""))
     if operation != "CREATE" or info is None or not info.opted_in:
         return  # outside the guard's scope (it matches CREATE in opted-in namespaces only)
-    guard = Guard(POLICY, gpu_resource_names=list(settings.gpu_resource_names), sidecar_image=settings.sidecar_image)
+    guard = Guard(POLICY, policy_data_for(settings))
     namespace, labels, ns_annotations = info.name, dict(info.labels), dict(info.annotations)
     outcome = expected["outcome"]
     requests_gpu = bool(gpu_container_names(pod_in["spec"], settings.gpu_resource_names))

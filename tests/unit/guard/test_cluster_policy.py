@@ -1,0 +1,143 @@
+"""One source of the cluster policy: the guard reads ConfigMap gpufence-policy as the webhook parses it.
+
+The guard's variables that read the ConfigMap (k8s/base/guard-policy.yaml, its ``params``) are
+evaluated with cel-python (tests/unit/guard/test_policy.py's harness) and compared with what the
+webhook's own parser (gpufence/webhook/cluster_policy.py, which runs the flags' converters) makes of
+the same data: the defaults where a key is absent or empty, and the spellings the webhook accepts.
+The real kube-apiserver reads the same ConfigMap in tests/e2e/test_policy_reload.py.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+from celpy import celtypes
+from hypothesis import assume, given
+from hypothesis import strategies as st
+
+from gpufence.webhook.cli import POLICY_FLAGS
+from gpufence.webhook.cluster_policy import PolicyError, parse_policy
+from gpufence.webhook.settings import InjectionSettings
+from tests.unit.guard.test_policy import GUARD, POLICY, POLICY_CONFIGMAP, SHIPPED_POLICY, Guard, pod, policy_data_for
+
+# guard variable -> (the ConfigMap key it reads, the InjectionSettings value it must hold)
+GUARD_READS: dict[str, tuple[str, Callable[[InjectionSettings], Any]]] = {
+    "gpuResourceNames": ("gpu-resource-name", lambda s: list(s.gpu_resource_names)),
+    "sidecarImage": ("sidecar-image", lambda s: s.sidecar_image),
+    "clusterAllowsOptOut": ("allow-opt-out", lambda s: s.allow_opt_out),
+    "clusterDefaultMode": ("default-mode", lambda s: s.default_mode),
+    "clusterAllowsAudit": ("allow-audit", lambda s: s.allow_audit),
+    "clusterMaxMemory": ("max-memory", lambda s: s.max_memory or ""),
+    "clusterMaxCompute": ("max-compute", lambda s: s.max_compute or ""),
+    "clusterDefaultMemory": ("default-memory", lambda s: s.default_memory or ""),
+    "clusterDefaultCompute": ("default-compute", lambda s: s.default_compute or ""),
+    "sidecarPollIntervalSeconds": ("sidecar-poll-interval", lambda s: s.poll_interval_seconds),
+    "sidecarVisibleDevices": ("sidecar-nvidia-visible-devices", lambda s: s.nvidia_visible_devices),
+}
+
+
+def _python(value: Any) -> Any:
+    """A CEL value as the Python value it stands for, keeping its kind (a CEL double stays a float)."""
+    if isinstance(value, celtypes.BoolType):
+        return bool(value)
+    if isinstance(value, celtypes.DoubleType | float):  # celpy's arithmetic on doubles gives plain floats
+        return float(value)
+    if isinstance(value, celtypes.ListType):
+        return [_python(v) for v in value]
+    if isinstance(value, celtypes.StringType):
+        return str(value)
+    raise AssertionError(f"unexpected CEL value {value!r}")
+
+
+def guard_reads(guard: Guard) -> dict[str, Any]:
+    variables = guard.variables_for(pod())
+    return {name: _python(variables[name]) for name in GUARD_READS}
+
+
+def webhook_holds(settings: InjectionSettings) -> dict[str, Any]:
+    return {name: value_of(settings) for name, (_, value_of) in GUARD_READS.items()}
+
+
+def test_every_key_the_guard_reads_is_a_policy_flag_and_shipped() -> None:
+    expressions = " ".join(v["expression"] for v in POLICY["spec"]["variables"])
+    read = set(re.findall(r"variables\.clusterPolicy\['([a-z-]+)'\]", expressions))
+    assert read == {key for key, _ in GUARD_READS.values()}
+    assert read <= {f.name for f in POLICY_FLAGS}
+    assert set(SHIPPED_POLICY) == read  # the base ships exactly the keys the guard reads
+
+
+@pytest.mark.parametrize("data", [None, {}, dict.fromkeys(SHIPPED_POLICY, "")],
+                         ids=["no data", "empty data", "every key empty"])
+def test_the_guards_defaults_are_the_webhooks(data: dict[str, str] | None) -> None:
+    """Where the ConfigMap says nothing, the guard falls back to exactly InjectionSettings' defaults."""
+    params: dict[str, Any] = {"apiVersion": "v1", "kind": "ConfigMap", "metadata": POLICY_CONFIGMAP["metadata"]}
+    if data is not None:
+        params["data"] = data
+    defaults = InjectionSettings()
+    assert parse_policy(data) == defaults
+    guard = Guard(POLICY, params=params)
+    assert guard_reads(guard) == webhook_holds(defaults)
+    assert isinstance(guard.variables_for(pod())["sidecarPollIntervalSeconds"], float)  # a CEL double
+
+
+def test_the_shipped_configmap_holds_the_webhooks_defaults() -> None:
+    assert parse_policy(SHIPPED_POLICY) == InjectionSettings()
+    assert guard_reads(GUARD) == webhook_holds(InjectionSettings())
+
+
+SPELLINGS = [
+    *(("allow-audit", v) for v in ("true", "TRUE", " yes ", "1", "false", "No", "0")),
+    *(("allow-opt-out", v) for v in ("True", "yes", "false", "NO")),
+    *(("default-mode", v) for v in ("enforce", "audit")),
+    *(("max-memory", v) for v in ("25%", "20Gi", "8589934592", "12.5%")),
+    *(("max-compute", v) for v in ("25", "50%")),
+    *(("default-memory", v) for v in ("4Gi", "10%")),
+    *(("default-compute", v) for v in ("40", "30%")),
+    *(("sidecar-poll-interval", v) for v in ("500ms", "300ms", "2s", "1m", "0.25", ".5", "1.", " 2s ", "70ms")),
+    *(("sidecar-nvidia-visible-devices", v) for v in ("all", "void")),
+    *(("gpu-resource-name", v) for v in ("amd.com/gpu", "nvidia.com/gpu, nvidia.com/mig-1g.10gb", " a/b ,c/d")),
+    ("sidecar-image", "registry.example.com/platform/gpufence:0.1.0"),
+]
+
+
+@pytest.mark.parametrize(("key", "value"), SPELLINGS, ids=[f"{k}={v}" for k, v in SPELLINGS])
+def test_the_guard_reads_a_value_as_the_webhook_parses_it(key: str, value: str) -> None:
+    data = {**SHIPPED_POLICY, key: value}
+    settings = parse_policy(data)
+    assert guard_reads(Guard(POLICY, data)) == webhook_holds(settings)
+
+
+_FRACTIONS = st.sampled_from(["", ".", ".0", ".5", ".25", ".125", ".333", ".1", ".7"])
+# Mostly within the webhook's range (50ms to 60s), per unit, so that few draws are thrown away.
+_DURATIONS = st.one_of(
+    st.builds(lambda n, f: f"{n}{f}ms", st.integers(50, 60_000), _FRACTIONS),
+    st.builds(lambda n, f, unit: f"{n}{f}{unit}", st.integers(0, 59), _FRACTIONS, st.sampled_from(["s", ""])),
+    st.builds(lambda f: f"0{f}m", _FRACTIONS),
+    st.sampled_from([".1", ".25", ".5", ".75"]),
+)
+
+
+@given(_DURATIONS)
+def test_the_guard_computes_the_poll_interval_to_the_same_double(text: str) -> None:
+    """The guard compares the sidecar's pollIntervalSeconds (the webhook's float) with its own reading:
+    the two must be the same double, not merely close."""
+    try:
+        settings = parse_policy({"sidecar-poll-interval": text})
+    except PolicyError:
+        assume(False)  # out of the webhook's range: it keeps its last valid policy, nothing to agree on
+        raise
+    (seconds,) = [v for k, v in guard_reads(Guard(POLICY, {"sidecar-poll-interval": text})).items()
+                  if k == "sidecarPollIntervalSeconds"]
+    assert seconds == settings.poll_interval_seconds
+
+
+def test_policy_data_for_gives_the_data_of_each_golden_case() -> None:
+    """The harness's settings-to-ConfigMap helper (used for the golden cases) is the parser's inverse."""
+    from tests.unit.webhook.test_golden import CASES, load_case
+
+    for case in CASES:
+        settings = load_case(case)[1]
+        assert webhook_holds(parse_policy(policy_data_for(settings))) == webhook_holds(settings), case
