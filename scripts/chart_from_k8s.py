@@ -68,15 +68,14 @@ def _labels_include(source: Path, document: str, extra_labels: str) -> str:
     name = _NAME.search(metadata.group(1))
     where = f"{source}: object {name.group(1) if name else '(unnamed)'}"
     labels = _LABELS.search(metadata.group(1))
-    lines = _LABEL_LINE.findall(labels.group(2)) if labels else []
-    if labels is None or len(lines) != labels.group(2).count("\n") or tuple(sorted(k for k, _ in lines)) != tuple(
-            sorted(LABEL_KEYS)):
+    values = dict(_LABEL_LINE.findall(labels.group(2))) if labels else {}
+    every_line_a_label = labels is not None and len(values) == labels.group(2).count("\n")
+    if not every_line_a_label or sorted(values) != sorted(LABEL_KEYS):
         found = labels.group(2).strip() if labels else "none"
         raise ChartSourceError(
             f"{where}: its metadata.labels are {found!r}; the chart's copy takes exactly "
             f"{' and '.join(LABEL_KEYS)} (the chart adds part-of, version and Helm's labels), e.g.\n"
             "  labels:\n    app.kubernetes.io/name: gpufence-guard\n    app.kubernetes.io/component: guard")
-    values = dict(lines)
     call = (f'(dict "context" $ "name" "{values[LABEL_KEYS[0]]}" "component" "{values[LABEL_KEYS[1]]}"'
             + (f' "extra" {extra_labels}' if extra_labels else "") + ")")
     include = f'    {{{{- include "gpufence.labels" {call} | nindent 4 }}}}\n'

@@ -16,6 +16,7 @@ that scripts/chart_from_k8s.py writes from k8s/, checked here to be current.
 
 from __future__ import annotations
 
+import copy
 import re
 from pathlib import Path
 from typing import Any
@@ -78,7 +79,7 @@ Objects = dict[tuple[str, str | None, str], dict[str, Any]]
 
 def both(helm: Path, tmp: Path, directory: str) -> tuple[Objects, Objects]:
     chart = {key(o): without_helm_labels(o) for o in template(helm, tmp, VARIANTS[directory])}
-    kustomize = {key(o): o for o in render(directory)}
+    kustomize = {key(o): copy.deepcopy(o) for o in render(directory)}  # render's objects are cached: shared
     return chart, kustomize
 
 
@@ -143,11 +144,11 @@ metadata:
 
 
 def test_the_copy_replaces_only_the_labels() -> None:
-    copy = chart_from_k8s.COPIES[0]
+    guard = chart_from_k8s.COPIES[0]
     text = GUARD.format(extra="    app.kubernetes.io/component: guard\n", expression="1 + 1")
     include = ('{{- include "gpufence.labels" (dict "context" $ "name" "gpufence-guard" "component" "guard")'
                " | nindent 4 }}")
-    assert chart_from_k8s.template_of(text, copy).split("*/ -}}\n", 1)[1] == text.replace(
+    assert chart_from_k8s.template_of(text, guard).split("*/ -}}\n", 1)[1] == text.replace(
         "    app.kubernetes.io/name: gpufence-guard\n    app.kubernetes.io/component: guard\n", f"    {include}\n")
 
 
