@@ -1,6 +1,7 @@
 """The Helm chart installed with ``helm install`` into a real control plane, checked as the kustomize
 install is: the API server accepts every object, the webhook mutates a GPU pod in an opted-in
-namespace, and with the webhook down the guard refuses it.
+namespace, with the webhook down the guard refuses it, and the webhook's service account may read
+the policy ConfigMap and no other.
 
 The chart gets a control plane of its own (the session's holds the kustomize install, and the
 objects' names are fixed), at the oldest supported Kubernetes version. As for the kustomize install
@@ -126,3 +127,21 @@ def test_webhook_of_the_helm_install_mutates_and_the_guard_closes(
     assert "gpufence-guard" in refused.message and "has no gpufence-enforcer sidecar" in refused.message
     plain = kube.create_pod(admin, namespace, kube.plain_pod())
     assert plain.admitted, plain.message
+
+
+def test_webhook_of_the_helm_install_reads_the_policy_configmap_and_no_other(
+    helm_cluster: ControlPlane, helm_installed: tuple[WebhookProcess, str],
+) -> None:
+    hook, _ = helm_installed
+    policy = json.loads(helm_cluster.kubectl("get", "configmap", "gpufence-policy", "-n", NAMESPACE, "-o", "json",
+                                             kubeconfig=hook.kubeconfig).stdout)  # fmt: skip
+    assert policy["data"]["default-mode"] == "enforce"  # read with the webhook's own service account
+
+    def allowed(verb: str, resource: str) -> str:
+        result = helm_cluster.kubectl("auth", "can-i", verb, resource, "-n", NAMESPACE,
+                                      f"--as=system:serviceaccount:{NAMESPACE}:gpufence-webhook", check=False)
+        return result.stdout.strip()
+
+    assert [allowed(verb, "configmap/gpufence-policy") for verb in ("get", "list", "watch")] == ["yes"] * 3
+    assert allowed("get", "configmap/kube-root-ca.crt") == "no"
+    assert allowed("update", "configmap/gpufence-policy") == "no"
