@@ -25,7 +25,7 @@ import pytest
 
 from gpufence import __version__
 from scripts import chart_from_k8s
-from tests.deploy.test_helm import POLICY, RELEASE, WEBHOOK, key, template
+from tests.deploy.test_helm import RELEASE, key, template
 from tests.deploy.test_manifests import BUILDS, render
 from tests.support import helm_binary
 
@@ -43,11 +43,6 @@ VARIANTS: dict[str, dict[str, Any]] = {
 }
 assert set(VARIANTS) == set(BUILDS)
 
-# Where the cluster policy lives is moving from the webhook's flags and the guard's variables into
-# ConfigMap gpufence-policy. The chart renders the new shape; until k8s/ does too, these objects
-# (and the webhook's arguments, which name the ConfigMap) are compared by the test that waits for it.
-POLICY_OBJECTS = {POLICY, ("Role", "gpufence", "gpufence-webhook"), ("RoleBinding", "gpufence", "gpufence-webhook")}
-WAITS_FOR_K8S = "waits for k8s/ to hold the policy in ConfigMap gpufence-policy (the policy ConfigMap change)"
 
 
 def without_helm_labels(obj: dict[str, Any]) -> dict[str, Any]:
@@ -83,17 +78,6 @@ def both(helm: Path, tmp: Path, directory: str) -> tuple[Objects, Objects]:
     return chart, kustomize
 
 
-def k8s_holds_the_policy(kustomize: Objects) -> bool:
-    return POLICY in kustomize
-
-
-def webhook_args(objects: Objects) -> list[str]:
-    """The webhook container's args, taken out of its Deployment."""
-    (webhook,) = objects[WEBHOOK]["spec"]["template"]["spec"]["containers"]
-    args: list[str] = webhook.pop("args")
-    return args
-
-
 def assert_same(chart: Objects, kustomize: Objects) -> None:
     assert sorted(chart, key=str) == sorted(kustomize, key=str)
     for k, obj in kustomize.items():
@@ -110,23 +94,7 @@ def test_the_charts_copies_of_k8s_are_current() -> None:
 
 @pytest.mark.parametrize("directory", VARIANTS)
 def test_template_equals_kustomize(helm: Path, tmp_path: Path, directory: str) -> None:
-    chart, kustomize = both(helm, tmp_path, directory)
-    if not k8s_holds_the_policy(kustomize):
-        chart = {k: v for k, v in chart.items() if k not in POLICY_OBJECTS}
-        webhook_args(chart)  # compared by test_policy_objects_equal_kustomize
-        webhook_args(kustomize)
-    assert_same(chart, kustomize)
-
-
-@pytest.mark.parametrize("directory", VARIANTS)
-def test_policy_objects_equal_kustomize(helm: Path, tmp_path: Path, directory: str) -> None:
-    """The part of the comparison above that waits for k8s/ to move the policy into the ConfigMap."""
-    chart, kustomize = both(helm, tmp_path, directory)
-    if not k8s_holds_the_policy(kustomize):
-        pytest.xfail(WAITS_FOR_K8S)
-    assert webhook_args(chart) == webhook_args(kustomize)
-    for k in POLICY_OBJECTS:
-        assert blank_lines_collapsed(chart[k]) == blank_lines_collapsed(kustomize[k]), f"{k} differs"
+    assert_same(*both(helm, tmp_path, directory))
 
 
 GUARD = """\

@@ -123,10 +123,6 @@ def policy_settings(data: dict[str, str]) -> InjectionSettings:
     return settings_from_args(parse_args(["--tls-cert-file=tls.crt", "--tls-private-key-file=tls.key"], environ))
 
 
-def webhook_reads_policy_configmap() -> bool:
-    return any(f.name == "policy-configmap" for f in FLAGS)
-
-
 def helper_words(define: str) -> list[str]:
     """The words a ``{{- define NAME -}} ... {{- end -}}`` block of _helpers.tpl holds (a list of flag names)."""
     match = re.search(r'\{\{- define "' + re.escape(define) + r'" -\}\}\n(.*?)\{\{- end -\}\}', HELPERS.read_text(),
@@ -256,8 +252,6 @@ def test_default_webhook_args_parse(helm: Path, tmp_path: Path) -> None:
     objects = {key(o): o for o in template(helm, tmp_path)}
     args = webhook_container(objects)["args"]
     assert "--policy-configmap=gpufence/gpufence-policy" in args
-    if not webhook_reads_policy_configmap():
-        pytest.xfail("waits for the webhook's --policy-configmap flag (the policy ConfigMap change)")
     parsed = parse_args(args, environ={})
     assert parsed.port == 8443 and parsed.tls_cert_file == "/etc/gpufence/tls/tls.crt"
 
@@ -265,22 +259,26 @@ def test_default_webhook_args_parse(helm: Path, tmp_path: Path) -> None:
 def test_guard_reads_the_policy_configmap(helm: Path, tmp_path: Path) -> None:
     """The guard judges a sidecar by the policy the webhook injects with: both read ConfigMap
     gpufence-policy, and every key the guard reads is one the chart writes."""
+    guards = []
     for values in ({}, CUSTOM):
         objects = {key(o): o for o in template(helm, tmp_path, values)}
         guard = objects["ValidatingAdmissionPolicy", None, "gpufence-guard"]
-        if "paramKind" not in guard["spec"]:
-            pytest.xfail("waits for k8s/base/guard-policy.yaml to read the policy ConfigMap (params)")
+        guards.append(guard)
         assert guard["spec"]["paramKind"] == {"apiVersion": "v1", "kind": "ConfigMap"}
         binding = objects["ValidatingAdmissionPolicyBinding", None, "gpufence-guard"]
         assert binding["spec"]["paramRef"] == {
             "name": "gpufence-policy", "namespace": "gpufence", "parameterNotFoundAction": "Deny"}
+        variables = {v["name"]: v["expression"] for v in guard["spec"]["variables"]}
+        assert "params.data" in variables["clusterPolicy"]
         cel = "\n".join(strings_in(guard["spec"]))
-        read = set(re.findall(r"""params\.data\[\s*'([a-z0-9-]+)'\s*\]""", cel))
+        read = set(re.findall(r"""variables\.clusterPolicy\[\s*'([a-z0-9-]+)'\s*\]""", cel))
         assert read >= GUARD_POLICY_KEYS, f"the guard does not read {sorted(GUARD_POLICY_KEYS - read)}"
-        # A key the guard reads but the ConfigMap lacks is a CEL error, and the guard fails closed on every pod.
+        # A key the guard reads is one the chart's ConfigMap holds (where it is absent, the guard
+        # falls back to the webhook's default; tests/unit/guard/test_cluster_policy.py checks those).
         written = set(objects[POLICY]["data"])
         assert read <= written, f"not in the ConfigMap: {sorted(read - written)}"
-        assert not re.search(r"'ghcr\.io/|'nvidia\.com/gpu'", cel), "a policy value copied into the guard"
+    # The values reach the guard only through the ConfigMap: the policy object is the same for any values.
+    assert guards[0] == guards[1], "a policy value was copied into the guard"
 
 
 @pytest.mark.parametrize(("values", "message"), [
