@@ -10,7 +10,7 @@ copies them into the chart: the two YAML files become templates, changed only wh
 templates is escaped so Helm writes it as is; the monitoring objects render only with
 monitoring.enabled), and the dashboard is copied byte for byte.
 
-Edit k8s/, then run this; ``--check`` (tests/test_chart_drift.py) exits 1 naming the copies that
+Edit k8s/, then run this; ``--check`` (tests/deploy/test_chart_drift.py) exits 1 naming the copies that
 are stale.
 """
 
@@ -106,7 +106,7 @@ def template_of(text: str, copy: Copy) -> str:
     if copy.condition:
         changes.append(f"it renders only if {copy.condition.removeprefix('.Values.')}")
     note = (f"Generated from {copy.source} by `python -m scripts.chart_from_k8s`: edit that file and rerun "
-            f"(tests/test_chart_drift.py fails while this copy is stale). Changed only where Helm needs it: "
+            f"(tests/deploy/test_chart_drift.py fails while this copy is stale). Changed only where Helm needs it: "
             f"{'; '.join(changes)}.")
     header = "{{- /*\n" + textwrap.fill(note, width=100) + "\n*/ -}}\n"
     if copy.condition:

@@ -11,7 +11,7 @@ gpufence.labels: the labels of an object. Call with
 and, for the monitoring objects, "extra" .Values.monitoring.labels. name and component say which
 object it is (as in k8s/); part-of and version are what k8s/base/kustomization.yaml adds to every
 object; then Helm's own three (helm.sh/chart, app.kubernetes.io/managed-by,
-app.kubernetes.io/instance), which the drift test (tests/test_chart_drift.py) ignores.
+app.kubernetes.io/instance), which the drift test (tests/deploy/test_chart_drift.py) ignores.
 */ -}}
 {{- define "gpufence.labels" -}}
 {{- $own := dict "app.kubernetes.io/part-of" "gpufence" "app.kubernetes.io/version" .context.Chart.AppVersion -}}
@@ -36,7 +36,7 @@ app.kubernetes.io/instance), which the drift test (tests/test_chart_drift.py) ig
 {{- /*
 gpufence.policyKeys: the flags of gpufence-webhook that configure the injection, without "--"
 (gpufence/webhook/cli.py, the flags that settings_from_args reads): the keys the ConfigMap
-gpufence-policy may hold. tests/test_helm.py checks this list against the webhook's own.
+gpufence-policy may hold. tests/deploy/test_helm.py checks this list against the webhook's own.
 */ -}}
 {{- define "gpufence.policyKeys" -}}
 sidecar-image sidecar-image-pull-policy gpu-resource-name sidecar-mode sidecar-metrics-port
