@@ -4,6 +4,8 @@ Every flag ``--some-flag`` can be given as ``GPUFENCE_WEBHOOK_SOME_FLAG``; the f
 from either place, exits 2 with a message naming it. Repeatable flags take a comma-separated env value.
 In a cluster the policy flags come from a ConfigMap instead (``--policy-configmap``, read and watched
 by webhook.cluster_policy with these flags' converters); given together with it, a policy flag exits 2.
+The namespace cache and the policy watch share one client (webhook.namespaces.load_core_api): in a
+cluster whose client configuration does not load, both refuse to start with the same error.
 """
 
 from __future__ import annotations
@@ -96,7 +98,7 @@ SERVER_FLAGS: tuple[Flag, ...] = (
          "how often to check the certificate files for a change"),
     Flag("kubeconfig", non_empty, None,
          "kubeconfig for the namespace and policy watches (default: in-cluster, then ~/.kube/config; "
-         "neither: all namespaces opted in)"),
+         "neither: all namespaces opted in outside a cluster, and a refusal to start in one)"),
     Flag("log-level", choice("debug", "info", "warning", "error"), "info", "log level"),
     Flag("shutdown-delay", duration(0, 60), 5.0,
          "after SIGTERM, keep serving this long with /readyz failing so endpoints drop the replica first"),
@@ -335,8 +337,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     for old, new in args.deprecated:
         log_event(log, "deprecated_flag", logging.WARNING, flag=old, use=new,
                   message=f"{old} is deprecated and will be removed in the next release; use {new}")
+    from gpufence.webhook.namespaces import ClusterConfigurationError
+
     try:
         asyncio.run(run(args))
+    except ClusterConfigurationError as exc:  # in a pod without its service account: never "all opted in"
+        log_event(log, "startup_failed", logging.ERROR, error=str(exc), missing=exc.missing)
+        return 1
     except (OSError, ssl.SSLError, ValueError) as exc:  # unreadable cert, bad key, port in use: no traceback
         log_event(log, "startup_failed", logging.ERROR, error=f"{type(exc).__name__}: {exc}")
         return 1

@@ -3,11 +3,24 @@
 ``NamespaceCache`` lists Namespaces, then watches them (webhook.watch, a background thread). ``get``
 reads a dict that the thread replaces or updates; single dict operations are atomic under the GIL,
 so no lock is needed on the admission path.
+
+Without a client configuration there is no cache to read, and two cases differ. Outside a cluster (no
+``KUBERNETES_SERVICE_HOST``, no kubeconfig: local runs, the demo, the tests) every namespace is
+treated as opted in, with a warning. In a cluster the same fallback would inject sidecars into
+namespaces that never opted in, so ``load_core_api`` raises ``ClusterConfigurationError`` and the
+webhook refuses to start (exit 1, one ``startup_failed`` line naming the missing file or variable
+and the fix) rather than serving not-ready. Why refusing: the service-account files are mounted
+before the container starts, so a process that finds them missing would wait for something that
+never comes; a crash-looping pod with that line in its log is the louder signal; it is what an
+unloadable ``--kubeconfig`` and ``--policy-configmap`` without a cluster already do; and a process
+that does not run cannot mutate a pod through any path, while a not-ready one still answers
+whoever reaches it. Both are safe for admissions: the webhook fails open, the guard closed.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Mapping
 from types import MappingProxyType
 from typing import Any
@@ -16,7 +29,8 @@ from gpufence.logs import log_event
 from gpufence.webhook.settings import AllNamespacesOptedIn, NamespaceInfo, NamespaceLookup
 from gpufence.webhook.watch import BackgroundLookup, ListWatch, WatchError
 
-__all__ = ["BackgroundLookup", "NamespaceCache", "WatchError", "load_core_api", "load_namespace_lookup"]
+__all__ = ["BackgroundLookup", "ClusterConfigurationError", "NamespaceCache", "WatchError", "load_core_api",
+           "load_namespace_lookup"]
 
 log = logging.getLogger(__name__)
 
@@ -60,34 +74,78 @@ class NamespaceCache(ListWatch):
             self._items[info.name] = info
 
 
+class ClusterConfigurationError(ValueError):
+    """In a cluster, no client configuration loads; ``missing`` names the file or variable at fault."""
+
+    def __init__(self, message: str, missing: str) -> None:
+        super().__init__(message)
+        self.missing = missing
+
+
+def in_cluster() -> bool:
+    """Whether this process runs in a pod: the kubelet sets the API server's Service address."""
+    return bool(os.environ.get("KUBERNETES_SERVICE_HOST"))
+
+
+def _readable_file(path: str) -> bool:
+    return os.path.isfile(path) and os.access(path, os.R_OK) and os.path.getsize(path) > 0
+
+
+def _in_cluster_failure(in_cluster_error: Exception, kubeconfig_error: Exception) -> ClusterConfigurationError:
+    """The error of a pod whose in-cluster configuration does not load: what is missing, and the fix."""
+    from kubernetes.config.incluster_config import SERVICE_CERT_FILENAME, SERVICE_TOKEN_FILENAME
+
+    if not os.environ.get("KUBERNETES_SERVICE_PORT"):
+        missing = "KUBERNETES_SERVICE_PORT"
+    else:
+        # The first of the service-account files that is absent, unreadable or empty (the loader's order).
+        missing = next((path for path in (SERVICE_TOKEN_FILENAME, SERVICE_CERT_FILENAME)
+                        if not _readable_file(path)), "the in-cluster configuration")
+    return ClusterConfigurationError(
+        f"running in a cluster (KUBERNETES_SERVICE_HOST is set) but its client configuration does not load: "
+        f"{missing} is missing, unreadable or empty ({str(in_cluster_error).rstrip('.')}; no kubeconfig "
+        f"either: {str(kubeconfig_error).rstrip('.')}). Without it the webhook cannot read which namespaces "
+        "opted in and would treat every namespace as opted in, so it does not start. Fix: mount the service "
+        "account's token (automountServiceAccountToken: true on the pod or on ServiceAccount gpufence-webhook, "
+        "as the shipped manifests do), or give --kubeconfig; outside a cluster, unset KUBERNETES_SERVICE_HOST",
+        missing)
+
+
 def load_core_api(kubeconfig: str | None = None) -> Any | None:
-    """A ``CoreV1Api`` from the in-cluster configuration or a kubeconfig, or None where neither exists."""
+    """A ``CoreV1Api`` from the in-cluster configuration or a kubeconfig, or None where neither exists.
+
+    None only outside a cluster; in one, raises ``ClusterConfigurationError`` (see the module docstring).
+    """
     from kubernetes import client, config
     from kubernetes.config.config_exception import ConfigException
 
     configuration = client.Configuration()
-    try:
-        if kubeconfig:
-            config.load_kube_config(config_file=kubeconfig, client_configuration=configuration)
-            source = kubeconfig
-        else:
+    if kubeconfig:
+        # An explicit kubeconfig that does not load is an error, not a fallback.
+        config.load_kube_config(config_file=kubeconfig, client_configuration=configuration)
+        source = kubeconfig
+    else:
+        try:
+            config.load_incluster_config(client_configuration=configuration)
+            source = "in-cluster"
+        except (ConfigException, OSError) as in_cluster_error:
             try:
-                config.load_incluster_config(client_configuration=configuration)
-                source = "in-cluster"
-            except ConfigException:
                 config.load_kube_config(client_configuration=configuration)
                 source = "kubeconfig"
-    except (ConfigException, OSError) as exc:
-        if kubeconfig:
-            raise  # an explicit kubeconfig that does not load is an error, not a fallback
-        log_event(log, "no_kubernetes_configuration", logging.WARNING, reason=str(exc),
-                  message="namespace defaults are off and every namespace is treated as opted in")
-        return None
+            except (ConfigException, OSError) as exc:
+                if in_cluster():
+                    raise _in_cluster_failure(in_cluster_error, exc) from None
+                log_event(log, "no_kubernetes_configuration", logging.WARNING, reason=str(exc),
+                          message="namespace defaults are off and every namespace is treated as opted in")
+                return None
     log_event(log, "watching_namespaces", source=source, host=configuration.host)
     return client.CoreV1Api(client.ApiClient(configuration))
 
 
 def load_namespace_lookup(kubeconfig: str | None = None) -> NamespaceLookup:
-    """A watch cache when a cluster is reachable (in-cluster config or kubeconfig), else everything opted in."""
+    """A watch cache when a cluster is reachable (in-cluster config or kubeconfig), else everything opted in.
+
+    In a cluster without a loadable configuration, raises ``ClusterConfigurationError`` instead.
+    """
     api = load_core_api(kubeconfig)
     return AllNamespacesOptedIn() if api is None else NamespaceCache(api)
