@@ -21,13 +21,14 @@ from gpufence.enforcer.procfs import read_stat
 from gpufence.enforcer.signals import SignalTarget
 from gpufence.enforcer.stopped_state import StoppedState
 from tests.support.enforcer_harness import proc_state, wait_state
+from tests.support.prerequisites import needs
 
 # Root without any capability: it may signal only processes of its own uid (no CAP_KILL).
 NO_CAPS = ("setpriv", "--bounding-set=-all", "--inh-caps=-all", "--")
 
-needs_credentials = pytest.mark.skipif(
-    os.geteuid() != 0 or shutil.which("setpriv") is None,
-    reason="needs root and setpriv (util-linux) to run processes with chosen credentials",
+needs_credentials = needs(
+    os.geteuid() == 0 and shutil.which("setpriv") is not None,
+    "needs root and setpriv (util-linux) to run processes with chosen credentials",
 )
 
 

@@ -20,6 +20,7 @@ import pytest
 from kubernetes.config.incluster_config import SERVICE_CERT_FILENAME, SERVICE_TOKEN_FILENAME
 
 from tests.integration.webhook.test_cli import POLICY, REPO, outside_cluster_env
+from tests.support.prerequisites import needs, skip_by_design
 from tests.support.tlsutil import LocalPKI
 
 SERVICE_ACCOUNT_DIR = str(Path(SERVICE_TOKEN_FILENAME).parent)
@@ -71,10 +72,11 @@ def assert_refused_to_start(code: int | None, lines: list[dict], missing: str) -
     return failed
 
 
-@pytest.mark.skipif(os.path.exists(SERVICE_ACCOUNT_DIR), reason=f"{SERVICE_ACCOUNT_DIR} exists on this machine")
 @pytest.mark.parametrize("extra", [(), tuple(POLICY)], ids=["namespaces", "policy-configmap"])
 async def test_in_a_pod_without_a_service_account_token_the_webhook_refuses_to_start(
         pki: LocalPKI, tmp_path: Path, extra: tuple[str, ...]) -> None:
+    if os.path.exists(SERVICE_ACCOUNT_DIR):
+        skip_by_design("in-a-pod", f"{SERVICE_ACCOUNT_DIR} exists on this machine")
     # With --policy-configmap too: both watches need the same client, so the same refusal.
     code, lines = await run_until_exit_or_serving(webhook_argv(pki, *extra), in_pod_env(tmp_path))
     assert_refused_to_start(code, lines, SERVICE_TOKEN_FILENAME)
@@ -83,7 +85,7 @@ async def test_in_a_pod_without_a_service_account_token_the_webhook_refuses_to_s
 PRIVATE_RUN = shutil.which("unshare") is not None and os.geteuid() == 0 and os.path.realpath("/var/run") == "/run"
 
 
-@pytest.mark.skipif(not PRIVATE_RUN, reason="needs root, unshare and /var/run -> /run for a private /run")
+@needs(PRIVATE_RUN, "needs root, unshare and /var/run -> /run for a private /run")
 @pytest.mark.parametrize(("files", "missing"), [
     ({"token": "a-token"}, SERVICE_CERT_FILENAME),  # the CA is not mounted
     ({"token": "a-token", "ca.crt": ""}, SERVICE_CERT_FILENAME),  # the CA is empty
