@@ -182,7 +182,7 @@ class EventRecorder:
                 self._api.create_event(self._pod.namespace, body)
             except ApiError as exc:
                 if exc.status == 403:
-                    self._forbidden()
+                    self._forbidden(str(exc))
                     return
                 if exc.status != 429 and exc.status < 500:
                     self._fail(str(exc))
@@ -201,11 +201,12 @@ class EventRecorder:
             self.posted += 1
             return
 
-    def _forbidden(self) -> None:
+    def _forbidden(self, error: str) -> None:
         self.enabled = False
         if not self._forbidden_logged:
             self._forbidden_logged = True
-            self._log.warning("events_forbidden", reason="the pod's service account may not create events; events off")
+            self._log.warning("events_forbidden", reason="the pod's service account may not create events; events off",
+                              error=error)
 
     def _fail(self, error: str) -> None:
         self.failed += 1

@@ -112,7 +112,7 @@ class EventsApi:
     def from_kubernetes_configuration(cls, configuration: Any) -> EventsApi:
         """Use the server, credentials and CA of a ``kubernetes.client.Configuration`` someone already holds.
 
-        Read by attribute (host, api_key via ``get_api_key_with_prefix``, ssl_ca_cert, verify_ssl,
+        Read by attribute (host, the bearer token via ``auth_settings()``, ssl_ca_cert, verify_ssl,
         cert_file/key_file), so this module never imports the package.
         """
         context = ssl.create_default_context(cafile=configuration.ssl_ca_cert or None)
@@ -121,7 +121,13 @@ class EventsApi:
             context.verify_mode = ssl.CERT_NONE
         if configuration.cert_file:
             context.load_cert_chain(configuration.cert_file, configuration.key_file or None)
-        return cls(configuration.host, lambda: configuration.get_api_key_with_prefix("authorization"), context)
+
+        def authorization() -> str | None:
+            # The header the kubernetes client itself would send (its api_key and refresh hook).
+            setting = configuration.auth_settings().get("BearerToken")
+            return setting["value"] if setting else None
+
+        return cls(configuration.host, authorization, context)
 
     def create_event(self, namespace: str, body: dict[str, Any]) -> dict[str, Any]:
         path = f"{self._prefix}/api/v1/namespaces/{quote(namespace, safe='')}/events"
