@@ -4,6 +4,7 @@ projects it, and ``EventRecorder.from_environment`` as the sidecar builds it."""
 
 from __future__ import annotations
 
+import email.utils
 import io
 import json
 import os
@@ -21,7 +22,7 @@ from typing import Any
 import pytest
 
 from gpufence.enforcer.events import COMPONENT, EventRecorder, PodRef
-from gpufence.enforcer.kube_events_api import EventsApi
+from gpufence.enforcer.kube_events_api import EventsApi, parse_retry_after
 from gpufence.enforcer.logs import DecisionLog
 from tests.support.tlsutil import LocalPKI, make_pki
 
@@ -326,3 +327,16 @@ print(loaded)
                             capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "[]"
+
+
+@pytest.mark.parametrize(("header", "seconds"), [
+    ("3", 3.0), (" 0 ", 0.0), (None, None), ("soon", None), ("Wed, 21 Oct 2015 07:28:00", None),  # no zone
+])
+def test_retry_after_header_forms(header: str | None, seconds: float | None):
+    assert parse_retry_after(header) == seconds
+
+
+def test_retry_after_as_an_http_date():
+    in_five = email.utils.formatdate(time.time() + 5, usegmt=True)
+    assert 3 <= parse_retry_after(in_five) <= 5  # type: ignore[operator]
+    assert parse_retry_after("Wed, 21 Oct 2015 07:28:00 GMT") == 0.0  # in the past: no wait
