@@ -1,10 +1,14 @@
 """Kubernetes Events on the pod for kills and throttle starts: best effort, never blocking.
 
 ``record`` puts the event on a bounded queue and returns at once (a full queue drops the event and
-counts it); a daemon thread posts core/v1 Events with the ``kubernetes`` client. Outside a cluster
-(no ``KUBERNETES_SERVICE_HOST`` or no service-account credentials) the recorder is off and says so
-in one log line. A 403 (the pod's service account may not create events) is logged once and turns
-the recorder off; other API errors are logged (at most once a minute) and the event is dropped.
+counts it in ``dropped``); a daemon thread posts core/v1 Events with the small standard-library
+client in :mod:`gpufence.enforcer.kube_events_api` (the ``kubernetes`` package is not loaded: the
+sidecar runs in every GPU pod). Outside a cluster (no ``KUBERNETES_SERVICE_HOST`` or no
+service-account credentials) the recorder is off and says so in one log line. A 403 (the pod's
+service account may not create events) is logged once and turns the recorder off. A 429 or 5xx is
+retried after its ``Retry-After`` (or a short backoff) for at most ``max_retry_wait`` seconds per
+event, then the event is dropped; failures are logged at most once a minute and counted in
+``failed``.
 
 The sidecar runs under the pod's own service account, so Events need a Role granting ``create`` on
 ``events`` in the pod's namespace bound to that account; without it the enforcer works the same.
@@ -13,17 +17,24 @@ The sidecar runs under the pod's own service account, so Events need a Role gran
 from __future__ import annotations
 
 import contextlib
+import http.client
 import os
 import queue
 import threading
 import time
 from dataclasses import dataclass
 from datetime import UTC, datetime
+from pathlib import Path
 from typing import Any
 
+from gpufence.enforcer.kube_events_api import SERVICE_ACCOUNT_DIR, ApiError, CredentialsUnavailable, EventsApi
 from gpufence.enforcer.logs import DecisionLog
 
 COMPONENT = "gpufence-enforcer"
+MAX_RETRY_WAIT = 10.0  # seconds one event may wait for a busy API server before it is dropped
+FIRST_BACKOFF = 0.5  # without Retry-After: 0.5, 1, 2, 4, 8 s
+MAX_BACKOFF = 8.0
+ERROR_LOG_INTERVAL = 60.0
 _STOP = object()
 
 
@@ -35,49 +46,57 @@ class PodRef:
 
 
 class EventRecorder:
+    """``api``: an :class:`EventsApi`, or a ``kubernetes`` ``ApiClient`` (its configuration is used), or None (off)."""
+
     def __init__(
         self,
         log: DecisionLog,
         pod: PodRef,
-        api_client: Any | None = None,
+        api: EventsApi | Any | None = None,
         *,
         queue_size: int = 64,
         host: str | None = None,
+        max_retry_wait: float = MAX_RETRY_WAIT,
     ) -> None:
         self._log = log
         self._pod = pod
-        self._api_client = api_client
+        if api is not None and not isinstance(api, EventsApi):
+            api = EventsApi.from_kubernetes_configuration(api.configuration)
+        self._api: EventsApi | None = api
         self._host = host or os.uname().nodename
         self._queue: queue.Queue[Any] = queue.Queue(maxsize=queue_size)
-        self.enabled = api_client is not None
-        self.dropped = 0
+        self._max_retry_wait = max_retry_wait
+        self.enabled = api is not None
+        self.dropped = 0  # the queue was full
+        self.failed = 0  # the API server did not take it (after retries, or an error not worth retrying)
         self.posted = 0
         self._forbidden_logged = False
-        self._last_error_log = 0.0
+        self._last_error_log = -ERROR_LOG_INTERVAL
+        self._not_before = 0.0  # monotonic time before which the API server asked us not to post
+        self._stopping = threading.Event()
         self._thread: threading.Thread | None = None
         if self.enabled:
             self._thread = threading.Thread(target=self._run, name="gpufence-events", daemon=True)
             self._thread.start()
 
     @classmethod
-    def from_environment(cls, log: DecisionLog, pod: PodRef) -> EventRecorder:
-        if not os.environ.get("KUBERNETES_SERVICE_HOST"):
+    def from_environment(
+        cls, log: DecisionLog, pod: PodRef, *, service_account_dir: Path = SERVICE_ACCOUNT_DIR,
+    ) -> EventRecorder:
+        host = os.environ.get("KUBERNETES_SERVICE_HOST")
+        if not host:
             log.info("events_disabled", reason="not running in a Kubernetes cluster")
             return cls(log, pod, None)
         if not pod.name or not pod.namespace:
             log.info("events_disabled", reason="pod name or namespace unknown")
             return cls(log, pod, None)
         try:
-            from kubernetes import client, config
-
-            configuration = client.Configuration()
-            config.load_incluster_config(client_configuration=configuration)
-            api_client = client.ApiClient(configuration)
-        except Exception as exc:
+            api = EventsApi.in_cluster(host, os.environ.get("KUBERNETES_SERVICE_PORT") or "443", service_account_dir)
+        except (CredentialsUnavailable, ValueError) as exc:
             log.info("events_disabled", reason=f"no in-cluster credentials: {exc}")
             return cls(log, pod, None)
-        log.info("events_enabled", api=configuration.host)
-        return cls(log, pod, api_client)
+        log.info("events_enabled", api=api.base_url)
+        return cls(log, pod, api)
 
     # -- producer side (the poll loop) ---------------------------------------------------------
 
@@ -92,6 +111,7 @@ class EventRecorder:
     def close(self, timeout: float = 2.0) -> None:
         if self._thread is None:
             return
+        self._stopping.set()  # ends a Retry-After wait at once
         with contextlib.suppress(queue.Full):
             self._queue.put((_STOP,), timeout=timeout)
         self._thread.join(timeout=timeout)
@@ -106,57 +126,91 @@ class EventRecorder:
 
     # -- consumer thread -----------------------------------------------------------------------
 
-    def _run(self) -> None:
-        from kubernetes import client
-        from kubernetes.client.exceptions import ApiException
+    def event_body(self, reason: str, message: str, event_type: str, action: str, when: datetime) -> dict[str, Any]:
+        """The core/v1 Event, with the fields (and timestamp format) the ``kubernetes`` client used to send."""
+        involved: dict[str, Any] = {
+            "apiVersion": "v1", "kind": "Pod", "name": self._pod.name, "namespace": self._pod.namespace,
+        }
+        if self._pod.uid:
+            involved["uid"] = self._pod.uid
+        stamp = when.isoformat()
+        body: dict[str, Any] = {
+            "apiVersion": "v1",
+            "kind": "Event",
+            "metadata": {"generateName": f"{self._pod.name}.gpufence."},
+            "involvedObject": involved,
+            "reason": reason,
+            "message": message[:1024],
+            "type": event_type,
+            "source": {"component": COMPONENT, "host": self._host},
+            "reportingComponent": COMPONENT,
+            "reportingInstance": self._host,
+            "firstTimestamp": stamp,
+            "lastTimestamp": stamp,
+            "count": 1,
+        }
+        if action:
+            body["action"] = action
+        return body
 
-        api = client.CoreV1Api(self._api_client)
+    def _run(self) -> None:
         while True:
             item = self._queue.get()
             try:
                 if item[0] is _STOP:
                     return
-                if not self.enabled:
-                    continue
-                reason, message, event_type, action, when = item
-                body = client.CoreV1Event(
-                    metadata=client.V1ObjectMeta(generate_name=f"{self._pod.name}.gpufence."),
-                    involved_object=client.V1ObjectReference(
-                        api_version="v1", kind="Pod", name=self._pod.name,
-                        namespace=self._pod.namespace, uid=self._pod.uid or None,
-                    ),
-                    reason=reason,
-                    message=message[:1024],
-                    type=event_type,
-                    action=action or None,
-                    source=client.V1EventSource(component=COMPONENT, host=self._host),
-                    reporting_component=COMPONENT,
-                    reporting_instance=self._host,
-                    first_timestamp=when,
-                    last_timestamp=when,
-                    count=1,
-                )
-                try:
-                    api.create_namespaced_event(self._pod.namespace, body, _request_timeout=5)
-                    self.posted += 1
-                except ApiException as exc:
-                    if exc.status == 403:
-                        self.enabled = False
-                        if not self._forbidden_logged:
-                            self._forbidden_logged = True
-                            self._log.warning(
-                                "events_forbidden",
-                                reason="the pod's service account may not create events; events off",
-                            )
-                    else:
-                        self._error(f"HTTP {exc.status}: {exc.reason}")
-                except Exception as exc:
-                    self._error(f"{type(exc).__name__}: {exc}")
+                if self.enabled and not self._stopping.is_set():
+                    self._deliver(self.event_body(*item))
             finally:
                 self._queue.task_done()
 
-    def _error(self, error: str) -> None:
+    def _deliver(self, body: dict[str, Any]) -> None:
+        assert self._api is not None
+        deadline = time.monotonic() + self._max_retry_wait
+        backoff = FIRST_BACKOFF
+        last_error = ""
+        while True:
+            now = time.monotonic()
+            pause = max(0.0, self._not_before - now)
+            if (pause > 0 or last_error) and now + pause > deadline:
+                self._fail(f"{last_error or 'the API server asked to wait'}; event dropped after "
+                           f"waiting up to {self._max_retry_wait:g}s")
+                return
+            if pause > 0 and self._stopping.wait(pause):
+                return
+            try:
+                self._api.create_event(self._pod.namespace, body)
+            except ApiError as exc:
+                if exc.status == 403:
+                    self._forbidden(str(exc))
+                    return
+                if exc.status != 429 and exc.status < 500:
+                    self._fail(str(exc))
+                    return
+                wait = exc.retry_after if exc.retry_after is not None else backoff
+                backoff = min(backoff * 2, MAX_BACKOFF)
+                self._not_before = time.monotonic() + wait
+                last_error = str(exc)
+                continue
+            except CredentialsUnavailable as exc:
+                self._fail(str(exc))
+                return
+            except (OSError, http.client.HTTPException) as exc:  # refused, reset, timeout, TLS verification
+                self._fail(f"{type(exc).__name__}: {exc}")
+                return
+            self.posted += 1
+            return
+
+    def _forbidden(self, error: str) -> None:
+        self.enabled = False
+        if not self._forbidden_logged:
+            self._forbidden_logged = True
+            self._log.warning("events_forbidden", reason="the pod's service account may not create events; events off",
+                              error=error)
+
+    def _fail(self, error: str) -> None:
+        self.failed += 1
         now = time.monotonic()
-        if now - self._last_error_log >= 60:
+        if now - self._last_error_log >= ERROR_LOG_INTERVAL:
             self._last_error_log = now
-            self._log.warning("event_post_failed", error=error)
+            self._log.warning("event_post_failed", error=error, failed=self.failed)
