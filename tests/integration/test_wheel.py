@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import shutil
 import subprocess
 import sys
 import zipfile
@@ -12,8 +13,13 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_the_wheel_holds_one_top_level_package(tmp_path: Path) -> None:
+    # Built from a copy of the tree: setuptools keeps build/ in the source directory, and a stale
+    # build/lib (a module since moved) would end up in the wheel and in every later one.
+    source = tmp_path / "src"
+    shutil.copytree(ROOT, source, ignore=shutil.ignore_patterns(
+        ".git", ".venv", "build", "dist", "*.egg-info", "__pycache__", ".*_cache", ".hypothesis", ".gpufence-cache"))
     subprocess.run([sys.executable, "-m", "pip", "wheel", "--quiet", "--disable-pip-version-check", "--no-deps",
-                    "--wheel-dir", str(tmp_path), str(ROOT)],
+                    "--wheel-dir", str(tmp_path), str(source)],
                    check=True, timeout=300, capture_output=True)  # fmt: skip
     (wheel,) = tmp_path.glob("gpufence-*.whl")
     names = zipfile.ZipFile(wheel).namelist()

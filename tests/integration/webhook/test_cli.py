@@ -34,7 +34,7 @@ EVERY_FIELD = [
     "--sidecar-image=img:2", "--sidecar-image-pull-policy=Always",
     "--gpu-resource-name=nvidia.com/gpu", "--gpu-resource-name=nvidia.com/mig-1g.10gb",
     "--sidecar-mode=container", "--metrics-port=9500", "--sidecar-cpu-request=20m",
-    "--sidecar-memory-request=64Mi", "--sidecar-memory-limit=384Mi", "--default-memory=25%",
+    "--sidecar-memory-request=96Mi", "--sidecar-memory-limit=384Mi", "--default-memory=25%",
     "--default-compute=50", "--default-grace-period=30s", "--poll-interval=250ms",
     "--nvidia-visible-devices=void", "--nvidia-driver-capabilities=utility,compute", "--mount-host-proc",
     "--host-proc-mount-path=/hp", "--mps-limits=true", "--preload-library=/opt/libvgpu.so",

@@ -27,7 +27,7 @@ EVERY_KEY = {
     "sidecar-image": "img:2", "sidecar-image-pull-policy": "Always",
     "gpu-resource-name": "nvidia.com/gpu, nvidia.com/mig-1g.10gb", "sidecar-mode": "container",
     "sidecar-metrics-port": "9500", "sidecar-cpu-request": "20m", "sidecar-cpu-limit": "1",
-    "sidecar-memory-request": "64Mi", "sidecar-memory-limit": "384Mi", "default-memory": "25%",
+    "sidecar-memory-request": "96Mi", "sidecar-memory-limit": "384Mi", "default-memory": "25%",
     "default-compute": "50", "max-memory": "40Gi", "max-compute": "25", "default-mode": "audit",
     "allow-audit": "true", "allow-opt-out": "yes", "default-grace-period": "30s", "sidecar-poll-interval": "250ms",
     "sidecar-nvidia-visible-devices": "void", "sidecar-nvidia-driver-capabilities": "utility,compute",

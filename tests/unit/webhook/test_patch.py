@@ -144,7 +144,9 @@ def test_the_patch_of_a_first_injection_adds_only_and_reaches_the_desired_pod(
         rewritten = [op for op in ops if op["op"] != "add"]
         assert all(op["op"] == "replace" and LD_PRELOAD_VALUE.fullmatch(op["path"]) for op in rewritten), ops
         for op in rewritten:
-            assert jsonpatch.JsonPointer(op["path"].rsplit("/", 1)[0]).resolve(pod)["name"] == "LD_PRELOAD"
+            # Paths name the pod as the operations before them left it (the sidecar inserted at
+            # initContainers[0] shifts the user's init containers), which is the desired pod here.
+            assert jsonpatch.JsonPointer(op["path"].rsplit("/", 1)[0]).resolve(desired)["name"] == "LD_PRELOAD"
         # One operation per new value: no path is a prefix of another.
         paths = sorted(op["path"] + "/" for op in ops)
         assert not any(b.startswith(a) for a, b in itertools.pairwise(paths)), paths
