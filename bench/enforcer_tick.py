@@ -89,9 +89,9 @@ def measure_ticks(root: Path, counts: list[int], ticks: int) -> list[dict[str, A
     from gpufence import simnvml
     from gpufence.contract import EnforcerConfig
     from gpufence.enforcer.attribution import Attributor, PidMode
+    from gpufence.enforcer.decision_log import DecisionLog
     from gpufence.enforcer.events import EventRecorder, PodRef
     from gpufence.enforcer.health import Health
-    from gpufence.enforcer.logs import DecisionLog
     from gpufence.enforcer.loop import Enforcer
     from gpufence.enforcer.metrics import EnforcerMetrics
     from gpufence.enforcer.nvml import NvmlClient

@@ -53,7 +53,7 @@ from gpufence.contract import (
     ConfigError,
     EnforcerConfig,
 )
-from gpufence.enforcer.logs import LEVELS, DecisionLog, forward_stdlib_logging
+from gpufence.enforcer.decision_log import LEVELS, DecisionLog, forward_stdlib_logging
 from gpufence.enforcer.probe import probe, write_port
 from gpufence.enforcer.procfs import ENV_NVIDIA_DEVICE_PREFIX
 

@@ -27,8 +27,8 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+from gpufence.enforcer.decision_log import DecisionLog
 from gpufence.enforcer.kube_events_api import SERVICE_ACCOUNT_DIR, ApiError, CredentialsUnavailable, EventsApi
-from gpufence.enforcer.logs import DecisionLog
 
 COMPONENT = "gpufence-enforcer"
 MAX_RETRY_WAIT = 10.0  # seconds one event may wait for a busy API server before it is dropped

@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from gpufence.contract import MAX_GRACE_PERIOD_SECONDS
-from gpufence.enforcer.logs import DecisionLog
+from gpufence.enforcer.decision_log import DecisionLog
 from gpufence.enforcer.signals import SignalTarget
 from gpufence.enforcer.state_files import read_json, write_json
 

@@ -36,10 +36,10 @@ from collections.abc import Callable
 
 from gpufence.contract import EnforcerConfig, Mode
 from gpufence.enforcer.attribution import Attribution, Attributor, PidMode
+from gpufence.enforcer.decision_log import DecisionLog
 from gpufence.enforcer.events import EventRecorder
 from gpufence.enforcer.health import Health
 from gpufence.enforcer.kill_deadlines import KillDeadlines
-from gpufence.enforcer.logs import DecisionLog
 from gpufence.enforcer.machine import Core, Decisions
 from gpufence.enforcer.metrics import EnforcerMetrics
 from gpufence.enforcer.nvml import NvmlClient, NvmlSample, NvmlUnavailable

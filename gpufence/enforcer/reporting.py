@@ -8,8 +8,8 @@ from typing import Any
 
 from gpufence.contract import EnforcerConfig, LimitUnit, Mode
 from gpufence.enforcer.attribution import Attribution, PodProcess
+from gpufence.enforcer.decision_log import DecisionLog
 from gpufence.enforcer.events import EventRecorder
-from gpufence.enforcer.logs import DecisionLog
 from gpufence.enforcer.machine import ThrottleChange, Transition
 from gpufence.enforcer.metrics import EnforcerMetrics, UsageSample
 from gpufence.enforcer.nvml import NvmlSample

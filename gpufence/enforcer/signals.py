@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
 
-from gpufence.enforcer.logs import DecisionLog
+from gpufence.enforcer.decision_log import DecisionLog
 from gpufence.enforcer.procfs import read_stat
 
 

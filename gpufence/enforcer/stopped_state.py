@@ -27,7 +27,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
-from gpufence.enforcer.logs import DecisionLog
+from gpufence.enforcer.decision_log import DecisionLog
 from gpufence.enforcer.signals import Outcome, SafeSignaller, SignalTarget
 from gpufence.enforcer.state_files import read_json, write_json
 

@@ -30,9 +30,9 @@ from typing import Any
 
 from gpufence.contract import Mode
 from gpufence.enforcer.attribution import Attribution
+from gpufence.enforcer.decision_log import DecisionLog
 from gpufence.enforcer.events import EventRecorder
 from gpufence.enforcer.kill_deadlines import KillDeadlines, PendingKill
-from gpufence.enforcer.logs import DecisionLog
 from gpufence.enforcer.machine import Decisions
 from gpufence.enforcer.metrics import EnforcerMetrics
 from gpufence.enforcer.procfs import processes_in_cgroup

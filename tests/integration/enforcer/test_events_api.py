@@ -21,9 +21,9 @@ from typing import Any
 
 import pytest
 
+from gpufence.enforcer.decision_log import DecisionLog
 from gpufence.enforcer.events import COMPONENT, EventRecorder, PodRef
 from gpufence.enforcer.kube_events_api import EventsApi, parse_retry_after
-from gpufence.enforcer.logs import DecisionLog
 from tests.support.tlsutil import LocalPKI, make_pki
 
 REPO_ROOT = Path(__file__).resolve().parents[3]
@@ -313,7 +313,7 @@ for module in pkgutil.iter_modules(gpufence.enforcer.__path__):
         continue
     importlib.import_module("gpufence.enforcer." + module.name)
 from gpufence.enforcer.events import EventRecorder, PodRef
-from gpufence.enforcer.logs import DecisionLog
+from gpufence.enforcer.decision_log import DecisionLog
 log = DecisionLog(stream=io.StringIO())
 recorder = EventRecorder.from_environment(log, PodRef("team", "train-0", None), service_account_dir=Path(sys.argv[1]))
 assert recorder.enabled, log

@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from gpufence.enforcer.logs import DecisionLog
+from gpufence.enforcer.decision_log import DecisionLog
 from gpufence.enforcer.procfs import read_stat
 from gpufence.enforcer.signals import SignalTarget
 from gpufence.enforcer.stopped_state import StoppedState

@@ -12,8 +12,8 @@ from typing import Any
 
 import pytest
 
+from gpufence.enforcer.decision_log import DecisionLog
 from gpufence.enforcer.events import EventRecorder, PodRef
-from gpufence.enforcer.logs import DecisionLog
 
 GIB = 1 << 30
 

@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from gpufence.enforcer.logs import DecisionLog
+from gpufence.enforcer.decision_log import DecisionLog
 from gpufence.enforcer.procfs import read_stat
 from gpufence.enforcer.signals import Outcome, SafeSignaller, SignalTarget
 from gpufence.enforcer.stopped_state import StoppedState, recover

@@ -8,7 +8,7 @@ import json
 import pytest
 
 from gpufence.enforcer.admission_warnings import REASON, report, warnings_from_status
-from gpufence.enforcer.logs import DecisionLog
+from gpufence.enforcer.decision_log import DecisionLog
 
 
 class Recorder:
