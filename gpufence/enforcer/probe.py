@@ -10,11 +10,12 @@ health rule stays the one in ``enforcer.health``.
 
 from __future__ import annotations
 
-import os
 import sys
 import urllib.error
 import urllib.request
 from pathlib import Path
+
+from gpufence.enforcer.state_files import write_text
 
 PORT_FILE = "http-port"
 PROBE_TIMEOUT_SECONDS = 2.0
@@ -24,10 +25,7 @@ def write_port(state_dir: str | None, port: int) -> None:
     """Record the bound port for ``probe`` (atomically: a probe never reads half a number)."""
     if not state_dir:
         return
-    target = Path(state_dir) / PORT_FILE
-    tmp = target.with_name(f".{PORT_FILE}.{os.getpid()}")
-    tmp.write_text(f"{port}\n")
-    os.replace(tmp, target)
+    write_text(Path(state_dir) / PORT_FILE, f"{port}\n")
 
 
 def probe(state_dir: str | None) -> int:

@@ -25,18 +25,23 @@ from pathlib import Path
 from typing import Any
 
 
-def write_json(path: Path, doc: Any) -> None:
-    """Replace ``path`` with ``doc`` atomically; raises OSError."""
+def write_text(path: Path, text: str) -> None:
+    """Replace ``path`` with ``text`` atomically; raises OSError."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.stem}.", suffix=".tmp", dir=path.parent)
     try:
         with os.fdopen(fd, "w") as f:
-            json.dump(doc, f, separators=(",", ":"))
+            f.write(text)
         os.replace(tmp, path)
     except BaseException:
         with contextlib.suppress(OSError):
             os.unlink(tmp)
         raise
+
+
+def write_json(path: Path, doc: Any) -> None:
+    """Replace ``path`` with ``doc`` (compact JSON) atomically; raises OSError."""
+    write_text(path, json.dumps(doc, separators=(",", ":")))
 
 
 def read_json(path: Path) -> Any:
