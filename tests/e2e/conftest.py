@@ -19,6 +19,7 @@ from tests.e2e import kube
 from tests.e2e.binaries import KUBERNETES_VERSIONS, GoMissing, control_plane
 from tests.e2e.controlplane import ControlPlane, running_control_plane
 from tests.e2e.gpufence_install import WebhookProcess, start_gpufence
+from tests.e2e.tenant import Tenant, make_tenant
 from tests.support.prerequisites import missing, skip_by_design
 
 
@@ -75,3 +76,10 @@ def opted_in(admin: client.ApiClient, gpufence: WebhookProcess) -> str:
 @pytest.fixture
 def not_opted_in(admin: client.ApiClient, gpufence: WebhookProcess) -> str:
     return kube.create_namespace(admin, "plain")
+
+
+@pytest.fixture
+def tenant(cluster: ControlPlane, admin: client.ApiClient, gpufence: WebhookProcess,
+           tmp_path: Path) -> Tenant:
+    """An ``edit`` ServiceAccount in an opted-in namespace with ceilings (tests/e2e/tenant.py)."""
+    return make_tenant(cluster, admin, tmp_path)
