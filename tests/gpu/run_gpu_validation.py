@@ -345,6 +345,15 @@ def framework_cap_scenario(args: argparse.Namespace) -> int:
     return 0 if ok else 1
 
 
+def print_nvml_facts(when: str) -> None:
+    """What the driver offers (versions, R615 limit calls, PIDs, per-process memory, utilisation,
+    call costs): tests/gpu/nvml_facts.py, in its own process so that its NVML session is its own."""
+    facts = subprocess.run([sys.executable, str(pathlib.Path(__file__).with_name("nvml_facts.py"))],
+                           capture_output=True, text=True, timeout=120, check=False)
+    print(f"nvml facts ({when}):")
+    print(facts.stdout.rstrip() or f"error: nvml_facts.py printed nothing: {facts.stderr[-2000:]}")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--scenario", choices=("enforcer", "framework-cap"), default="enforcer",
@@ -364,6 +373,7 @@ def main(argv: list[str] | None = None) -> int:
     why = gpu_present()
     if why:
         return skip(why)
+    print_nvml_facts("before the workloads")
     if args.scenario == "framework-cap":
         return framework_cap_scenario(args)
     backend = cuda_backend()
@@ -432,6 +442,8 @@ def main(argv: list[str] | None = None) -> int:
                 if not stream.wait_for("READY", timeout=120):
                     print(f"error: workload {name} did not get ready (CUDA init failed?)")
                     return 2
+            print(f"workload PIDs: a={a.pid} b={b.pid}")
+            print_nvml_facts("with the workloads running")
 
             # Phase 1: inside the memory shares. Nobody may be SIGTERMed.
             phase1 = time.monotonic()
