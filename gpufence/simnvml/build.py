@@ -1,4 +1,11 @@
-"""Compiling ``fake_nvml.c`` into ``libnvidia-ml.so.1`` with the system C compiler."""
+"""Compiling ``fake_nvml.c`` into ``libnvidia-ml.so.1`` with the system C compiler.
+
+``fake_nvml.c`` includes ``fake_nvml_limits.c`` (NVML R615's per-cgroup memory limits); both are
+hashed. ``build_library(memory_limits=False)`` builds the "old driver": the same library without
+``nvmlDeviceSetMemoryLimits_v1``/``nvmlDeviceGetMemoryLimits_v1``, so pynvml raises
+``NVMLError_FunctionNotFound`` for them. Each build has its own directory (``LD_LIBRARY_PATH`` names
+a directory).
+"""
 
 from __future__ import annotations
 
@@ -12,6 +19,8 @@ import tempfile
 
 LIBRARY_NAME = "libnvidia-ml.so.1"
 SOURCE = pathlib.Path(__file__).with_name("fake_nvml.c")
+SOURCES = (SOURCE, SOURCE.with_name("fake_nvml_limits.c"))  # the second is #included by the first
+OLD_DRIVER_FLAGS = ("-DSIMNVML_NO_MEMORY_LIMITS",)
 ENV_CACHE_DIR = "GPUFENCE_CACHE_DIR"
 CFLAGS = ("-O2", "-Wall", "-shared", "-fPIC", f"-Wl,-soname,{LIBRARY_NAME}")
 LIBS = ("-lpthread",)
@@ -65,16 +74,19 @@ def default_cache_dir() -> pathlib.Path:
     return (pathlib.Path(xdg) if xdg else pathlib.Path.home() / ".cache") / "gpufence"
 
 
-def build_library(cache_dir: str | os.PathLike[str] | None = None) -> pathlib.Path:
+def build_library(cache_dir: str | os.PathLike[str] | None = None, *, memory_limits: bool = True) -> pathlib.Path:
     """Compiles fake_nvml.c once per source hash; returns the path of the built libnvidia-ml.so.1.
 
     Its directory is what ``LD_LIBRARY_PATH`` needs. Safe under concurrent callers (each builds to
-    a temp file and renames it into place).
+    a temp file and renames it into place). ``memory_limits=False``: the "old driver" build, a
+    driver before R615 that lacks the memory-limit entry points.
     """
-    source = SOURCE.read_bytes()
-    digest = hashlib.sha256(source + "\0".join(CFLAGS + LIBS).encode()).hexdigest()[:16]
+    cflags = CFLAGS if memory_limits else CFLAGS + OLD_DRIVER_FLAGS
+    digest = hashlib.sha256(
+        b"".join(path.read_bytes() + b"\0" for path in SOURCES) + "\0".join(cflags + LIBS).encode()
+    ).hexdigest()[:16]
     root = pathlib.Path(cache_dir) if cache_dir is not None else default_cache_dir()
-    out_dir = root / f"simnvml-{digest}"
+    out_dir = root / (f"simnvml-{digest}" if memory_limits else f"simnvml-old-driver-{digest}")
     library = out_dir / LIBRARY_NAME
     if library.is_file():
         return library
@@ -86,7 +98,7 @@ def build_library(cache_dir: str | os.PathLike[str] | None = None) -> pathlib.Pa
     fd, tmp = tempfile.mkstemp(prefix=f".{LIBRARY_NAME}.", suffix=".tmp", dir=out_dir)
     os.close(fd)
     try:
-        argv = [*compiler, *CFLAGS, "-o", tmp, str(SOURCE), *LIBS]
+        argv = [*compiler, *cflags, "-o", tmp, str(SOURCE), *LIBS]
         try:
             result = subprocess.run(argv, capture_output=True, text=True, check=False, timeout=120)
         except OSError as exc:

@@ -9,8 +9,13 @@
  * only when it changed (device, inode, mtime, size), so a test can rewrite the state between
  * two NVML calls.  All entry points are serialised by one mutex.
  *
+ * NVML R615's per-cgroup memory limits and the simulated allocations that they limit are in
+ * fake_nvml_limits.c, included at the end of this file (one translation unit, so the two share the
+ * static state without a header).
+ *
  * Build: cc -O2 -shared -fPIC -Wl,-soname,libnvidia-ml.so.1 -o libnvidia-ml.so.1 fake_nvml.c -lpthread
- * (simnvml.build_library() does this once per source hash).
+ * (simnvml.build_library() does this once per source hash; -DSIMNVML_NO_MEMORY_LIMITS builds the
+ * "old driver", without the memory-limit entry points).
  */
 #define _GNU_SOURCE
 #include <errno.h>
@@ -40,6 +45,7 @@ typedef int nvmlReturn_t;
 #define NVML_ERROR_INSUFFICIENT_SIZE 7
 #define NVML_ERROR_DRIVER_NOT_LOADED 9
 #define NVML_ERROR_GPU_IS_LOST 15
+#define NVML_ERROR_MEMORY 20
 #define NVML_ERROR_ARGUMENT_VERSION_MISMATCH 25
 #define NVML_ERROR_UNKNOWN 999
 
@@ -106,6 +112,7 @@ _Static_assert(sizeof(nvmlProcessUtilizationSample_t) == 32, "nvmlProcessUtiliza
 #define DRIVER_VERSION "560.35.03"
 #define NVML_VERSION "12.560.35.03"
 #define CUDA_DRIVER_VERSION 12060
+#define CGROUP_PATH_MAX 1024
 
 struct sim_proc {
     unsigned int host_pid;
@@ -115,6 +122,8 @@ struct sim_proc {
     int has_ns;
     unsigned long long ns_inode;
     unsigned int ns_pid;
+    char *cgroup;               /* the state file's cgroup namespace for it (malloc'd), or NULL: /proc/<pid>/cgroup */
+    unsigned long long charged; /* bytes it allocated through simnvmlAllocate (fake_nvml_limits.c) */
 };
 
 struct sim_dev {
@@ -147,6 +156,9 @@ struct sim_state {
 };
 
 static pthread_mutex_t g_lock = PTHREAD_MUTEX_INITIALIZER;
+/* g_base: the state file as parsed; g_state: what the driver shows, g_base plus the allocations
+ * that processes made through simnvmlAllocate (rebuilt by refresh_view in fake_nvml_limits.c). */
+static struct sim_state *g_base;
 static struct sim_state *g_state;
 static struct {
     int valid;
@@ -172,7 +184,10 @@ static void warn(const char *fmt, ...) {
 
 static void free_state(struct sim_state *s) {
     if (!s) return;
-    for (size_t i = 0; i < s->ndevs; i++) free(s->devs[i].procs);
+    for (size_t i = 0; i < s->ndevs; i++) {
+        for (size_t j = 0; j < s->devs[i].nprocs; j++) free(s->devs[i].procs[j].cgroup);
+        free(s->devs[i].procs);
+    }
     free(s->devs);
     free(s->fails);
     free(s);
@@ -287,7 +302,7 @@ static struct sim_state *parse_state(FILE *f, const char *path) {
             if (s->ndevs == 0) goto bad;
             s->devs[s->ndevs - 1].mig = 1;
         } else if (strcmp(kw, "proc") == 0) {
-            /* proc KIND PID USED|- SM NS_INODE|- NS_PID|-   (belongs to the last device) */
+            /* proc KIND PID USED|- SM NS_INODE|- NS_PID|- [CGROUP]   (belongs to the last device) */
             if (s->ndevs == 0) goto bad;
             struct sim_dev *d = &s->devs[s->ndevs - 1];
             char *kind = strtok_r(NULL, " ", &save);
@@ -309,6 +324,11 @@ static struct sim_state *parse_state(FILE *f, const char *path) {
             p->has_ns = has_ino;
             p->ns_inode = nsino;
             p->ns_pid = (unsigned int)nspid;
+            char *cgroup = strtok_r(NULL, " ", &save);
+            if (cgroup) {
+                if (cgroup[0] != '/' || strlen(cgroup) >= CGROUP_PATH_MAX || strtok_r(NULL, " ", &save)) goto bad;
+                if (!(p->cgroup = strdup(cgroup))) goto bad;
+            }
         } else {
             goto bad;
         }
@@ -332,21 +352,32 @@ fail:
  * last good state when the file is missing or malformed.  Returns 0 when a state is available.
  * Caller holds g_lock.
  */
+static int refresh_view(const char *state_path, int base_changed, int force);
+
+static int refresh_base(const char *path);
+
 static int refresh_state(void) {
     const char *path = getenv(STATE_ENV);
-    struct stat st;
     if (!path || !*path) return g_state ? 0 : -1;
-    if (stat(path, &st) != 0) return g_state ? 0 : -1;
+    int changed = refresh_base(path);
+    if (!g_base) return -1;
+    return refresh_view(path, changed, 0);
+}
+
+/* Returns 1 when g_base was (re)loaded, 0 when it is unchanged or the file is unusable. */
+static int refresh_base(const char *path) {
+    struct stat st;
+    if (stat(path, &st) != 0) return 0;
     if (g_key.valid && strcmp(g_key.path, path) == 0 && g_key.dev == st.st_dev && g_key.ino == st.st_ino &&
         g_key.mtim.tv_sec == st.st_mtim.tv_sec && g_key.mtim.tv_nsec == st.st_mtim.tv_nsec &&
         g_key.size == st.st_size)
         return 0;
     FILE *f = fopen(path, "r");
-    if (!f) return g_state ? 0 : -1;
+    if (!f) return 0;
     /* Key on the opened file, so a replace between stat() and fopen() is picked up next call. */
     if (fstat(fileno(f), &st) != 0) {
         fclose(f);
-        return g_state ? 0 : -1;
+        return 0;
     }
     struct sim_state *s = parse_state(f, path);
     fclose(f);
@@ -356,10 +387,10 @@ static int refresh_state(void) {
     g_key.ino = st.st_ino;
     g_key.mtim = st.st_mtim;
     g_key.size = st.st_size;
-    if (!s) return g_state ? 0 : -1; /* malformed: keep the last good state, warn once */
-    free_state(g_state);
-    g_state = s;
-    return 0;
+    if (!s) return 0; /* malformed: keep the last good state, warn once */
+    free_state(g_base);
+    g_base = s;
+    return 1;
 }
 
 /* The first failure (hang: hang entries, else fail entries) matching the call, or NULL. */
@@ -637,11 +668,21 @@ EXPORT nvmlReturn_t nvmlDeviceGetName(nvmlDevice_t device, char *name, unsigned 
     LOCKED(do_dev_string("nvmlDeviceGetName", device, 0, name, length));
 }
 
+/* The bytes a process holds on its device: the state file's figure plus its simulated allocations
+ * (only the allocations when the state file says "not available"). */
+static unsigned long long proc_bytes(const struct sim_proc *p) {
+    return p->used == NVML_VALUE_NOT_AVAILABLE_ULL ? p->charged : p->used;
+}
+
+static unsigned long long device_used(const struct sim_dev *d) {
+    unsigned long long u = 0;
+    for (size_t i = 0; i < d->nprocs; i++) u += proc_bytes(&d->procs[i]);
+    return u;
+}
+
 static void memory_of(const struct sim_dev *d, unsigned long long *total, unsigned long long *used,
                       unsigned long long *free_) {
-    unsigned long long u = 0;
-    for (size_t i = 0; i < d->nprocs; i++)
-        if (d->procs[i].used != NVML_VALUE_NOT_AVAILABLE_ULL) u += d->procs[i].used;
+    unsigned long long u = device_used(d);
     if (u > d->total) u = d->total;
     *total = d->total;
     *used = u;
@@ -823,3 +864,5 @@ EXPORT nvmlReturn_t nvmlDeviceGetProcessUtilization(nvmlDevice_t device, nvmlPro
                                                     unsigned long long lastSeenTimeStamp) {
     LOCKED(do_process_utilization(device, utilization, processSamplesCount, lastSeenTimeStamp));
 }
+
+#include "fake_nvml_limits.c"
