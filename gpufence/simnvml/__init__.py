@@ -20,6 +20,22 @@ Simulated driver behaviour worth knowing:
   ``nvmlDeviceGetHandleByIndex_v2``; ``nvmlDeviceGetCount_v2`` still counts it.
 * ``failures`` keys: an NVML function name (the unversioned name also matches ``_vN`` symbols),
   ``name@<device index>`` for one device, or ``"*"`` for every call after init.
+
+NVML R615's per-cgroup memory limits (``fake_nvml_limits.c``, ``limits.py``, ``workload.py``):
+
+* ``nvmlDeviceSetMemoryLimits_v1`` / ``nvmlDeviceGetMemoryLimits_v1`` with nvml.h's structs
+  (``nameSpace`` = ``/sys/fs/cgroup/<path>``, ``softLimit``, ``hardLimit``, ``currentUsed``, bytes).
+  Set: INVALID_ARGUMENT for a NULL/empty/relative namespace, soft > hard, or a hard limit below what
+  an already limited cgroup holds; NOT_SUPPORTED for the root cgroup. Get: the nearest limited
+  ancestor-or-self's limits and what its processes hold; NOT_SUPPORTED when none is limited.
+* Limits and allocations are shared by every process through ``<state>.driver`` (``read_limits``,
+  ``read_allocations``, ``preset_limits``, ``reset_driver_state``); ``write_state`` leaves it alone.
+* A process's cgroup: ``SimProcess.cgroup``, else ``cgroup_namespace(/proc/<pid>/cgroup)``.
+* ``workload.allocate(uuid, n)`` (``simnvmlAllocate`` through ctypes) charges the caller:
+  ``SimOutOfMemoryError`` (NVML_ERROR_MEMORY) past its cgroup's hard limit or the device's memory;
+  else its usage (state file value + allocations) grows in NVML's process lists and ``currentUsed``.
+* ``build_library(memory_limits=False)``: the old driver, without the two limit symbols (pynvml
+  raises ``NVMLError_FunctionNotFound``).
 """
 
 from gpufence.simnvml.build import (
@@ -29,6 +45,18 @@ from gpufence.simnvml.build import (
     build_library,
     default_cache_dir,
     simulated_env,
+)
+from gpufence.simnvml.limits import (
+    NO_LIMIT,
+    SimAllocation,
+    SimLimit,
+    cgroup_namespace,
+    driver_state_path,
+    preset_limits,
+    process_cgroup_namespace,
+    read_allocations,
+    read_limits,
+    reset_driver_state,
 )
 from gpufence.simnvml.state import (
     ENV_STATE,
@@ -46,16 +74,26 @@ __all__ = [
     "ENV_STATE",
     "ERROR_CODES",
     "LIBRARY_NAME",
+    "NO_LIMIT",
     "CompilerNotFoundError",
+    "SimAllocation",
     "SimDevice",
+    "SimLimit",
     "SimNvmlBuildError",
     "SimProcess",
     "SimState",
     "build_library",
+    "cgroup_namespace",
     "default_cache_dir",
+    "driver_state_path",
     "error_code",
     "pid_namespace_inode",
+    "preset_limits",
+    "process_cgroup_namespace",
+    "read_allocations",
+    "read_limits",
     "render_state",
+    "reset_driver_state",
     "simulated_env",
     "write_state",
 ]

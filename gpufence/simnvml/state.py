@@ -12,8 +12,11 @@ by ``$GPUFENCE_SIM_STATE``). The file format is private to this module and ``fak
     hang <function>[@<device index>]                    (zero or more: the call blocks until dropped)
     device <total> <lost 0|1> <meminfo_not_supported 0|1> <uuid> <name...>
     mig                                                 (optional: MIG mode on the device above)
-    proc <compute|graphics|mps> <host pid> <used|-> <sm%> <ns inode|-> <ns pid|->   (for the device above)
+    proc <compute|graphics|mps> <host pid> <used|-> <sm%> <ns inode|-> <ns pid|-> [<cgroup>]   (for the device above)
     end
+
+``<cgroup>``: the process's cgroup namespace for NVML's memory limits (``/sys/fs/cgroup/<path>``);
+without it the driver reads ``/proc/<pid>/cgroup`` (see ``gpufence.simnvml.limits``).
 
 Failure keys: a function name (``nvmlDeviceGetProcessUtilization``; a name without the ``_vN``
 suffix also matches the versioned symbols), optionally ``@<index>`` to fail one device only, or
@@ -78,6 +81,7 @@ _FAILURE_KEY = re.compile(r"^(\*|nvml[A-Za-z0-9_]+)(@\d+)?$")
 _MAX_DEVICES = 256
 _UINT32_MAX = 0xFFFFFFFF
 _UINT64_MAX = 0xFFFFFFFFFFFFFFFF
+_CGROUP_PATH_MAX = 1024  # fake_nvml.c's CGROUP_PATH_MAX
 
 
 def error_code(name: str) -> int:
@@ -115,6 +119,10 @@ class SimProcess:
     kind: str = "compute"  # or "graphics", or "mps" (an MPS client: nvmlDeviceGetMPSComputeRunningProcesses)
     ns_inode: int | None = None  # innermost pid namespace inode (None: host namespace)
     ns_pid: int | None = None  # pid inside that namespace
+    # Its cgroup as NVML's memory limits name it ("/sys/fs/cgroup/<path>"); None: the driver reads
+    # /proc/<pid>/cgroup (limits.cgroup_namespace). Lets a test place processes in cgroups without
+    # cgroup v2.
+    cgroup: str | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.pid, bool) or not isinstance(self.pid, int) or not (0 < self.pid <= _UINT32_MAX):
@@ -132,16 +140,30 @@ class SimProcess:
             raise ValueError(f"ns_pid must be a positive 32-bit integer, got {self.ns_pid!r}")
         if self.ns_inode is not None and not (0 < self.ns_inode < _UINT64_MAX):
             raise ValueError(f"ns_inode must be a positive integer, got {self.ns_inode!r}")
+        cg = self.cgroup
+        if cg is not None and (
+            not isinstance(cg, str)
+            or not cg.startswith("/")
+            or not cg.isascii()
+            or any(c.isspace() for c in cg)
+            or len(cg) >= _CGROUP_PATH_MAX
+        ):
+            raise ValueError(
+                f"cgroup must be None or an absolute ASCII path without whitespace shorter than {_CGROUP_PATH_MAX}"
+                f" bytes, e.g. '/sys/fs/cgroup/kubepods/pod1/c1'; got {cg!r}"
+            )
 
     @classmethod
-    def for_pid(cls, pid: int, used_memory_bytes: int | None, sm_util: int = 0, kind: str = "compute") -> SimProcess:
+    def for_pid(
+        cls, pid: int, used_memory_bytes: int | None, sm_util: int = 0, kind: str = "compute", cgroup: str | None = None
+    ) -> SimProcess:
         """Fills ns_inode/ns_pid from /proc/<pid>/ns/pid and the last field of NSpid in /proc/<pid>/status."""
         try:
             ns_inode = pid_namespace_inode(pid)
             ns_pid = _innermost_pid(pid)
         except FileNotFoundError:
             raise ProcessLookupError(f"no process with pid {pid} (no /proc/{pid})") from None
-        return cls(pid, used_memory_bytes, sm_util=sm_util, kind=kind, ns_inode=ns_inode, ns_pid=ns_pid)
+        return cls(pid, used_memory_bytes, sm_util=sm_util, kind=kind, ns_inode=ns_inode, ns_pid=ns_pid, cgroup=cgroup)
 
 
 @dataclass(frozen=True)
@@ -251,7 +273,8 @@ def render_state(state: SimState) -> str:
             used = "-" if proc.used_memory_bytes is None else str(proc.used_memory_bytes)
             ns_inode = "-" if proc.ns_inode is None else str(proc.ns_inode)
             ns_pid = "-" if proc.ns_pid is None else str(proc.ns_pid)
-            lines.append(f"proc {proc.kind} {proc.pid} {used} {proc.sm_util} {ns_inode} {ns_pid}")
+            cgroup = "" if proc.cgroup is None else f" {proc.cgroup}"
+            lines.append(f"proc {proc.kind} {proc.pid} {used} {proc.sm_util} {ns_inode} {ns_pid}{cgroup}")
     lines.append("end")
     return "\n".join(lines) + "\n"
 
