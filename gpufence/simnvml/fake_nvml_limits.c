@@ -262,7 +262,7 @@ fail:
 
 /*
  * Re-reads the ledger (every call: it is small and written by other processes) and rebuilds g_state
- * from g_base when either changed.  A malformed ledger keeps the last good one.  Caller holds g_lock.
+ * from g_base when either changed or allocations are recorded.  A malformed ledger keeps the last good one.  Caller holds g_lock.
  */
 static int refresh_view(const char *state_path, int base_changed, int force) {
     char path[4200];
@@ -282,7 +282,8 @@ static int refresh_view(const char *state_path, int base_changed, int force) {
     } else {
         free(text);
     }
-    if (g_state && !base_changed && !ledger_changed && !force) return 0;
+    /* With allocations recorded, rebuild anyway: one whose process exited no longer counts. */
+    if (g_state && !base_changed && !ledger_changed && !force && g_ledger.nallocs == 0) return 0;
     struct sim_state *v = build_view(g_base, &g_ledger);
     if (!v) return g_state ? 0 : -1;
     free_state(g_state);

@@ -95,9 +95,17 @@ class Workload:
         from gpufence.simnvml import workload
         print("ready", flush=True)
         for line in sys.stdin:
-            op, uuid, n = line.split()
+            op, arg, n = line.split()
+            if op == "current":  # an observer that lives on, as the enforcer does: currentUsed of namespace arg
+                import pynvml as N
+                N.nvmlInit()
+                req = N.c_nvmlGetMemoryLimits_v1_t()
+                req.nameSpace = arg.encode()
+                N.nvmlDeviceGetMemoryLimits_v1(N.nvmlDeviceGetHandleByIndex(0), req)
+                print(req.currentUsed, flush=True)
+                continue
             try:
-                getattr(workload, op)(uuid, int(n))
+                getattr(workload, op)(arg, int(n))
                 print("ok", flush=True)
             except workload.SimAllocationError as exc:
                 print(f"err {exc.code}", flush=True)
@@ -117,9 +125,9 @@ class Workload:
         assert self.proc.stdout is not None and self.proc.stdout.readline() == "ready\n"
         self.pid = self.proc.pid
 
-    def _do(self, op: str, nbytes: int) -> str:
+    def _do(self, op: str, nbytes: int, arg: str = UUID) -> str:
         assert self.proc.stdin is not None and self.proc.stdout is not None
-        self.proc.stdin.write(f"{op} {UUID} {nbytes}\n")
+        self.proc.stdin.write(f"{op} {arg} {nbytes}\n")
         self.proc.stdin.flush()
         return self.proc.stdout.readline().strip()
 
@@ -128,6 +136,9 @@ class Workload:
 
     def free(self, nbytes: int) -> str:
         return self._do("free", nbytes)
+
+    def current_used(self, namespace: str) -> int:
+        return int(self._do("current", 0, namespace))
 
     def exit(self) -> None:
         assert self.proc.stdin is not None
@@ -221,7 +232,7 @@ def test_current_used_follows_the_processes_of_each_namespace(lib: pathlib.Path,
 def test_allocation_past_the_hard_limit_fails_while_the_neighbours_succeeds(
     lib: pathlib.Path, state_path: pathlib.Path, workloads: Any
 ) -> None:
-    a, b = workloads(), workloads()
+    a, b, observer = workloads(), workloads(), workloads()
     # The state file says what A already holds (1 GiB); allocations add to it.
     write_state(state_path, device(SimProcess(a.pid, 1 * GiB, cgroup=POD_A), SimProcess(b.pid, 0, cgroup=POD_B)))
     assert child(
@@ -256,7 +267,9 @@ def test_allocation_past_the_hard_limit_fails_while_the_neighbours_succeeds(
 
     assert a.free(768 * MiB) == "ok"
     assert a.allocate(512 * MiB) == "ok"  # room again after the free
+    assert observer.current_used(POD_B) == 4 * GiB
     b.exit()  # the driver frees an exited process's memory
+    assert observer.current_used(POD_B) == 0  # also for a process that loaded the library before
     seen = child(lib, state_path, observe)
     assert seen["a"] == ["ok", [1 * GiB, 2 * GiB, 1 * GiB + 768 * MiB]]
     assert seen["b"] == ["ok", [0, 8 * GiB, 0]]  # still listed by the state file, with its 0 bytes
