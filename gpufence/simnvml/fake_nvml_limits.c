@@ -28,7 +28,7 @@
  *
  *     gpufence-simnvml-driver 1
  *     limit <uuid> <soft> <hard> <namespace>
- *     alloc <uuid> <host pid> <bytes> <pid ns inode> <pid in that ns>
+ *     alloc <uuid> <host pid, 0 if unknown> <bytes> <allocator's pid ns inode> <its pid there>
  *
  * Writers hold flock(LOCK_EX) on "<state file>.driver.lock", re-read the file, and replace it
  * (temp file + rename); readers read it without the lock at every call.
@@ -70,7 +70,7 @@ struct sim_limit {
 
 struct sim_alloc {
     char uuid[96];
-    unsigned int pid; /* host pid where known (the state file lists it), else the allocator's own */
+    unsigned int pid; /* host pid: the state file lists the allocator or it runs in the host pid ns; else 0 */
     unsigned long long bytes;
     unsigned long long ns_inode; /* the allocator's pid namespace and its pid there */
     unsigned int ns_pid;
@@ -153,7 +153,7 @@ static int parse_ledger(const char *text, struct ledger *l) {
         } else if (strcmp(kw, "alloc") == 0) {
             struct sim_alloc a = {0};
             unsigned long long pid, nspid;
-            if (parse_ull(strtok_r(NULL, " ", &save), &pid) || pid == 0 || pid > 0xFFFFFFFFULL) goto bad;
+            if (parse_ull(strtok_r(NULL, " ", &save), &pid) || pid > 0xFFFFFFFFULL) goto bad;
             if (parse_ull(strtok_r(NULL, " ", &save), &a.bytes)) goto bad;
             if (parse_ull(strtok_r(NULL, " ", &save), &a.ns_inode)) goto bad;
             if (parse_ull(strtok_r(NULL, " ", &save), &nspid) || nspid > 0xFFFFFFFFULL) goto bad;
@@ -196,11 +196,14 @@ static int write_ledger(const char *state_path, const struct ledger *l) {
 }
 
 /* An allocation whose process has exited is gone, as the driver frees a dead process's memory.
- * Only decidable from the allocator's own pid namespace; elsewhere it is taken as alive. */
+ * Decidable from the allocator's own pid namespace, or from the host's when its host pid is known;
+ * elsewhere it is taken as alive. */
 static int alloc_alive(const struct sim_alloc *a) {
     char path[64];
-    if (a->ns_inode != caller_pidns()) return 1;
-    snprintf(path, sizeof path, "/proc/%u", a->ns_pid);
+    unsigned long long ns = caller_pidns();
+    if (ns == a->ns_inode) snprintf(path, sizeof path, "/proc/%u", a->ns_pid);
+    else if (a->pid && ns == g_base->host_ns) snprintf(path, sizeof path, "/proc/%u", a->pid);
+    else return 1;
     return access(path, F_OK) == 0;
 }
 
@@ -240,13 +243,13 @@ static struct sim_state *build_view(const struct sim_state *base, const struct l
         struct sim_dev *d = dev_by_uuid(v, a->uuid);
         if (!d || !alloc_alive(a)) continue;
         struct sim_proc *p = NULL;
-        for (size_t j = 0; j < d->nprocs && !p; j++)
+        for (size_t j = 0; j < d->nprocs && !p && a->pid; j++)
             if (d->procs[j].host_pid == a->pid) p = &d->procs[j];
-        if (!p) {
+        if (!p) { /* host pid unknown (a nested pid namespace): listed under its own pid */
             if (grow((void **)&d->procs, &d->cap, d->nprocs, sizeof *d->procs)) goto fail;
             p = &d->procs[d->nprocs++];
             memset(p, 0, sizeof *p);
-            p->host_pid = a->pid;
+            p->host_pid = a->pid ? a->pid : a->ns_pid;
             p->has_ns = 1;
             p->ns_inode = a->ns_inode;
             p->ns_pid = a->ns_pid;
@@ -486,7 +489,7 @@ static nvmlReturn_t do_allocate(const char *uuid, unsigned long long bytes, int 
     const struct sim_proc *listed = NULL;
     for (size_t i = 0; i < d->nprocs && !listed; i++)
         if (visible_pid(&d->procs[i], my_ns) == me) listed = &d->procs[i];
-    unsigned int host_pid = listed ? listed->host_pid : me;
+    unsigned int host_pid = listed ? listed->host_pid : (g_state->host_ns == 0 || my_ns == g_state->host_ns) ? me : 0;
     if (!give_back) {
         char ns[CGROUP_PATH_MAX];
         const struct sim_limit *L = NULL;
@@ -509,8 +512,8 @@ static nvmlReturn_t do_allocate(const char *uuid, unsigned long long bytes, int 
     for (size_t i = 0; i < g_ledger.nallocs; i++) {
         if (!alloc_alive(&g_ledger.allocs[i])) continue;
         g_ledger.allocs[k] = g_ledger.allocs[i];
-        if (strcmp(g_ledger.allocs[k].uuid, d->uuid) == 0 && g_ledger.allocs[k].pid == host_pid)
-            mine = &g_ledger.allocs[k];
+        const struct sim_alloc *a = &g_ledger.allocs[k];
+        if (strcmp(a->uuid, d->uuid) == 0 && a->ns_inode == my_ns && a->ns_pid == me) mine = &g_ledger.allocs[k];
         k++;
     }
     g_ledger.nallocs = k;
@@ -522,11 +525,11 @@ static nvmlReturn_t do_allocate(const char *uuid, unsigned long long bytes, int 
         mine = &g_ledger.allocs[g_ledger.nallocs++];
         memset(mine, 0, sizeof *mine);
         snprintf(mine->uuid, sizeof mine->uuid, "%s", d->uuid);
-        mine->pid = host_pid;
-    }
-    if (mine) {
         mine->ns_inode = my_ns;
         mine->ns_pid = me;
+    }
+    if (mine) {
+        mine->pid = host_pid;
         mine->bytes = give_back ? (bytes > mine->bytes ? 0 : mine->bytes - bytes) : mine->bytes + bytes;
         if (mine->bytes == 0) *mine = g_ledger.allocs[--g_ledger.nallocs];
     }

@@ -7,7 +7,7 @@ toolkit's hook) the others see (the enforcer, the workloads). They live beside t
 
     gpufence-simnvml-driver 1
     limit <uuid> <soft bytes> <hard bytes> <namespace>
-    alloc <uuid> <host pid> <bytes> <pid ns inode> <pid in that ns>
+    alloc <uuid> <host pid, 0 if unknown> <bytes> <allocator's pid ns inode> <its pid there>
 
 Writers (the library, ``preset_limits``, ``reset_driver_state``) hold ``flock`` on
 ``<state file>.driver.lock`` and replace the file atomically; readers need no lock.
@@ -81,7 +81,7 @@ class SimLimit:
 @dataclass(frozen=True)
 class SimAllocation:
     uuid: str
-    pid: int  # host pid where the state file lists the process, else the allocator's own pid
+    pid: int  # host pid: the state file lists the allocator or it runs in the host pid namespace; else 0
     bytes: int
     ns_inode: int  # the allocator's pid namespace and its pid there
     ns_pid: int

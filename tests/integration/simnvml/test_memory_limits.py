@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import pathlib
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -112,10 +113,11 @@ class Workload:
         """
     )
 
-    def __init__(self, lib: pathlib.Path, state_path: pathlib.Path) -> None:
+    def __init__(self, lib: pathlib.Path, state_path: pathlib.Path, *, own_pid_namespace: bool = False) -> None:
         env = {**os.environ, **simulated_env(lib, state_path), "PYTHONPATH": str(REPO)}
+        prefix = ["unshare", "--pid", "--fork", "--mount-proc"] if own_pid_namespace else []
         self.proc = subprocess.Popen(
-            [sys.executable, "-c", self.SCRIPT],
+            [*prefix, sys.executable, "-c", self.SCRIPT],
             env=env,
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
@@ -123,7 +125,10 @@ class Workload:
             cwd=REPO,
         )
         assert self.proc.stdout is not None and self.proc.stdout.readline() == "ready\n"
-        self.pid = self.proc.pid
+        self.pid = self.proc.pid  # the host pid of the interpreter
+        if own_pid_namespace:  # unshare forked it
+            children = pathlib.Path(f"/proc/{self.proc.pid}/task/{self.proc.pid}/children").read_text().split()
+            self.pid = int(children[0])
 
     def _do(self, op: str, nbytes: int, arg: str = UUID) -> str:
         assert self.proc.stdin is not None and self.proc.stdout is not None
@@ -150,8 +155,8 @@ class Workload:
 def workloads(lib: pathlib.Path, state_path: pathlib.Path) -> Iterator[Any]:
     started: list[Workload] = []
 
-    def start() -> Workload:
-        started.append(Workload(lib, state_path))
+    def start(own_pid_namespace: bool = False) -> Workload:
+        started.append(Workload(lib, state_path, own_pid_namespace=own_pid_namespace))
         return started[-1]
 
     yield start
@@ -316,6 +321,27 @@ def test_unlisted_workload_is_listed_and_limited_by_the_device_memory(
         [*command, "--allocate", str(7 * GiB)], env=env, capture_output=True, text=True, cwd=REPO, check=False
     )
     assert done.returncode == 0, done  # the holder's memory went with it
+
+
+@pytest.mark.skipif(shutil.which("unshare") is None or os.geteuid() != 0, reason="needs unshare and root")
+def test_workload_in_its_own_pid_namespace(lib: pathlib.Path, state_path: pathlib.Path, workloads: Any) -> None:
+    nested, observer = workloads(own_pid_namespace=True), workloads()
+    listed = SimProcess.for_pid(nested.pid, 0, cgroup=POD_A)
+    assert listed.ns_pid == 1  # it is its namespace's init
+    write_state(state_path, device(listed))
+    preset_limits(state_path, SimLimit(UUID, POD_A, 0, 2 * GiB))
+    assert nested.allocate(3 * GiB) == f"err {OUT_OF_MEMORY}"  # its state-file cgroup is limited
+    assert nested.allocate(2 * GiB) == "ok"
+    assert [(x.pid, x.ns_pid) for x in read_allocations(state_path)] == [(nested.pid, 1)]  # the host pid is known
+    seen = child(
+        lib,
+        state_path,
+        "N.nvmlInit(); result = procs(N.nvmlDeviceGetComputeRunningProcesses(N.nvmlDeviceGetHandleByIndex(0)))",
+    )
+    assert seen == [[nested.pid, 2 * GiB]]
+    assert observer.current_used(POD_A) == 2 * GiB
+    nested.exit()
+    assert observer.current_used(POD_A) == 0  # seen from the host namespace through its host pid
 
 
 # -- the driver's refusals ------------------------------------------------------------------------------
