@@ -220,6 +220,7 @@ static struct sim_state *build_view(const struct sim_state *base, const struct l
     if (!v) return NULL;
     *v = *base;
     v->fails = NULL;
+    v->ndevs = 0; /* counts the devices copied so far, so that free_state() frees no more */
     v->devs = calloc(base->ndevs ? base->ndevs : 1, sizeof *v->devs);
     if (base->nfails) v->fails = malloc(base->nfails * sizeof *v->fails);
     if (!v->devs || (base->nfails && !v->fails)) goto fail;
@@ -227,7 +228,7 @@ static struct sim_state *build_view(const struct sim_state *base, const struct l
     v->failcap = base->nfails;
     if (base->nfails) memcpy(v->fails, base->fails, base->nfails * sizeof *v->fails);
     for (size_t i = 0; i < base->ndevs; i++) {
-        struct sim_dev *d = &v->devs[i];
+        struct sim_dev *d = &v->devs[v->ndevs++];
         *d = base->devs[i];
         d->procs = NULL;
         d->cap = d->nprocs = 0;
@@ -265,7 +266,8 @@ fail:
 
 /*
  * Re-reads the ledger (every call: it is small and written by other processes) and rebuilds g_state
- * from g_base when either changed or allocations are recorded.  A malformed ledger keeps the last good one.  Caller holds g_lock.
+ * from g_base when either changed or allocations are recorded.  A malformed ledger keeps the last
+ * good one.  Caller holds g_lock.
  */
 static int refresh_view(const char *state_path, int base_changed, int force) {
     char path[4200];

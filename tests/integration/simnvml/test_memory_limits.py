@@ -130,11 +130,18 @@ class Workload:
             children = pathlib.Path(f"/proc/{self.proc.pid}/task/{self.proc.pid}/children").read_text().split()
             self.pid = int(children[0])
 
-    def _do(self, op: str, nbytes: int, arg: str = UUID) -> str:
-        assert self.proc.stdin is not None and self.proc.stdout is not None
+    def send(self, op: str, nbytes: int, arg: str = UUID) -> None:
+        assert self.proc.stdin is not None
         self.proc.stdin.write(f"{op} {arg} {nbytes}\n")
         self.proc.stdin.flush()
+
+    def receive(self) -> str:
+        assert self.proc.stdout is not None
         return self.proc.stdout.readline().strip()
+
+    def _do(self, op: str, nbytes: int, arg: str = UUID) -> str:
+        self.send(op, nbytes, arg)
+        return self.receive()
 
     def allocate(self, nbytes: int) -> str:
         return self._do("allocate", nbytes)
@@ -321,6 +328,20 @@ def test_unlisted_workload_is_listed_and_limited_by_the_device_memory(
         [*command, "--allocate", str(7 * GiB)], env=env, capture_output=True, text=True, cwd=REPO, check=False
     )
     assert done.returncode == 0, done  # the holder's memory went with it
+
+
+def test_concurrent_allocations_never_pass_the_hard_limit_together(
+    lib: pathlib.Path, state_path: pathlib.Path, workloads: Any
+) -> None:
+    crowd = [workloads() for _ in range(4)]
+    write_state(state_path, device(*(SimProcess(w.pid, 0, cgroup=POD_A) for w in crowd)))
+    preset_limits(state_path, SimLimit(UUID, POD_A, 0, 10 * GiB))
+    for w in crowd:  # every request is queued before any answer is read: the four race
+        for _ in range(5):
+            w.send("allocate", GiB)
+    answers = [w.receive() for w in crowd for _ in range(5)]
+    assert sorted(answers) == ["err 20"] * 10 + ["ok"] * 10
+    assert sum(x.bytes for x in read_allocations(state_path)) == 10 * GiB
 
 
 @pytest.mark.skipif(shutil.which("unshare") is None or os.geteuid() != 0, reason="needs unshare and root")
