@@ -42,7 +42,7 @@ def own_cgroup_namespace(proc: Path = Path("/proc/self/cgroup")) -> str | None:
     unified line (cgroup v1 only)."""
     for line in proc.read_text().splitlines():
         if line.startswith("0::"):
-            return "/sys/fs/cgroup" + line[3:]
+            return ("/sys/fs/cgroup" + line[3:]).rstrip("/")
     return None
 
 

@@ -75,10 +75,15 @@ def test_sigterm_ignored_gets_sigkill_after_grace(gpu, make_config):
     term = enforcer.wait_event("sigterm", 5, pid=stubborn.pid)
     kill = enforcer.wait_event("sigkill", 5, pid=stubborn.pid)
     assert term["outcome"] == kill["outcome"] == "sent"
-    # Not before the grace period ran out (the enforcer's own timestamps, millisecond precision).
+    # Not before the grace period ran out (the enforcer's own timestamps, millisecond precision). The
+    # deadline is taken before the SIGTERM is sent and logged (recording it on disk comes between, some
+    # milliseconds on a loaded machine), so the lower bound is measured from the decision's line, which
+    # precedes the deadline; the upper bound from the SIGTERM's.
+    over = enforcer.wait_event("memory_over_share", 5, container="stubborn")
     waited = _log_time(kill) - _log_time(term)
     print(f"\nSIGTERM -> SIGKILL after {waited * 1000:.0f} ms (grace {GRACE}s)")
-    assert GRACE - 0.002 <= waited < GRACE + 2
+    assert _log_time(kill) - _log_time(over) >= GRACE - 0.002
+    assert waited < GRACE + 2
     assert kill["reason"] == "grace_period_expired"
     records = enforcer.records()
     i_term = records.index(next(r for r in records if r["event"] == "sigterm"))
