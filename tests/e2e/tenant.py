@@ -34,8 +34,12 @@ class Tenant:
     api: client.ApiClient  # authenticated with the tenant's token
 
     def can(self, cp: ControlPlane, verb: str, resource: str) -> bool:
-        """What the API server's authorizer says this tenant may do in its namespace."""
-        result = cp.kubectl("auth", "can-i", verb, resource, "-n", self.namespace, "--as", self.user, check=False)
+        """What the API server's authorizer says this tenant may do in its namespace (``resource`` may
+        name a subresource: ``pods/exec``)."""
+        # "pods/exec" is the subresource exec of pods (kubectl would read "pods/exec" as a pod named exec).
+        kind, _, subresource = resource.partition("/")
+        args = ["auth", "can-i", verb, kind, "-n", self.namespace, "--as", self.user]
+        result = cp.kubectl(*args, *([f"--subresource={subresource}"] if subresource else []), check=False)
         answer = result.stdout.strip()
         assert answer in ("yes", "no"), result.stderr
         return answer == "yes"
