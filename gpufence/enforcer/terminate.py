@@ -10,7 +10,11 @@ keeps the SIGKILL timers, which depend on signal outcomes and process exits).
   (a kill loop shows as restarts and CrashLoopBackOff, not as an invisible churn of processes).
 * An unattributed process chosen by the pod budget is terminated on its own (it belongs to no
   container the enforcer can name; its cgroup, if any, is unattributed because of conflicting
-  claims, and terminating that cgroup could hit an innocent container).
+  claims, and terminating that cgroup could hit an innocent container). So are the unattributed
+  processes while the pod runs on more GPUs than it requested.
+* A throttled process seen running during its stopped phase (something sends it SIGCONT: the
+  throttle executor reports it, ``rules.evasion_orders`` decides) is terminated with its container,
+  like a container over its memory share (``throttle_evaded``); an unattributed one on its own.
 
 Every signal goes through the ``SafeSignaller`` (start time checked, never outside the pod); a
 process held stopped by the throttle is exempted (continued) before its SIGTERM.
@@ -30,6 +34,7 @@ from typing import Any
 
 from gpufence.contract import Mode
 from gpufence.enforcer.attribution import Attribution
+from gpufence.enforcer.compute import UNATTRIBUTED as COMPUTE_UNATTRIBUTED
 from gpufence.enforcer.decision_log import DecisionLog
 from gpufence.enforcer.events import EventRecorder
 from gpufence.enforcer.kill_deadlines import KillDeadlines, PendingKill
@@ -41,7 +46,7 @@ from gpufence.enforcer.signals import Outcome, SafeSignaller, SignalTarget
 from gpufence.enforcer.throttle import ThrottleExecutor
 
 # The container label of actions taken against unattributed processes (pod budget).
-UNATTRIBUTED = ""
+UNATTRIBUTED = COMPUTE_UNATTRIBUTED
 
 
 @dataclass(frozen=True)
@@ -55,14 +60,16 @@ class _Why:
     limit_bytes: int
     gpus_requested: int | None = None  # set: the container runs on more GPUs than it requested
     devices_used: tuple[int, ...] = ()
+    evaded_pids: tuple[int, ...] = ()  # set: seen running while the throttle held them stopped
+    evaded_phases: int = 0
 
     @classmethod
     def of(cls, order: TerminateOrder) -> _Why:
         return cls(order.container, order.device_uuid, order.device_index, order.used_bytes, order.limit_bytes,
-                   order.gpus_requested, order.devices_used)
+                   order.gpus_requested, order.devices_used, order.evaded_pids, order.evaded_phases)
 
     def record(self) -> dict[str, Any]:
-        return {**asdict(self), "devices_used": list(self.devices_used)}
+        return {**asdict(self), "devices_used": list(self.devices_used), "evaded_pids": list(self.evaded_pids)}
 
     @classmethod
     def from_record(cls, record: Mapping[str, Any], container: str | None) -> _Why:
@@ -73,27 +80,52 @@ class _Why:
             value = record.get(key)
             return value if isinstance(value, kind) and not isinstance(value, bool) else default
 
+        def ints(key: str) -> tuple[int, ...]:
+            value = record.get(key)
+            return tuple(d for d in value if isinstance(d, int)) if isinstance(value, list) else ()
+
         requested = get("gpus_requested", int, None)
-        used = record.get("devices_used")
-        devices = tuple(d for d in used if isinstance(d, int)) if isinstance(used, list) else ()
         return cls(get("container", str, container), get("device_uuid", str, ""), get("device_index", int, -1),
-                   get("used_bytes", int, 0), get("limit_bytes", int, 0), requested, devices)
+                   get("used_bytes", int, 0), get("limit_bytes", int, 0), requested, ints("devices_used"),
+                   ints("evaded_pids"), get("evaded_phases", int, 0))
 
     @property
     def resource(self) -> str:
+        if self.evaded_pids:
+            return "compute"
         return "gpus" if self.gpus_requested is not None else "memory"
 
     @property
     def log_reason(self) -> str:
+        if self.evaded_pids:
+            return "throttle_evaded"
         if self.gpus_requested is not None:
             return "gpus_over_request"
         return "memory_over_share" if self.container is not None else "pod_over_budget"
 
     @property
     def event_reason(self) -> str:
+        if self.evaded_pids:
+            return "GPUThrottleEvaded"
         if self.gpus_requested is not None:
             return "GPUDevicesOverRequest"
         return "GPUMemoryOverShare" if self.container is not None else "GPUPodOverBudget"
+
+    def evasion(self) -> str:
+        return (f"pids {list(self.evaded_pids)} ran during their stopped phase in {self.evaded_phases} duty cycles "
+                "in a row (something else sends them SIGCONT)")
+
+    def unattributed(self, pid: int, process_used: int | None, grace: float) -> str:
+        """The Event message for an unattributed victim."""
+        if self.evaded_pids:
+            what = f"unattributed {self.evasion()}"
+        elif self.gpus_requested is not None:
+            what = (f"the pod runs on GPUs {list(self.devices_used)}, more than the {self.gpus_requested} it "
+                    "requested, and has processes no container can be charged for")
+        else:
+            what = (f"the pod uses {self.used_bytes} bytes of GPU memory on {self.device_uuid}, over its budget of "
+                    f"{self.limit_bytes}")
+        return (f"{what}: SIGTERM to unattributed pid {pid} ({process_used} bytes), SIGKILL after {grace:g}s")
 
 
 @dataclass
@@ -165,7 +197,25 @@ class Terminator:
             uuid=order.device_uuid, gpu=order.device_index, used_bytes=order.used_bytes,
             limit_bytes=order.limit_bytes, mode=mode, action=action,
         )
-        if order.container is None:
+        if order.evaded_pids:
+            victims = [v.pid for v in order.victims] if order.container is None else sorted(
+                {p.pid for p in attribution.processes if p.container == order.container})
+            self._log.warning(
+                "throttle_evaded", container=order.container, evaded_pids=list(order.evaded_pids),
+                phases=order.evaded_phases, victims=victims,
+                reason="seen running while the throttle held it stopped, in consecutive duty cycles: something "
+                "else sends it SIGCONT; terminated with its container (an unattributed process on its own)",
+                **common,
+            )
+            self._metrics.action(order.container or UNATTRIBUTED, "throttle_evaded", "compute")
+        elif order.container is None and order.gpus_requested is not None:
+            self._log.warning(
+                "gpus_over_request", container=None, unattributed=True, gpus_requested=order.gpus_requested,
+                gpus_used=list(order.devices_used), victims=[v.pid for v in order.victims],
+                reason="the pod's processes run on more GPUs than its containers requested, and some of them no "
+                "container can be charged for: those are terminated", **common,
+            )
+        elif order.container is None:
             unattributed = sum(
                 p.used_memory_bytes or 0
                 for p in attribution.processes
@@ -214,7 +264,9 @@ class Terminator:
         victims = [(t, used.get(t.key)) for t in sorted(fresh, key=lambda t: t.pid)]
         sent = self._sigterm(victims, why, grace, cgroups=sorted(cgroups))
         if sent:
-            if why.gpus_requested is not None:
+            if why.evaded_pids:
+                what = f"container {container}: {why.evasion()}"
+            elif why.gpus_requested is not None:
                 what = (f"container {container} runs on GPUs {list(why.devices_used)}, more than the "
                         f"{why.gpus_requested} it requested")
             else:
@@ -259,13 +311,8 @@ class Terminator:
             sent.append(target.pid)
             self._metrics.action(target.container or UNATTRIBUTED, "sigterm", why.resource)
             if why.container is None:
-                self._events.record(
-                    "GPUPodOverBudget",
-                    f"the pod uses {why.used_bytes} bytes of GPU memory on {why.device_uuid}, over its budget of "
-                    f"{why.limit_bytes}: SIGTERM to unattributed pid {target.pid} ({process_used} bytes), SIGKILL "
-                    f"after {grace:g}s",
-                    action="Terminate",
-                )
+                self._events.record(why.event_reason, why.unattributed(target.pid, process_used, grace),
+                                    action="Terminate")
         if len(sent) < len(victims):
             self._persist()
         return sent
