@@ -238,8 +238,6 @@ class Enforcer:
         now = self._clock()
         self._record_nvml_errors(sample)
         attribution = self._attributor.attribute(sample)
-        # Every GPU process accepted as the pod's may be signalled, attributed or not (pod budget).
-        self._signaller.authorize(SignalTarget.of(p) for p in attribution.processes)
         totals = {d.index: d.total_memory_bytes for d in sample.devices if not d.lost}
         mig = frozenset(d.index for d in sample.devices if d.mig and not d.lost)
         # What the throttle saw since the last poll: processes running while held stopped.
@@ -247,6 +245,9 @@ class Enforcer:
         decisions = self._core.step(now, attribution, totals, mig, evasions)
         # From here on, the core's attribution: a name that is no container of the pod is screened out.
         attribution = decisions.attribution
+        # Every GPU process accepted as the pod's may be signalled, attributed or not (pod budget),
+        # under the container the core holds it to (a name that is no container is none).
+        self._signaller.authorize(SignalTarget.of(p) for p in attribution.processes)
         self._report.mig(sample, decisions.new_mig_devices)
         self._report.unattributed(decisions.new_unattributed, self.config)
         self._report.uninspectable(decisions.new_uninspectable)
