@@ -247,7 +247,7 @@ class ThrottleExecutor:
         if retry:
             self._state.remove([t for t in retry if self._sigcont(t, "retry_sigcont")])
 
-    def _check_evasion_locked(self, name: str, cycle: _Cycle, now: float) -> None:
+    def _check_evasion_locked(self, cycle: _Cycle, now: float) -> None:
         """In a stopped phase: is every process we stopped still stopped? One seen running is
         stopped again (it gets no more than a check interval of the phase) and counted once per
         phase; at ``EVASION_PHASES`` phases in a row it is reported."""
@@ -302,12 +302,12 @@ class ThrottleExecutor:
         next_switch: float | None = now + RETRY_SECONDS if self._unreleased else None
         if self._lease_until is not None:
             next_switch = self._lease_until if next_switch is None else min(next_switch, self._lease_until)
-        for name, cycle in self._cycles.items():
+        for cycle in self._cycles.values():
             run = cycle.fraction * self._period
             pause = self._period - run
             due = cycle.phase_start + (run if cycle.running else pause)
             if not cycle.running:
-                self._check_evasion_locked(name, cycle, now)
+                self._check_evasion_locked(cycle, now)
             if now >= due:
                 # Keep the cadence (next phase starts at the scheduled time) unless far behind.
                 start = due if now - due < self._period else now
