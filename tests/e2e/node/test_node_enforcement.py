@@ -247,3 +247,59 @@ def test_the_sidecars_footprint_in_its_own_cgroup(admin: client.ApiClient, clust
           f"{limit / (1 << 20):.0f} MiB; container start to `started` <= {start_s:.2f} s "
           f"(startedAt has 1 s resolution)")
     assert 0 < peak < limit, (peak, limit)
+
+
+# A GPU process with a helper of its own (same container, same user) that sends it SIGCONT every
+# millisecond: without the evasion check the throttle's SIGSTOPs hold for about a millisecond.
+EVADER = """
+import os, signal, time
+device = open("/dev/nvidia0")
+print(f"gpu process {os.getpid()}", flush=True)
+parent = os.getpid()
+if os.fork() == 0:
+    device.close()
+    while True:
+        try:
+            os.kill(parent, signal.SIGCONT)
+        except ProcessLookupError:
+            os._exit(0)
+        time.sleep(0.001)
+while True:
+    pass
+"""
+
+
+def test_a_throttled_container_whose_helper_sends_sigcont_is_terminated(admin: client.ApiClient,
+                                                                      cluster: ControlPlane, node: Node,
+                                                                      sim: Node, gpu_namespace: str):
+    """Issue row: time stopped fell from 95 % to 0 % while the container stayed reported throttled.
+    Now the throttle sees the process running in its stopped phases and the container is terminated
+    (its helper with it: same cgroup), says why in its log and in an Event, and the kubelet restarts it."""
+    pod = _create(admin, gpu_namespace, gpu_pod([workload_container("hog", EVADER)],
+                                                {"gpufence.io/memory": "8Gi", "gpufence.io/compute": "20",
+                                                 "gpufence.io/grace-period": "2"}))
+    name = pod["metadata"]["name"]
+    running = wait_running(cluster, node, gpu_namespace, name)
+    hog = host_pid(node, running, "hog")
+    write_gpu_state(node, [(hog, 1 * GIB, 95)])
+    evaded = wait_record(running, lambda r: r.get("event") == "throttle_evaded" and r.get("container") == "hog",
+                         "throttle_evaded for hog", timeout=60)
+    assert evaded["phases"] >= 2 and evaded["action"] == "sigterm", evaded
+
+    def hog_restarted() -> dict | None:
+        current = get_pod(cluster, gpu_namespace, name)
+        status = statuses(current).get("hog", {})
+        return current if status.get("restartCount", 0) >= 1 else None
+
+    restarted = kube.wait_for(hog_restarted, "hog terminated and restarted by the kubelet", 60, 0.3)
+    write_gpu_state(node, [])
+    terms = [r for r in enforcer_records(restarted) if r.get("event") == "sigterm" and r.get("outcome") == "sent"]
+    assert terms and {r.get("reason") for r in terms} == {"throttle_evaded"}, terms
+    assert len({r["pid"] for r in terms}) >= 2, f"the helper was not terminated with its container: {terms}"
+
+    def evaded_event() -> dict | None:
+        return next((e for e in events(cluster, gpu_namespace, name) if e["reason"] == "GPUThrottleEvaded"), None)
+
+    event = kube.wait_for(evaded_event, "gpufence's GPUThrottleEvaded Event on the pod", 30, 0.3)
+    assert event["source"]["component"] == "gpufence-enforcer", event
+    assert "hog" in event["message"] and "SIGCONT" in event["message"], event["message"]
