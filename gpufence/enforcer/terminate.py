@@ -28,9 +28,8 @@ from __future__ import annotations
 
 import signal
 import time
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import asdict, dataclass
-from typing import Any
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 from gpufence.contract import Mode
 from gpufence.enforcer.attribution import Attribution
@@ -43,103 +42,25 @@ from gpufence.enforcer.metrics import EnforcerMetrics
 from gpufence.enforcer.procfs import processes_in_cgroup
 from gpufence.enforcer.rules import TerminateOrder
 from gpufence.enforcer.signals import Outcome, SafeSignaller, SignalTarget
+from gpufence.enforcer.termination_why import Why
 from gpufence.enforcer.throttle import ThrottleExecutor
 
 # The container label of actions taken against unattributed processes (pod budget).
 UNATTRIBUTED = COMPUTE_UNATTRIBUTED
 
 
-@dataclass(frozen=True)
-class _Why:
-    """The order a signal is sent for (what the log lines and Events say)."""
-
-    container: str | None
-    device_uuid: str
-    device_index: int
-    used_bytes: int
-    limit_bytes: int
-    gpus_requested: int | None = None  # set: the container runs on more GPUs than it requested
-    devices_used: tuple[int, ...] = ()
-    evaded_pids: tuple[int, ...] = ()  # set: seen running while the throttle held them stopped
-    evaded_phases: int = 0
-
-    @classmethod
-    def of(cls, order: TerminateOrder) -> _Why:
-        return cls(order.container, order.device_uuid, order.device_index, order.used_bytes, order.limit_bytes,
-                   order.gpus_requested, order.devices_used, order.evaded_pids, order.evaded_phases)
-
-    def record(self) -> dict[str, Any]:
-        return {**asdict(self), "devices_used": list(self.devices_used), "evaded_pids": list(self.evaded_pids)}
-
-    @classmethod
-    def from_record(cls, record: Mapping[str, Any], container: str | None) -> _Why:
-        """From ``record`` (a previous enforcer's); what is missing or malformed gets a neutral value
-        (only the log lines and Events say it: the deadline is what matters)."""
-
-        def get(key: str, kind: type, default: Any) -> Any:
-            value = record.get(key)
-            return value if isinstance(value, kind) and not isinstance(value, bool) else default
-
-        def ints(key: str) -> tuple[int, ...]:
-            value = record.get(key)
-            return tuple(d for d in value if isinstance(d, int)) if isinstance(value, list) else ()
-
-        requested = get("gpus_requested", int, None)
-        return cls(get("container", str, container), get("device_uuid", str, ""), get("device_index", int, -1),
-                   get("used_bytes", int, 0), get("limit_bytes", int, 0), requested, ints("devices_used"),
-                   ints("evaded_pids"), get("evaded_phases", int, 0))
-
-    @property
-    def resource(self) -> str:
-        if self.evaded_pids:
-            return "compute"
-        return "gpus" if self.gpus_requested is not None else "memory"
-
-    @property
-    def log_reason(self) -> str:
-        if self.evaded_pids:
-            return "throttle_evaded"
-        if self.gpus_requested is not None:
-            return "gpus_over_request"
-        return "memory_over_share" if self.container is not None else "pod_over_budget"
-
-    @property
-    def event_reason(self) -> str:
-        if self.evaded_pids:
-            return "GPUThrottleEvaded"
-        if self.gpus_requested is not None:
-            return "GPUDevicesOverRequest"
-        return "GPUMemoryOverShare" if self.container is not None else "GPUPodOverBudget"
-
-    def evasion(self) -> str:
-        return (f"pids {list(self.evaded_pids)} ran during their stopped phase in {self.evaded_phases} duty cycles "
-                "in a row (something else sends them SIGCONT)")
-
-    def unattributed(self, pid: int, process_used: int | None, grace: float) -> str:
-        """The Event message for an unattributed victim."""
-        if self.evaded_pids:
-            what = f"unattributed {self.evasion()}"
-        elif self.gpus_requested is not None:
-            what = (f"the pod runs on GPUs {list(self.devices_used)}, more than the {self.gpus_requested} it "
-                    "requested, and has processes no container can be charged for")
-        else:
-            what = (f"the pod uses {self.used_bytes} bytes of GPU memory on {self.device_uuid}, over its budget of "
-                    f"{self.limit_bytes}")
-        return (f"{what}: SIGTERM to unattributed pid {pid} ({process_used} bytes), SIGKILL after {grace:g}s")
-
-
 @dataclass
 class _Pending:
     target: SignalTarget
     deadline: float
-    why: _Why
+    why: Why
 
 
 @dataclass
 class _Sweep:
     cgroup: str
     deadline: float
-    why: _Why
+    why: Why
 
 
 class Terminator:
@@ -185,7 +106,7 @@ class Terminator:
         if mode is Mode.AUDIT:
             return
         for order in decisions.orders:
-            why = _Why.of(order)
+            why = Why.of(order)
             if order.container is None:
                 self._sigterm([(SignalTarget.of(v), v.used_memory_bytes) for v in order.victims], why, grace)
             else:
@@ -241,9 +162,9 @@ class Terminator:
                 **common,
             )
         if mode is Mode.AUDIT:
-            self._metrics.action(order.container or UNATTRIBUTED, "audit", _Why.of(order).resource)
+            self._metrics.action(order.container or UNATTRIBUTED, "audit", Why.of(order).resource)
 
-    def _terminate_container(self, container: str, why: _Why, attribution: Attribution, grace: float) -> None:
+    def _terminate_container(self, container: str, why: Why, attribution: Attribution, grace: float) -> None:
         """SIGTERM every process of the container the enforcer can find (GPU processes on every
         device, and everything in its cgroup); its cgroup is swept with SIGKILL when grace ends."""
         mine = [p for p in attribution.processes if p.container == container]
@@ -279,7 +200,7 @@ class Terminator:
             )
 
     def _sigterm(
-        self, victims: list[tuple[SignalTarget, int | None]], why: _Why, grace: float, *, cgroups: Sequence[str] = ()
+        self, victims: list[tuple[SignalTarget, int | None]], why: Why, grace: float, *, cgroups: Sequence[str] = ()
     ) -> list[int]:
         """SIGTERM ``victims`` ((target, its used bytes)); returns the PIDs signalled. Their SIGKILL
         deadline, and the sweep of ``cgroups``, are on record before the first SIGTERM: a workload
@@ -340,14 +261,14 @@ class Terminator:
         for kill in processes:
             target = kill.target
             assert target is not None
-            why = _Why.from_record(kill.order, target.container)
+            why = Why.from_record(kill.order, target.container)
             # Our SIGTERM, a previous incarnation's: its SIGKILL is a follow-up this enforcer may send.
             self._signaller.adopt_terminated(target)
             self._throttle.exempt(target)
             self._pending[target.key] = _Pending(target, now + kill.remaining, why)
         for kill in cgroups:
             assert kill.cgroup is not None
-            why = _Why.from_record(kill.order, None)
+            why = Why.from_record(kill.order, None)
             self._sweeps[kill.cgroup] = _Sweep(kill.cgroup, now + kill.remaining, why)
         self.check(now, mode)
         self._persist()
@@ -401,7 +322,7 @@ class Terminator:
                 self._finished.add(target.key)
                 self._sigkill(target, sweep.why)
 
-    def _sigkill(self, target: SignalTarget, why: _Why) -> None:
+    def _sigkill(self, target: SignalTarget, why: Why) -> None:
         outcome = self._signaller.send(
             target, signal.SIGKILL, reason="grace_period_expired", uuid=why.device_uuid, gpu=why.device_index,
             limit_bytes=why.limit_bytes, action="sigkill",
