@@ -172,7 +172,8 @@ class Core:
             elif abs(before - fraction) >= 0.01:
                 changes.append(self._change(container, Transition.UPDATE, fraction, sm))
         for container in sorted(set(self._plan) - set(plan)):
-            changes.append(self._change(container, Transition.STOP, None, sm, "under share"))
+            why = "the pod is under its compute budget" if container == UNATTRIBUTED else "under share"
+            changes.append(self._change(container, Transition.STOP, None, sm, why))
         self._plan = MappingProxyType(dict(plan))
         return Decisions(
             usages=usages, pods=pods, orders=orders, episodes_started=started, episodes_ended=ended,
