@@ -92,6 +92,8 @@ class PodProcess:
     # The process's cgroup when it tells containers apart (not the enforcer's own, readable): the
     # container's identity, used to terminate the container as a whole. None: unknown.
     cgroup: str | None = None
+    # The process's own GPUFENCE_CONTAINER claim (for the log only: a claim is never a key).
+    claim: str | None = None
 
 
 @dataclass(frozen=True)
@@ -204,6 +206,7 @@ class Attributor:
                 used_memory_bytes=used,
                 sm_util=device.sm_util_by_pid.get(nvml_pid),
                 cgroup=facts.cgroup if informative(facts.cgroup, self._own_cgroup) else None,
+                claim=facts.container,
             )
             for device in sample.devices
             if not device.lost  # its process list is stale or empty this round: skip, as nvml.py says

@@ -233,6 +233,7 @@ def _run(
 ) -> int:
     from gpufence.enforcer.admission_warnings import report as report_admission_warnings
     from gpufence.enforcer.attribution import Attributor, choose_mode
+    from gpufence.enforcer.compute import UNATTRIBUTED
     from gpufence.enforcer.events import EventRecorder, PodRef
     from gpufence.enforcer.health import Health
     from gpufence.enforcer.kill_deadlines import KillDeadlines
@@ -259,8 +260,9 @@ def _run(
         pid_mode, proc_root="/proc", host_proc_root=args.host_proc, device_prefix=device_prefix, own_pid=own_pid,
     )
     metrics = EnforcerMetrics(namespace, pod_name)
-    # The containers are fixed by the pod spec, so the initial config names all of them.
-    metrics.declare_containers(config.containers)
+    # The containers are fixed by the pod spec, so the initial config names all of them; "" is the
+    # label of what is done to unattributed processes (the pod's budgets), at zero like the rest.
+    metrics.declare_containers([*config.containers, UNATTRIBUTED])
     health = Health(config.poll_interval_seconds)
     pod = PodRef(namespace, pod_name, pod_uid)
     events = EventRecorder.from_environment(log, pod)

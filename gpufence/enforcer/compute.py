@@ -20,6 +20,15 @@ the use measured over the last period, whatever the lag between stopping and the
 
 In audit mode nothing is stopped, so there is no loop to close: the plan says what enforcement
 would start with (share / mean use).
+
+The pod's unattributed processes (no certain container: conflicting claims in one cgroup, a name
+that is no container of the pod) are one more loop, keyed ``UNATTRIBUTED``: its share is the pod's
+compute budget (``pod_compute_budget``: the sum of the containers' shares) and its measured use is
+the pod's whole SM use on the devices where it has unattributed processes
+(``unattributed_sm_utilization``), so the pod as a whole is brought back to its budget by
+duty-cycling the processes no container can be charged for; the attributed containers keep
+their own loops. The strictest rule that can be justified without knowing whose the processes
+are: unattributed processes get what the pod's containers leave of the pod's budget, never more.
 """
 
 from __future__ import annotations
@@ -39,6 +48,9 @@ START_MARGIN = 0.10
 # does not oscillate on it (see the lag cases in tests/unit/enforcer/test_compute.py).
 KP = 0.3
 KI = 1.0
+# The plan's key for the pod's unattributed processes: no container is named "" (names are DNS
+# labels), and "" is the container label of the actions taken against unattributed processes.
+UNATTRIBUTED = ""
 
 
 @dataclass(frozen=True)
@@ -92,6 +104,15 @@ class ComputeTracker:
             loop = self._loops.setdefault(container, _Loop())
             loop.history.append(_Observation(now, use.get(container, 0.0)))
             self._expire(loop.history, now)
+        pod_use = unattributed_sm_utilization(attribution)
+        pod_loop = self._loops.get(UNATTRIBUTED)
+        if pod_compute_budget(config) is not None and (pod_use is not None or pod_loop is not None):
+            if pod_use is None and pod_loop is not None and pod_loop.fraction is None:
+                del self._loops[UNATTRIBUTED]  # no unattributed process left, none throttled: done
+            else:
+                loop = self._loops.setdefault(UNATTRIBUTED, _Loop())
+                loop.history.append(_Observation(now, pod_use or 0.0))
+                self._expire(loop.history, now)
         self._forget_unlimited(config)
 
     def plan(self, now: float, config: EnforcerConfig) -> Mapping[str, float]:
@@ -99,9 +120,9 @@ class ComputeTracker:
         self._forget_unlimited(config)
         for container, loop in self._loops.items():
             self._expire(loop.history, now)
-            share = config.containers[container].compute_percent
+            share = share_of(config, container)
             assert share is not None
-            self._step(loop, now, share / 100, audit=config.mode is Mode.AUDIT)
+            self._step(loop, now, share, audit=config.mode is Mode.AUDIT)
         return MappingProxyType({c: loop.fraction for c, loop in self._loops.items() if loop.fraction is not None})
 
     def demand(self, container: str) -> float | None:
@@ -146,8 +167,7 @@ class ComputeTracker:
     def _forget_unlimited(self, config: EnforcerConfig) -> None:
         """Drop state for containers that no longer have a compute share (config changed)."""
         for container in list(self._loops):
-            share = config.containers.get(container)
-            if share is None or share.compute_percent is None:
+            if share_of(config, container) is None:
                 del self._loops[container]
 
 
@@ -158,6 +178,43 @@ def _mean(history: deque[_Observation]) -> float:
 def _span(history: deque[_Observation]) -> float:
     """Seconds between the first and the last observation in the window."""
     return history[-1].time - history[0].time
+
+
+def pod_compute_budget(config: EnforcerConfig) -> float | None:
+    """The pod's compute budget (0-1 of a GPU): the sum of its containers' compute shares, at most
+    a whole GPU. None (no budget) when the config names no container or one of them has no compute
+    share: its use is unlimited, so the pod's is too (as ``rules.pod_budget_bytes`` for memory)."""
+    if not config.containers:
+        return None
+    total = 0.0
+    for share in config.containers.values():
+        if share.compute_percent is None:
+            return None
+        total += share.compute_percent / 100
+    return min(total, 1.0)
+
+
+def share_of(config: EnforcerConfig, key: str) -> float | None:
+    """The compute share (0-1) a plan key is held to: a container's, or the pod's budget for
+    ``UNATTRIBUTED``; None: not limited."""
+    if key == UNATTRIBUTED:
+        return pod_compute_budget(config)
+    share = config.containers.get(key)
+    return None if share is None or share.compute_percent is None else share.compute_percent / 100
+
+
+def unattributed_sm_utilization(attribution: Attribution) -> float | None:
+    """The pod's SM use in [0, 1] where it has unattributed processes: on each such device the sum
+    over all the pod's processes there (attributed ones included: the budget is the pod's), capped
+    at the device's 100 %, and the maximum over those devices. None: no unattributed process."""
+    devices = {p.device_index for p in attribution.processes if p.container is None}
+    if not devices:
+        return None
+    per_device: dict[int, int] = defaultdict(int)
+    for p in attribution.processes:
+        if p.device_index in devices:
+            per_device[p.device_index] += max(p.sm_util or 0, 0)
+    return max(min(percent, 100) / 100 for percent in per_device.values())
 
 
 def container_sm_utilization(attribution: Attribution) -> dict[str, float]:

@@ -36,6 +36,7 @@ from collections.abc import Callable
 
 from gpufence.contract import EnforcerConfig, Mode
 from gpufence.enforcer.attribution import Attribution, Attributor, PidMode
+from gpufence.enforcer.compute import UNATTRIBUTED
 from gpufence.enforcer.decision_log import DecisionLog
 from gpufence.enforcer.events import EventRecorder
 from gpufence.enforcer.health import Health
@@ -237,13 +238,18 @@ class Enforcer:
         now = self._clock()
         self._record_nvml_errors(sample)
         attribution = self._attributor.attribute(sample)
-        # Every GPU process accepted as the pod's may be signalled, attributed or not (pod budget).
-        self._signaller.authorize(SignalTarget.of(p) for p in attribution.processes)
         totals = {d.index: d.total_memory_bytes for d in sample.devices if not d.lost}
         mig = frozenset(d.index for d in sample.devices if d.mig and not d.lost)
-        decisions = self._core.step(now, attribution, totals, mig)
+        # What the throttle saw since the last poll: processes running while held stopped.
+        evasions = self._throttle.take_evasions()
+        decisions = self._core.step(now, attribution, totals, mig, evasions)
+        # From here on, the core's attribution: a name that is no container of the pod is screened out.
+        attribution = decisions.attribution
+        # Every GPU process accepted as the pod's may be signalled, attributed or not (pod budget),
+        # under the container the core holds it to (a name that is no container is none).
+        self._signaller.authorize(SignalTarget.of(p) for p in attribution.processes)
         self._report.mig(sample, decisions.new_mig_devices)
-        self._report.unattributed(decisions.new_unattributed)
+        self._report.unattributed(decisions.new_unattributed, self.config)
         self._report.uninspectable(decisions.new_uninspectable)
         self._metrics.uninspectable.set(len(attribution.uninspectable))
         self._report.usage(decisions.usages, attribution)
@@ -309,9 +315,9 @@ class Enforcer:
         """Log the core's throttle transitions and hand its plan to the executor (enforce mode)."""
         targets: dict[str, dict[tuple[int, int], SignalTarget]] = {}
         for p in attribution.processes:
-            if p.container is not None:
-                t = SignalTarget.of(p)
-                targets.setdefault(p.container, {})[t.key] = t
+            # The unattributed processes are one throttle group, held to the pod's budget.
+            t = SignalTarget.of(p)
+            targets.setdefault(p.container if p.container is not None else UNATTRIBUTED, {})[t.key] = t
         for change in decisions.throttle_changes:
             pids = sorted(t.pid for t in targets.get(change.container, {}).values())
             self._report.throttle(change, self.config.mode, pids)

@@ -16,21 +16,31 @@ duty cycle's phase timing (``throttle.ThrottleExecutor``) runs on its own thread
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from enum import StrEnum
 from types import MappingProxyType
 
 from gpufence.contract import MIN_POLL_INTERVAL_SECONDS, EnforcerConfig
 from gpufence.enforcer.attribution import Attribution, PodProcess
-from gpufence.enforcer.compute import ComputeTracker, container_sm_utilization
+from gpufence.enforcer.compute import (
+    UNATTRIBUTED,
+    ComputeTracker,
+    container_sm_utilization,
+    share_of,
+    unattributed_sm_utilization,
+)
 from gpufence.enforcer.rules import (
     ContainerDeviceUsage,
+    Evasion,
     PodDeviceUsage,
     TerminateOrder,
     device_orders,
+    evasion_orders,
     memory_orders,
+    pod_device_orders,
     pod_usage,
+    screen_claims,
     usage_by_container,
 )
 
@@ -54,7 +64,7 @@ class Transition(StrEnum):
 
 @dataclass(frozen=True)
 class ThrottleChange:
-    container: str
+    container: str  # a container, or ``UNATTRIBUTED`` ("") for the pod's unattributed processes
     transition: Transition
     fraction: float | None  # the run fraction now in force (None after STOP)
     share: float | None  # the container's compute share (0-1)
@@ -67,14 +77,19 @@ class ThrottleChange:
 class Decisions:
     usages: tuple[ContainerDeviceUsage, ...]
     pods: tuple[PodDeviceUsage, ...]
-    orders: tuple[TerminateOrder, ...]  # unattributed (pod budget) first, then whole containers
-    episodes_started: tuple[TerminateOrder, ...]  # orders whose (container, device) was not over before
+    # throttle evasions first, then unattributed (pod budget), whole containers, GPU counts
+    orders: tuple[TerminateOrder, ...]
+    # orders whose (container, device) was not over before, and every evasion order (each is new)
+    episodes_started: tuple[TerminateOrder, ...]
     episodes_ended: tuple[tuple[str | None, int], ...]  # (container or None for the pod, device)
     new_unattributed: tuple[PodProcess, ...]
     new_uninspectable: tuple[int, ...] = ()  # NVML PIDs we may not inspect, first seen this poll
     new_mig_devices: tuple[int, ...] = ()  # MIG-enabled device indexes first seen: left to MIG
     plan: Mapping[str, float] = field(default_factory=dict)  # container -> run fraction in force
     throttle_changes: tuple[ThrottleChange, ...] = ()
+    # The attribution with its claims screened (``rules.screen_claims``; MIG devices' processes
+    # kept: a container terminated or throttled is so on every device): what the executors act on.
+    attribution: Attribution = field(default_factory=lambda: Attribution((), ()))
 
 
 class Core:
@@ -103,11 +118,18 @@ class Core:
         attribution: Attribution,
         device_totals: Mapping[int, int | None],
         mig_devices: frozenset[int] = frozenset(),
+        evasions: Iterable[Evasion] = (),
     ) -> Decisions:
         """One poll. Processes on ``mig_devices`` (MIG mode enabled) are left out of every decision:
         a MIG device's isolation is the hardware's, and NVML's per-process view of the parent GPU
-        does not say which slice a process's memory is in; the loop announces it once."""
+        does not say which slice a process's memory is in; the loop announces it once.
+
+        ``attribution`` is screened first (``rules.screen_claims``): a process named after no
+        configured container is unattributed in every decision below. ``evasions`` are what the
+        throttle executor saw since the last poll: each gives a one-shot order (never an episode
+        that lasts: the terminator keeps its own timers)."""
         config = self.config
+        attribution = screened = screen_claims(attribution, config)
         new_mig = tuple(sorted(mig_devices - self._seen_mig))
         self._seen_mig |= mig_devices
         if mig_devices:
@@ -118,9 +140,11 @@ class Core:
             )
         usages = usage_by_container(attribution, config, device_totals)
         pods = pod_usage(attribution, config, device_totals)
-        orders = memory_orders(usages, pods) + device_orders(usages, config)
-        over = frozenset((o.container, o.device_index) for o in orders)
-        started = tuple(o for o in orders if (o.container, o.device_index) not in self._over)
+        lasting = memory_orders(usages, pods) + device_orders(usages, config) + pod_device_orders(attribution, config)
+        evaded = evasion_orders(evasions, attribution)
+        orders = evaded + lasting
+        over = frozenset((o.container, o.device_index) for o in lasting)
+        started = evaded + tuple(o for o in lasting if (o.container, o.device_index) not in self._over)
         ended = tuple(sorted(self._over - over, key=lambda k: (k[1], k[0] or "")))
         self._over = over
 
@@ -139,6 +163,7 @@ class Core:
         self._tracker.observe(now, attribution, config)
         plan = self._tracker.plan(now, config)
         sm = container_sm_utilization(attribution)
+        sm[UNATTRIBUTED] = unattributed_sm_utilization(attribution) or 0.0
         changes = []
         for container, fraction in plan.items():
             before = self._plan.get(container)
@@ -147,13 +172,15 @@ class Core:
             elif abs(before - fraction) >= 0.01:
                 changes.append(self._change(container, Transition.UPDATE, fraction, sm))
         for container in sorted(set(self._plan) - set(plan)):
-            changes.append(self._change(container, Transition.STOP, None, sm, "under share"))
+            why = "the pod is under its compute budget" if container == UNATTRIBUTED else "under share"
+            changes.append(self._change(container, Transition.STOP, None, sm, why))
         self._plan = MappingProxyType(dict(plan))
         return Decisions(
             usages=usages, pods=pods, orders=orders, episodes_started=started, episodes_ended=ended,
             new_unattributed=tuple(fresh), new_uninspectable=uninspectable, new_mig_devices=new_mig,
             plan=self._plan,
             throttle_changes=tuple(changes),
+            attribution=screened,
         )
 
     def poll_interval(self, base: float) -> float:
@@ -192,8 +219,8 @@ class Core:
         return changes
 
     def compute_share(self, container: str) -> float | None:
-        share = self.config.containers.get(container)
-        return None if share is None or share.compute_percent is None else share.compute_percent / 100
+        """A container's compute share (0-1), or the pod's budget for ``UNATTRIBUTED``."""
+        return share_of(self.config, container)
 
     def _change(
         self, container: str, transition: Transition, fraction: float | None, sm: Mapping[str, float], reason: str = ""

@@ -8,6 +8,7 @@ from typing import Any
 
 from gpufence.contract import EnforcerConfig, LimitUnit, Mode
 from gpufence.enforcer.attribution import Attribution, PodProcess
+from gpufence.enforcer.compute import UNATTRIBUTED
 from gpufence.enforcer.decision_log import DecisionLog
 from gpufence.enforcer.events import EventRecorder
 from gpufence.enforcer.machine import ThrottleChange, Transition
@@ -21,12 +22,12 @@ class Reporter:
         self.metrics = metrics
         self.events = events
 
-    def unattributed(self, processes: Iterable[PodProcess]) -> None:
+    def unattributed(self, processes: Iterable[PodProcess], config: EnforcerConfig) -> None:
         for p in processes:
             self.log.warning(
                 "unattributed_process", pid=p.pid, nvml_pid=p.nvml_pid, uuid=p.device_uuid,
                 gpu=p.device_index, used_bytes=p.used_memory_bytes,
-                cgroup=p.cgroup,
+                cgroup=p.cgroup, claim=p.claim, why=unattributed_why(p, config),
                 reason="no certain container: counts against the pod budget, first to go when the pod is over it",
             )
 
@@ -81,12 +82,18 @@ class Reporter:
 
     def throttle(self, change: ThrottleChange, mode: Mode, pids: list[int] | None = None) -> None:
         container = change.container
+        pod = container == UNATTRIBUTED
+        # The unattributed processes' throttle is the pod's: say so instead of naming a container.
+        who: dict[str, Any] = (
+            {"container": None, "unattributed": True, "pod_compute_budget": change.share} if pod
+            else {"container": container, "compute_share": change.share}
+        )
         if change.transition is Transition.UPDATE:
-            self.log.debug("throttle_update", container=container, run_fraction=_round(change.fraction))
+            self.log.debug("throttle_update", **who, run_fraction=_round(change.fraction))
             return
         if change.transition is Transition.STOP:
             self.log.info(
-                "throttle_stop", container=container, compute_share=change.share, mode=mode,
+                "throttle_stop", **who, mode=mode,
                 action="audit" if mode is Mode.AUDIT else "throttle_stop", reason=change.reason,
             )
             if mode is Mode.ENFORCE:
@@ -94,21 +101,41 @@ class Reporter:
             self.metrics.set_throttled(container, False)
             return
         self.log.warning(
-            "throttle_start", container=container, compute_share=change.share, sm_utilization=change.sm_utilization,
+            "throttle_start", **who, sm_utilization=change.sm_utilization,
             demand=_round(change.demand), run_fraction=_round(change.fraction), mode=mode,
             action="audit" if mode is Mode.AUDIT else "throttle_start", pids=pids or [],
+            **({"reason": "the pod's SM use, where it has unattributed processes, is over its budget (the sum of "
+                "its containers' compute shares): the unattributed processes are duty-cycled"} if pod else {}),
         )
         if mode is Mode.AUDIT:
             self.metrics.action(container, "audit", "compute")
             return
         self.metrics.action(container, "throttle_start", "compute")
         self.metrics.set_throttled(container, True)
+        if pod:
+            self.events.record(
+                "GPUPodComputeOverBudget",
+                f"the pod uses {change.sm_utilization:.0%} SM where it has unattributed GPU processes (pids "
+                f"{pids or []}), over its compute budget {change.share or 0:.0%} (the sum of its containers' "
+                f"shares): they are duty-cycled at {change.fraction or 0:.0%} run time",
+                action="Throttle",
+            )
+            return
         self.events.record(
             "GPUComputeOverShare",
             f"container {container} uses more SM time than its compute share {change.share or 0:.0%}: "
             f"duty-cycled at {change.fraction or 0:.0%} run time",
             action="Throttle",
         )
+
+
+def unattributed_why(p: PodProcess, config: EnforcerConfig) -> str:
+    """Why a process has no container, from what it claims (for the log and the Event)."""
+    if p.claim is not None and p.claim not in config.containers:
+        return f"it claims {p.claim!r}, which is no container of this pod: a claim is not a key"
+    if p.claim is not None:
+        return "its cgroup's processes claim different names, or another cgroup holds its name"
+    return "it claims no container and no name is bound to its cgroup"
 
 
 def _round(value: float | None) -> float | None:

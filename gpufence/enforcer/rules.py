@@ -4,14 +4,20 @@ No I/O and no clock reads: every function here is a function of its arguments (t
 controller, ``compute.py``, keeps a window and its state, and the time is passed in). The
 invariant this module guards: a process is chosen for termination only if its container is strictly over its share on
 the device concerned, or it is unattributed and the pod is strictly over its budget there, or its
-container runs on more GPUs than it requested.
+container (or, for an unattributed process, the pod) runs on more GPUs than it requested, or it
+(or its container) was seen running while the throttle held it stopped.
+
+A claim is never a key (:func:`screen_claims`): a process the attribution names after something that
+is no configured container of the pod is unattributed, and unattributed processes count against
+the pod's budgets: memory (:func:`pod_usage`), compute (``compute.pod_compute_budget``) and the
+GPU count (:func:`pod_device_orders`).
 """
 
 from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from gpufence.contract import EnforcerConfig, LimitUnit
 from gpufence.enforcer.attribution import Attribution, PodProcess
@@ -64,6 +70,38 @@ class TerminateOrder:
     # requested and the devices it runs on; ``device_index`` is then the first one beyond the count.
     gpus_requested: int | None = None
     devices_used: tuple[int, ...] = ()
+    # Set when the order is for throttle evasion (``evasion_orders``): the PIDs seen running while
+    # the throttle held them stopped.
+    evaded_pids: tuple[int, ...] = ()
+    evaded_phases: int = 0
+
+
+@dataclass(frozen=True)
+class Evasion:
+    """A process the throttle executor saw running during its stopped phase, in ``phases`` stopped
+    phases in a row (something else sends it SIGCONT)."""
+
+    container: str | None  # None: an unattributed process (throttled against the pod's budget)
+    pid: int
+    start_time_ticks: int
+    state: str  # its /proc state letter when last seen running
+    phases: int
+
+
+def screen_claims(attribution: Attribution, config: EnforcerConfig) -> Attribution:
+    """The attribution with every process named after no configured container made unattributed.
+
+    A name is a claim any process can make (it re-execs itself with GPUFENCE_CONTAINER set to
+    anything): a name that is no container of the pod's config has no share, so accepting it
+    would exempt the process from every limit. Unattributed, it counts against the pod's budgets.
+    """
+    names = config.containers
+    if all(p.container is None or p.container in names for p in attribution.processes):
+        return attribution
+    processes = tuple(
+        p if p.container is None or p.container in names else replace(p, container=None) for p in attribution.processes
+    )
+    return Attribution(processes, attribution.foreign_pids, attribution.uninspectable)
 
 
 def usage_by_container(
@@ -222,6 +260,77 @@ def device_orders(usages: Iterable[ContainerDeviceUsage], config: EnforcerConfig
     return tuple(orders)
 
 
+def pod_gpus_requested(config: EnforcerConfig) -> int | None:
+    """The GPUs the pod requested: the sum of its containers' ``gpus``. None (no rule) when the
+    config names no container or one has no count (a config written before counts existed)."""
+    if not config.containers:
+        return None
+    total = 0
+    for share in config.containers.values():
+        if share.gpus is None:
+            return None
+        total += share.gpus
+    return total
+
+
+def pod_device_orders(attribution: Attribution, config: EnforcerConfig) -> tuple[TerminateOrder, ...]:
+    """The unattributed processes, to terminate when the pod runs on more GPUs than it requested.
+
+    The containers' own counts are :func:`device_orders`; this is the pod's: every device where
+    one of its processes runs counts, attributed or not. When the pod is over its count and some of
+    its processes are unattributed, those are the ones no container can be charged for, so all of
+    them go (a group spread over devices is one escape, as a container over its count is one
+    container); the attributed containers stay, each within its own count.
+    """
+    requested = pod_gpus_requested(config)
+    unattributed = {(p.pid, p.start_time_ticks): p for p in attribution.processes if p.container is None}
+    if requested is None or not unattributed:
+        return ()
+    devices = sorted({p.device_index for p in attribution.processes})
+    if len(devices) <= requested:
+        return ()
+    extra = devices[requested:]
+    uuid = next(p.device_uuid for p in attribution.processes if p.device_index == extra[0])
+    used = sum(p.used_memory_bytes or 0 for p in attribution.processes if p.device_index in extra)
+    victims = tuple(sorted(unattributed.values(), key=_largest_newest))
+    return (TerminateOrder(
+        container=None, device_index=extra[0], device_uuid=uuid, used_bytes=used, limit_bytes=0,
+        victims=victims, gpus_requested=requested, devices_used=tuple(devices),
+    ),)
+
+
+def evasion_orders(evasions: Iterable[Evasion], attribution: Attribution) -> tuple[TerminateOrder, ...]:
+    """What to terminate for throttle evasion: the evader's whole container, or an unattributed
+    evader on its own (its cgroup names no container that could be terminated).
+
+    Only processes of the current attribution are ever victims: an evader that left the pod's
+    processes (exited) gives no order.
+    """
+    by_container: dict[str | None, list[Evasion]] = defaultdict(list)
+    for e in evasions:
+        by_container[e.container].append(e)
+    orders = []
+    for container in sorted(by_container, key=lambda c: (c is None, c or "")):
+        found = by_container[container]
+        keys = {(e.pid, e.start_time_ticks) for e in found}
+        if container is None:
+            chosen = [p for p in attribution.processes if p.container is None and (p.pid, p.start_time_ticks) in keys]
+        else:
+            chosen = [p for p in attribution.processes if p.container == container]
+        victims = tuple(sorted({(p.pid, p.start_time_ticks): p for p in chosen}.values(), key=_largest_newest))
+        evaders = [p for p in chosen if (p.pid, p.start_time_ticks) in keys]
+        if not victims or not evaders:
+            continue
+        first = min(evaders, key=lambda p: p.device_index)
+        orders.append(TerminateOrder(
+            container=container, device_index=first.device_index, device_uuid=first.device_uuid,
+            used_bytes=sum(p.used_memory_bytes or 0 for p in chosen if p.device_index == first.device_index),
+            limit_bytes=0, victims=victims, evaded_pids=tuple(sorted({p.pid for p in evaders})),
+            evaded_phases=max(e.phases for e in found),
+        ))
+    return tuple(orders)
+
+
 def _pod_order(pod: PodDeviceUsage) -> TerminateOrder | None:
     if pod.budget_bytes is None or pod.used_bytes <= pod.budget_bytes:
         return None
@@ -262,18 +371,31 @@ def _largest_newest(p: PodProcess) -> tuple[int, int, int]:
 # -- compute ---------------------------------------------------------------------------------------
 # The compute decisions live in gpufence/enforcer/compute.py (a controller with state of its own); they are
 # re-exported here so "the pure core" stays one import for its callers.
-from gpufence.enforcer.compute import START_MARGIN, ComputeTracker, container_sm_utilization  # noqa: E402
+from gpufence.enforcer.compute import (  # noqa: E402
+    START_MARGIN,
+    UNATTRIBUTED,
+    ComputeTracker,
+    container_sm_utilization,
+    pod_compute_budget,
+)
 
 __all__ = [
     "START_MARGIN",
+    "UNATTRIBUTED",
     "ComputeTracker",
     "ContainerDeviceUsage",
+    "Evasion",
     "PodDeviceUsage",
     "TerminateOrder",
     "container_sm_utilization",
     "device_orders",
+    "evasion_orders",
     "memory_orders",
     "pod_budget_bytes",
+    "pod_compute_budget",
+    "pod_device_orders",
+    "pod_gpus_requested",
     "pod_usage",
+    "screen_claims",
     "usage_by_container",
 ]

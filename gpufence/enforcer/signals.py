@@ -242,6 +242,15 @@ class SafeSignaller:
                 with contextlib.suppress(OSError):
                     os.close(pidfd)
 
+    def state(self, target: SignalTarget) -> str | None:
+        """The state letter of ``target`` (``/proc/<pid>/stat`` field 3), None if it is gone or the
+        PID is another process's now. One small read: the throttle calls it while holding processes
+        stopped, to see whether something else continued them."""
+        stat = read_stat(target.pid, self._proc_root)
+        if stat is None or stat.start_time_ticks != target.start_time_ticks:
+            return None
+        return stat.state
+
     def alive(self, target: SignalTarget) -> bool:
         """The process still exists with the same identity (and is not a zombie)."""
         stat = read_stat(target.pid, self._proc_root)

@@ -10,7 +10,11 @@ keeps the SIGKILL timers, which depend on signal outcomes and process exits).
   (a kill loop shows as restarts and CrashLoopBackOff, not as an invisible churn of processes).
 * An unattributed process chosen by the pod budget is terminated on its own (it belongs to no
   container the enforcer can name; its cgroup, if any, is unattributed because of conflicting
-  claims, and terminating that cgroup could hit an innocent container).
+  claims, and terminating that cgroup could hit an innocent container). So are the unattributed
+  processes while the pod runs on more GPUs than it requested.
+* A throttled process seen running during its stopped phase (something sends it SIGCONT: the
+  throttle executor reports it, ``rules.evasion_orders`` decides) is terminated with its container,
+  like a container over its memory share (``throttle_evaded``); an unattributed one on its own.
 
 Every signal goes through the ``SafeSignaller`` (start time checked, never outside the pod); a
 process held stopped by the throttle is exempted (continued) before its SIGTERM.
@@ -24,12 +28,12 @@ from __future__ import annotations
 
 import signal
 import time
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import asdict, dataclass
-from typing import Any
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 from gpufence.contract import Mode
 from gpufence.enforcer.attribution import Attribution
+from gpufence.enforcer.compute import UNATTRIBUTED as COMPUTE_UNATTRIBUTED
 from gpufence.enforcer.decision_log import DecisionLog
 from gpufence.enforcer.events import EventRecorder
 from gpufence.enforcer.kill_deadlines import KillDeadlines, PendingKill
@@ -38,76 +42,25 @@ from gpufence.enforcer.metrics import EnforcerMetrics
 from gpufence.enforcer.procfs import processes_in_cgroup
 from gpufence.enforcer.rules import TerminateOrder
 from gpufence.enforcer.signals import Outcome, SafeSignaller, SignalTarget
+from gpufence.enforcer.termination_why import Why
 from gpufence.enforcer.throttle import ThrottleExecutor
 
 # The container label of actions taken against unattributed processes (pod budget).
-UNATTRIBUTED = ""
-
-
-@dataclass(frozen=True)
-class _Why:
-    """The order a signal is sent for (what the log lines and Events say)."""
-
-    container: str | None
-    device_uuid: str
-    device_index: int
-    used_bytes: int
-    limit_bytes: int
-    gpus_requested: int | None = None  # set: the container runs on more GPUs than it requested
-    devices_used: tuple[int, ...] = ()
-
-    @classmethod
-    def of(cls, order: TerminateOrder) -> _Why:
-        return cls(order.container, order.device_uuid, order.device_index, order.used_bytes, order.limit_bytes,
-                   order.gpus_requested, order.devices_used)
-
-    def record(self) -> dict[str, Any]:
-        return {**asdict(self), "devices_used": list(self.devices_used)}
-
-    @classmethod
-    def from_record(cls, record: Mapping[str, Any], container: str | None) -> _Why:
-        """From ``record`` (a previous enforcer's); what is missing or malformed gets a neutral value
-        (only the log lines and Events say it: the deadline is what matters)."""
-
-        def get(key: str, kind: type, default: Any) -> Any:
-            value = record.get(key)
-            return value if isinstance(value, kind) and not isinstance(value, bool) else default
-
-        requested = get("gpus_requested", int, None)
-        used = record.get("devices_used")
-        devices = tuple(d for d in used if isinstance(d, int)) if isinstance(used, list) else ()
-        return cls(get("container", str, container), get("device_uuid", str, ""), get("device_index", int, -1),
-                   get("used_bytes", int, 0), get("limit_bytes", int, 0), requested, devices)
-
-    @property
-    def resource(self) -> str:
-        return "gpus" if self.gpus_requested is not None else "memory"
-
-    @property
-    def log_reason(self) -> str:
-        if self.gpus_requested is not None:
-            return "gpus_over_request"
-        return "memory_over_share" if self.container is not None else "pod_over_budget"
-
-    @property
-    def event_reason(self) -> str:
-        if self.gpus_requested is not None:
-            return "GPUDevicesOverRequest"
-        return "GPUMemoryOverShare" if self.container is not None else "GPUPodOverBudget"
+UNATTRIBUTED = COMPUTE_UNATTRIBUTED
 
 
 @dataclass
 class _Pending:
     target: SignalTarget
     deadline: float
-    why: _Why
+    why: Why
 
 
 @dataclass
 class _Sweep:
     cgroup: str
     deadline: float
-    why: _Why
+    why: Why
 
 
 class Terminator:
@@ -153,7 +106,7 @@ class Terminator:
         if mode is Mode.AUDIT:
             return
         for order in decisions.orders:
-            why = _Why.of(order)
+            why = Why.of(order)
             if order.container is None:
                 self._sigterm([(SignalTarget.of(v), v.used_memory_bytes) for v in order.victims], why, grace)
             else:
@@ -165,7 +118,25 @@ class Terminator:
             uuid=order.device_uuid, gpu=order.device_index, used_bytes=order.used_bytes,
             limit_bytes=order.limit_bytes, mode=mode, action=action,
         )
-        if order.container is None:
+        if order.evaded_pids:
+            victims = [v.pid for v in order.victims] if order.container is None else sorted(
+                {p.pid for p in attribution.processes if p.container == order.container})
+            self._log.warning(
+                "throttle_evaded", container=order.container, evaded_pids=list(order.evaded_pids),
+                phases=order.evaded_phases, victims=victims,
+                reason="seen running while the throttle held it stopped, in consecutive duty cycles: something "
+                "else sends it SIGCONT; terminated with its container (an unattributed process on its own)",
+                **common,
+            )
+            self._metrics.action(order.container or UNATTRIBUTED, "throttle_evaded", "compute")
+        elif order.container is None and order.gpus_requested is not None:
+            self._log.warning(
+                "gpus_over_request", container=None, unattributed=True, gpus_requested=order.gpus_requested,
+                gpus_used=list(order.devices_used), victims=[v.pid for v in order.victims],
+                reason="the pod's processes run on more GPUs than its containers requested, and some of them no "
+                "container can be charged for: those are terminated", **common,
+            )
+        elif order.container is None:
             unattributed = sum(
                 p.used_memory_bytes or 0
                 for p in attribution.processes
@@ -191,9 +162,9 @@ class Terminator:
                 **common,
             )
         if mode is Mode.AUDIT:
-            self._metrics.action(order.container or UNATTRIBUTED, "audit", _Why.of(order).resource)
+            self._metrics.action(order.container or UNATTRIBUTED, "audit", Why.of(order).resource)
 
-    def _terminate_container(self, container: str, why: _Why, attribution: Attribution, grace: float) -> None:
+    def _terminate_container(self, container: str, why: Why, attribution: Attribution, grace: float) -> None:
         """SIGTERM every process of the container the enforcer can find (GPU processes on every
         device, and everything in its cgroup); its cgroup is swept with SIGKILL when grace ends."""
         mine = [p for p in attribution.processes if p.container == container]
@@ -214,7 +185,9 @@ class Terminator:
         victims = [(t, used.get(t.key)) for t in sorted(fresh, key=lambda t: t.pid)]
         sent = self._sigterm(victims, why, grace, cgroups=sorted(cgroups))
         if sent:
-            if why.gpus_requested is not None:
+            if why.evaded_pids:
+                what = f"container {container}: {why.evasion()}"
+            elif why.gpus_requested is not None:
                 what = (f"container {container} runs on GPUs {list(why.devices_used)}, more than the "
                         f"{why.gpus_requested} it requested")
             else:
@@ -227,7 +200,7 @@ class Terminator:
             )
 
     def _sigterm(
-        self, victims: list[tuple[SignalTarget, int | None]], why: _Why, grace: float, *, cgroups: Sequence[str] = ()
+        self, victims: list[tuple[SignalTarget, int | None]], why: Why, grace: float, *, cgroups: Sequence[str] = ()
     ) -> list[int]:
         """SIGTERM ``victims`` ((target, its used bytes)); returns the PIDs signalled. Their SIGKILL
         deadline, and the sweep of ``cgroups``, are on record before the first SIGTERM: a workload
@@ -259,13 +232,8 @@ class Terminator:
             sent.append(target.pid)
             self._metrics.action(target.container or UNATTRIBUTED, "sigterm", why.resource)
             if why.container is None:
-                self._events.record(
-                    "GPUPodOverBudget",
-                    f"the pod uses {why.used_bytes} bytes of GPU memory on {why.device_uuid}, over its budget of "
-                    f"{why.limit_bytes}: SIGTERM to unattributed pid {target.pid} ({process_used} bytes), SIGKILL "
-                    f"after {grace:g}s",
-                    action="Terminate",
-                )
+                self._events.record(why.event_reason, why.unattributed(target.pid, process_used, grace),
+                                    action="Terminate")
         if len(sent) < len(victims):
             self._persist()
         return sent
@@ -293,14 +261,14 @@ class Terminator:
         for kill in processes:
             target = kill.target
             assert target is not None
-            why = _Why.from_record(kill.order, target.container)
+            why = Why.from_record(kill.order, target.container)
             # Our SIGTERM, a previous incarnation's: its SIGKILL is a follow-up this enforcer may send.
             self._signaller.adopt_terminated(target)
             self._throttle.exempt(target)
             self._pending[target.key] = _Pending(target, now + kill.remaining, why)
         for kill in cgroups:
             assert kill.cgroup is not None
-            why = _Why.from_record(kill.order, None)
+            why = Why.from_record(kill.order, None)
             self._sweeps[kill.cgroup] = _Sweep(kill.cgroup, now + kill.remaining, why)
         self.check(now, mode)
         self._persist()
@@ -354,7 +322,7 @@ class Terminator:
                 self._finished.add(target.key)
                 self._sigkill(target, sweep.why)
 
-    def _sigkill(self, target: SignalTarget, why: _Why) -> None:
+    def _sigkill(self, target: SignalTarget, why: Why) -> None:
         outcome = self._signaller.send(
             target, signal.SIGKILL, reason="grace_period_expired", uuid=why.device_uuid, gpu=why.device_index,
             limit_bytes=why.limit_bytes, action="sigkill",

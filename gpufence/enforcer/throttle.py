@@ -23,6 +23,17 @@ Invariants (a stopped process is never left behind):
 * a plan carries a lease (``update(..., lease_seconds=...)``): when no fresh poll renews it in time
   (the poll loop is stuck), everything is continued (``lease_expired``);
 * an unexpected exception in the thread continues everything, is logged, and the thread goes on.
+
+A SIGSTOP is only as good as nobody else's SIGCONT: any process of the workload's user may continue
+a stopped process (a helper sending SIGCONT every millisecond made the time stopped fall from 95 %
+to 0 % while the container was reported throttled). So during each stopped phase the executor
+reads the state of every process it holds stopped (``/proc/<pid>/stat``, one small read, every
+``EVASION_CHECK_SECONDS`` once ``EVASION_SETTLE_SECONDS`` have passed since its SIGSTOP); one seen
+running is stopped again at once, and one seen running in ``EVASION_PHASES`` stopped phases in a
+row is reported (``take_evasions``): the poll loop hands the reports to the core, which orders the
+container terminated (``rules.evasion_orders``). A process in ``D`` (uninterruptible: it acts on the
+SIGSTOP when it leaves the kernel) is not counted, nor a phase in which it was seen stopped at every
+check: a SIGSTOP delivered late (a loaded node) or our own phase switch cannot add up to an evasion.
 """
 
 from __future__ import annotations
@@ -34,11 +45,19 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 
 from gpufence.enforcer.decision_log import DecisionLog
+from gpufence.enforcer.rules import Evasion
 from gpufence.enforcer.signals import Outcome, SafeSignaller, SignalTarget
 from gpufence.enforcer.stopped_state import StoppedState
 
 # How often a failed SIGCONT is retried.
 RETRY_SECONDS = 0.2
+# Throttle evasion: how often a stopped phase is checked, how long after its SIGSTOP a process is
+# first checked, and in how many stopped phases in a row it must be seen running to be reported.
+EVASION_CHECK_SECONDS = 0.05
+EVASION_SETTLE_SECONDS = 0.02
+EVASION_PHASES = 2
+# States that say nothing about evasion: stopped (T, t), signal not yet acted on (D), gone (Z, X).
+_NOT_RUNNING = frozenset("TtDZX")
 
 
 @dataclass(frozen=True)
@@ -54,6 +73,10 @@ class _Cycle:
     running: bool = True
     phase_start: float = 0.0
     stopped: dict[tuple[int, int], SignalTarget] = field(default_factory=dict)
+    stopped_at: dict[tuple[int, int], float] = field(default_factory=dict)  # when we sent its SIGSTOP
+    seen_now: set[tuple[int, int]] = field(default_factory=set)  # seen running in this stopped phase
+    streak: dict[tuple[int, int], int] = field(default_factory=dict)  # stopped phases in a row seen running
+    reported: set[tuple[int, int]] = field(default_factory=set)
 
 
 class ThrottleExecutor:
@@ -79,6 +102,7 @@ class ThrottleExecutor:
         # Processes we stopped whose SIGCONT failed: still ours to continue (and still on record).
         self._unreleased: dict[tuple[int, int], SignalTarget] = {}
         self._lease_until: float | None = None
+        self._evasions: list[Evasion] = []
         self._closing = False
         self._thread: threading.Thread | None = None
 
@@ -158,6 +182,12 @@ class ThrottleExecutor:
             self._release_all_locked(reason)
             self._cond.notify_all()
 
+    def take_evasions(self) -> list[Evasion]:
+        """The evasions seen since the last call (each process reported once per throttle)."""
+        with self._cond:
+            found, self._evasions = self._evasions, []
+            return found
+
     def throttled(self) -> set[str]:
         with self._cond:
             return set(self._cycles)
@@ -188,6 +218,7 @@ class ThrottleExecutor:
             outcome = self._signaller.send(t, signal.SIGSTOP, reason="compute_over_share")
             if outcome is Outcome.SENT:
                 cycle.stopped[t.key] = t
+                cycle.stopped_at[t.key] = self._clock()
             else:
                 not_stopped.append(t)
         if not_stopped:
@@ -197,6 +228,7 @@ class ThrottleExecutor:
         released = []
         for t in targets:
             cycle.stopped.pop(t.key, None)
+            cycle.stopped_at.pop(t.key, None)
             if self._sigcont(t, reason):
                 released.append(t)
         self._state.remove(released)
@@ -214,6 +246,35 @@ class ThrottleExecutor:
         retry = list(self._unreleased.values())
         if retry:
             self._state.remove([t for t in retry if self._sigcont(t, "retry_sigcont")])
+
+    def _check_evasion_locked(self, cycle: _Cycle, now: float) -> None:
+        """In a stopped phase: is every process we stopped still stopped? One seen running is
+        stopped again (it gets no more than a check interval of the phase) and counted once per
+        phase; at ``EVASION_PHASES`` phases in a row it is reported."""
+        for key, t in list(cycle.stopped.items()):
+            if now - cycle.stopped_at.get(key, now) < EVASION_SETTLE_SECONDS:
+                continue
+            state = self._signaller.state(t)
+            if state is None or state in _NOT_RUNNING:
+                continue
+            if key not in cycle.seen_now:
+                cycle.seen_now.add(key)
+                streak = cycle.streak[key] = cycle.streak.get(key, 0) + 1
+                self._log.debug("throttle_found_running", container=t.container, pid=t.pid, state=state,
+                                phases=streak)
+                if streak >= EVASION_PHASES and key not in cycle.reported:
+                    cycle.reported.add(key)
+                    self._evasions.append(Evasion(t.container, t.pid, t.start_time_ticks, state, streak))
+                    self._cond.notify_all()
+            self._signaller.send(t, signal.SIGSTOP, reason="compute_over_share_found_running")
+            cycle.stopped_at[key] = now
+
+    def _end_stopped_phase_locked(self, cycle: _Cycle) -> None:
+        """A phase in which a process was seen stopped at every check ends its streak."""
+        for key in list(cycle.streak):
+            if key not in cycle.seen_now:
+                del cycle.streak[key]
+        cycle.seen_now.clear()
 
     # -- the thread ----------------------------------------------------------------------------
 
@@ -245,6 +306,8 @@ class ThrottleExecutor:
             run = cycle.fraction * self._period
             pause = self._period - run
             due = cycle.phase_start + (run if cycle.running else pause)
+            if not cycle.running:
+                self._check_evasion_locked(cycle, now)
             if now >= due:
                 # Keep the cadence (next phase starts at the scheduled time) unless far behind.
                 start = due if now - due < self._period else now
@@ -252,12 +315,15 @@ class ThrottleExecutor:
                     self._stop_locked(cycle, list(cycle.targets.values()))
                     cycle.running = False
                 else:
+                    self._end_stopped_phase_locked(cycle)
                     self._continue_locked(cycle, list(cycle.stopped.values()), "duty_cycle")
                     cycle.running = True
                 cycle.phase_start = start
                 due = start + (run if cycle.running else pause)
                 if cycle.running and pause <= 0:
                     due = start + self._period
+            if not cycle.running and cycle.stopped:
+                due = min(due, now + EVASION_CHECK_SECONDS)  # the next look at the stopped processes
             next_switch = due if next_switch is None else min(next_switch, due)
         if next_switch is None:
             return None

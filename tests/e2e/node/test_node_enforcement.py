@@ -22,6 +22,7 @@ from tests.node.node import Node, cgroup_version
 from tests.node.simruntime import DEVICE_PATH
 from tests.node.workloads import (
     SPINNER,
+    WORKLOAD,
     container_log,
     enforcer_records,
     events,
@@ -247,3 +248,99 @@ def test_the_sidecars_footprint_in_its_own_cgroup(admin: client.ApiClient, clust
           f"{limit / (1 << 20):.0f} MiB; container start to `started` <= {start_s:.2f} s "
           f"(startedAt has 1 s resolution)")
     assert 0 < peak < limit, (peak, limit)
+
+
+# A GPU process with a helper of its own (same container, same user) that sends it SIGCONT every
+# millisecond: without the evasion check the throttle's SIGSTOPs hold for about a millisecond.
+EVADER = """
+import os, signal, time
+device = open("/dev/nvidia0")
+print(f"gpu process {os.getpid()}", flush=True)
+parent = os.getpid()
+if os.fork() == 0:
+    device.close()
+    while True:
+        try:
+            os.kill(parent, signal.SIGCONT)
+        except ProcessLookupError:
+            os._exit(0)
+        time.sleep(0.001)
+while True:
+    pass
+"""
+
+
+def test_a_throttled_container_whose_helper_sends_sigcont_is_terminated(admin: client.ApiClient,
+                                                                      cluster: ControlPlane, node: Node,
+                                                                      sim: Node, gpu_namespace: str):
+    """Issue row: time stopped fell from 95 % to 0 % while the container stayed reported throttled.
+    Now the throttle sees the process running in its stopped phases and the container is terminated
+    (its helper with it: same cgroup), says why in its log and in an Event, and the kubelet restarts it."""
+    pod = _create(admin, gpu_namespace, gpu_pod([workload_container("hog", EVADER)],
+                                                {"gpufence.io/memory": "8Gi", "gpufence.io/compute": "20",
+                                                 "gpufence.io/grace-period": "2"}))
+    name = pod["metadata"]["name"]
+    running = wait_running(cluster, node, gpu_namespace, name)
+    hog = host_pid(node, running, "hog")
+    write_gpu_state(node, [(hog, 1 * GIB, 95)])
+    evaded = wait_record(running, lambda r: r.get("event") == "throttle_evaded" and r.get("container") == "hog",
+                         "throttle_evaded for hog", timeout=60)
+    assert evaded["phases"] >= 2 and evaded["action"] == "sigterm", evaded
+
+    def hog_restarted() -> dict | None:
+        current = get_pod(cluster, gpu_namespace, name)
+        status = statuses(current).get("hog", {})
+        return current if status.get("restartCount", 0) >= 1 else None
+
+    restarted = kube.wait_for(hog_restarted, "hog terminated and restarted by the kubelet", 60, 0.3)
+    write_gpu_state(node, [])
+    terms = [r for r in enforcer_records(restarted) if r.get("event") == "sigterm" and r.get("outcome") == "sent"]
+    assert terms and {r.get("reason") for r in terms} == {"throttle_evaded"}, terms
+    assert len({r["pid"] for r in terms}) >= 2, f"the helper was not terminated with its container: {terms}"
+
+    def evaded_event() -> dict | None:
+        return next((e for e in events(cluster, gpu_namespace, name) if e["reason"] == "GPUThrottleEvaded"), None)
+
+    event = kube.wait_for(evaded_event, "gpufence's GPUThrottleEvaded Event on the pod", 30, 0.3)
+    assert event["source"]["component"] == "gpufence-enforcer", event
+    assert "hog" in event["message"] and "SIGCONT" in event["message"], event["message"]
+
+
+# The GPU process re-execs itself (same PID, same cgroup) with GPUFENCE_CONTAINER naming no
+# container of the pod, then holds the device like any workload.
+RENAMED = """
+import os
+if os.environ.get("GPUFENCE_CONTAINER") != "not-a-container":
+    argv = open("/proc/self/cmdline", "rb").read().rstrip(b"\\0").split(b"\\0")
+    os.execve("/proc/self/exe", argv, {**os.environ, "GPUFENCE_CONTAINER": "not-a-container"})
+""" + WORKLOAD
+
+
+def test_a_process_renamed_to_no_container_of_the_pod_is_held_to_the_pod_budget(admin: client.ApiClient,
+                                                                               cluster: ControlPlane, node: Node,
+                                                                               sim: Node, gpu_namespace: str):
+    """Issue row: a GPU process that re-execs itself under a made-up name was an attribution with no
+    limit (9 GiB on an 8 GiB share, untouched). Now the name is no key: the process is unattributed,
+    the pod is over its budget, and the process is terminated."""
+    pod = _create(admin, gpu_namespace, gpu_pod([workload_container("renamed", RENAMED)],
+                                                {"gpufence.io/memory": "8Gi", "gpufence.io/grace-period": "2"}))
+    name = pod["metadata"]["name"]
+    running = wait_running(cluster, node, gpu_namespace, name)
+    renamed = host_pid(node, running, "renamed")
+    environ = Path(f"/proc/{renamed}/environ").read_bytes().split(b"\0")
+    assert b"GPUFENCE_CONTAINER=not-a-container" in environ, "the workload did not re-exec under its new name"
+    write_gpu_state(node, [(renamed, 9 * GIB, 10)])
+    record = wait_record(running, lambda r: r.get("event") == "unattributed_process", "unattributed_process")
+    assert record.get("claim") == "not-a-container", record
+    over = wait_record(running, lambda r: r.get("event") == "pod_over_budget", "pod_over_budget", timeout=30)
+    assert over.get("used_bytes") == 9 * GIB and over.get("limit_bytes") == 8 * GIB, over
+
+    def renamed_restarted() -> dict | None:
+        current = get_pod(cluster, gpu_namespace, name)
+        return current if statuses(current).get("renamed", {}).get("restartCount", 0) >= 1 else None
+
+    restarted = kube.wait_for(renamed_restarted, "the renamed process terminated and its container restarted", 60, 0.3)
+    write_gpu_state(node, [])
+    assert "got SIGTERM" in container_log(restarted, "renamed", restart=0)
+    term = wait_record(restarted, lambda r: r.get("event") == "sigterm" and r.get("outcome") == "sent", "sigterm")
+    assert term.get("reason") == "pod_over_budget", term

@@ -88,8 +88,8 @@ def test_pod_process_fields(spawn: Spawn, gpu_dir: GpuDir) -> None:
     )
     start = read_start_time(train.pid)
     assert result.processes == (
-        PodProcess(train.pid, train.pid, start, "train", 0, "GPU-0", 3 << 30, 42),
-        PodProcess(train.pid, train.pid, start, "train", 1, "GPU-1", None, None),
+        PodProcess(train.pid, train.pid, start, "train", 0, "GPU-0", 3 << 30, 42, claim="train"),
+        PodProcess(train.pid, train.pid, start, "train", 1, "GPU-1", None, None, claim="train"),
     )
     assert result.foreign_pids == ()
 

@@ -340,3 +340,66 @@ def test_retry_after_as_an_http_date():
     in_five = email.utils.formatdate(time.time() + 5, usegmt=True)
     assert 3 <= parse_retry_after(in_five) <= 5  # type: ignore[operator]
     assert parse_retry_after("Wed, 21 Oct 2015 07:28:00 GMT") == 0.0  # in the past: no wait
+
+
+def test_decisions_on_what_no_container_can_be_charged_for_and_on_evasion_are_events(
+    api: HttpsEventsApi, sa: ServiceAccountDir, tmp_path: Path,
+):
+    """The pod's GPU count and compute budget held against unattributed processes, and a throttle
+    evaded with SIGCONT: each decision reaches the API server as an Event saying why (the real
+    recorder, the real terminator signalling real processes)."""
+    from gpufence.contract import ContainerShare, EnforcerConfig, Mode
+    from gpufence.enforcer.attribution import Attribution, PodProcess
+    from gpufence.enforcer.machine import Core, ThrottleChange, Transition
+    from gpufence.enforcer.metrics import EnforcerMetrics
+    from gpufence.enforcer.procfs import read_start_time
+    from gpufence.enforcer.reporting import Reporter
+    from gpufence.enforcer.rules import UNATTRIBUTED, Evasion
+    from gpufence.enforcer.signals import SafeSignaller, SignalTarget
+    from gpufence.enforcer.stopped_state import StoppedState
+    from gpufence.enforcer.terminate import Terminator
+    from gpufence.enforcer.throttle import ThrottleExecutor
+    from tests.support.enforcer_harness import WORKLOAD
+
+    plain = tmp_path / "device"
+    plain.touch()
+    children = [subprocess.Popen([sys.executable, str(WORKLOAD), str(plain)], stdout=subprocess.PIPE, text=True)
+                for _ in range(2)]
+    try:
+        for c in children:
+            assert c.stdout is not None and c.stdout.readline().startswith("ready")
+        train, stray = (PodProcess(c.pid, c.pid, read_start_time(c.pid) or 0, name, device, f"GPU-{device}", 1 << 30,
+                                   100) for c, name, device in zip(children, ("train", None), (0, 1), strict=True))
+        recorder, _ = _direct(api, sa)
+        log = DecisionLog(stream=io.StringIO())
+        metrics = EnforcerMetrics("team", "train-0")
+        door = SafeSignaller(log)
+        throttle = ThrottleExecutor(door, StoppedState(tmp_path, log), log)
+        terminator = Terminator(door, throttle, log, metrics, recorder)
+        core = Core(EnforcerConfig(containers={"train": ContainerShare(compute_percent=20, gpus=1)}))
+        attribution = Attribution((train, stray), ())
+        door.authorize(SignalTarget.of(p) for p in attribution.processes)
+
+        over_count = core.step(0.0, attribution, {0: 80 << 30, 1: 80 << 30})
+        terminator.enforce(over_count, attribution, Mode.ENFORCE, 5.0)
+        evaded = core.step(0.1, attribution, {0: 80 << 30, 1: 80 << 30},
+                           evasions=[Evasion("train", train.pid, train.start_time_ticks, "R", 2)])
+        terminator.enforce(evaded, attribution, Mode.ENFORCE, 5.0)
+        Reporter(log, metrics, recorder).throttle(
+            ThrottleChange(UNATTRIBUTED, Transition.START, 0.2, 0.2, 1.0, 1.0), Mode.ENFORCE, [stray.pid])
+        for c in children:
+            assert c.wait(5) == 0  # its SIGTERM handler exits 0
+        assert recorder.flush(10)
+        recorder.close()
+    finally:
+        for c in children:
+            if c.poll() is None:
+                c.kill()
+            c.wait(5)
+    by_reason = {seen.body["reason"]: seen.body["message"] for seen in api.seen}
+    assert set(by_reason) == {"GPUDevicesOverRequest", "GPUThrottleEvaded", "GPUPodComputeOverBudget"}
+    assert f"unattributed pid {stray.pid}" in by_reason["GPUDevicesOverRequest"]
+    assert "more than the 1 it" in by_reason["GPUDevicesOverRequest"]
+    assert "container train" in by_reason["GPUThrottleEvaded"] and "SIGCONT" in by_reason["GPUThrottleEvaded"]
+    assert f"[{train.pid}]" in by_reason["GPUThrottleEvaded"]
+    assert "compute budget 20%" in by_reason["GPUPodComputeOverBudget"]

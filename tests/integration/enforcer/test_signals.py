@@ -290,3 +290,62 @@ def test_a_throttle_plan_not_renewed_within_its_lease_is_released(child, log, tm
         assert json.loads((tmp_path / "stopped.json").read_text())["stopped"] == []
     finally:
         executor.close()
+
+
+def test_throttle_executor_stops_again_a_process_continued_once_and_does_not_report_it(child, log, tmp_path):
+    """One SIGCONT from elsewhere (a race, a one-off) buys the process one check interval: it is
+    stopped again at once and, seen stopped through the following phases, never reported."""
+    c = child()
+    door = SafeSignaller(log)
+    door.authorize([c.target()])
+    executor = ThrottleExecutor(door, StoppedState(tmp_path, log), log, period_seconds=1.0)
+    executor.start()
+    try:
+        executor.update({"c": ThrottlePlan(0.1, (c.target(),))})
+        wait_state(c.pid, lambda s: s == "T", 5)
+        time.sleep(0.1)  # into the stopped phase, past the settle time (a phase has no event)
+        os.kill(c.pid, signal.SIGCONT)
+        took = wait_state(c.pid, lambda s: s == "T", 1)
+        assert took < 0.5
+        # Two more duty cycles, held stopped all through: the streak ended, nothing reported.
+        n = sum(1 for line in c.lines() if line.startswith("got SIGCONT"))
+        c.out.wait_for(lambda s, n=n: s == f"got SIGCONT {n + 2}", 5)
+        assert executor.take_evasions() == []
+        found = [r for r in log.records() if r["event"] == "throttle_found_running"]
+        assert [(r["pid"], r["phases"]) for r in found] == [(c.pid, 1)]
+        again = [r for r in log.records() if r["event"] == "sigstop" and r["reason"].endswith("_found_running")]
+        assert [r["outcome"] for r in again] == ["sent"]
+    finally:
+        executor.close()
+    assert proc_state(c.pid) not in ("T", None)
+
+
+def test_throttle_executor_reports_a_process_a_helper_keeps_running(child, log, tmp_path):
+    c = child()
+    door = SafeSignaller(log)
+    door.authorize([c.target()])
+    executor = ThrottleExecutor(door, StoppedState(tmp_path, log), log, period_seconds=0.2)
+    executor.start()
+    helper = subprocess.Popen([sys.executable, "-c", (
+        "import os, signal, sys, time\n"
+        "while True:\n    os.kill(int(sys.argv[1]), signal.SIGCONT); time.sleep(0.001)\n"), str(c.pid)])
+    try:
+        executor.update({"c": ThrottlePlan(0.25, (c.target(),))})
+        deadline = time.monotonic() + 5
+        found: list = []
+        while not found:
+            assert time.monotonic() < deadline, "the evasion was never reported"
+            found = executor.take_evasions()
+            time.sleep(0.01)  # the report has no event of its own: the poll loop asks for it too
+        [evasion] = found
+        assert (evasion.pid, evasion.start_time_ticks, evasion.container) == (c.pid, c.start, "c")
+        assert evasion.phases == 2 and evasion.state not in ("T", "t", "D")
+        # Reported once per throttle, however long the helper goes on.
+        c.out.wait_for(lambda s: s.startswith("got SIGCONT"), 5)
+        assert executor.take_evasions() == []
+    finally:
+        helper.kill()
+        helper.wait(5)
+        executor.close()
+    wait_state(c.pid, lambda s: s not in ("T", None), 1)
+    assert json.loads((tmp_path / "stopped.json").read_text())["stopped"] == []

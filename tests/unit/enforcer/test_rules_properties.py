@@ -15,7 +15,15 @@ from hypothesis import strategies as st
 
 from gpufence.contract import ContainerShare, EnforcerConfig, MemoryShare, Mode
 from gpufence.enforcer.attribution import Attribution, PodProcess
-from gpufence.enforcer.rules import ComputeTracker, memory_orders, pod_budget_bytes, pod_usage, usage_by_container
+from gpufence.enforcer.rules import (
+    UNATTRIBUTED,
+    ComputeTracker,
+    memory_orders,
+    pod_budget_bytes,
+    pod_compute_budget,
+    pod_usage,
+    usage_by_container,
+)
 
 CONTAINERS = ("a", "b", "c")
 DEVICES = (0, 1, 2)
@@ -173,6 +181,11 @@ def test_compute_plans_are_proper_fractions_for_limited_containers_over_their_sh
         for container, fraction in plan.items():
             assert 0 < fraction < 1
             assert fraction >= tracker.min_run_fraction
+            if container == UNATTRIBUTED:
+                # The unattributed processes are held to the pod's budget, which is below a GPU.
+                budget = pod_compute_budget(config)
+                assert budget is not None and budget < 1
+                continue
             share = config.containers[container].compute_percent
             assert share is not None and share < 100  # a full share can never be exceeded
         assert not under & set(plan), "a container at or under its compute share was throttled"
