@@ -167,6 +167,8 @@ def policy_data_for(settings: InjectionSettings) -> dict[str, str]:
     return {
         "sidecar-image": settings.sidecar_image,
         "gpu-resource-name": ",".join(settings.gpu_resource_names),
+        "exclusive-gpu-resource-name": ",".join(settings.exclusive_gpu_resource_names),
+        "non-gpu-resource-claims": ",".join(settings.non_gpu_resource_claims),
         "default-mode": settings.default_mode,
         "allow-audit": str(settings.allow_audit).lower(),
         "allow-opt-out": str(settings.allow_opt_out).lower(),
@@ -364,7 +366,7 @@ def test_namespaces_not_opted_in_or_excluded_are_not_selected(namespace: str, la
 
 
 def test_gpu_resource_names_are_read_from_the_policy_configmap() -> None:
-    assert SHIPPED_POLICY["gpu-resource-name"] == DEFAULT_GPU_RESOURCE
+    assert SHIPPED_POLICY["gpu-resource-name"] == ",".join(InjectionSettings().gpu_resource_names)
     assert GUARD.admit(pod(resource="amd.com/gpu"))[0]
     widened = Guard(POLICY, {**SHIPPED_POLICY, "gpu-resource-name": f"{DEFAULT_GPU_RESOURCE}, amd.com/gpu"})
     assert not widened.admit(pod(resource="amd.com/gpu"))[0]
