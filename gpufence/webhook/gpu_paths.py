@@ -160,11 +160,12 @@ class PodGpuPaths:
             self.gpu.matches(n) or self.exclusive.matches(n) for n, _ in _amounts(container))
 
     def gpu_count(self, container: Any) -> int | None:
-        """The devices the container requested (the enforcer's ``gpus``), or None where the pod
-        does not say: a GPU claim's device count is in the ResourceClaim, not the pod. A MIG slice
-        counts as one: it lies on one GPU, so N slices never span more than N GPUs."""
-        if self._gpu_claims(container):
-            return None
+        """The devices the container requested through resources (the enforcer's ``gpus``), or None
+        where it requested none that way. A MIG slice counts as one: it lies on one GPU, so N slices
+        never span more than N GPUs. A DRA claim adds nothing: its device count is in the
+        ResourceClaim, not the pod, so a claim-only container gets no count check. A container with
+        both is held to its resources' count, because an API server with DRA off drops the claims
+        after the webhook and before the guard, which then sees only the resources."""
         return sum(_count(v) for n, v in _amounts(container)
                    if self.gpu.matches(n) or self.exclusive.matches(n)) or None
 

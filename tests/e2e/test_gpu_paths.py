@@ -117,8 +117,9 @@ def test_a_dra_claim_from_a_template_is_injected_and_guarded(
 def test_claims_beside_a_gpu_resource_break_nothing_with_or_without_dra(
     admin: client.ApiClient, tenant: Tenant, webhook: WebhookProcess,
 ):
-    """On every version: where DRA is off (1.30's default) the API server drops the claims and the
-    pod is a plain device plugin GPU pod; where it is served the sidecar holds the claim too."""
+    """On every version: where DRA is off (1.30's default) the API server drops the claims after the
+    webhook and before the guard, so the two must agree on the pod with and without them; where
+    DRA is served the sidecar holds the claim too."""
     dra = served(admin, "resource.k8s.io/v1")
     pod = device_pod({"limits": {"nvidia.com/gpu": "1"}, "claims": [{"name": "gpu"}]},
                      claims=[{"name": "gpu", "resourceClaimTemplateName": "absent-template"}])
@@ -129,5 +130,14 @@ def test_claims_beside_a_gpu_resource_break_nothing_with_or_without_dra(
     assert "NVIDIA_VISIBLE_DEVICES" not in kube.env_of(container(stored, "trainer"))
     assert ("resourceClaims" in stored["spec"]) is dra
     assert container(stored, SIDECAR_NAME)["resources"].get("claims") == ([{"name": "gpu"}] if dra else None)
-    trainer = enforcer_config(stored)["containers"]["trainer"]
-    assert ("gpus" in trainer) is not dra  # a GPU claim's count is unknown: no count check
+    # Held to its device plugin count, which the guard sees whether or not the claims survive.
+    assert enforcer_config(stored)["containers"]["trainer"]["gpus"] == 1
+
+    # A claim alone: the webhook injects; where the claims are dropped before validation, the guard
+    # takes the GPU containers the webhook's status names.
+    claim_only = device_pod({"claims": [{"name": "gpu"}]},
+                            claims=[{"name": "gpu", "resourceClaimTemplateName": "absent-template"}])
+    created = kube.create_pod(tenant.api, tenant.namespace, claim_only)
+    assert created.admitted, created.message
+    assert kube.is_mutated(created.obj)
+    assert "gpus" not in enforcer_config(created.obj)["containers"]["trainer"]

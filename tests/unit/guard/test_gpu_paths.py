@@ -147,3 +147,36 @@ def test_the_guard_and_the_webhook_agree_on_generated_pods(shapes: list[dict[str
         pod["spec"]["containers"].insert(0, containers[0])
     webhook, guard = decisions(pod, POLICIES[policy])
     assert guard == webhook
+
+
+@pytest.mark.parametrize("case", ["dra-template-claim", "dra-named-claim", "dra-mixed-claims"])
+def test_the_webhooks_output_passes_the_guard_with_the_claims_dropped(case: str) -> None:
+    """An API server with DRA off (1.30's default) drops spec.resourceClaims and every
+    resources.claims after the mutating webhooks and before validation: the guard must still admit
+    what the webhook made of the pod (tests/e2e/test_gpu_paths.py sees it on the real 1.30)."""
+    import yaml
+
+    from tests.unit.guard.test_policy import policy_data_for
+    from tests.unit.webhook.test_golden import GOLDEN, load_case
+
+    _, settings, _, _ = load_case(case)
+    mutated = yaml.safe_load((GOLDEN / f"{case}.out.yaml").read_text())["pod"]
+    guard = Guard(POLICY, policy_data_for(settings))
+    assert guard.admit(mutated) == (True, "allowed")
+    mutated["spec"].pop("resourceClaims")
+    for c in mutated["spec"].get("initContainers", []) + mutated["spec"]["containers"]:
+        c.get("resources", {}).pop("claims", None)
+    assert guard.admit(mutated) == (True, "allowed")
+
+
+def test_a_status_annotation_naming_a_container_only_makes_the_guard_stricter() -> None:
+    """The guard takes the containers the webhook's status names for GPU containers too (the claims
+    may be gone by validation); a status forged onto a plain pod makes it a GPU pod to refuse."""
+    from tests.unit.guard.test_policy import GUARD
+
+    plain = pod_with({"name": "web", "image": "nginx"})
+    assert GUARD.admit(plain) == (True, "allowed")
+    plain["metadata"]["annotations"] = {
+        "gpufence.io/status": '{"containers":["web"],"mode":"enforce","sidecar":"gpufence-enforcer","version":"x"}'}
+    allowed, message = GUARD.admit(plain)
+    assert not allowed and "has no gpufence-enforcer sidecar" in message

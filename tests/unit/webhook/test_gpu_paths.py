@@ -79,14 +79,15 @@ def test_an_exclusive_resource_counts_among_a_gpu_containers_devices() -> None:
     assert paths_of(both, settings=settings).gpu_counts() == {"main": 2}
 
 
-def test_an_unlisted_claim_is_a_gpu_without_a_count_and_the_sidecar_gets_it() -> None:
+def test_an_unlisted_claim_is_a_gpu_and_the_sidecar_gets_it() -> None:
     claims = [{"name": "nic", "resourceClaimTemplateName": "nic-t"}, {"name": "gpu", "resourceClaimName": "shared"}]
     settings = InjectionSettings(non_gpu_resource_claims=("nic-t",))
     main = container("main", limits={"nvidia.com/gpu": "1"}, claims=["nic", "gpu"])
     router = container("router", claims=["nic"])
     paths = paths_of(main, router, claims=claims, settings=settings)
     assert paths.gpu_container_names() == ["main"]
-    assert paths.gpu_counts() == {}  # the GPU claim's device count is not in the pod
+    # Held to the resources' count: an API server with DRA off drops the claims before the guard.
+    assert paths.gpu_counts() == {"main": 1}
     assert paths.gets_device(router)  # never void on a container with a claim
     assert paths.sidecar_claims(["main"]) == ["gpu"]
 
@@ -98,6 +99,12 @@ def test_a_claim_listed_by_claim_name_or_template_name_is_no_gpu() -> None:
         assert paths_of(container(claims=["c"]), claims=[claim], settings=settings).gpu_container_names() == []
     unlisted = {"name": "c", "resourceClaimTemplateName": "gpu-template"}
     assert paths_of(container(claims=["c"]), claims=[unlisted], settings=settings).gpu_container_names() == ["main"]
+
+
+def test_a_claim_only_container_has_no_count() -> None:
+    """The claim's device count is in the ResourceClaim, not the pod: no count check."""
+    paths = paths_of(container(claims=["gpu"]), claims=[{"name": "gpu", "resourceClaimTemplateName": "t"}])
+    assert paths.gpu_container_names() == ["main"] and paths.gpu_counts() == {}
 
 
 def test_a_claim_the_pod_does_not_declare_is_taken_for_a_gpu() -> None:
