@@ -10,6 +10,7 @@ plugin's, so ``void`` would take the device away.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
@@ -18,8 +19,9 @@ from kubernetes import client
 from gpufence.contract import ENV_CONFIG, SIDECAR_NAME
 from tests.e2e import kube
 from tests.e2e.controlplane import ControlPlane
-from tests.e2e.gpufence_install import WebhookProcess
+from tests.e2e.gpufence_install import NAMESPACE, POLICY_CONFIGMAP, WebhookProcess, apply_objects
 from tests.e2e.tenant import Tenant
+from tests.e2e.test_policy_reload import policy_valid, shipped_configmap
 from tests.support.prerequisites import skip_by_design
 
 SHARE = {"gpufence.io/memory": "4Gi", "gpufence.io/compute": "20"}  # within the tenant's ceilings
@@ -141,3 +143,37 @@ def test_claims_beside_a_gpu_resource_break_nothing_with_or_without_dra(
     assert created.admitted, created.message
     assert kube.is_mutated(created.obj)
     assert "gpus" not in enforcer_config(created.obj)["containers"]["trainer"]
+
+
+@pytest.fixture
+def set_policy(cluster: ControlPlane, admin: client.ApiClient,
+               webhook: WebhookProcess) -> Iterator[Callable[[dict[str, str]], None]]:
+    """Patches keys of the policy ConfigMap as an admin would; the shipped data is put back after."""
+    def set_keys(data: dict[str, str]) -> None:
+        client.CoreV1Api(admin).patch_namespaced_config_map(POLICY_CONFIGMAP, NAMESPACE, {"data": data})
+
+    yield set_keys
+    apply_objects(cluster, [shipped_configmap(cluster, webhook)], "--force-conflicts")
+    if webhook.component is not None and webhook.component.process.poll() is None:
+        kube.wait_for(lambda: policy_valid(webhook), "the webhook to read the shipped policy again", timeout=30)
+
+
+def test_an_exclusive_mig_profile_gets_no_sidecar_and_keeps_its_device(
+    tenant: Tenant, webhook: WebhookProcess, set_policy: Callable[[dict[str, str]], None],
+):
+    """The admin declares a MIG profile never time-sliced: webhook and guard both let its pods run
+    without the enforcer, the slice's container keeps its device, and other MIG profiles stay shared."""
+    exclusive = {"limits": {"nvidia.com/mig-3g.40gb": "1"}}
+    set_policy({"exclusive-gpu-resource-name": "nvidia.com/mig-3g.40gb"})
+    created = kube.wait_for(lambda: (c := kube.create_pod(tenant.api, tenant.namespace, device_pod(exclusive)))
+                            .admitted and not kube.is_mutated(c.obj) and c, "the webhook to read the new policy")
+    stored = created.obj
+    assert "NVIDIA_VISIBLE_DEVICES" not in kube.env_of(container(stored, "trainer"))
+    assert kube.env_of(container(stored, "logs"))["NVIDIA_VISIBLE_DEVICES"] == "void"
+
+    webhook.stop("KILL")
+    alone = kube.wait_for(lambda: (c := kube.create_pod(tenant.api, tenant.namespace, device_pod(exclusive)))
+                          .admitted and c, "the guard to read the new policy")
+    assert not kube.is_mutated(alone.obj)
+    shared = kube.create_pod(tenant.api, tenant.namespace, device_pod({"limits": {"nvidia.com/mig-1g.10gb": "1"}}))
+    assert not shared.admitted and "has no gpufence-enforcer sidecar" in shared.message
