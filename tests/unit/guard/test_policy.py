@@ -182,7 +182,12 @@ def policy_data_for(settings: InjectionSettings) -> dict[str, str]:
 
 
 GUARD = Guard(POLICY)
-STATUS = '{"containers":["train"],"mode":"enforce","sidecar":"gpufence-enforcer","version":"0.1.0"}'
+
+
+def status(containers: list[str]) -> str:
+    """The webhook's status annotation naming ``containers`` as the GPU containers."""
+    return json.dumps({"containers": containers, "mode": "enforce", "sidecar": SIDECAR_NAME, "version": "0.1.0"},
+                      separators=(",", ":"))
 
 
 def pod(
@@ -222,7 +227,7 @@ def pod(
     if labels:
         metadata["labels"] = labels
     if sidecar:
-        annotations = {ANNOTATION_STATUS: STATUS, **(annotations or {})}
+        annotations = {ANNOTATION_STATUS: status(gpu_names), **(annotations or {})}
     if annotations:
         metadata["annotations"] = annotations
     return {"apiVersion": "v1", "kind": "Pod", "metadata": metadata, "spec": spec}
