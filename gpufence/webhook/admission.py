@@ -15,9 +15,10 @@ from typing import Any
 
 from gpufence.contract import MIRROR_POD_ANNOTATION, POD_OPT_OUT_LABEL, SIDECAR_NAME
 from gpufence.webhook.desired import desired_plain_pod, desired_pod
+from gpufence.webhook.gpu_paths import PodGpuPaths, advised_resource
 from gpufence.webhook.namespace_policy import namespace_policy, opt_out_allowed, opt_out_denial
 from gpufence.webhook.patch import diff, dumps
-from gpufence.webhook.podshape import MutationError, check_shape, gpu_container_names, gpu_counts, nvidia_side_door
+from gpufence.webhook.podshape import MutationError, check_shape, nvidia_side_door
 from gpufence.webhook.settings import InjectionSettings, NamespaceLookup
 from gpufence.webhook.shares import ShareError, SharePlan, quote, resolve_shares, with_gpu_counts
 from gpufence.webhook.sidecar import POD_SECURITY_LABEL
@@ -143,9 +144,9 @@ def _decide(
     if MIRROR_POD_ANNOTATION in annotations:
         return OUTCOME_SKIPPED, None
 
-    gpu_names = gpu_container_names(_dict(pod.get("spec")), settings.gpu_resource_names)
-    side_door = nvidia_side_door(pod.get("spec"), SIDECAR_NAME if gpu_names else None,
-                                 settings.gpu_resource_names[0])
+    paths = PodGpuPaths(pod.get("spec"), settings)
+    gpu_names = paths.gpu_container_names()
+    side_door = nvidia_side_door(pod.get("spec"), SIDECAR_NAME if gpu_names else None, advised_resource(settings))
     if side_door is not None:
         raise _Denied(side_door)  # GPU pod or not, opted out or not: the guard denies it too
     opted_out = labels.get(POD_OPT_OUT_LABEL) == "false"
@@ -170,7 +171,7 @@ def _decide(
             raise MutationError(f"the container name {SIDECAR_NAME} is reserved by gpufence; rename the container")
         policy = namespace_policy(namespace or "", namespace_annotations, settings)
         plan = resolve_shares(annotations, namespace_annotations, settings, gpu_names, all_names, policy)
-        plan = with_gpu_counts(plan, gpu_counts(_dict(pod.get("spec")), settings.gpu_resource_names))
+        plan = with_gpu_counts(plan, paths.gpu_counts())
         warnings.extend(plan.warnings)
         patch, mutation_warnings = injection_patch(pod, plan, settings, pod_security, namespace_annotations)
     except (ShareError, MutationError) as exc:

@@ -38,7 +38,8 @@ from gpufence.webhook.flag_values import (
     port,
     resource_quantity,
 )
-from gpufence.webhook.settings import DEFAULT_GPU_RESOURCE, InjectionSettings
+from gpufence.webhook.gpu_paths import claim_name, resource_pattern
+from gpufence.webhook.settings import DEFAULT_GPU_RESOURCES, InjectionSettings
 from gpufence.webhook.tls import DEFAULT_RELOAD_INTERVAL_SECONDS
 
 ENV_PREFIX = "GPUFENCE_WEBHOOK_"
@@ -114,9 +115,17 @@ POLICY_FLAGS: tuple[Flag, ...] = (
     Flag("sidecar-image", non_empty, _defaults.sidecar_image, "enforcer sidecar image"),
     Flag("sidecar-image-pull-policy", choice("Always", "IfNotPresent", "Never"), _defaults.sidecar_image_pull_policy,
          "imagePullPolicy of the sidecar"),
-    Flag("gpu-resource-name", non_empty, None,
-         f"extended resource that makes a container a GPU container (repeatable; default {DEFAULT_GPU_RESOURCE})",
-         repeat=True, example=DEFAULT_GPU_RESOURCE),
+    Flag("gpu-resource-name", resource_pattern, None,
+         "extended resource that makes a container a GPU container, which gets a share and the sidecar; a "
+         'trailing "*" makes it a prefix (repeatable; default ' + ",".join(DEFAULT_GPU_RESOURCES) + ")",
+         repeat=True, example=",".join(DEFAULT_GPU_RESOURCES)),
+    Flag("exclusive-gpu-resource-name", resource_pattern, None,
+         "extended resource (or prefix ending in \"*\") of a device never shared between pods, e.g. a MIG "
+         "profile that is not time-sliced: its containers get no share and no sidecar, and keep their device "
+         "(repeatable; default none)", repeat=True, example="nvidia.com/mig-3g.40gb"),
+    Flag("non-gpu-resource-claims", claim_name, None,
+         "names of ResourceClaims or ResourceClaimTemplates that hold no GPU; a container using any other DRA "
+         "claim is a GPU container (repeatable; default none)", repeat=True, example="nic-claim"),
     Flag("sidecar-mode", choice("native", "container"), "native" if _defaults.native_sidecar else "container",
          "native sidecar (init container with restartPolicy Always, Kubernetes >= 1.29) or a plain container"),
     Flag("sidecar-metrics-port", port, _defaults.metrics_port, "port of the sidecar's /metrics",
@@ -265,7 +274,9 @@ def settings_from_args(args: argparse.Namespace) -> InjectionSettings:
     return InjectionSettings(
         sidecar_image=args.sidecar_image,
         sidecar_image_pull_policy=args.sidecar_image_pull_policy,
-        gpu_resource_names=args.gpu_resource_name or (DEFAULT_GPU_RESOURCE,),
+        gpu_resource_names=args.gpu_resource_name or DEFAULT_GPU_RESOURCES,
+        exclusive_gpu_resource_names=tuple(args.exclusive_gpu_resource_name or ()),
+        non_gpu_resource_claims=tuple(args.non_gpu_resource_claims or ()),
         native_sidecar=args.sidecar_mode == "native",
         metrics_port=args.sidecar_metrics_port,
         sidecar_cpu_request=args.sidecar_cpu_request,

@@ -14,6 +14,7 @@ from typing import Any
 
 from gpufence.contract import ENV_CONTAINER, ENV_MEMORY_LIMIT, ContainerShare
 from gpufence.webhook.frameworks import DeviceMemory, framework_env, server_warnings
+from gpufence.webhook.gpu_paths import PodGpuPaths
 from gpufence.webhook.podshape import MutationError
 from gpufence.webhook.quantity import mebibytes_floor
 from gpufence.webhook.settings import InjectionSettings
@@ -194,14 +195,20 @@ def gpu_container(
     return container
 
 
-def void_container(container: dict[str, Any]) -> dict[str, Any]:
-    """A container that requests no GPU, with ``NVIDIA_VISIBLE_DEVICES=void`` unless it sets the
-    variable itself (to void or none: any other value was denied, ``podshape.nvidia_side_door``).
+def void_container(container: dict[str, Any], paths: PodGpuPaths) -> dict[str, Any]:
+    """A container with ``NVIDIA_VISIBLE_DEVICES=void`` unless it sets the variable itself (to void
+    or none: any other value was denied, ``podshape.nvidia_side_door``) or gets a device by any path
+    (``paths.gets_device``: a GPU or exclusive resource, or a DRA claim), which is returned as it is.
 
     An explicit env entry wins over the image's ENV (CUDA base images carry
     ``NVIDIA_VISIBLE_DEVICES=all``) and over ``envFrom``, so the NVIDIA container toolkit hands this
-    container no GPU however it was built.
+    container no GPU however it was built. It also wins over the device plugin's: the kubelet appends
+    the container's own env after the variables of the plugin's Allocate, and the runtime keeps the
+    last, so on a container that got a device (a MIG slice, a renamed shared GPU) ``void`` would take
+    the device away. Hence never on those.
     """
+    if paths.gets_device(container):
+        return container
     env = container.get("env") or ()
     if any(entry.get("name") == ENV_NVIDIA_VISIBLE_DEVICES for entry in env):
         return container

@@ -18,6 +18,7 @@ from typing import Any
 from gpufence.contract import ANNOTATION_STATUS, SIDECAR_NAME
 from gpufence.webhook.container_env import FrameworkRecord, gpu_container, void_container
 from gpufence.webhook.frameworks import device_memory, pytorch_cap_enabled, recorded_warnings
+from gpufence.webhook.gpu_paths import PodGpuPaths
 from gpufence.webhook.podshape import MutationError
 from gpufence.webhook.settings import InjectionSettings
 from gpufence.webhook.shares import SharePlan, quote
@@ -69,6 +70,7 @@ def desired_pod(pod: dict[str, Any], plan: SharePlan, settings: InjectionSetting
     spec["shareProcessNamespace"] = True
 
     library = preload_library_path(settings)
+    paths = PodGpuPaths(pod["spec"], settings)
     port = settings.metrics_port
     sidecar_key = "initContainers" if settings.native_sidecar else "containers"
     sidecar_at: int | None = None  # where ours already is in its list (a reinvocation)
@@ -97,7 +99,7 @@ def desired_pod(pod: dict[str, Any], plan: SharePlan, settings: InjectionSetting
                                           device=device_memory(pod["spec"], container, settings),
                                           pytorch=pytorch, record=record)
             elif settings.void_non_gpu_containers:
-                container = void_container(container)
+                container = void_container(container, paths)
             updated.append(container)
         spec[key] = updated
 
@@ -117,6 +119,7 @@ def desired_pod(pod: dict[str, Any], plan: SharePlan, settings: InjectionSetting
     sidecar = build_sidecar(plan, settings, run_as_root=sidecar_runs_as_root(pod["spec"], shares, warnings),
                             pod_security=pod_security, fixed_port=fixed_port)
     sidecar = with_service_account_token(sidecar, previous_sidecar, pod["spec"])
+    sidecar = with_claims(sidecar, paths.sidecar_claims([name for name, _ in plan.containers]))
     others = list(spec.get(sidecar_key) or ())
     if sidecar_at is not None:
         others.insert(sidecar_at, sidecar)
@@ -142,6 +145,16 @@ def desired_pod(pod: dict[str, Any], plan: SharePlan, settings: InjectionSetting
     recorded = recorded_warnings([*plan.warnings, *warnings])
     annotations[ANNOTATION_STATUS] = status_annotation(plan, record.caps, recorded)
     return new_pod, warnings
+
+
+def with_claims(sidecar: dict[str, Any], claims: list[str]) -> dict[str, Any]:
+    """Our sidecar holding the pod's GPU claims (DRA): the runtime hands a container only the devices
+    of the claims it names (through CDI, not NVIDIA_VISIBLE_DEVICES), and the enforcer needs NVML
+    on those GPUs to see the workload's processes. A claim is allocated once per pod, so naming it
+    again takes nothing from the workload."""
+    if not claims:
+        return sidecar
+    return {**sidecar, "resources": {**sidecar["resources"], "claims": [{"name": n} for n in claims]}}
 
 
 # Where the API server's ServiceAccount admission plugin mounts the pod's token.
@@ -197,11 +210,12 @@ def _warn_plain_sidecar(spec: dict[str, Any], shares: Container[str], warnings: 
 
 
 def desired_plain_pod(pod: dict[str, Any], settings: InjectionSettings) -> dict[str, Any]:
-    """A pod that requests no GPU as gpufence wants it: every container with
+    """A pod without a shared GPU as gpufence wants it: every container that gets no device with
     ``NVIDIA_VISIBLE_DEVICES=void`` (``--void-non-gpu-containers``), nothing else. Copy-on-write;
     the pod's shape must have been checked (``podshape.check_shape``)."""
     spec = dict(pod["spec"])
+    paths = PodGpuPaths(spec, settings)
     for key in ("initContainers", "containers"):
         if spec.get(key):
-            spec[key] = [void_container(container) for container in spec[key]]
+            spec[key] = [void_container(container, paths) for container in spec[key]]
     return {**pod, "spec": spec}

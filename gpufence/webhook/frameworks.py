@@ -47,7 +47,7 @@ from decimal import ROUND_DOWN, Decimal, InvalidOperation
 from typing import Any
 
 from gpufence.contract import MAX_STATUS_WARNINGS, NAMESPACE_PYTORCH_MEMORY_FRACTION, MemoryShare
-from gpufence.webhook.podshape import gpu_resource_of
+from gpufence.webhook.gpu_paths import shared_gpu_resource
 from gpufence.webhook.quantity import QuantityError, parse_bytes
 from gpufence.webhook.settings import InjectionSettings
 from gpufence.webhook.shares import quote
@@ -118,7 +118,7 @@ def device_memory(spec: Mapping[str, Any], container: Mapping[str, Any],
         value = selector.get(GFD_MEMORY_LABEL)
         if isinstance(value, str) and value.isdigit() and 0 < int(value) < (1 << 40):
             return DeviceMemory(int(value) * MiB, f"node selector {GFD_MEMORY_LABEL}={quote(value)}")
-    resource = gpu_resource_of(container, settings.gpu_resource_names)
+    resource = shared_gpu_resource(container, settings)
     for name, num_bytes in settings.gpu_memory:
         if name == resource:
             return DeviceMemory(num_bytes, f"webhook flag --gpu-memory {name}={human_bytes(num_bytes)}")

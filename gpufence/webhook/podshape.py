@@ -1,5 +1,6 @@
-"""What the submitted pod is (pure): which containers ask for a GPU, and whether the fields the
-injection reads have the JSON types it expects.
+"""What the submitted pod is (pure): whether the fields the injection reads have the JSON types it
+expects, and which containers ask the NVIDIA toolkit for GPUs through its variables (which
+containers get a GPU by a scheduled path is ``webhook.gpu_paths``).
 
 The API server decodes pods into typed objects before admission, so a malformed shape only comes
 from hand-made requests; checking it once here keeps the rest of the core free of type checks.
@@ -7,12 +8,9 @@ from hand-made requests; checking it once here keeps the rest of the core free o
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator, Sequence
 from itertools import repeat
 from typing import Any
 
-from gpufence.webhook.quantity import QuantityError, is_positive_quantity, parse_bytes
 from gpufence.webhook.shares import quote
 
 
@@ -22,65 +20,6 @@ class MutationError(ValueError):
     Messages name the field, the value, the rule and an accepted alternative; they never carry a
     traceback or an internal detail.
     """
-
-
-def _gpu_amounts(container: Any, resource_names: Sequence[str]) -> Iterator[tuple[str, Any]]:
-    """Each GPU resource the container names with a positive amount, and that amount: the one
-    definition of "requests a GPU" (the guard's CEL mirrors it). The amount is the limit where one is
-    set, else the request: the API server requires the two to be equal for extended resources, so
-    a pod where they differ never runs. Tolerant of garbage."""
-    resources = container.get("resources") if isinstance(container, dict) else None
-    if not isinstance(resources, dict):
-        return
-    limits, requests = resources.get("limits"), resources.get("requests")
-    for name in resource_names:
-        for amounts in (limits, requests):
-            if isinstance(amounts, dict) and name in amounts:
-                if is_positive_quantity(amounts[name]):
-                    yield name, amounts[name]
-                break
-
-
-def gpu_resource_of(container: Any, resource_names: Sequence[str]) -> str | None:
-    """The first GPU resource (in ``resource_names`` order) the container asks a positive amount of, or None."""
-    return next((name for name, _ in _gpu_amounts(container, resource_names)), None)
-
-
-def gpu_count_of(container: Any, resource_names: Sequence[str]) -> int:
-    """How many GPUs (devices) the container requested, over the GPU resources (extended resources
-    are whole numbers). 0 when none or garbage."""
-    total = 0
-    for _, value in _gpu_amounts(container, resource_names):
-        with contextlib.suppress(QuantityError):  # is_positive_quantity parsed it already
-            total += value if isinstance(value, int) else parse_bytes(str(value))
-    return total
-
-
-def gpu_counts(spec: dict[str, Any], resource_names: Sequence[str]) -> dict[str, int]:
-    """``gpu_count_of`` for every (init) container by name (tolerant of garbage)."""
-    counts: dict[str, int] = {}
-    for key in ("initContainers", "containers"):
-        containers = spec.get(key)
-        if isinstance(containers, list):
-            for c in containers:
-                if isinstance(c, dict) and isinstance(c.get("name"), str):
-                    counts[c["name"]] = gpu_count_of(c, resource_names)
-    return counts
-
-
-def container_requests_gpu(container: Any, resource_names: tuple[str, ...]) -> bool:
-    """Whether a container asks for a positive amount of one of the GPU resources."""
-    return gpu_resource_of(container, resource_names) is not None
-
-
-def gpu_container_names(spec: dict[str, Any], resource_names: tuple[str, ...]) -> list[Any]:
-    """The names of the (init) containers that request a GPU, in pod order (tolerant of garbage)."""
-    names: list[Any] = []
-    for key in ("initContainers", "containers"):
-        containers = spec.get(key)
-        if isinstance(containers, list):
-            names.extend(c.get("name") for c in containers if container_requests_gpu(c, resource_names))
-    return names
 
 
 # Variables through which the NVIDIA container toolkit (with its default

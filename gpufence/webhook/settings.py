@@ -24,6 +24,10 @@ from gpufence.contract import (
 # The image of this very version (gpufence/__init__.py): webhook and sidecar come from one build.
 DEFAULT_SIDECAR_IMAGE = IMAGE
 DEFAULT_GPU_RESOURCE = "nvidia.com/gpu"
+# The device plugin's names for a GPU: whole GPUs, renamed time-sliced ones (renameByDefault:
+# nvidia.com/gpu.shared) and MIG slices (mixed strategy: nvidia.com/mig-1g.10gb). A trailing "*"
+# is a prefix (webhook.gpu_paths).
+DEFAULT_GPU_RESOURCES = (DEFAULT_GPU_RESOURCE, "nvidia.com/gpu.*", "nvidia.com/mig-*")
 
 
 @dataclass(frozen=True)
@@ -58,8 +62,15 @@ class InjectionSettings:
 
     sidecar_image: str = DEFAULT_SIDECAR_IMAGE
     sidecar_image_pull_policy: str = "IfNotPresent"
-    # Resource names that make a container a GPU container (limits or requests).
-    gpu_resource_names: tuple[str, ...] = (DEFAULT_GPU_RESOURCE,)
+    # Resource names (or prefixes ending in "*") that make a container a GPU container (limits or
+    # requests), which gets a share and the sidecar (webhook.gpu_paths).
+    gpu_resource_names: tuple[str, ...] = DEFAULT_GPU_RESOURCES
+    # Of those, or besides them, the devices the admin declares never shared between pods (e.g. a
+    # MIG profile that is not time-sliced): no share, no sidecar, never NVIDIA_VISIBLE_DEVICES=void.
+    exclusive_gpu_resource_names: tuple[str, ...] = ()
+    # Names of ResourceClaims / ResourceClaimTemplates that hold no GPU; a DRA claim that is not
+    # listed makes the container that uses it a GPU container.
+    non_gpu_resource_claims: tuple[str, ...] = ()
     # Native sidecar (initContainers[0], restartPolicy Always; Kubernetes >= 1.29) or a plain container.
     native_sidecar: bool = True
     metrics_port: int = DEFAULT_METRICS_PORT

@@ -4,7 +4,7 @@ cel-python implements the CEL language but none of the libraries Kubernetes adds
 uses these (all available from Kubernetes 1.30, the oldest version we support):
 
 * strings extension (cel-go ``ext.Strings``): ``s.split(sep)``, ``s.trim()``, ``s.replace(a, b)``,
-  ``s.lowerAscii()``;
+  ``s.lowerAscii()``, ``s.substring(start, end)``;
 * regex library (``k8s.io/apiserver/pkg/cel/library/regex.go``): ``s.find(re)``, the first match
   or ``''``;
 * quantity library (``.../library/quantity.go``): ``isQuantity(s)``, ``quantity(s).asInteger()``;
@@ -55,6 +55,14 @@ def _replace(text: Any, old: Any, new: Any) -> celtypes.StringType:
     return celtypes.StringType(str(text).replace(str(old), str(new)))
 
 
+def _substring(text: Any, start: Any, end: Any) -> celtypes.StringType:
+    """cel-go errors on indexes outside the string (Python would clip them)."""
+    value, first, last = str(text), int(start), int(end)
+    if not 0 <= first <= last <= len(value):
+        raise ValueError(f"substring({first}, {last}) out of range for {value!r}")
+    return celtypes.StringType(value[first:last])
+
+
 def _lower_ascii(text: Any) -> celtypes.StringType:
     """Only A-Z change, as in cel-go (Python's lower() would also fold other letters)."""
     return celtypes.StringType(str(text).translate(_ASCII_LOWER))
@@ -93,6 +101,7 @@ FUNCTIONS = {
     "trim": _trim,
     "replace": _replace,
     "lowerAscii": _lower_ascii,
+    "substring": _substring,
     "find": _find,
     "isQuantity": _is_quantity,
     "quantity": _quantity,

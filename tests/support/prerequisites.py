@@ -33,6 +33,9 @@ BY_DESIGN: dict[str, str] = {
     "plane, a skew Kubernetes does not support; the node tests run with the older one",
     "in-a-pod": "the check of a webhook started in a pod without a service-account token cannot run where "
     "the suite itself runs in a pod that has one mounted",
+    "dra-not-served": "the DRA objects (DeviceClass, ResourceClaimTemplate) can only be created where the "
+    "API server serves resource.k8s.io/v1 (Kubernetes >= 1.34; 1.30's DRA is a beta API off by default); "
+    "tests/e2e/test_gpu_paths.py checks on every version that claims break nothing",
     "opted-out": "the person running the suite set GPUFENCE_SKIP_E2E or GPUFENCE_SKIP_NODE to leave "
     "those tests out",
 }

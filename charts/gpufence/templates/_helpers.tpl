@@ -39,7 +39,8 @@ gpufence.policyKeys: the flags of gpufence-webhook that configure the injection,
 gpufence-policy may hold. tests/deploy/test_helm.py checks this list against the webhook's own.
 */ -}}
 {{- define "gpufence.policyKeys" -}}
-sidecar-image sidecar-image-pull-policy gpu-resource-name sidecar-mode sidecar-metrics-port
+sidecar-image sidecar-image-pull-policy gpu-resource-name exclusive-gpu-resource-name
+non-gpu-resource-claims sidecar-mode sidecar-metrics-port
 sidecar-cpu-request sidecar-cpu-limit sidecar-memory-request sidecar-memory-limit
 default-memory default-compute max-memory max-compute default-mode allow-audit allow-opt-out
 default-grace-period sidecar-poll-interval sidecar-nvidia-visible-devices
@@ -50,7 +51,7 @@ pytorch-memory-fraction framework-memory-headroom
 
 {{- /* The policy flags that repeat; their ConfigMap value is the list, comma-separated. */ -}}
 {{- define "gpufence.repeatedPolicyKeys" -}}
-gpu-resource-name gpu-memory
+gpu-resource-name exclusive-gpu-resource-name non-gpu-resource-claims gpu-memory
 {{- end -}}
 
 {{- /* The webhook's other flags, which webhook.flags may set (the chart sets port, the TLS files

@@ -26,6 +26,8 @@ from tests.unit.guard.test_policy import GUARD, POLICY, POLICY_CONFIGMAP, SHIPPE
 # guard variable -> (the ConfigMap key it reads, the InjectionSettings value it must hold)
 GUARD_READS: dict[str, tuple[str, Callable[[InjectionSettings], Any]]] = {
     "gpuResourceNames": ("gpu-resource-name", lambda s: list(s.gpu_resource_names)),
+    "exclusiveGpuResourceNames": ("exclusive-gpu-resource-name", lambda s: list(s.exclusive_gpu_resource_names)),
+    "nonGpuResourceClaims": ("non-gpu-resource-claims", lambda s: list(s.non_gpu_resource_claims)),
     "sidecarImage": ("sidecar-image", lambda s: s.sidecar_image),
     "clusterAllowsOptOut": ("allow-opt-out", lambda s: s.allow_opt_out),
     "clusterDefaultMode": ("default-mode", lambda s: s.default_mode),
@@ -98,7 +100,10 @@ SPELLINGS = [
     *(("default-compute", v) for v in ("40", "30%")),
     *(("sidecar-poll-interval", v) for v in ("500ms", "300ms", "2s", "1m", "0.25", ".5", "1.", " 2s ", "70ms")),
     *(("sidecar-nvidia-visible-devices", v) for v in ("all", "void")),
-    *(("gpu-resource-name", v) for v in ("amd.com/gpu", "nvidia.com/gpu, nvidia.com/mig-1g.10gb", " a/b ,c/d")),
+    *(("gpu-resource-name", v) for v in ("amd.com/gpu", "nvidia.com/gpu, nvidia.com/mig-1g.10gb", " a/b ,c/d",
+                                         "nvidia.com/gpu,nvidia.com/gpu.*", "example.com/*")),
+    *(("exclusive-gpu-resource-name", v) for v in ("nvidia.com/mig-3g.40gb", " nvidia.com/mig-7g.* , a/b")),
+    *(("non-gpu-resource-claims", v) for v in ("nic", "nic, fpga-template")),
     ("sidecar-image", "registry.example.com/platform/gpufence:0.1.0"),
 ]
 

@@ -167,6 +167,8 @@ def policy_data_for(settings: InjectionSettings) -> dict[str, str]:
     return {
         "sidecar-image": settings.sidecar_image,
         "gpu-resource-name": ",".join(settings.gpu_resource_names),
+        "exclusive-gpu-resource-name": ",".join(settings.exclusive_gpu_resource_names),
+        "non-gpu-resource-claims": ",".join(settings.non_gpu_resource_claims),
         "default-mode": settings.default_mode,
         "allow-audit": str(settings.allow_audit).lower(),
         "allow-opt-out": str(settings.allow_opt_out).lower(),
@@ -180,7 +182,12 @@ def policy_data_for(settings: InjectionSettings) -> dict[str, str]:
 
 
 GUARD = Guard(POLICY)
-STATUS = '{"containers":["train"],"mode":"enforce","sidecar":"gpufence-enforcer","version":"0.1.0"}'
+
+
+def status(containers: list[str]) -> str:
+    """The webhook's status annotation naming ``containers`` as the GPU containers."""
+    return json.dumps({"containers": containers, "mode": "enforce", "sidecar": SIDECAR_NAME, "version": "0.1.0"},
+                      separators=(",", ":"))
 
 
 def pod(
@@ -220,7 +227,7 @@ def pod(
     if labels:
         metadata["labels"] = labels
     if sidecar:
-        annotations = {ANNOTATION_STATUS: STATUS, **(annotations or {})}
+        annotations = {ANNOTATION_STATUS: status(gpu_names), **(annotations or {})}
     if annotations:
         metadata["annotations"] = annotations
     return {"apiVersion": "v1", "kind": "Pod", "metadata": metadata, "spec": spec}
@@ -263,14 +270,14 @@ def test_gpu_in_init_container_only_is_checked() -> None:
 @pytest.mark.parametrize("gpu_in", ["limits", "requests"])
 def test_zero_gpus_is_no_gpu_for_the_guard_and_the_webhook(gpu_in: str) -> None:
     """`nvidia.com/gpu: 0` (canonical, as the API server passes it) asks for no GPU: one definition."""
-    from gpufence.webhook.podshape import gpu_container_names
+    from gpufence.webhook.gpu_paths import PodGpuPaths
 
     zero = pod(gpu_in=gpu_in)
     zero["spec"]["containers"][0]["resources"][gpu_in][DEFAULT_GPU_RESOURCE] = "0"
-    assert gpu_container_names(zero["spec"], (DEFAULT_GPU_RESOURCE,)) == []
+    assert PodGpuPaths(zero["spec"], InjectionSettings()).gpu_container_names() == []
     assert GUARD.admit(zero) == (True, "allowed")
     one = pod(gpu_in=gpu_in)
-    assert gpu_container_names(one["spec"], (DEFAULT_GPU_RESOURCE,)) == ["train"]
+    assert PodGpuPaths(one["spec"], InjectionSettings()).gpu_container_names() == ["train"]
     assert not GUARD.admit(one)[0]
 
 
@@ -364,7 +371,7 @@ def test_namespaces_not_opted_in_or_excluded_are_not_selected(namespace: str, la
 
 
 def test_gpu_resource_names_are_read_from_the_policy_configmap() -> None:
-    assert SHIPPED_POLICY["gpu-resource-name"] == DEFAULT_GPU_RESOURCE
+    assert SHIPPED_POLICY["gpu-resource-name"] == ",".join(InjectionSettings().gpu_resource_names)
     assert GUARD.admit(pod(resource="amd.com/gpu"))[0]
     widened = Guard(POLICY, {**SHIPPED_POLICY, "gpu-resource-name": f"{DEFAULT_GPU_RESOURCE}, amd.com/gpu"})
     assert not widened.admit(pod(resource="amd.com/gpu"))[0]
@@ -430,7 +437,7 @@ def _golden_cases() -> list[str]:
 def test_the_guard_agrees_with_the_webhook_on_every_golden_case(case: str) -> None:
     """What the webhook mutates passes the guard, and the same pod sent unmutated (the webhook down)
     is denied; what it admits unmutated in an opted-in namespace the guard admits too."""
-    from gpufence.webhook.podshape import gpu_container_names
+    from gpufence.webhook.gpu_paths import PodGpuPaths
     from tests.unit.webhook.test_golden import GOLDEN, load_case
 
     pod_in, settings, lookup, operation = load_case(case)
@@ -441,7 +448,7 @@ def test_the_guard_agrees_with_the_webhook_on_every_golden_case(case: str) -> No
     guard = Guard(POLICY, policy_data_for(settings))
     namespace, labels, ns_annotations = info.name, dict(info.labels), dict(info.annotations)
     outcome = expected["outcome"]
-    requests_gpu = bool(gpu_container_names(pod_in["spec"], settings.gpu_resource_names))
+    requests_gpu = bool(PodGpuPaths(pod_in["spec"], settings).gpu_container_names())
     if outcome == "mutated":
         assert guard.admit(expected["pod"], namespace, labels, ns_annotations)[0], "the output fails the guard"
         # A GPU pod the webhook mutates is refused unmutated; a pod without GPUs only gains
@@ -559,7 +566,7 @@ def test_the_guard_agrees_with_the_webhook_on_generated_pods(candidate: dict[str
     import jsonpatch
 
     from gpufence.webhook import admission, client
-    from gpufence.webhook.podshape import gpu_container_names
+    from gpufence.webhook.gpu_paths import PodGpuPaths
     from gpufence.webhook.settings import InjectionSettings, NamespaceInfo
 
     class Lookup:
@@ -578,5 +585,5 @@ def test_the_guard_agrees_with_the_webhook_on_generated_pods(candidate: dict[str
         patch = json.loads(base64.b64decode(result.review["response"]["patch"]))
         mutated = jsonpatch.apply_patch(candidate, patch)
         assert GUARD.admit(mutated, namespace_annotations=ns_annotations)[0], "the webhook's output fails the guard"
-        requests_gpu = bool(gpu_container_names(candidate["spec"], (DEFAULT_GPU_RESOURCE,)))
+        requests_gpu = bool(PodGpuPaths(candidate["spec"], InjectionSettings()).gpu_container_names())
         assert unmutated is not requests_gpu, "a GPU pod the webhook mutates passes the guard unmutated"

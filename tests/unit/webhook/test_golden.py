@@ -5,6 +5,8 @@
     namespace: ...   # optional: omitted = opted in, no annotations; "unknown" = not in the cache;
                      # or {name, labels, annotations}
     settings: ...    # optional: InjectionSettings field overrides
+    kubernetes: ...  # optional: the API version whose schema the pods follow (default K8S_VERSION;
+                     # DRA claims need 1.31's resourceClaims shape)
     operation: ...   # optional: CREATE by default
     pod: ...         # the submitted pod
 
@@ -54,8 +56,9 @@ def load_case(case: str) -> tuple[dict[str, Any], InjectionSettings, _Lookup, st
     doc = yaml.safe_load((GOLDEN / f"{case}.in.yaml").read_text())
     pod = doc["pod"]
     overrides = dict(doc.get("settings") or {})
-    if "gpu_resource_names" in overrides:
-        overrides["gpu_resource_names"] = tuple(overrides["gpu_resource_names"])
+    for name in ("gpu_resource_names", "exclusive_gpu_resource_names", "non_gpu_resource_claims"):
+        if name in overrides:
+            overrides[name] = tuple(overrides[name])
     if "gpu_memory" in overrides:
         overrides["gpu_memory"] = tuple((name, int(size)) for name, size in overrides["gpu_memory"])
     settings = InjectionSettings(**overrides)
@@ -115,10 +118,11 @@ def test_golden(case: str) -> None:
 @pytest.mark.parametrize("case", CASES)
 def test_golden_input_and_output_pods_are_valid_kubernetes(case: str) -> None:
     pod, *_ = load_case(case)
-    kubernetes_validate.validate(pod, K8S_VERSION, strict=True)
+    version = str(yaml.safe_load((GOLDEN / f"{case}.in.yaml").read_text()).get("kubernetes", K8S_VERSION))
+    kubernetes_validate.validate(pod, version, strict=True)
     expected = yaml.safe_load((GOLDEN / f"{case}.out.yaml").read_text())
     if "pod" in expected:
-        kubernetes_validate.validate(expected["pod"], K8S_VERSION, strict=True)
+        kubernetes_validate.validate(expected["pod"], version, strict=True)
 
 
 @pytest.mark.parametrize("case", CASES)

@@ -25,8 +25,9 @@ from gpufence.contract import ANNOTATION_STATUS, SIDECAR_NAME
 from gpufence.webhook.admission import injection_patch, review
 from gpufence.webhook.client import decode_patch
 from gpufence.webhook.desired import desired_pod
+from gpufence.webhook.gpu_paths import PodGpuPaths
 from gpufence.webhook.patch import diff, dumps, escape
-from gpufence.webhook.podshape import MutationError, check_shape, gpu_container_names
+from gpufence.webhook.podshape import MutationError, check_shape
 from gpufence.webhook.settings import AllNamespacesOptedIn, InjectionSettings
 from gpufence.webhook.shares import resolve_shares
 from tests.support.sample_pods import huge_pod, small_pod, typical_pod
@@ -111,7 +112,7 @@ def all_names(pod: dict[str, Any]) -> list[str]:
 
 def _first_injection(pod: dict[str, Any], settings_: InjectionSettings) -> tuple[bytes | None, dict[str, Any]] | None:
     """The patch and the desired pod of a GPU pod the webhook would mutate, or None (denied, skipped)."""
-    names = gpu_container_names(pod.get("spec") or {}, settings_.gpu_resource_names)
+    names = PodGpuPaths(pod.get("spec") or {}, settings_).gpu_container_names()
     if not names or SIDECAR_NAME in names:  # denied by the webhook (a reserved name)
         return None
     try:
