@@ -7,7 +7,8 @@ uses these (all available from Kubernetes 1.30, the oldest version we support):
   ``s.lowerAscii()``;
 * regex library (``k8s.io/apiserver/pkg/cel/library/regex.go``): ``s.find(re)``, the first match
   or ``''``;
-* quantity library (``.../library/quantity.go``): ``isQuantity(s)``, ``quantity(s).asInteger()``;
+* quantity library (``.../library/quantity.go``): ``isQuantity(s)``, ``quantity(s).asInteger()``,
+  ``quantity(a).compareTo(quantity(b))`` (-1, 0 or 1);
 * lists library (``.../library/lists.go``): ``list.sum()``.
 
 These stand-ins follow the documented semantics for the inputs the policy gives them (RE2 and
@@ -83,6 +84,10 @@ def _as_integer(quantity: _Quantity) -> celtypes.IntType:
     return celtypes.IntType(int(quantity.value))
 
 
+def _compare_to(left: _Quantity, right: _Quantity) -> celtypes.IntType:
+    return celtypes.IntType((left.value > right.value) - (left.value < right.value))
+
+
 def _sum(values: Any) -> celtypes.IntType:
     return celtypes.IntType(sum(int(v) for v in values))
 
@@ -97,4 +102,5 @@ FUNCTIONS = {
     "isQuantity": _is_quantity,
     "quantity": _quantity,
     "asInteger": _as_integer,
+    "compareTo": _compare_to,
 }

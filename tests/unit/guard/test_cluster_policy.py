@@ -36,6 +36,19 @@ GUARD_READS: dict[str, tuple[str, Callable[[InjectionSettings], Any]]] = {
     "clusterDefaultCompute": ("default-compute", lambda s: s.default_compute or ""),
     "sidecarPollIntervalSeconds": ("sidecar-poll-interval", lambda s: s.poll_interval_seconds),
     "sidecarVisibleDevices": ("sidecar-nvidia-visible-devices", lambda s: s.nvidia_visible_devices),
+    "sidecarNative": ("sidecar-mode", lambda s: s.native_sidecar),
+    "sidecarPullPolicy": ("sidecar-image-pull-policy", lambda s: s.sidecar_image_pull_policy),
+    "sidecarDriverCapabilities": ("sidecar-nvidia-driver-capabilities", lambda s: s.nvidia_driver_capabilities),
+    "sidecarMountsHostProc": ("sidecar-mount-host-proc", lambda s: s.mount_host_proc),
+    "sidecarHostProcPath": ("sidecar-host-proc-mount-path", lambda s: s.host_proc_mount_path),
+    "sidecarPort": ("sidecar-metrics-port", lambda s: s.metrics_port),
+    # Quantities as written in the ConfigMap; the guard compares them with quantity(), so a
+    # spelling the webhook canonicalises ("0.01" for "10m") is the same value (checked below).
+    "sidecarCpuRequest": ("sidecar-cpu-request", lambda s: s.sidecar_cpu_request),
+    "sidecarCpuLimit": ("sidecar-cpu-limit", lambda s: s.sidecar_cpu_limit or ""),
+    "sidecarMemoryRequest": ("sidecar-memory-request", lambda s: s.sidecar_memory_request),
+    "sidecarMemoryLimit": ("sidecar-memory-limit", lambda s: s.sidecar_memory_limit),
+    "voidNonGpuContainers": ("void-non-gpu-containers", lambda s: s.void_non_gpu_containers),
 }
 
 
@@ -49,6 +62,8 @@ def _python(value: Any) -> Any:
         return [_python(v) for v in value]
     if isinstance(value, celtypes.StringType):
         return str(value)
+    if isinstance(value, celtypes.IntType | int):
+        return int(value)
     raise AssertionError(f"unexpected CEL value {value!r}")
 
 
@@ -100,6 +115,17 @@ SPELLINGS = [
     *(("sidecar-nvidia-visible-devices", v) for v in ("all", "void")),
     *(("gpu-resource-name", v) for v in ("amd.com/gpu", "nvidia.com/gpu, nvidia.com/mig-1g.10gb", " a/b ,c/d")),
     ("sidecar-image", "registry.example.com/platform/gpufence:0.1.0"),
+    *(("sidecar-mode", v) for v in ("native", "container")),
+    *(("sidecar-image-pull-policy", v) for v in ("Always", "IfNotPresent", "Never")),
+    ("sidecar-nvidia-driver-capabilities", "utility,compute"),
+    *(("sidecar-mount-host-proc", v) for v in ("true", " Yes", "0")),
+    ("sidecar-host-proc-mount-path", "/hostproc"),
+    *(("sidecar-metrics-port", v) for v in ("9401", " 9500 ")),
+    *(("sidecar-cpu-limit", v) for v in ("none", "None", "500m", "1")),
+    ("sidecar-cpu-request", "20m"),
+    ("sidecar-memory-request", "128Mi"),
+    ("sidecar-memory-limit", "1Gi"),
+    *(("void-non-gpu-containers", v) for v in ("false", "TRUE")),
 ]
 
 
