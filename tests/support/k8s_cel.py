@@ -9,7 +9,7 @@ uses these (all available from Kubernetes 1.30, the oldest version we support):
   or ``''``;
 * quantity library (``.../library/quantity.go``): ``isQuantity(s)``, ``quantity(s).asInteger()``,
   ``quantity(a).compareTo(quantity(b))`` (-1, 0 or 1);
-* lists library (``.../library/lists.go``): ``list.sum()``.
+* lists library (``.../library/lists.go``): ``list.sum()``, ``list.indexOf(x)`` (-1 when absent).
 
 These stand-ins follow the documented semantics for the inputs the policy gives them (RE2 and
 Python's ``re`` agree on the character classes and anchors it uses). They are a test harness, not a
@@ -88,6 +88,10 @@ def _compare_to(left: _Quantity, right: _Quantity) -> celtypes.IntType:
     return celtypes.IntType((left.value > right.value) - (left.value < right.value))
 
 
+def _index_of(values: Any, item: Any) -> celtypes.IntType:
+    return celtypes.IntType(next((i for i, v in enumerate(values) if v == item), -1))
+
+
 def _sum(values: Any) -> celtypes.IntType:
     return celtypes.IntType(sum(int(v) for v in values))
 
@@ -103,4 +107,5 @@ FUNCTIONS = {
     "quantity": _quantity,
     "asInteger": _as_integer,
     "compareTo": _compare_to,
+    "indexOf": _index_of,
 }

@@ -167,3 +167,17 @@ def test_policy_data_for_gives_the_data_of_each_golden_case() -> None:
     for case in CASES:
         settings = load_case(case)[1]
         assert webhook_holds(parse_policy(policy_data_for(settings))) == webhook_holds(settings), case
+
+
+def test_the_sidecars_resources_are_compared_as_quantities_not_spellings() -> None:
+    """The webhook writes canonical quantities ("0.01" becomes "10m"); the guard compares values."""
+    from tests.unit.guard.test_forged_sidecar import gpu_pod, injected
+
+    data = {**SHIPPED_POLICY, "sidecar-cpu-request": "0.01", "sidecar-memory-limit": "0.25Gi",
+            "sidecar-cpu-limit": " NONE "}
+    settings = parse_policy(data)
+    assert (settings.sidecar_cpu_request, settings.sidecar_memory_limit, settings.sidecar_cpu_limit) == (
+        "10m", "256Mi", None)
+    pod_ = injected(gpu_pod({"gpufence.io/memory": "4Gi"}), {}, settings)
+    assert Guard(POLICY, data).admit(pod_, namespace_annotations={}) == (True, "allowed")
+    assert not GUARD.admit(pod_, namespace_annotations={})[0]  # the shipped policy has a CPU limit

@@ -154,6 +154,13 @@ def _helper_without_void(pod: dict[str, Any]) -> None:
                                       "envFrom": [{"configMapRef": {"name": "gpus", "optional": True}}]})
 
 
+def _gpu_init_first(pod: dict[str, Any]) -> None:
+    """A GPU init container placed before the sidecar runs before enforcement starts."""
+    pod["spec"]["initContainers"].insert(0, {"name": "warmup", "image": "cuda:12", "resources": {
+        "limits": {"nvidia.com/gpu": "1"}}})
+    with_config(pod, lambda d: d["containers"].update(warmup=dict(d["containers"]["trainer"])))
+
+
 def _workload_declares_the_port(pod: dict[str, Any]) -> None:
     pod["spec"]["containers"][0]["ports"] = [{"containerPort": 9401, "protocol": "TCP"}]
 
@@ -204,6 +211,7 @@ FORGERIES: dict[str, tuple[Callable[[dict[str, Any]], None], str]] = {
     "another uid, capabilities dropped": (_other_user, "its securityContext is not the webhook's"),
     "moved to containers with a 16Mi limit": (_to_containers, "it is not in spec.initContainers"),
     "probes removed": (_no_probes, "its probes are not the webhook's"),
+    "a GPU init container before it": (_gpu_init_first, 'init container "warmup" requests a GPU and comes before it'),
     "driver capabilities compute": (lambda p: replace_env(p, "NVIDIA_DRIVER_CAPABILITIES", "compute"),
                                     "its env has NVIDIA_DRIVER_CAPABILITIES=compute"),
     "fake host-proc directory": (lambda p: set_env(p, "GPUFENCE_HOST_PROC", "/var/run/gpufence/proc"),
