@@ -81,7 +81,9 @@ def test_every_key_the_guard_reads_is_a_policy_flag_and_shipped() -> None:
     read = set(re.findall(r"variables\.clusterPolicy\['([a-z-]+)'\]", expressions))
     assert read == {key for key, _ in GUARD_READS.values()}
     assert read <= {f.name for f in POLICY_FLAGS}
-    assert set(SHIPPED_POLICY) == read  # the base ships exactly the keys the guard reads
+    # The base ships the keys an admin sets most; the sidecar's own (mode, port, resources, ...) are
+    # left to the webhook's defaults, which the guard falls back to alike (tested below).
+    assert set(SHIPPED_POLICY) <= read
 
 
 @pytest.mark.parametrize("data", [None, {}, dict.fromkeys(SHIPPED_POLICY, "")],
