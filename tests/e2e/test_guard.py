@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 from kubernetes import client
 
+from gpufence.certs import pki
 from tests.e2e import kube
-from tests.e2e.controlplane import ControlPlane
+from tests.e2e.cluster_pki import client_cert
+from tests.e2e.controlplane import ControlPlane, write_kubeconfig
 from tests.e2e.gpufence_install import WebhookProcess
 from tests.e2e.tenant import Tenant
 
@@ -121,3 +124,33 @@ def test_a_mirror_annotation_written_by_a_tenant_exempts_nothing(webhook: Webhoo
     down = kube.create_pod(tenant.api, tenant.namespace, forged())
     assert not down.admitted and down.status == 403 and "gpufence-guard" in down.message, down.message
     assert "has no gpufence-enforcer sidecar" in down.message, down.message
+
+
+def node_api(cp: ControlPlane, name: str, workdir: Path) -> client.ApiClient:
+    """A client authenticated as the kubelet of node ``name`` (user system:node:<name>, group
+    system:nodes, a certificate of the cluster CA), as tests/node/node.py's kubelet is."""
+    assert cp.pki.ca_key is not None
+    ca = pki.KeyPair(pki.load_cert(cp.pki.ca_cert.read_bytes()), pki.load_key(cp.pki.ca_key.read_bytes()))
+    identity = client_cert(ca, f"system:node:{name}", ("system:nodes",))
+    (cert := workdir / f"{name}.crt").write_bytes(identity.cert_pem)
+    (key := workdir / f"{name}.key").write_bytes(identity.key_pem)
+    return kube.api_client(write_kubeconfig(workdir / f"{name}.kubeconfig", cp.server, cp.pki.ca_cert,
+                                            cert=cert, key=key, user=f"system:node:{name}"))
+
+
+def test_a_static_pods_mirror_from_its_node_stays_exempt(cluster: ControlPlane, webhook: WebhookProcess,
+                                                         tenant: Tenant, tmp_path: Path):
+    """What a node creates (its static pods' mirrors) is neither injected nor refused: the kubelet
+    runs the static pod from its manifest, not this object."""
+    node = node_api(cluster, "gpu-node-1", tmp_path)
+
+    def mirror() -> dict:
+        pod = kube.gpu_pod(annotations={"kubernetes.io/config.mirror": "abc123"})
+        pod["spec"]["nodeName"] = "gpu-node-1"
+        return pod
+
+    up = kube.create_pod(node, tenant.namespace, mirror())
+    assert up.admitted and not kube.is_mutated(up.obj), up.message
+    webhook.stop("KILL")
+    down = kube.create_pod(node, tenant.namespace, mirror())
+    assert down.admitted and not kube.is_mutated(down.obj), down.message
