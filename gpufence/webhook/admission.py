@@ -13,15 +13,15 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from gpufence.contract import MIRROR_POD_ANNOTATION, POD_OPT_OUT_LABEL, SIDECAR_NAME
+from gpufence.contract import MIRROR_POD_ANNOTATION, POD_OPT_OUT_LABEL, SIDECAR_NAME, SIDECAR_PORT_NAME
 from gpufence.webhook.desired import desired_plain_pod, desired_pod
 from gpufence.webhook.gpu_paths import PodGpuPaths, advised_resource
 from gpufence.webhook.namespace_policy import namespace_policy, opt_out_allowed, opt_out_denial
 from gpufence.webhook.patch import diff, dumps
-from gpufence.webhook.podshape import MutationError, check_shape, nvidia_side_door
+from gpufence.webhook.podshape import MutationError, check_shape, nvidia_side_door, sidecar_resource_use
 from gpufence.webhook.settings import InjectionSettings, NamespaceLookup
 from gpufence.webhook.shares import ShareError, SharePlan, quote, resolve_shares, with_gpu_counts
-from gpufence.webhook.sidecar import POD_SECURITY_LABEL
+from gpufence.webhook.sidecar import HOST_PROC_VOLUME, POD_SECURITY_LABEL, PRELOAD_VOLUME, STATE_VOLUME
 
 API_VERSION = "admission.k8s.io/v1"
 KIND = "AdmissionReview"
@@ -111,6 +111,17 @@ def _is_pod_request(request: dict[str, Any]) -> bool:
     return False
 
 
+# The user a kubelet authenticates as; NodeRestriction lets a node create mirror pods only.
+NODE_USER_PREFIX = "system:node:"
+
+
+def _by_a_node(request: dict[str, Any]) -> bool:
+    """Whether a node sent the request: only then is a pod's mirror annotation a static pod's.
+    Anyone may write the annotation; the guard's matchCondition draws the same line."""
+    username = _dict(request.get("userInfo")).get("username")
+    return isinstance(username, str) and username.startswith(NODE_USER_PREFIX)
+
+
 def _decide(
     request: dict[str, Any], settings: InjectionSettings, namespaces: NamespaceLookup, warnings: list[str]
 ) -> tuple[str, bytes | None]:
@@ -141,8 +152,8 @@ def _decide(
 
     labels = _dict(metadata.get("labels"))
     annotations = _dict(metadata.get("annotations"))
-    if MIRROR_POD_ANNOTATION in annotations:
-        return OUTCOME_SKIPPED, None
+    if MIRROR_POD_ANNOTATION in annotations and _by_a_node(request):
+        return OUTCOME_SKIPPED, None  # a static pod's mirror: the kubelet would not run a changed one
 
     paths = PodGpuPaths(pod.get("spec"), settings)
     gpu_names = paths.gpu_container_names()
@@ -169,6 +180,10 @@ def _decide(
         all_names = check_shape(pod)
         if SIDECAR_NAME in gpu_names:
             raise MutationError(f"the container name {SIDECAR_NAME} is reserved by gpufence; rename the container")
+        taken = sidecar_resource_use(pod["spec"], SIDECAR_NAME, settings.metrics_port, SIDECAR_PORT_NAME,
+                                     (STATE_VOLUME, HOST_PROC_VOLUME), (PRELOAD_VOLUME,))
+        if taken is not None:
+            raise MutationError(taken)
         policy = namespace_policy(namespace or "", namespace_annotations, settings)
         plan = resolve_shares(annotations, namespace_annotations, settings, gpu_names, all_names, policy)
         plan = with_gpu_counts(plan, paths.gpu_counts())

@@ -8,6 +8,7 @@ from hand-made requests; checking it once here keeps the rest of the core free o
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from itertools import repeat
 from typing import Any
 
@@ -60,6 +61,53 @@ def nvidia_side_door(spec: Any, exempt: str | None, gpu_resource: str) -> str | 
                     "GPUs of the node without the device plugin, outside the scheduler's count and gpufence's "
                     f'shares; remove the variable and request GPUs with resources.limits["{gpu_resource}"]'
                 )
+    return None
+
+
+def sidecar_resource_use(spec: dict[str, Any], exempt: str, port: int, port_name: str,
+                         own_volumes: Sequence[str], read_only_volumes: Sequence[str]) -> str | None:
+    """The denial for the first container but ``exempt`` (the sidecar, which the injection rebuilds)
+    that uses what is the enforcer's alone in a GPU pod, else None: a mount of one of ``own_volumes``
+    (its state directory, the host's /proc), a writable mount of one of ``read_only_volumes`` (the
+    preload library, a file of the node), or a declared ``port`` or port named ``port_name``.
+
+    A workload that can write the enforcer's state directory can change which processes it
+    resumes and which port its probe asks; one that declares the metrics port made the enforcer
+    fall back to an exec probe that a workload process could answer. The volume names need not
+    exist in the submitted pod: the injection adds them before the API server validates the pod,
+    so a mount of ``gpufence-state`` in the submitted pod would otherwise mount the injected volume.
+    The pod's shape must have been checked (``check_shape``).
+    """
+    for key in ("initContainers", "containers"):
+        for i, container in enumerate(spec.get(key) or ()):
+            name = container["name"]
+            if name == exempt:
+                continue
+            for j, mount in enumerate(container.get("volumeMounts") or ()):
+                volume = mount.get("name")
+                where = f"spec.{key}[{i}].volumeMounts[{j}]"
+                if volume in own_volumes:
+                    return (
+                        f"container {quote(name)} mounts volume {quote(volume)} ({where}): the volumes "
+                        f"{', '.join(map(quote, own_volumes))} are the gpufence enforcer's alone, because a "
+                        "container that can write its state could change what it enforces; remove the mount "
+                        '(for a scratch directory, declare a volume of your own, e.g. an emptyDir named "scratch")'
+                    )
+                if volume in read_only_volumes and mount.get("readOnly") is not True:
+                    return (
+                        f"container {quote(name)} mounts volume {quote(volume)} writable ({where}): it is a file "
+                        "of the node that gpufence mounts, so it may only be mounted with readOnly: true"
+                    )
+            for j, declared in enumerate(container.get("ports") or ()):
+                if not isinstance(declared, dict):
+                    continue
+                if declared.get("containerPort") == port or declared.get("name") == port_name:
+                    return (
+                        f"container {quote(name)} declares port {declared.get('containerPort')} "
+                        f"({quote(str(declared.get('name') or ''))}) at spec.{key}[{i}].ports[{j}]: in a GPU pod port "
+                        f"{port} and the port name {quote(port_name)} are the gpufence enforcer's, where it serves "
+                        f"its metrics and health check; use another port, e.g. {port + 1}"
+                    )
     return None
 
 

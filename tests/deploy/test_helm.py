@@ -23,7 +23,7 @@ import pytest
 import yaml
 
 from gpufence import __version__
-from gpufence.webhook.cli import FLAGS, parse_args, settings_from_args
+from gpufence.webhook.cli import FLAGS, POLICY_FLAGS, parse_args, settings_from_args
 from gpufence.webhook.settings import InjectionSettings
 from tests.deploy.test_alerts import PROMTOOL_MISSING, write_rules
 from tests.deploy.test_manifests import K8S_VERSION, validate
@@ -274,10 +274,13 @@ def test_guard_reads_the_policy_configmap(helm: Path, tmp_path: Path) -> None:
         cel = "\n".join(strings_in(guard["spec"]))
         read = set(re.findall(r"""variables\.clusterPolicy\[\s*'([a-z0-9-]+)'\s*\]""", cel))
         assert read >= GUARD_POLICY_KEYS, f"the guard does not read {sorted(GUARD_POLICY_KEYS - read)}"
-        # A key the guard reads is one the chart's ConfigMap holds (where it is absent, the guard
-        # falls back to the webhook's default; tests/unit/guard/test_cluster_policy.py checks those).
+        # A key the guard reads is one the chart's ConfigMap holds, or a policy flag the chart
+        # leaves to its default (where it is absent, the guard falls back to the webhook's default;
+        # tests/unit/guard/test_cluster_policy.py checks those).
         written = set(objects[POLICY]["data"])
-        assert read <= written, f"not in the ConfigMap: {sorted(read - written)}"
+        assert written >= GUARD_POLICY_KEYS, f"not in the ConfigMap: {sorted(GUARD_POLICY_KEYS - written)}"
+        flags = {f.name for f in POLICY_FLAGS}
+        assert read <= flags, f"not a policy flag: {sorted(read - flags)}"
     # The values reach the guard only through the ConfigMap: the policy object is the same for any values.
     assert guards[0] == guards[1], "a policy value was copied into the guard"
 

@@ -95,7 +95,15 @@ def check_invariants(attempts: list[Attempt], down: list[tuple[float, float]]) -
     assert attempts, "no pods were created"
     for a in attempts:
         if not a.gpu:
-            assert a.created.admitted, f"a non-GPU pod was refused: {a.created.message}"
+            # Stored with the webhook's NVIDIA_VISIBLE_DEVICES=void, or (the webhook down) refused
+            # by the guard for want of it.
+            if a.created.admitted:
+                assert all(kube.env_of(c).get("NVIDIA_VISIBLE_DEVICES") == "void"
+                           for c in a.created.obj["spec"]["containers"]), "a non-GPU pod was stored without void"
+            else:
+                assert "NVIDIA_VISIBLE_DEVICES=void" in a.created.message, a.created.message
+                assert any(a.finished >= start and a.started <= end + RECONNECT_SLACK_S for start, end in down), (
+                    f"non-GPU pod refused while the webhook was up: {a.created.message}")
         elif a.created.admitted:
             assert kube.is_mutated(a.created.obj), "a GPU pod was stored without the enforcer"
         else:

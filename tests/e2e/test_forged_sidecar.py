@@ -1,25 +1,29 @@
 """A sidecar of the pod author's own making while the webhook is down, judged by the API server's CEL.
 
-The forgeries start from a pod the webhook really mutated (right image, command, status
-annotation), stored by the API server; each weakens one thing. The real kube-apiserver evaluates
-the guard (with Kubernetes' own strings, regex and quantity libraries, which the unit tests only
-stand in for) and must refuse every forgery and admit the untouched copy.
+The forgeries (tests/unit/guard/test_forged_sidecar.py's FORGERIES, all of them) start from a pod
+the webhook really mutated for the tenant (right image, command, status annotation), as the API
+server stored it after its defaulting; each weakens one thing. They are sent by the tenant (an
+``edit`` ServiceAccount, tests/e2e/tenant.py) with the webhook killed (failurePolicy Ignore), so
+the guard alone stands between them and the cluster: the real kube-apiserver evaluates it, with
+Kubernetes' own strings, regex and quantity libraries and its runtime cost budget, and must refuse
+every forgery with what is wrong, and admit the untouched copy.
 """
 
 from __future__ import annotations
 
 import copy
+from pathlib import Path
 from typing import Any
 
 from kubernetes import client
 
 from tests.e2e import kube
+from tests.e2e.controlplane import ControlPlane
 from tests.e2e.gpufence_install import WebhookProcess
+from tests.e2e.tenant import Tenant, make_tenant
 from tests.unit.guard.test_forged_sidecar import CEILINGS, FORGERIES, sidecar_of
 
-# Most of the unit tests' forgeries (tests/unit/guard/test_forged_sidecar.py runs them all with cel-python).
-CHOSEN = ("audit mode", "share above the ceiling", "compute above the ceiling", "more GPUs than requested",
-          "container twice", "LD_PRELOAD", "no GPUs for NVML", "args", "mount over the code")
+SHARES = {"gpufence.io/memory": "4Gi", "gpufence.io/compute": "50"}
 
 
 def _has_config(pod: dict[str, Any]) -> bool:
@@ -27,31 +31,64 @@ def _has_config(pod: dict[str, Any]) -> bool:
     return kube.is_mutated(pod) and any(e["name"] == "GPUFENCE_CONFIG" for e in sidecar_of(pod)["env"])
 
 
-def test_with_the_webhook_down_a_forged_sidecar_is_refused_by_the_api_server(
-    admin: client.ApiClient, webhook: WebhookProcess,
-):
-    namespace = kube.create_namespace(admin, "ceil", kube.OPT_IN, annotations=CEILINGS)
+def _injected_template(tenant: Tenant) -> dict[str, Any]:
+    """What the webhook makes of the tenant's GPU pod, as stored (dry run), without server fields."""
     # The webhook learns of the new namespace from a watch: wait until it mutates there.
-    real = kube.wait_for(lambda: (c := kube.create_pod(admin, namespace, kube.gpu_pod(
-        annotations={"gpufence.io/memory": "4Gi", "gpufence.io/compute": "50"}), dry_run=True)).admitted
-        and _has_config(c.obj) and c, "the webhook to see the new namespace")
-    assert kube.is_mutated(real.obj)
+    real = kube.wait_for(lambda: (c := kube.create_pod(tenant.api, tenant.namespace, kube.gpu_pod(
+        annotations=SHARES), dry_run=True)).admitted and _has_config(c.obj) and c,
+        "the webhook to see the new namespace")
     template = kube.without_server_fields(real.obj)
     template["metadata"].pop("name")
     template["spec"].pop("nodeName", None)
+    return template
+
+
+def test_with_the_webhook_down_a_forged_sidecar_is_refused_by_the_api_server(
+    cluster: ControlPlane, admin: client.ApiClient, webhook: WebhookProcess, tmp_path: Path,
+):
+    tenant = make_tenant(cluster, admin, tmp_path, annotations=CEILINGS)
+    template = _injected_template(tenant)
 
     webhook.stop("KILL")  # failurePolicy Ignore: only the guard stands between the pod and the cluster
     copied = copy.deepcopy(template)
     copied["metadata"]["name"] = kube.unique("copy")
-    untouched = kube.create_pod(admin, namespace, copied)
+    untouched = kube.create_pod(tenant.api, tenant.namespace, copied)
     assert untouched.admitted, untouched.message  # a true copy of an injection is what the webhook makes
 
-    for name in CHOSEN:
-        forge, expected = FORGERIES[name]
+    wrong: dict[str, str] = {}
+    for name, (forge, expected) in FORGERIES.items():
         forged = copy.deepcopy(template)
         forged["metadata"]["name"] = kube.unique("forged")
         forge(forged)
-        result = kube.create_pod(admin, namespace, forged)
-        assert not result.admitted, f"{name}: admitted"
-        assert result.status == 403 and "gpufence-guard" in result.message, (name, result.message)
-        assert expected in result.message, (name, result.message)
+        result = kube.create_pod(tenant.api, tenant.namespace, forged)
+        if result.admitted:
+            wrong[name] = "admitted"
+        elif not (result.status == 403 and "gpufence-guard" in result.message and expected in result.message):
+            wrong[name] = f"{result.status}: {result.message}"
+    assert not wrong, wrong
+
+
+def test_with_the_webhook_up_a_workload_may_not_use_the_enforcers_volume_or_port(
+    cluster: ControlPlane, admin: client.ApiClient, webhook: WebhookProcess, tmp_path: Path,
+):
+    """The injected gpufence-state volume need not exist in the submitted pod for a workload to
+    mount it (the API server validates after the webhook added it): the webhook denies the mount,
+    and the metrics port (declaring it made the enforcer fall back to an exec probe)."""
+    tenant = make_tenant(cluster, admin, tmp_path, annotations=CEILINGS)
+    _injected_template(tenant)  # the webhook knows the namespace
+    mounts = kube.gpu_pod(annotations=SHARES)
+    mounts["spec"]["containers"][0]["volumeMounts"] = [{"name": "gpufence-state", "mountPath": "/var/run/gpufence"}]
+    refused = kube.create_pod(tenant.api, tenant.namespace, mounts)
+    assert not refused.admitted and refused.status == 400, refused.message
+    assert 'container "trainer" mounts volume "gpufence-state"' in refused.message, refused.message
+
+    port = kube.gpu_pod(annotations=SHARES)
+    port["spec"]["containers"][0]["ports"] = [{"containerPort": 9401, "name": "metrics"}]
+    refused = kube.create_pod(tenant.api, tenant.namespace, port)
+    assert not refused.admitted and refused.status == 400, refused.message
+    assert 'container "trainer" declares port 9401' in refused.message, refused.message
+
+    fine = kube.gpu_pod(annotations=SHARES)
+    fine["spec"]["containers"][0]["ports"] = [{"containerPort": 9402, "name": "metrics"}]
+    admitted = kube.create_pod(tenant.api, tenant.namespace, fine)
+    assert admitted.admitted and kube.is_mutated(admitted.obj), admitted.message

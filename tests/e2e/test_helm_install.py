@@ -125,8 +125,11 @@ def test_webhook_of_the_helm_install_mutates_and_the_guard_closes(
     refused = kube.create_pod(admin, namespace, kube.gpu_pod())
     assert not refused.admitted and refused.status == 403  # ... and the chart's guard refuses the GPU pod
     assert "gpufence-guard" in refused.message and "has no gpufence-enforcer sidecar" in refused.message
-    plain = kube.create_pod(admin, namespace, kube.plain_pod())
-    assert plain.admitted, plain.message
+    plain = kube.create_pod(admin, namespace, kube.plain_pod())  # ... and a pod without the webhook's void
+    assert not plain.admitted and "NVIDIA_VISIBLE_DEVICES=void" in plain.message, plain.message
+    voided = kube.plain_pod()
+    voided["spec"]["containers"][0]["env"].append({"name": "NVIDIA_VISIBLE_DEVICES", "value": "void"})
+    assert (created := kube.create_pod(admin, namespace, voided)).admitted, created.message
 
 
 def test_webhook_of_the_helm_install_reads_the_policy_configmap_and_no_other(

@@ -7,8 +7,9 @@ uses these (all available from Kubernetes 1.30, the oldest version we support):
   ``s.lowerAscii()``, ``s.substring(start, end)``;
 * regex library (``k8s.io/apiserver/pkg/cel/library/regex.go``): ``s.find(re)``, the first match
   or ``''``;
-* quantity library (``.../library/quantity.go``): ``isQuantity(s)``, ``quantity(s).asInteger()``;
-* lists library (``.../library/lists.go``): ``list.sum()``.
+* quantity library (``.../library/quantity.go``): ``isQuantity(s)``, ``quantity(s).asInteger()``,
+  ``quantity(a).compareTo(quantity(b))`` (-1, 0 or 1);
+* lists library (``.../library/lists.go``): ``list.sum()``, ``list.indexOf(x)`` (-1 when absent).
 
 These stand-ins follow the documented semantics for the inputs the policy gives them (RE2 and
 Python's ``re`` agree on the character classes and anchors it uses). They are a test harness, not a
@@ -91,6 +92,14 @@ def _as_integer(quantity: _Quantity) -> celtypes.IntType:
     return celtypes.IntType(int(quantity.value))
 
 
+def _compare_to(left: _Quantity, right: _Quantity) -> celtypes.IntType:
+    return celtypes.IntType((left.value > right.value) - (left.value < right.value))
+
+
+def _index_of(values: Any, item: Any) -> celtypes.IntType:
+    return celtypes.IntType(next((i for i, v in enumerate(values) if v == item), -1))
+
+
 def _sum(values: Any) -> celtypes.IntType:
     return celtypes.IntType(sum(int(v) for v in values))
 
@@ -106,4 +115,6 @@ FUNCTIONS = {
     "isQuantity": _is_quantity,
     "quantity": _quantity,
     "asInteger": _as_integer,
+    "compareTo": _compare_to,
+    "indexOf": _index_of,
 }

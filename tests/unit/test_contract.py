@@ -275,7 +275,9 @@ def test_the_guard_finds_the_sidecar_in_every_status_annotation_the_webhook_writ
 
 def test_the_guard_names_the_sidecar_its_command_and_its_config_variable_as_the_contract() -> None:
     assert set(re.findall(r"c\.name == '([^']*)'", CEL)) == {SIDECAR_NAME}
-    assert re.findall(r"c\.command == (\[[^\]]*\])", CEL) == [json.dumps([ENFORCER_COMMAND]).replace('"', "'")]
+    assert re.findall(r"\bc\.command == (\[[^\]]*\])", CEL) == [json.dumps([ENFORCER_COMMAND]).replace('"', "'")]
+    assert re.findall(r"exec\.command == (\[[^\]]*\])", CEL) == [
+        json.dumps([ENFORCER_COMMAND, "--probe"]).replace('"', "'")]
     assert set(re.findall(r"e\.name == '(GPUFENCE_[A-Z_]*)'", CEL)) == {ENV_CONFIG}
     assert set(re.findall(r"'(gpufence\.io/[a-z.-]+|kubernetes\.io/config\.mirror)'", CEL)) <= _contract_keys()
 
@@ -288,8 +290,8 @@ def _contract_keys() -> set[str]:
 
 
 def test_the_guard_allows_the_sidecar_exactly_the_variables_the_webhook_may_set() -> None:
-    (allowed,) = re.findall(r"e\.name\.startsWith\('GPUFENCE_'\) && !\(e\.name in \[([^\]]*)\]", CEL)
-    assert sorted(re.findall(r"'([^']+)'", allowed)) == sorted(SIDECAR_ENV)
+    allowed = re.findall(r"'(GPUFENCE_[A-Z_]+)", VARIABLES["expectedEnv"])
+    assert sorted(allowed) == sorted(SIDECAR_ENV)
     plan = SharePlan(containers=(("train", ContainerShare()),), mode=Mode.ENFORCE, grace_period_seconds=10)
     sidecar = build_sidecar(plan, InjectionSettings(mount_host_proc=True))
     assert sorted(e["name"] for e in sidecar["env"] if e["name"].startswith("GPUFENCE_")) == sorted(SIDECAR_ENV)

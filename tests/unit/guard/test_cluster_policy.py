@@ -38,6 +38,19 @@ GUARD_READS: dict[str, tuple[str, Callable[[InjectionSettings], Any]]] = {
     "clusterDefaultCompute": ("default-compute", lambda s: s.default_compute or ""),
     "sidecarPollIntervalSeconds": ("sidecar-poll-interval", lambda s: s.poll_interval_seconds),
     "sidecarVisibleDevices": ("sidecar-nvidia-visible-devices", lambda s: s.nvidia_visible_devices),
+    "sidecarNative": ("sidecar-mode", lambda s: s.native_sidecar),
+    "sidecarPullPolicy": ("sidecar-image-pull-policy", lambda s: s.sidecar_image_pull_policy),
+    "sidecarDriverCapabilities": ("sidecar-nvidia-driver-capabilities", lambda s: s.nvidia_driver_capabilities),
+    "sidecarMountsHostProc": ("sidecar-mount-host-proc", lambda s: s.mount_host_proc),
+    "sidecarHostProcPath": ("sidecar-host-proc-mount-path", lambda s: s.host_proc_mount_path),
+    "sidecarPort": ("sidecar-metrics-port", lambda s: s.metrics_port),
+    # Quantities as written in the ConfigMap; the guard compares them with quantity(), so a
+    # spelling the webhook canonicalises ("0.01" for "10m") is the same value (checked below).
+    "sidecarCpuRequest": ("sidecar-cpu-request", lambda s: s.sidecar_cpu_request),
+    "sidecarCpuLimit": ("sidecar-cpu-limit", lambda s: s.sidecar_cpu_limit or ""),
+    "sidecarMemoryRequest": ("sidecar-memory-request", lambda s: s.sidecar_memory_request),
+    "sidecarMemoryLimit": ("sidecar-memory-limit", lambda s: s.sidecar_memory_limit),
+    "voidNonGpuContainers": ("void-non-gpu-containers", lambda s: s.void_non_gpu_containers),
 }
 
 
@@ -51,6 +64,8 @@ def _python(value: Any) -> Any:
         return [_python(v) for v in value]
     if isinstance(value, celtypes.StringType):
         return str(value)
+    if isinstance(value, celtypes.IntType | int):
+        return int(value)
     raise AssertionError(f"unexpected CEL value {value!r}")
 
 
@@ -68,7 +83,9 @@ def test_every_key_the_guard_reads_is_a_policy_flag_and_shipped() -> None:
     read = set(re.findall(r"variables\.clusterPolicy\['([a-z-]+)'\]", expressions))
     assert read == {key for key, _ in GUARD_READS.values()}
     assert read <= {f.name for f in POLICY_FLAGS}
-    assert set(SHIPPED_POLICY) == read  # the base ships exactly the keys the guard reads
+    # The base ships the keys an admin sets most; the sidecar's own (mode, port, resources, ...) are
+    # left to the webhook's defaults, which the guard falls back to alike (tested below).
+    assert set(SHIPPED_POLICY) <= read
 
 
 @pytest.mark.parametrize("data", [None, {}, dict.fromkeys(SHIPPED_POLICY, "")],
@@ -105,6 +122,17 @@ SPELLINGS = [
     *(("exclusive-gpu-resource-name", v) for v in ("nvidia.com/mig-3g.40gb", " nvidia.com/mig-7g.* , a/b")),
     *(("non-gpu-resource-claims", v) for v in ("nic", "nic, fpga-template")),
     ("sidecar-image", "registry.example.com/platform/gpufence:0.1.0"),
+    *(("sidecar-mode", v) for v in ("native", "container")),
+    *(("sidecar-image-pull-policy", v) for v in ("Always", "IfNotPresent", "Never")),
+    ("sidecar-nvidia-driver-capabilities", "utility,compute"),
+    *(("sidecar-mount-host-proc", v) for v in ("true", " Yes", "0")),
+    ("sidecar-host-proc-mount-path", "/hostproc"),
+    *(("sidecar-metrics-port", v) for v in ("9401", " 9500 ")),
+    *(("sidecar-cpu-limit", v) for v in ("none", "None", "500m", "1")),
+    ("sidecar-cpu-request", "20m"),
+    ("sidecar-memory-request", "128Mi"),
+    ("sidecar-memory-limit", "1Gi"),
+    *(("void-non-gpu-containers", v) for v in ("false", "TRUE")),
 ]
 
 
@@ -146,3 +174,17 @@ def test_policy_data_for_gives_the_data_of_each_golden_case() -> None:
     for case in CASES:
         settings = load_case(case)[1]
         assert webhook_holds(parse_policy(policy_data_for(settings))) == webhook_holds(settings), case
+
+
+def test_the_sidecars_resources_are_compared_as_quantities_not_spellings() -> None:
+    """The webhook writes canonical quantities ("0.01" becomes "10m"); the guard compares values."""
+    from tests.unit.guard.test_forged_sidecar import gpu_pod, injected
+
+    data = {**SHIPPED_POLICY, "sidecar-cpu-request": "0.01", "sidecar-memory-limit": "0.25Gi",
+            "sidecar-cpu-limit": " NONE "}
+    settings = parse_policy(data)
+    assert (settings.sidecar_cpu_request, settings.sidecar_memory_limit, settings.sidecar_cpu_limit) == (
+        "10m", "256Mi", None)
+    pod_ = injected(gpu_pod({"gpufence.io/memory": "4Gi"}), {}, settings)
+    assert Guard(POLICY, data).admit(pod_, namespace_annotations={}) == (True, "allowed")
+    assert not GUARD.admit(pod_, namespace_annotations={})[0]  # the shipped policy has a CPU limit

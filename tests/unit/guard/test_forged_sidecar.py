@@ -97,6 +97,74 @@ def _mount_over_code(pod: dict[str, Any]) -> None:
         {"name": "mine", "mountPath": "/opt/gpufence/lib/python3.11/site-packages/enforcer"})
 
 
+def replace_env(pod: dict[str, Any], name: str, value: str) -> None:
+    """The sidecar's variable ``name`` with another value, in its place."""
+    for entry in sidecar_of(pod)["env"]:
+        if entry["name"] == name:
+            entry["value"] = value
+
+
+def _other_user(pod: dict[str, Any]) -> None:
+    """Not root: the enforcer can no longer read or signal the workloads' processes."""
+    context = sidecar_of(pod)["securityContext"]
+    context.pop("runAsNonRoot", None)
+    context.update(runAsUser=1000, capabilities={"drop": ["ALL"]})
+
+
+def _to_containers(pod: dict[str, Any]) -> None:
+    """A regular container (it starts with the workload, not before it) with a limit it cannot live in."""
+    sidecar = sidecar_of(pod)
+    pod["spec"]["initContainers"].remove(sidecar)
+    sidecar.pop("restartPolicy")
+    sidecar["resources"] = {"requests": {"cpu": "10m", "memory": "16Mi"}, "limits": {"memory": "16Mi"}}
+    pod["spec"]["containers"].append(sidecar)
+
+
+def _no_probes(pod: dict[str, Any]) -> None:
+    """Nothing restarts an enforcer that is stopped or hung."""
+    sidecar_of(pod).pop("startupProbe")
+    sidecar_of(pod).pop("livenessProbe")
+
+
+def _shared_state(pod: dict[str, Any]) -> None:
+    """The sidecar's state directory on a volume of the author's, which the workload mounts too."""
+    pod["spec"]["volumes"].append({"name": "shared", "emptyDir": {}})
+    for mount in sidecar_of(pod)["volumeMounts"]:
+        if mount["name"] == "gpufence-state":
+            mount["name"] = "shared"
+    pod["spec"]["containers"][0].setdefault("volumeMounts", []).append({"name": "shared", "mountPath": "/state"})
+
+
+def _dev_hidden(pod: dict[str, Any]) -> None:
+    """An emptyDir over /dev: NVML finds no GPU device nodes."""
+    pod["spec"]["volumes"].append({"name": "nodev", "emptyDir": {}})
+    sidecar_of(pod)["volumeMounts"].append({"name": "nodev", "mountPath": "/dev"})
+
+
+def _workload_mounts_state(pod: dict[str, Any]) -> None:
+    """The workload mounts the enforcer's own state volume (the webhook's name for it)."""
+    pod["spec"]["containers"][0].setdefault("volumeMounts", []).append(
+        {"name": "gpufence-state", "mountPath": "/var/run/gpufence"})
+
+
+def _helper_without_void(pod: dict[str, Any]) -> None:
+    """A container with no device whose CUDA image (or envFrom) sets NVIDIA_VISIBLE_DEVICES=all,
+    without the void the webhook gives it."""
+    pod["spec"]["containers"].append({"name": "helper", "image": "nvidia/cuda:12.4.1-base-ubuntu22.04",
+                                      "envFrom": [{"configMapRef": {"name": "gpus", "optional": True}}]})
+
+
+def _gpu_init_first(pod: dict[str, Any]) -> None:
+    """A GPU init container placed before the sidecar runs before enforcement starts."""
+    pod["spec"]["initContainers"].insert(0, {"name": "warmup", "image": "cuda:12", "resources": {
+        "limits": {"nvidia.com/gpu": "1"}}})
+    with_config(pod, lambda d: d["containers"].update(warmup=dict(d["containers"]["trainer"])))
+
+
+def _workload_declares_the_port(pod: dict[str, Any]) -> None:
+    pod["spec"]["containers"][0]["ports"] = [{"containerPort": 9401, "protocol": "TCP"}]
+
+
 FORGERIES: dict[str, tuple[Callable[[dict[str, Any]], None], str]] = {
     "audit mode": (lambda p: with_config(p, lambda d: d.update(mode="audit")), "asks for audit mode"),
     "share above the ceiling": (
@@ -131,12 +199,31 @@ FORGERIES: dict[str, tuple[Callable[[dict[str, Any]], None], str]] = {
         "exactly one GPUFENCE_CONFIG"),
     "args": (lambda p: sidecar_of(p).update(args=["--config", "/tmp/weak.json"]), "it has args"),
     "envFrom": (lambda p: sidecar_of(p).update(envFrom=[{"configMapRef": {"name": "x"}}]), "it has envFrom"),
-    "LD_PRELOAD": (lambda p: set_env(p, "LD_PRELOAD", "/tmp/fake-nvml.so"), "changes what the enforcer loads"),
-    "PYTHONPATH": (lambda p: set_env(p, "PYTHONPATH", "/tmp/mine"), "changes what the enforcer loads"),
+    "LD_PRELOAD": (lambda p: set_env(p, "LD_PRELOAD", "/tmp/fake-nvml.so"), "its env has LD_PRELOAD="),
+    "PYTHONPATH": (lambda p: set_env(p, "PYTHONPATH", "/tmp/mine"), "its env has PYTHONPATH="),
     "device prefix": (lambda p: set_env(p, "GPUFENCE_NVIDIA_DEVICE_PREFIX", "/dev/none"),
-                      "a GPUFENCE_* the webhook does not set"),
-    "no GPUs for NVML": (lambda p: set_env(p, "NVIDIA_VISIBLE_DEVICES", "void"), "NVML would not see the GPUs"),
-    "mount over the code": (_mount_over_code, "mounts a volume over the image's programs"),
+                      "its env has GPUFENCE_NVIDIA_DEVICE_PREFIX=/dev/none, which the webhook does not set"),
+    "no GPUs for NVML": (lambda p: replace_env(p, "NVIDIA_VISIBLE_DEVICES", "void"),
+                         "its env has NVIDIA_VISIBLE_DEVICES=void"),
+    "mount over the code": (_mount_over_code, "it mounts volume mine at /opt/gpufence"),
+    # The sidecar is exactly what the webhook would build: each of these passed the field checks
+    # above and disarmed the enforcer all the same.
+    "another uid, capabilities dropped": (_other_user, "its securityContext is not the webhook's"),
+    "moved to containers with a 16Mi limit": (_to_containers, "it is not in spec.initContainers"),
+    "probes removed": (_no_probes, "its probes are not the webhook's"),
+    "a GPU init container before it": (_gpu_init_first, 'init container "warmup" requests a GPU and comes before it'),
+    "driver capabilities compute": (lambda p: replace_env(p, "NVIDIA_DRIVER_CAPABILITIES", "compute"),
+                                    "its env has NVIDIA_DRIVER_CAPABILITIES=compute"),
+    "fake host-proc directory": (lambda p: set_env(p, "GPUFENCE_HOST_PROC", "/var/run/gpufence/proc"),
+                                 "its env has GPUFENCE_HOST_PROC=/var/run/gpufence/proc"),
+    "state directory shared with a workload": (_shared_state, "its volumeMounts lack the webhook's"),
+    "an emptyDir over /dev": (_dev_hidden, "it mounts volume nodev at /dev"),
+    # The pod around it: the enforcer's volume and port are its own.
+    "workload mounts the state volume": (_workload_mounts_state, 'container "trainer" mounts volume gpufence-state'),
+    "workload declares the metrics port": (_workload_declares_the_port, 'container "trainer" declares port 9401'),
+    # A container without a device: the webhook's NVIDIA_VISIBLE_DEVICES=void, or no pod.
+    "a container without a device and without the void": (
+        _helper_without_void, 'container "helper" requests no GPU and has no NVIDIA_VISIBLE_DEVICES'),
 }
 
 
@@ -153,7 +240,7 @@ def test_a_forged_sidecar_is_refused_with_what_is_wrong(forgery: str) -> None:
     allowed, message = GUARD.admit(pod, namespace_annotations=CEILINGS)
     assert not allowed
     assert expected in message, message
-    assert 'namespace "team-a"' in message and "remove the sidecar" in message
+    assert 'namespace "team-a"' in message
 
 
 def test_audit_is_admitted_where_the_namespace_allows_it() -> None:

@@ -174,7 +174,7 @@ def test_a_status_annotation_naming_a_container_only_makes_the_guard_stricter() 
     may be gone by validation); a status forged onto a plain pod makes it a GPU pod to refuse."""
     from tests.unit.guard.test_policy import GUARD
 
-    plain = pod_with({"name": "web", "image": "nginx"})
+    plain = pod_with({"name": "web", "image": "nginx", "env": [{"name": "NVIDIA_VISIBLE_DEVICES", "value": "void"}]})
     assert GUARD.admit(plain) == (True, "allowed")
     plain["metadata"]["annotations"] = {
         "gpufence.io/status": '{"containers":["web"],"mode":"enforce","sidecar":"gpufence-enforcer","version":"x"}'}

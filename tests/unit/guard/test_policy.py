@@ -37,10 +37,12 @@ from gpufence.contract import (
     POD_OPT_OUT_LABEL,
     SIDECAR_NAME,
     ContainerShare,
-    EnforcerConfig,
     MemoryShare,
+    Mode,
 )
 from gpufence.webhook.settings import DEFAULT_GPU_RESOURCE, DEFAULT_SIDECAR_IMAGE, InjectionSettings
+from gpufence.webhook.shares import SharePlan
+from gpufence.webhook.sidecar import build_sidecar, pod_volumes
 from tests.support.k8s_cel import FUNCTIONS as K8S_FUNCTIONS
 from tests.unit.webhook.test_admission import good_pods
 
@@ -50,6 +52,9 @@ POLICY_CONFIGMAP_FILE = ROOT / "k8s" / "base" / "policy-configmap.yaml"
 WEBHOOK_CONFIG_FILE = ROOT / "k8s" / "base" / "mutatingwebhookconfiguration.yaml"
 
 _ENV = celpy.Environment()
+
+# Who creates the pod in these tests unless a test says otherwise: a ServiceAccount, not a node.
+TENANT_USER = "system:serviceaccount:team-a:default"
 
 
 def _docs(path: Path) -> list[dict[str, Any]]:
@@ -96,8 +101,8 @@ class Guard:
         )
 
     def admit(self, pod: dict[str, Any], namespace: str = "team-a", namespace_labels: dict[str, str] | None = None,
-              namespace_annotations: dict[str, str] | None = None):
-        """(allowed, message): the outcome for a pod CREATE in ``namespace``."""
+              namespace_annotations: dict[str, str] | None = None, username: str = TENANT_USER):
+        """(allowed, message): the outcome for a pod CREATE in ``namespace`` by ``username``."""
         if namespace_labels is None:
             namespace_labels = {INJECTION_LABEL: INJECTION_ENABLED}
         namespace_labels = {**namespace_labels, "kubernetes.io/metadata.name": namespace}
@@ -107,7 +112,8 @@ class Guard:
         if namespace_annotations is not None:
             namespace_object["metadata"]["annotations"] = namespace_annotations
         activation: dict[str, Any] = {"object": celpy.json_to_cel(pod), "params": self.params,
-                                      "namespaceObject": celpy.json_to_cel(namespace_object)}
+                                      "namespaceObject": celpy.json_to_cel(namespace_object),
+                                      "request": _request(username, namespace)}
         for name, program in self.match_conditions:
             if not _boolean(program.evaluate(activation), f"matchCondition {name}"):
                 return True, f"matchCondition {name} is false"
@@ -125,7 +131,8 @@ class Guard:
         """Every variable's value for a CREATE of ``pod`` in an opted-in ``namespace`` without annotations."""
         namespace_object = {"metadata": {"name": namespace, "labels": {INJECTION_LABEL: INJECTION_ENABLED}}}
         activation = {"object": celpy.json_to_cel(pod), "params": self.params,
-                      "namespaceObject": celpy.json_to_cel(namespace_object)}
+                      "namespaceObject": celpy.json_to_cel(namespace_object),
+                      "request": _request(TENANT_USER, namespace)}
         return dict(self._variables(activation))
 
     def _variables(self, activation: dict[str, Any]) -> celtypes.MapType:
@@ -136,6 +143,11 @@ class Guard:
             assert not isinstance(value, celpy.CELEvalError), f"variable {name}: {value}"
             variables[name] = value
         return celtypes.MapType({celtypes.StringType(k): v for k, v in variables.items()})
+
+
+def _request(username: str, namespace: str) -> Any:
+    """The admission request as CEL sees it (the fields the policy reads)."""
+    return celpy.json_to_cel({"operation": "CREATE", "namespace": namespace, "userInfo": {"username": username}})
 
 
 def _boolean(value: Any, what: str) -> bool:
@@ -178,6 +190,17 @@ def policy_data_for(settings: InjectionSettings) -> dict[str, str]:
         "default-compute": settings.default_compute or "",
         "sidecar-poll-interval": repr(settings.poll_interval_seconds),
         "sidecar-nvidia-visible-devices": settings.nvidia_visible_devices,
+        "sidecar-mode": "native" if settings.native_sidecar else "container",
+        "sidecar-image-pull-policy": settings.sidecar_image_pull_policy,
+        "sidecar-nvidia-driver-capabilities": settings.nvidia_driver_capabilities,
+        "sidecar-mount-host-proc": str(settings.mount_host_proc).lower(),
+        "sidecar-host-proc-mount-path": settings.host_proc_mount_path,
+        "sidecar-metrics-port": str(settings.metrics_port),
+        "sidecar-cpu-request": settings.sidecar_cpu_request,
+        "sidecar-cpu-limit": settings.sidecar_cpu_limit or "none",
+        "sidecar-memory-request": settings.sidecar_memory_request,
+        "sidecar-memory-limit": settings.sidecar_memory_limit,
+        "void-non-gpu-containers": str(settings.void_non_gpu_containers).lower(),
     }
 
 
@@ -209,18 +232,21 @@ def pod(
         spec["initContainers"] = [
             {"name": "warmup", "image": "cuda:12", "resources": {"limits": {resource: "1"}}},
         ]
-    # The parts of a real injection the guard checks: the sidecar's image and command, the status.
-    # and the GPUFENCE_CONFIG it would write (an 8Gi share per GPU container).
+    if not gpu_in:  # what the webhook gives a container without a device
+        main["env"] = [{"name": "NVIDIA_VISIBLE_DEVICES", "value": "void"}]
+    # A real injection's parts: the sidecar build_sidecar makes for an 8Gi share per GPU
+    # container (placement as ``sidecar`` says: the shipped policy wants "native"), its volume, the
+    # status annotation.
     gpu_names = (["train"] if gpu_in else []) + (["warmup"] if init_gpu else [])
     gpu_share = ContainerShare(memory=MemoryShare(bytes=8 << 30), gpus=1)
-    config = EnforcerConfig(containers=dict.fromkeys(gpu_names, gpu_share))
-    enforcer = {"name": SIDECAR_NAME, "image": DEFAULT_SIDECAR_IMAGE, "command": ["gpufence-enforcer"],
-                "env": [{"name": "GPUFENCE_CONFIG", "value": config.to_json()},
-                        {"name": "NVIDIA_VISIBLE_DEVICES", "value": "all"}]}
-    if sidecar == "native":
-        spec.setdefault("initContainers", []).insert(0, {**enforcer, "restartPolicy": "Always"})
-    elif sidecar == "container":
-        spec["containers"].append(enforcer)
+    plan = SharePlan(containers=tuple((n, gpu_share) for n in gpu_names), mode=Mode.ENFORCE,
+                     grace_period_seconds=10.0)
+    settings = InjectionSettings(native_sidecar=sidecar == "native")
+    if sidecar:
+        enforcer = build_sidecar(plan, settings)
+        spec.setdefault("initContainers" if sidecar == "native" else "containers", []).insert(
+            0 if sidecar == "native" else 1, enforcer)
+        spec["volumes"] = pod_volumes(settings)
     if share is not None:
         spec["shareProcessNamespace"] = share
     metadata: dict[str, Any] = {"generateName": "job-", "namespace": "team-a"}
@@ -242,7 +268,17 @@ def test_gpu_pod_without_sidecar_is_denied_with_a_clear_message() -> None:
 
 @pytest.mark.parametrize("placement", ["native", "container"])
 def test_gpu_pod_with_sidecar_and_shared_pid_namespace_is_allowed(placement: str) -> None:
-    assert GUARD.admit(pod(sidecar=placement, share=True)) == (True, "allowed")
+    guard = Guard(POLICY, {**SHIPPED_POLICY, "sidecar-mode": placement})
+    assert guard.admit(pod(sidecar=placement, share=True)) == (True, "allowed")
+
+
+def test_the_sidecar_must_be_where_the_policy_puts_it() -> None:
+    """sidecar-mode native (as shipped): a regular container does not start before the workload."""
+    allowed, message = GUARD.admit(pod(sidecar="container", share=True))
+    assert not allowed and "it is not in spec.initContainers with restartPolicy: Always" in message
+    container_mode = Guard(POLICY, {**SHIPPED_POLICY, "sidecar-mode": "container"})
+    allowed, message = container_mode.admit(pod(sidecar="native", share=True))
+    assert not allowed and "it is not in spec.containers" in message
 
 
 @pytest.mark.parametrize("share", [None, False])
@@ -274,6 +310,7 @@ def test_zero_gpus_is_no_gpu_for_the_guard_and_the_webhook(gpu_in: str) -> None:
 
     zero = pod(gpu_in=gpu_in)
     zero["spec"]["containers"][0]["resources"][gpu_in][DEFAULT_GPU_RESOURCE] = "0"
+    zero["spec"]["containers"][0]["env"] = [{"name": "NVIDIA_VISIBLE_DEVICES", "value": "void"}]
     assert PodGpuPaths(zero["spec"], InjectionSettings()).gpu_container_names() == []
     assert GUARD.admit(zero) == (True, "allowed")
     one = pod(gpu_in=gpu_in)
@@ -323,6 +360,11 @@ def test_non_gpu_pod_is_allowed() -> None:
     ],
 )
 def test_absent_fields_do_not_cause_evaluation_errors(spec: dict[str, Any]) -> None:
+    """(The harness fails on an evaluation error.) Without the webhook's void, the pod is refused."""
+    allowed, message = GUARD.admit({"metadata": {"name": "p"}, "spec": spec})
+    assert not allowed and 'container "app" requests no GPU and has no NVIDIA_VISIBLE_DEVICES' in message
+    for container in spec["containers"]:
+        container["env"] = [{"name": "NVIDIA_VISIBLE_DEVICES", "value": "void"}]
     assert GUARD.admit({"metadata": {"name": "p"}, "spec": spec}) == (True, "allowed")
 
 
@@ -350,10 +392,16 @@ def test_the_cluster_wide_opt_out_is_read_from_the_policy_configmap() -> None:
     assert not widened.admit(opted_out, namespace_annotations={"gpufence.io/allow-opt-out": "false"})[0]
 
 
-def test_mirror_pods_are_excluded_by_a_match_condition() -> None:
-    allowed, why = GUARD.admit(pod(annotations={MIRROR_POD_ANNOTATION: "abc"}))
+def test_mirror_pods_are_excluded_by_a_match_condition_when_a_node_creates_them() -> None:
+    allowed, why = GUARD.admit(pod(annotations={MIRROR_POD_ANNOTATION: "abc"}), username="system:node:gpu-1")
     assert allowed and why.startswith("matchCondition")
-    assert not GUARD.admit(pod(annotations={"example.com/other": "x"}))[0]
+    assert not GUARD.admit(pod(annotations={"example.com/other": "x"}), username="system:node:gpu-1")[0]
+
+
+@pytest.mark.parametrize("username", [TENANT_USER, "system:nodes", "alice", "system:node", "x:system:node:gpu-1"])
+def test_a_mirror_annotation_from_anyone_but_a_node_exempts_nothing(username: str) -> None:
+    allowed, message = GUARD.admit(pod(annotations={MIRROR_POD_ANNOTATION: "abc"}), username=username)
+    assert not allowed and "has no gpufence-enforcer sidecar" in message
 
 
 @pytest.mark.parametrize(
@@ -372,9 +420,11 @@ def test_namespaces_not_opted_in_or_excluded_are_not_selected(namespace: str, la
 
 def test_gpu_resource_names_are_read_from_the_policy_configmap() -> None:
     assert SHIPPED_POLICY["gpu-resource-name"] == ",".join(InjectionSettings().gpu_resource_names)
-    assert GUARD.admit(pod(resource="amd.com/gpu"))[0]
+    other = pod(resource="amd.com/gpu")
+    other["spec"]["containers"][0]["env"] = [{"name": "NVIDIA_VISIBLE_DEVICES", "value": "void"}]
+    assert GUARD.admit(other)[0]
     widened = Guard(POLICY, {**SHIPPED_POLICY, "gpu-resource-name": f"{DEFAULT_GPU_RESOURCE}, amd.com/gpu"})
-    assert not widened.admit(pod(resource="amd.com/gpu"))[0]
+    assert not widened.admit(other)[0]
     assert not widened.admit(pod())[0]
 
 
@@ -421,7 +471,7 @@ def test_a_pod_mutated_by_the_webhook_passes_the_guard() -> None:
         assert result.outcome == "mutated", result.outcome
         patch = json.loads(base64.b64decode(response["patch"]))
         mutated = jsonpatch.apply_patch(copy.deepcopy(original), patch)
-        assert GUARD.admit(mutated) == (True, "allowed")
+        assert Guard(POLICY, policy_data_for(settings)).admit(mutated) == (True, "allowed")
 
 
 # --- the guard and the webhook on the same inputs ---------------------------------------------
@@ -436,11 +486,13 @@ def _golden_cases() -> list[str]:
 @pytest.mark.parametrize("case", _golden_cases())
 def test_the_guard_agrees_with_the_webhook_on_every_golden_case(case: str) -> None:
     """What the webhook mutates passes the guard, and the same pod sent unmutated (the webhook down)
-    is denied; what it admits unmutated in an opted-in namespace the guard admits too."""
-    from gpufence.webhook.gpu_paths import PodGpuPaths
-    from tests.unit.webhook.test_golden import GOLDEN, load_case
+    is denied (a GPU pod for want of the sidecar, any other for want of its NVIDIA_VISIBLE_DEVICES=void);
+    what it admits unmutated in an opted-in namespace the guard admits too; what it denies, the guard
+    denies."""
+    from tests.unit.webhook.test_golden import GOLDEN, load_case, username_of
 
     pod_in, settings, lookup, operation = load_case(case)
+    username = username_of(case)
     expected = yaml.safe_load((GOLDEN / f"{case}.out.yaml").read_text())
     info = lookup.get(pod_in["metadata"].get("namespace", ""))
     if operation != "CREATE" or info is None or not info.opted_in:
@@ -448,15 +500,15 @@ def test_the_guard_agrees_with_the_webhook_on_every_golden_case(case: str) -> No
     guard = Guard(POLICY, policy_data_for(settings))
     namespace, labels, ns_annotations = info.name, dict(info.labels), dict(info.annotations)
     outcome = expected["outcome"]
-    requests_gpu = bool(PodGpuPaths(pod_in["spec"], settings).gpu_container_names())
+    unmutated = guard.admit(pod_in, namespace, labels, ns_annotations, username)
     if outcome == "mutated":
-        assert guard.admit(expected["pod"], namespace, labels, ns_annotations)[0], "the output fails the guard"
-        # A GPU pod the webhook mutates is refused unmutated; a pod without GPUs only gains
-        # NVIDIA_VISIBLE_DEVICES=void, which the guard does not demand (fail open for them).
-        admitted_unmutated = guard.admit(pod_in, namespace, labels, ns_annotations)[0]
-        assert admitted_unmutated is not requests_gpu
+        output = guard.admit(expected["pod"], namespace, labels, ns_annotations, username)
+        assert output[0], f"the output fails the guard: {output[1]}"
+        assert not unmutated[0], "the pod the webhook mutates passes the guard unmutated"
     elif outcome in ("unchanged", "skipped"):
-        assert guard.admit(pod_in, namespace, labels, ns_annotations)[0], "the guard denies what the webhook admits"
+        assert unmutated[0], f"the guard denies what the webhook admits: {unmutated[1]}"
+    else:
+        assert not unmutated[0], "the guard admits what the webhook denies"
 
 
 @pytest.mark.parametrize("label", [None, "false", "true"])
@@ -478,13 +530,14 @@ def test_the_guard_and_the_webhook_agree_on_opt_out(label: str | None, ns_annota
     payload = client.pod_admission_review(copy.deepcopy(candidate), uid="u", namespace="team-a")
     outcome = admission.review(payload, InjectionSettings(), Lookup()).outcome
     allowed, message = GUARD.admit(candidate, namespace_annotations=ns_annotations)
-    if outcome == "skipped":
+    if outcome in ("skipped", "unchanged"):
         assert allowed, message
     elif outcome == "denied":
         assert not allowed and "gpufence.io/inject" in message
     else:
-        # Unmutated (the webhook down): a GPU pod is refused; one without GPUs only missed its void.
-        assert outcome == "mutated" and allowed is not gpu
+        # Unmutated (the webhook down): a GPU pod is refused, and so is one without GPUs, for want of
+        # the NVIDIA_VISIBLE_DEVICES=void the webhook would have added.
+        assert outcome == "mutated" and not allowed
 
 
 @pytest.mark.parametrize(
@@ -522,7 +575,9 @@ def test_the_guard_and_the_webhook_close_the_nvidia_side_door(gpu: bool, contain
         assert not allowed
     else:
         assert result.outcome != "denied"
-        assert allowed == (not gpu)  # a GPU pod sent unmutated is refused for want of the sidecar
+        # A GPU pod sent unmutated is refused for want of the sidecar, any other for want of the
+        # void in each container (unless the container sets NVIDIA_VISIBLE_DEVICES=void itself).
+        assert allowed == (not gpu and entry["name"] == "NVIDIA_VISIBLE_DEVICES")
     if gpu and not denied:
         patch = json.loads(base64.b64decode(result.review["response"]["patch"]))
         import jsonpatch
@@ -561,12 +616,11 @@ _label_variants = st.sampled_from([None, {POD_OPT_OUT_LABEL: "false"}, {POD_OPT_
 @given(good_pods, _namespace_variants, _label_variants)
 def test_the_guard_agrees_with_the_webhook_on_generated_pods(candidate: dict[str, Any], ns_annotations: dict[str, str],
                                                              labels: dict[str, str] | None) -> None:
-    """What the webhook admits as is the guard admits; what it mutates passes the guard; a GPU pod it
+    """What the webhook admits as is the guard admits; what it mutates passes the guard; a pod it
     would mutate is refused by the guard when sent unmutated (the webhook down)."""
     import jsonpatch
 
     from gpufence.webhook import admission, client
-    from gpufence.webhook.gpu_paths import PodGpuPaths
     from gpufence.webhook.settings import InjectionSettings, NamespaceInfo
 
     class Lookup:
@@ -585,5 +639,4 @@ def test_the_guard_agrees_with_the_webhook_on_generated_pods(candidate: dict[str
         patch = json.loads(base64.b64decode(result.review["response"]["patch"]))
         mutated = jsonpatch.apply_patch(candidate, patch)
         assert GUARD.admit(mutated, namespace_annotations=ns_annotations)[0], "the webhook's output fails the guard"
-        requests_gpu = bool(PodGpuPaths(candidate["spec"], InjectionSettings()).gpu_container_names())
-        assert unmutated is not requests_gpu, "a GPU pod the webhook mutates passes the guard unmutated"
+        assert not unmutated, "a pod the webhook mutates passes the guard unmutated"

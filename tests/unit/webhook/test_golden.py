@@ -8,6 +8,7 @@
     kubernetes: ...  # optional: the API version whose schema the pods follow (default K8S_VERSION;
                      # DRA claims need 1.31's resourceClaims shape)
     operation: ...   # optional: CREATE by default
+    username: ...    # optional: who sends the request (default a ReplicaSet controller's account)
     pod: ...         # the submitted pod
 
 ``<case>.out.yaml`` records the decision: ``outcome``, ``warnings`` (if any), ``message`` (denials)
@@ -74,14 +75,23 @@ def load_case(case: str) -> tuple[dict[str, Any], InjectionSettings, _Lookup, st
     return pod, settings, _Lookup(info), doc.get("operation", "CREATE")
 
 
-def admission_review(pod: dict[str, Any], operation: str = "CREATE", uid: str = "0b4e3c2a-golden") -> dict[str, Any]:
+DEFAULT_USERNAME = "system:serviceaccount:kube-system:replicaset-controller"
+
+
+def username_of(case: str) -> str:
+    """Who sends the case's request: a node for a static pod's mirror, else a controller."""
+    return yaml.safe_load((GOLDEN / f"{case}.in.yaml").read_text()).get("username", DEFAULT_USERNAME)
+
+
+def admission_review(pod: dict[str, Any], operation: str = "CREATE", uid: str = "0b4e3c2a-golden",
+                     username: str = DEFAULT_USERNAME) -> dict[str, Any]:
     namespace = pod.get("metadata", {}).get("namespace", "team-a")
-    return pod_admission_review(pod, uid=uid, namespace=namespace, operation=operation)
+    return pod_admission_review(pod, uid=uid, namespace=namespace, operation=operation, username=username)
 
 
 def run_case(case: str) -> dict[str, Any]:
     pod, settings, lookup, operation = load_case(case)
-    result = review(admission_review(pod, operation), settings, lookup)
+    result = review(admission_review(pod, operation, username=username_of(case)), settings, lookup)
     answer = result.review
     assert answer["apiVersion"] == "admission.k8s.io/v1"
     assert answer["kind"] == "AdmissionReview"
@@ -132,7 +142,7 @@ def test_golden_output_is_a_fixed_point(case: str) -> None:
     expected = yaml.safe_load((GOLDEN / f"{case}.out.yaml").read_text())
     if expected["outcome"] not in ("mutated", "unchanged"):
         return
-    result = review(admission_review(expected["pod"], operation), settings, lookup)
+    result = review(admission_review(expected["pod"], operation, username=username_of(case)), settings, lookup)
     assert result.outcome == "unchanged"
     assert "patch" not in result.review["response"]
 
