@@ -24,6 +24,10 @@ from gpufence.contract import (
 # The image of this very version (gpufence/__init__.py): webhook and sidecar come from one build.
 DEFAULT_SIDECAR_IMAGE = IMAGE
 DEFAULT_GPU_RESOURCE = "nvidia.com/gpu"
+# Who may touch the enforcer of a running pod (change the sidecar, exec or attach into it, add an
+# ephemeral container the gpufence-protect policy would refuse): the cluster's superusers and the
+# group gpufence documents for its operators (docs/install.md).
+DEFAULT_ADMIN_GROUPS = ("system:masters", "gpufence:admins")
 
 
 @dataclass(frozen=True)
@@ -107,3 +111,6 @@ class InjectionSettings:
     # Taken off the share before it becomes a framework's fraction (where the GPU's memory is
     # known): the CUDA context and library workspaces, outside the allocator, count in NVML.
     framework_memory_headroom_bytes: int = 512 << 20
+    # Read by the gpufence-protect ValidatingAdmissionPolicy (k8s/base/protect-policy.yaml) through the
+    # policy ConfigMap; the webhook only validates the key. Its members pass that policy.
+    admin_groups: tuple[str, ...] = DEFAULT_ADMIN_GROUPS

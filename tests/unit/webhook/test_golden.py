@@ -6,6 +6,8 @@
                      # or {name, labels, annotations}
     settings: ...    # optional: InjectionSettings field overrides
     operation: ...   # optional: CREATE by default
+    subResource: ... # optional: e.g. ephemeralcontainers (an UPDATE of that subresource)
+    oldPod: ...      # optional: the request's oldObject (UPDATE)
     pod: ...         # the submitted pod
 
 ``<case>.out.yaml`` records the decision: ``outcome``, ``warnings`` (if any), ``message`` (denials)
@@ -50,6 +52,12 @@ def _fixed_version(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(sidecar, "GPUFENCE_VERSION", "0.0.0-test")
 
 
+def request_extras(case: str) -> dict[str, Any]:
+    """The subresource and oldObject of the case's request (none for a pod CREATE)."""
+    doc = yaml.safe_load((GOLDEN / f"{case}.in.yaml").read_text())
+    return {"sub_resource": doc.get("subResource"), "old_object": doc.get("oldPod")}
+
+
 def load_case(case: str) -> tuple[dict[str, Any], InjectionSettings, _Lookup, str]:
     doc = yaml.safe_load((GOLDEN / f"{case}.in.yaml").read_text())
     pod = doc["pod"]
@@ -71,14 +79,15 @@ def load_case(case: str) -> tuple[dict[str, Any], InjectionSettings, _Lookup, st
     return pod, settings, _Lookup(info), doc.get("operation", "CREATE")
 
 
-def admission_review(pod: dict[str, Any], operation: str = "CREATE", uid: str = "0b4e3c2a-golden") -> dict[str, Any]:
+def admission_review(pod: dict[str, Any], operation: str = "CREATE", uid: str = "0b4e3c2a-golden",
+                     **extras: Any) -> dict[str, Any]:
     namespace = pod.get("metadata", {}).get("namespace", "team-a")
-    return pod_admission_review(pod, uid=uid, namespace=namespace, operation=operation)
+    return pod_admission_review(pod, uid=uid, namespace=namespace, operation=operation, **extras)
 
 
 def run_case(case: str) -> dict[str, Any]:
     pod, settings, lookup, operation = load_case(case)
-    result = review(admission_review(pod, operation), settings, lookup)
+    result = review(admission_review(pod, operation, **request_extras(case)), settings, lookup)
     answer = result.review
     assert answer["apiVersion"] == "admission.k8s.io/v1"
     assert answer["kind"] == "AdmissionReview"
@@ -128,7 +137,7 @@ def test_golden_output_is_a_fixed_point(case: str) -> None:
     expected = yaml.safe_load((GOLDEN / f"{case}.out.yaml").read_text())
     if expected["outcome"] not in ("mutated", "unchanged"):
         return
-    result = review(admission_review(expected["pod"], operation), settings, lookup)
+    result = review(admission_review(expected["pod"], operation, **request_extras(case)), settings, lookup)
     assert result.outcome == "unchanged"
     assert "patch" not in result.review["response"]
 
