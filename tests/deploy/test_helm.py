@@ -288,8 +288,8 @@ def test_guard_reads_the_policy_configmap(helm: Path, tmp_path: Path) -> None:
     ({"policy": {"sidecar-image": "example.com/x:1"}},
      "policy.sidecar-image: example.com/x:1: the sidecar runs the chart's image; set image.repository and image.tag"),
     ({"policy": {"max-memory": ["8Gi", "16Gi"]}},
-     "policy.max-memory: [8Gi 16Gi]: a list, but only gpu-resource-name and gpu-memory take several values; "
-     "give one, e.g. policy.max-memory: 8Gi"),
+     "policy.max-memory: [8Gi 16Gi]: a list, but only gpu-resource-name, gpu-memory, admin-groups take several "
+     "values; give one, e.g. policy.max-memory: 8Gi"),
     ({"webhook": {"flags": {"default-memory": "25%"}}},
      "webhook.flags.default-memory: 25%: a policy setting, which the webhook reads from the ConfigMap "
      "gpufence-policy (and the guard too); set policy.default-memory instead"),

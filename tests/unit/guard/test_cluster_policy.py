@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -66,7 +67,11 @@ def test_every_key_the_guard_reads_is_a_policy_flag_and_shipped() -> None:
     read = set(re.findall(r"variables\.clusterPolicy\['([a-z-]+)'\]", expressions))
     assert read == {key for key, _ in GUARD_READS.values()}
     assert read <= {f.name for f in POLICY_FLAGS}
-    assert set(SHIPPED_POLICY) == read  # the base ships exactly the keys the guard reads
+    # The base ships exactly the keys the guard and the protect policy read.
+    protect = (Path(__file__).resolve().parents[3] / "k8s" / "base" / "protect-policy.yaml").read_text()
+    read_by_protect = set(re.findall(r"variables\.clusterPolicy\['([a-z-]+)'\]", protect))
+    assert read_by_protect == {"admin-groups"}
+    assert set(SHIPPED_POLICY) == read | read_by_protect
 
 
 @pytest.mark.parametrize("data", [None, {}, dict.fromkeys(SHIPPED_POLICY, "")],
