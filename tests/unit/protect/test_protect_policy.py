@@ -38,8 +38,10 @@ def _docs(path: Path) -> list[dict[str, Any]]:
     return [d for d in yaml.safe_load_all(path.read_text()) if d]
 
 
-(POLICY,) = [d for d in _docs(POLICY_FILE) if d["kind"] == "ValidatingAdmissionPolicy"]
-(BINDING,) = [d for d in _docs(POLICY_FILE) if d["kind"] == "ValidatingAdmissionPolicyBinding"]
+POLICIES = {d["metadata"]["name"]: d for d in _docs(POLICY_FILE) if d["kind"] == "ValidatingAdmissionPolicy"}
+BINDINGS = {d["metadata"]["name"]: d for d in _docs(POLICY_FILE) if d["kind"] == "ValidatingAdmissionPolicyBinding"}
+POLICY = POLICIES["gpufence-protect"]  # UPDATE of pods, pods/ephemeralcontainers, pods/resize
+EXEC_POLICY = POLICIES["gpufence-protect-exec"]  # CONNECT to pods/exec, pods/attach
 (POLICY_CONFIGMAP,) = _docs(POLICY_CONFIGMAP_FILE)
 SHIPPED_POLICY: dict[str, str] = dict(POLICY_CONFIGMAP["data"])
 TENANT = ("system:serviceaccounts", "system:serviceaccounts:team-a", "system:authenticated")
@@ -57,8 +59,8 @@ def _ok(value: Any, what: str) -> Any:
 class Protect:
     """A compiled copy of the policy, with the cluster policy ConfigMap's data as its params."""
 
-    def __init__(self, policy_data: dict[str, str] | None = None) -> None:
-        spec = POLICY["spec"]
+    def __init__(self, policy_data: dict[str, str] | None = None, policy: dict[str, Any] = POLICY) -> None:
+        spec = policy["spec"]
         assert "matchConditions" not in spec  # the harness evaluates none
         data = dict(SHIPPED_POLICY if policy_data is None else policy_data)
         self.params = celpy.json_to_cel({"apiVersion": "v1", "kind": "ConfigMap", "data": data})
@@ -108,6 +110,7 @@ def _request(operation: str, sub_resource: str, groups: tuple[str, ...]) -> dict
 
 
 PROTECT = Protect()
+PROTECT_EXEC = Protect(policy=EXEC_POLICY)
 STATUS = '{"containers":["trainer"],"mode":"enforce","sidecar":"gpufence-enforcer","version":"0.1.0"}'
 
 
@@ -230,18 +233,21 @@ def test_admin_groups_come_from_the_policy_configmap() -> None:
     assert not allowed and " platform:gpu-admins ,oncall (admin-groups" in message
 
 
+@pytest.mark.parametrize("policy", [POLICY, EXEC_POLICY], ids=lambda p: p["metadata"]["name"])
 @pytest.mark.parametrize("data", [None, {"admin-groups": ""}, {}])
-def test_admin_groups_default_to_the_webhooks(data: dict[str, str] | None) -> None:
-    """Absent or empty, the policy falls back to exactly the webhook's default (InjectionSettings)."""
-    protect = Protect(data if data is not None else {})
+def test_admin_groups_default_to_the_webhooks(data: dict[str, str] | None, policy: dict[str, Any]) -> None:
+    """Absent or empty, each policy falls back to exactly the webhook's default (InjectionSettings)."""
+    protect = Protect(data if data is not None else {}, policy=policy)
     activation = protect.activation(_request("UPDATE", "", TENANT), injected_pod(), injected_pod())
     assert list(activation["variables"]["adminGroups"]) == list(InjectionSettings().admin_groups)
     assert parse_policy(data) == InjectionSettings()
 
 
-def test_the_shipped_admin_groups_parse_as_the_webhook_parses_them() -> None:
+@pytest.mark.parametrize("policy", [POLICY, EXEC_POLICY], ids=lambda p: p["metadata"]["name"])
+def test_the_shipped_admin_groups_parse_as_the_webhook_parses_them(policy: dict[str, Any]) -> None:
     spelled = {"admin-groups": "team:gpu-admins, system:masters ,x"}
-    activation = Protect(spelled).activation(_request("UPDATE", "", TENANT), injected_pod(), injected_pod())
+    activation = Protect(spelled, policy=policy).activation(_request("UPDATE", "", TENANT), injected_pod(),
+                                                            injected_pod())
     assert list(activation["variables"]["adminGroups"]) == list(parse_policy(spelled).admin_groups)
     assert parse_policy(SHIPPED_POLICY).admin_groups == InjectionSettings().admin_groups
 
@@ -315,7 +321,7 @@ def test_reserved_volumes_are_the_webhooks() -> None:
 
 @pytest.mark.parametrize("sub_resource", ["exec", "attach"])
 def test_exec_and_attach_into_the_sidecar_are_refused(sub_resource: str) -> None:
-    allowed, message = PROTECT.connect(sub_resource, SIDECAR_NAME)
+    allowed, message = PROTECT_EXEC.connect(sub_resource, SIDECAR_NAME)
     assert not allowed
     assert message.startswith(f'gpufence: {sub_resource} into container "gpufence-enforcer" of pod "train-1"')
     assert "kubectl exec train-1 -c <your-container> -- sh" in message
@@ -324,38 +330,61 @@ def test_exec_and_attach_into_the_sidecar_are_refused(sub_resource: str) -> None
 @pytest.mark.parametrize("container", ["trainer", "", None])
 @pytest.mark.parametrize("sub_resource", ["exec", "attach"])
 def test_exec_and_attach_into_other_containers_pass(sub_resource: str, container: str | None) -> None:
-    assert PROTECT.connect(sub_resource, container) == (True, "allowed")
+    assert PROTECT_EXEC.connect(sub_resource, container) == (True, "allowed")
 
 
 def test_admins_may_exec_into_the_sidecar() -> None:
-    assert PROTECT.connect("exec", SIDECAR_NAME, groups=("system:masters",)) == (True, "allowed")
+    assert PROTECT_EXEC.connect("exec", SIDECAR_NAME, groups=("system:masters",)) == (True, "allowed")
+    protect = Protect({"admin-groups": "oncall"}, policy=EXEC_POLICY)
+    assert protect.connect("exec", SIDECAR_NAME, groups=("oncall",)) == (True, "allowed")
+    assert not protect.connect("exec", SIDECAR_NAME, groups=("system:masters",))[0]
 
 
 # --- scope ---------------------------------------------------------------------------------------
 
 
+def rules_of(policy: dict[str, Any]) -> set[tuple[str, str]]:
+    return {(op, r) for rule in policy["spec"]["matchConstraints"]["resourceRules"]
+            for op in rule["operations"] for r in rule["resources"]}
+
+
 def test_scope_is_the_webhooks_namespaces_and_covers_its_update_rules() -> None:
     (config,) = [d for d in _docs(WEBHOOK_CONFIG_FILE) if d["kind"] == "MutatingWebhookConfiguration"]
     (webhook,) = config["webhooks"]
-    constraints = POLICY["spec"]["matchConstraints"]
-    assert constraints["namespaceSelector"] == webhook["namespaceSelector"]
-    assert INJECTION_LABEL in str(constraints["namespaceSelector"]) and INJECTION_ENABLED in str(
-        constraints["namespaceSelector"])
-    rules = {(op, r) for rule in constraints["resourceRules"] for op in rule["operations"] for r in rule["resources"]}
+    for policy in POLICIES.values():
+        constraints = policy["spec"]["matchConstraints"]
+        assert constraints["namespaceSelector"] == webhook["namespaceSelector"]
+        assert "objectSelector" not in constraints and "matchConditions" not in policy["spec"]
+    assert INJECTION_LABEL in str(webhook["namespaceSelector"]) and INJECTION_ENABLED in str(
+        webhook["namespaceSelector"])
     for rule in webhook["rules"]:
         if rule["operations"] != ["CREATE"]:  # creation is the guard's
-            assert {(op, r) for op in rule["operations"] for r in rule["resources"]} <= rules
-    assert {("UPDATE", "pods"), ("UPDATE", "pods/ephemeralcontainers"), ("UPDATE", "pods/resize"),
-            ("CONNECT", "pods/exec"), ("CONNECT", "pods/attach")} == rules
+            assert {(op, r) for op in rule["operations"] for r in rule["resources"]} <= rules_of(POLICY)
+    assert rules_of(POLICY) == {("UPDATE", "pods"), ("UPDATE", "pods/ephemeralcontainers"),
+                                ("UPDATE", "pods/resize")}
+    # A policy of its own: the API server type-checks against the kinds the rules resolve to (Pod).
+    assert rules_of(EXEC_POLICY) == {("CONNECT", "pods/exec"), ("CONNECT", "pods/attach")}
     # Never the kubelet's or the scheduler's writes, never deletion.
-    assert not {r for _, r in rules} & {"pods/status", "pods/binding", "pods/eviction"}
+    everything = rules_of(POLICY) | rules_of(EXEC_POLICY)
+    assert not {r for _, r in everything} & {"pods/status", "pods/binding", "pods/eviction"}
+    assert not {op for op, _ in everything} & {"DELETE", "CREATE"}
 
 
-def test_the_binding_fails_closed_on_the_shared_policy_configmap() -> None:
+@pytest.mark.parametrize("name", ["gpufence-protect", "gpufence-protect-exec"])
+def test_the_bindings_fail_closed_on_the_shared_policy_configmap(name: str) -> None:
     (guard_binding,) = [d for d in _docs(GUARD_FILE) if d["kind"] == "ValidatingAdmissionPolicyBinding"]
-    assert POLICY["spec"]["failurePolicy"] == "Fail"
-    assert POLICY["spec"]["paramKind"] == {"apiVersion": "v1", "kind": "ConfigMap"}
-    assert BINDING["spec"]["policyName"] == POLICY["metadata"]["name"] == "gpufence-protect"
-    assert BINDING["spec"]["paramRef"] == guard_binding["spec"]["paramRef"]
-    assert BINDING["spec"]["paramRef"]["parameterNotFoundAction"] == "Deny"
-    assert BINDING["spec"]["validationActions"] == ["Deny"]
+    policy, binding = POLICIES[name], BINDINGS[name]
+    assert policy["spec"]["failurePolicy"] == "Fail"
+    assert policy["spec"]["paramKind"] == {"apiVersion": "v1", "kind": "ConfigMap"}
+    assert binding["spec"]["policyName"] == name
+    assert binding["spec"]["paramRef"] == guard_binding["spec"]["paramRef"]
+    assert binding["spec"]["paramRef"]["parameterNotFoundAction"] == "Deny"
+    assert binding["spec"]["validationActions"] == ["Deny"]
+
+
+def test_the_admin_groups_variables_are_the_same_in_both_policies() -> None:
+    def admin_variables(policy: dict[str, Any]) -> list[dict[str, str]]:
+        wanted = ("clusterPolicy", "adminGroupsText", "adminGroups", "isAdmin")
+        return [v for v in policy["spec"]["variables"] if v["name"] in wanted]
+
+    assert admin_variables(POLICY) == admin_variables(EXEC_POLICY) and len(admin_variables(POLICY)) == 4
