@@ -169,11 +169,12 @@ def test_patching_the_sidecars_image_is_refused(cluster: ControlPlane, tenant: T
 
 def test_resizing_the_sidecar_is_refused(cluster: ControlPlane, admin: client.ApiClient, tenant: Tenant,
                                          tenant_pod: str) -> None:
-    """A sidecar starved of memory is OOM-killed at each restart. A pod UPDATE cannot change resources
-    (the API server's own validation); from 1.33 pods/resize can, which edit does not grant and a
-    cluster may: the tenant gets it here, and the sidecar's resources must still not change."""
+    """A sidecar starved of CPU polls late. A pod UPDATE cannot change resources (the API server's own
+    validation); from 1.33 pods/resize can, which edit does not grant and a cluster may: the tenant
+    gets it here, and the sidecar's resources must still not change."""
     key, i = sidecar_index(read_pod(tenant.api, tenant.namespace, tenant_pod))
-    ops = [{"op": "replace", "path": f"/spec/{key}/{i}/resources/limits/memory", "value": "8Mi"}]
+    # Down to its request (10m), a limit the API server itself accepts.
+    ops = [{"op": "replace", "path": f"/spec/{key}/{i}/resources/limits/cpu", "value": "10m"}]
     update = json_patch(tenant.api, tenant.namespace, tenant_pod, ops)
     assert update.status == 422 and "pod updates may not change fields" in update.message, update
 
