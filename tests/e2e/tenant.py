@@ -34,8 +34,12 @@ class Tenant:
     api: client.ApiClient  # authenticated with the tenant's token
 
     def can(self, cp: ControlPlane, verb: str, resource: str) -> bool:
-        """What the API server's authorizer says this tenant may do in its namespace."""
-        result = cp.kubectl("auth", "can-i", verb, resource, "-n", self.namespace, "--as", self.user, check=False)
+        """What the API server's authorizer says this tenant may do in its namespace. ``resource`` may
+        name a subresource (``pods/exec``), which kubectl takes as ``--subresource`` (its TYPE/NAME
+        argument would read it as the pod named "exec")."""
+        kind, _, sub = resource.partition("/")
+        args = [kind, *(["--subresource", sub] if sub else [])]
+        result = cp.kubectl("auth", "can-i", verb, *args, "-n", self.namespace, "--as", self.user, check=False)
         answer = result.stdout.strip()
         assert answer in ("yes", "no"), result.stderr
         return answer == "yes"
