@@ -18,6 +18,9 @@ import celpy
 import pytest
 import yaml
 from celpy import celtypes
+from hypothesis import assume, given
+from hypothesis import settings as hypothesis_settings
+from hypothesis import strategies as st
 
 from gpufence.contract import ANNOTATION_STATUS, INJECTION_ENABLED, INJECTION_LABEL, SIDECAR_NAME
 from gpufence.webhook.cluster_policy import parse_policy
@@ -388,3 +391,42 @@ def test_the_admin_groups_variables_are_the_same_in_both_policies() -> None:
         return [v for v in policy["spec"]["variables"] if v["name"] in wanted]
 
     assert admin_variables(POLICY) == admin_variables(EXEC_POLICY) and len(admin_variables(POLICY)) == 4
+
+
+# --- properties ----------------------------------------------------------------------------------
+
+# Changes as the API server hands them over: typed as in a Pod (validation runs before validating
+# admission), fields omitted rather than null, an image a non-empty string.
+_TEXT = st.text("ab:/.", min_size=1, max_size=6)
+_CHANGES = st.one_of(
+    st.tuples(st.just("image"), _TEXT),
+    st.tuples(st.sampled_from(["command", "args"]), st.lists(_TEXT, max_size=3)),
+    st.tuples(st.just("workingDir"), _TEXT),
+    st.tuples(st.just("imagePullPolicy"), st.sampled_from(["Always", "Never"])),
+    st.tuples(st.just("env"), st.lists(st.fixed_dictionaries({"name": _TEXT, "value": _TEXT}), max_size=2)),
+    st.tuples(st.just("volumeMounts"),
+              st.lists(st.fixed_dictionaries({"name": _TEXT, "mountPath": _TEXT}), max_size=2)),
+    st.tuples(st.just("securityContext"), st.fixed_dictionaries(
+        {}, optional={"runAsUser": st.integers(0, 2), "privileged": st.booleans()})),
+)
+
+
+@given(change=_CHANGES, native=st.booleans())
+@hypothesis_settings(max_examples=60, deadline=None)
+def test_every_change_to_the_sidecar_is_refused(change: tuple[str, Any], native: bool) -> None:
+    field, value = change
+    old = injected_pod(native=native)
+    new = changed(old, lambda p: sidecar_of(p).__setitem__(field, value))
+    assume(new != old)
+    allowed, message = PROTECT.update(old, new)
+    assert not allowed and 'container "gpufence-enforcer"' in message
+
+
+@given(change=_CHANGES)
+@hypothesis_settings(max_examples=40, deadline=None)
+def test_changes_to_the_workload_container_pass(change: tuple[str, Any]) -> None:
+    # The API server's own validation decides which of these a pod UPDATE may make; gpufence does not.
+    field, value = change
+    old = injected_pod()
+    new = changed(old, lambda p: p["spec"]["containers"][0].__setitem__(field, value))
+    assert PROTECT.update(old, new) == (True, "allowed")
