@@ -15,6 +15,8 @@ from typing import Any
 
 from gpufence.contract import MIRROR_POD_ANNOTATION, POD_OPT_OUT_LABEL, SIDECAR_NAME, SIDECAR_PORT_NAME
 from gpufence.webhook.desired import desired_plain_pod, desired_pod
+from gpufence.webhook.ephemeral import SUBRESOURCE as EPHEMERAL_SUBRESOURCE
+from gpufence.webhook.ephemeral import ephemeral_patch
 from gpufence.webhook.gpu_paths import PodGpuPaths, advised_resource
 from gpufence.webhook.namespace_policy import namespace_policy, opt_out_allowed, opt_out_denial
 from gpufence.webhook.patch import diff, dumps
@@ -122,9 +124,34 @@ def _by_a_node(request: dict[str, Any]) -> bool:
     return isinstance(username, str) and username.startswith(NODE_USER_PREFIX)
 
 
+def _is_ephemeral_request(request: dict[str, Any]) -> bool:
+    """An UPDATE of pods/ephemeralcontainers (``kubectl debug``): its object is the whole pod."""
+    resource = _dict(request.get("resource"))
+    return (request.get("subResource") == EPHEMERAL_SUBRESOURCE and request.get("operation") == "UPDATE"
+            and resource.get("group", "") == "" and resource.get("resource") == "pods")
+
+
+def _ephemeral(request: dict[str, Any], namespaces: NamespaceLookup) -> tuple[str, bytes | None]:
+    namespace = request.get("namespace")
+    info = namespaces.get(namespace) if isinstance(namespace, str) and namespace else None
+    if info is not None and not info.opted_in:
+        return OUTCOME_SKIPPED, None
+    # Not in the cache yet: the API server's namespaceSelector let only opted-in namespaces through.
+    pod = request.get("object")
+    if not isinstance(pod, dict):
+        raise _Denied("request.object must be a Pod object")
+    try:
+        patch = ephemeral_patch(pod, request.get("oldObject"))
+    except MutationError as exc:
+        raise _Denied(str(exc)) from None
+    return (OUTCOME_MUTATED if patch else OUTCOME_UNCHANGED), patch
+
+
 def _decide(
     request: dict[str, Any], settings: InjectionSettings, namespaces: NamespaceLookup, warnings: list[str]
 ) -> tuple[str, bytes | None]:
+    if _is_ephemeral_request(request):
+        return _ephemeral(request, namespaces)
     if not _is_pod_request(request) or request.get("operation") != "CREATE":
         return OUTCOME_SKIPPED, None
     pod = request.get("object")

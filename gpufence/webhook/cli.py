@@ -39,7 +39,11 @@ from gpufence.webhook.flag_values import (
     resource_quantity,
 )
 from gpufence.webhook.gpu_paths import claim_name, resource_pattern
-from gpufence.webhook.settings import DEFAULT_GPU_RESOURCES, InjectionSettings
+from gpufence.webhook.settings import (
+    DEFAULT_ADMIN_GROUPS,
+    DEFAULT_GPU_RESOURCES,
+    InjectionSettings,
+)
 from gpufence.webhook.tls import DEFAULT_RELOAD_INTERVAL_SECONDS
 
 ENV_PREFIX = "GPUFENCE_WEBHOOK_"
@@ -182,6 +186,12 @@ POLICY_FLAGS: tuple[Flag, ...] = (
     Flag("framework-memory-headroom", headroom, _defaults.framework_memory_headroom_bytes,
          "taken off a share before it becomes a framework's memory fraction, for the CUDA context (bytes or a "
          'quantity such as "512Mi")'),
+    Flag("admin-groups", non_empty, None,
+         "groups whose members may change the gpufence-enforcer sidecar of a running pod, exec or attach into "
+         "it and add ephemeral containers without NVIDIA_VISIBLE_DEVICES=void (repeatable; default "
+         f"{','.join(DEFAULT_ADMIN_GROUPS)}); enforced by the gpufence-protect admission policy, which reads "
+         "the policy ConfigMap: the webhook only checks the value",
+         repeat=True, example=",".join(DEFAULT_ADMIN_GROUPS)),
 )
 FLAGS: tuple[Flag, ...] = SERVER_FLAGS + POLICY_FLAGS
 
@@ -303,6 +313,7 @@ def settings_from_args(args: argparse.Namespace) -> InjectionSettings:
         gpu_memory=tuple(args.gpu_memory or ()),
         pytorch_memory_fraction=args.pytorch_memory_fraction,
         framework_memory_headroom_bytes=args.framework_memory_headroom,
+        admin_groups=args.admin_groups or DEFAULT_ADMIN_GROUPS,
     )
 
 

@@ -17,11 +17,14 @@ def pod_admission_review(
     operation: str = "CREATE",
     kind: str = "Pod",
     username: str = "system:serviceaccount:kube-system:replicaset-controller",
+    sub_resource: str | None = None,
+    old_object: Any = None,
 ) -> dict[str, Any]:
-    """An AdmissionReview request for ``pod`` shaped as the API server sends it (admission.k8s.io/v1)."""
+    """An AdmissionReview request for ``pod`` shaped as the API server sends it (admission.k8s.io/v1);
+    ``sub_resource`` and ``old_object`` for an UPDATE such as ``pods/ephemeralcontainers``."""
     gvk = {"group": "", "version": "v1", "kind": kind}
     gvr = {"group": "", "version": "v1", "resource": kind.lower() + "s"}
-    return {
+    review = {
         "apiVersion": "admission.k8s.io/v1",
         "kind": "AdmissionReview",
         "request": {
@@ -34,11 +37,16 @@ def pod_admission_review(
             "operation": operation,
             "userInfo": {"username": username, "groups": ["system:serviceaccounts", "system:authenticated"]},
             "object": pod,
-            "oldObject": None,
+            "oldObject": old_object,
             "dryRun": False,
-            "options": {"apiVersion": "meta.k8s.io/v1", "kind": "CreateOptions"},
+            "options": {"apiVersion": "meta.k8s.io/v1", "kind": "UpdateOptions" if operation == "UPDATE" else
+                        "CreateOptions"},
         },
     }
+    if sub_resource:
+        review["request"]["subResource"] = sub_resource
+        review["request"]["requestSubResource"] = sub_resource
+    return review
 
 
 def decode_patch(response: dict[str, Any]) -> list[dict[str, Any]] | None:

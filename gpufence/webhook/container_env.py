@@ -209,6 +209,12 @@ def void_container(container: dict[str, Any], paths: PodGpuPaths) -> dict[str, A
     """
     if paths.gets_device(container):
         return container
+    return with_void(container)
+
+
+def with_void(container: dict[str, Any]) -> dict[str, Any]:
+    """``container`` with ``NVIDIA_VISIBLE_DEVICES=void`` unless it sets the variable itself: the part
+    of ``void_container`` for a container known to get no device."""
     env = container.get("env") or ()
     if any(entry.get("name") == ENV_NVIDIA_VISIBLE_DEVICES for entry in env):
         return container

@@ -28,6 +28,10 @@ DEFAULT_GPU_RESOURCE = "nvidia.com/gpu"
 # nvidia.com/gpu.shared) and MIG slices (mixed strategy: nvidia.com/mig-1g.10gb). A trailing "*"
 # is a prefix (webhook.gpu_paths).
 DEFAULT_GPU_RESOURCES = (DEFAULT_GPU_RESOURCE, "nvidia.com/gpu.*", "nvidia.com/mig-*")
+# Who may touch the enforcer of a running pod (change the sidecar, exec or attach into it, add an
+# ephemeral container the gpufence-protect policy would refuse): the cluster's superusers and the
+# group gpufence documents for its operators (docs/install.md).
+DEFAULT_ADMIN_GROUPS = ("system:masters", "gpufence:admins")
 
 
 @dataclass(frozen=True)
@@ -118,3 +122,6 @@ class InjectionSettings:
     # Taken off the share before it becomes a framework's fraction (where the GPU's memory is
     # known): the CUDA context and library workspaces, outside the allocator, count in NVML.
     framework_memory_headroom_bytes: int = 512 << 20
+    # Read by the gpufence-protect ValidatingAdmissionPolicy (k8s/base/protect-policy.yaml) through the
+    # policy ConfigMap; the webhook only validates the key. Its members pass that policy.
+    admin_groups: tuple[str, ...] = DEFAULT_ADMIN_GROUPS

@@ -374,6 +374,9 @@ def test_webhook_configuration_is_safe(directory: str) -> None:
     assert webhook["rules"] == [
         {"operations": ["CREATE"], "apiGroups": [""], "apiVersions": ["v1"], "resources": ["pods"],
          "scope": "Namespaced"},
+        # kubectl debug: new ephemeral containers get NVIDIA_VISIBLE_DEVICES=void.
+        {"operations": ["UPDATE"], "apiGroups": [""], "apiVersions": ["v1"],
+         "resources": ["pods/ephemeralcontainers"], "scope": "Namespaced"},
     ]  # fmt: skip
     expressions = webhook["namespaceSelector"]["matchExpressions"]
     assert {"key": INJECTION_LABEL, "operator": "In", "values": [INJECTION_ENABLED]} in expressions

@@ -46,12 +46,12 @@ default-memory default-compute max-memory max-compute default-mode allow-audit a
 default-grace-period sidecar-poll-interval sidecar-nvidia-visible-devices
 sidecar-nvidia-driver-capabilities sidecar-mount-host-proc sidecar-host-proc-mount-path
 void-non-gpu-containers mps-limits preload-library preload-library-mount-dir gpu-memory
-pytorch-memory-fraction framework-memory-headroom
+pytorch-memory-fraction framework-memory-headroom admin-groups
 {{- end -}}
 
 {{- /* The policy flags that repeat; their ConfigMap value is the list, comma-separated. */ -}}
 {{- define "gpufence.repeatedPolicyKeys" -}}
-gpu-resource-name exclusive-gpu-resource-name non-gpu-resource-claims gpu-memory
+gpu-resource-name exclusive-gpu-resource-name non-gpu-resource-claims gpu-memory admin-groups
 {{- end -}}
 
 {{- /* The webhook's other flags, which webhook.flags may set (the chart sets port, the TLS files
@@ -99,7 +99,7 @@ policy does not set it. Fails, naming the value, on a key the webhook does not r
     {{- fail (printf "policy.sidecar-image: %v: the sidecar runs the chart's image; set image.repository and image.tag instead, e.g. --set image.tag=%s" $value $.Chart.AppVersion) -}}
   {{- end -}}
   {{- if and (kindIs "slice" $value) (not (has $key $repeated)) -}}
-    {{- fail (printf "policy.%s: %v: a list, but only %s take several values; give one, e.g. policy.%s: %v" $key $value (join " and " $repeated) $key (first $value)) -}}
+    {{- fail (printf "policy.%s: %v: a list, but only %s take several values; give one, e.g. policy.%s: %v" $key $value (join ", " $repeated) $key (first $value)) -}}
   {{- end -}}
   {{- if not (kindIs "invalid" $value) }}{{ $_ := set $data $key (include "gpufence.flagValue" $value) }}{{ end -}}
 {{- end -}}

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -84,8 +85,12 @@ def test_every_key_the_guard_reads_is_a_policy_flag_and_shipped() -> None:
     assert read == {key for key, _ in GUARD_READS.values()}
     assert read <= {f.name for f in POLICY_FLAGS}
     # The base ships the keys an admin sets most; the sidecar's own (mode, port, resources, ...) are
-    # left to the webhook's defaults, which the guard falls back to alike (tested below).
-    assert set(SHIPPED_POLICY) <= read
+    # left to the webhook's defaults, which the guard falls back to alike (tested below). The protect
+    # policy reads admin-groups only.
+    protect = (Path(__file__).resolve().parents[3] / "k8s" / "base" / "protect-policy.yaml").read_text()
+    read_by_protect = set(re.findall(r"variables\.clusterPolicy\['([a-z-]+)'\]", protect))
+    assert read_by_protect == {"admin-groups"}
+    assert set(SHIPPED_POLICY) <= read | read_by_protect
 
 
 @pytest.mark.parametrize("data", [None, {}, dict.fromkeys(SHIPPED_POLICY, "")],

@@ -35,7 +35,7 @@ EVERY_KEY = {
     "sidecar-mount-host-proc": "true", "sidecar-host-proc-mount-path": "/hp", "void-non-gpu-containers": "false",
     "mps-limits": "true", "preload-library": "/opt/libvgpu.so", "preload-library-mount-dir": "/pre",
     "gpu-memory": "nvidia.com/gpu=80Gi,nvidia.com/mig-1g.10gb=10Gi", "pytorch-memory-fraction": "true",
-    "framework-memory-headroom": "1Gi",
+    "framework-memory-headroom": "1Gi", "admin-groups": "platform:gpu-admins, system:masters",
 }
 
 

@@ -9,6 +9,8 @@
                      # DRA claims need 1.31's resourceClaims shape)
     operation: ...   # optional: CREATE by default
     username: ...    # optional: who sends the request (default a ReplicaSet controller's account)
+    subResource: ... # optional: e.g. ephemeralcontainers (an UPDATE of that subresource)
+    oldPod: ...      # optional: the request's oldObject (UPDATE)
     pod: ...         # the submitted pod
 
 ``<case>.out.yaml`` records the decision: ``outcome``, ``warnings`` (if any), ``message`` (denials)
@@ -53,6 +55,13 @@ def _fixed_version(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(sidecar, "GPUFENCE_VERSION", "0.0.0-test")
 
 
+def request_extras(case: str) -> dict[str, Any]:
+    """Who sends the case's request, and its subresource and oldObject (none for a pod CREATE)."""
+    doc = yaml.safe_load((GOLDEN / f"{case}.in.yaml").read_text())
+    return {"username": doc.get("username", DEFAULT_USERNAME), "sub_resource": doc.get("subResource"),
+            "old_object": doc.get("oldPod")}
+
+
 def load_case(case: str) -> tuple[dict[str, Any], InjectionSettings, _Lookup, str]:
     doc = yaml.safe_load((GOLDEN / f"{case}.in.yaml").read_text())
     pod = doc["pod"]
@@ -84,14 +93,14 @@ def username_of(case: str) -> str:
 
 
 def admission_review(pod: dict[str, Any], operation: str = "CREATE", uid: str = "0b4e3c2a-golden",
-                     username: str = DEFAULT_USERNAME) -> dict[str, Any]:
+                     **extras: Any) -> dict[str, Any]:
     namespace = pod.get("metadata", {}).get("namespace", "team-a")
-    return pod_admission_review(pod, uid=uid, namespace=namespace, operation=operation, username=username)
+    return pod_admission_review(pod, uid=uid, namespace=namespace, operation=operation, **extras)
 
 
 def run_case(case: str) -> dict[str, Any]:
     pod, settings, lookup, operation = load_case(case)
-    result = review(admission_review(pod, operation, username=username_of(case)), settings, lookup)
+    result = review(admission_review(pod, operation, **request_extras(case)), settings, lookup)
     answer = result.review
     assert answer["apiVersion"] == "admission.k8s.io/v1"
     assert answer["kind"] == "AdmissionReview"
@@ -142,7 +151,7 @@ def test_golden_output_is_a_fixed_point(case: str) -> None:
     expected = yaml.safe_load((GOLDEN / f"{case}.out.yaml").read_text())
     if expected["outcome"] not in ("mutated", "unchanged"):
         return
-    result = review(admission_review(expected["pod"], operation, username=username_of(case)), settings, lookup)
+    result = review(admission_review(expected["pod"], operation, **request_extras(case)), settings, lookup)
     assert result.outcome == "unchanged"
     assert "patch" not in result.review["response"]
 
