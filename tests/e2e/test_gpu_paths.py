@@ -38,13 +38,18 @@ def served(api: client.ApiClient, group_version: str) -> bool:
         raise
 
 
-def device_pod(resources: dict[str, Any], *, claims: list[dict[str, str]] | None = None) -> dict[str, Any]:
+def device_pod(resources: dict[str, Any], *, claims: list[dict[str, str]] | None = None,
+               voided: bool = False) -> dict[str, Any]:
     """A tenant's training pod whose container gets its device through ``resources``, beside a log
-    shipper that gets none."""
+    shipper that gets none (``voided``: with the ``NVIDIA_VISIBLE_DEVICES=void`` that the guard asks
+    of it while the webhook is down)."""
     pod = kube.gpu_pod(annotations=dict(SHARE))
     trainer = pod["spec"]["containers"][0]
     trainer["resources"] = {"requests": {"cpu": "500m"}, **resources}
-    pod["spec"]["containers"].append({"name": "logs", "image": "example.com/fluent-bit:3"})
+    logs = {"name": "logs", "image": "example.com/fluent-bit:3"}
+    if voided:
+        logs["env"] = [{"name": "NVIDIA_VISIBLE_DEVICES", "value": "void"}]
+    pod["spec"]["containers"].append(logs)
     if claims is not None:
         pod["spec"]["resourceClaims"] = claims
     return pod
@@ -172,8 +177,10 @@ def test_an_exclusive_mig_profile_gets_no_sidecar_and_keeps_its_device(
     assert kube.env_of(container(stored, "logs"))["NVIDIA_VISIBLE_DEVICES"] == "void"
 
     webhook.stop("KILL")
-    alone = kube.wait_for(lambda: (c := kube.create_pod(tenant.api, tenant.namespace, device_pod(exclusive)))
-                          .admitted and c, "the guard to read the new policy")
+    alone = kube.wait_for(lambda: (c := kube.create_pod(tenant.api, tenant.namespace,
+                                                        device_pod(exclusive, voided=True))).admitted and c,
+                          "the guard to read the new policy")
     assert not kube.is_mutated(alone.obj)
-    shared = kube.create_pod(tenant.api, tenant.namespace, device_pod({"limits": {"nvidia.com/mig-1g.10gb": "1"}}))
+    shared = kube.create_pod(tenant.api, tenant.namespace,
+                             device_pod({"limits": {"nvidia.com/mig-1g.10gb": "1"}}, voided=True))
     assert not shared.admitted and "has no gpufence-enforcer sidecar" in shared.message
