@@ -36,6 +36,7 @@ from aiohttp import web
 
 from gpufence.enforcer.metrics import EnforcerMetrics
 from gpufence.enforcer.probe import HEARTBEAT_FILE, heartbeat_text, own_start_time
+from gpufence.enforcer.probe import clock as probe_clock
 from gpufence.enforcer.state_files import write_text
 
 READY_STALENESS_INTERVALS = 3
@@ -152,7 +153,7 @@ class _Log(Protocol):
     def info(self, event: str, **fields: object) -> None: ...
 
 
-async def write_heartbeats(health: Health, state_dir: str, log: _Log, clock=time.monotonic) -> None:
+async def write_heartbeats(health: Health, state_dir: str, log: _Log, clock=probe_clock) -> None:
     """Rewrite ``<state_dir>/heartbeat`` every ``HEARTBEAT_PERIOD_SECONDS`` until cancelled.
 
     A write that fails (the state volume full...) is logged once and retried: the probe then sees a

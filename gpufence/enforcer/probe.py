@@ -8,7 +8,7 @@ probe inside the sidecar container instead, and it asks the enforcer itself:
 * the enforcer writes ``heartbeat`` into its state directory (``--state-dir``, the sidecar's own
   ``gpufence-state`` volume) about once a second, from its event loop: whether it is live by the
   one health rule (``Health.liveness``: the poll loop ticks, no NVML call is hung), the detail,
-  when it wrote (CLOCK_MONOTONIC, the same for every container of a node) and how stale a
+  when it wrote (``CLOCK_BOOTTIME``, one clock for every process of the node) and how stale a
   heartbeat may get before the enforcer counts as stopped or stuck (derived from its poll
   interval), with its pid and start time;
 * the probe fails when the file is missing or malformed, when the heartbeat says not live, when it
@@ -38,6 +38,11 @@ _VERSION = "1"
 _ENV_STATE_DIR = "GPUFENCE_STATE_DIR"
 _MAX_BYTES = 4096
 _STOPPED_STATES = frozenset("TtXZx")
+
+
+def clock() -> float:
+    """The heartbeat's clock: never set by NTP, the same in every container of the node."""
+    return time.clock_gettime(time.CLOCK_BOOTTIME)
 
 
 def own_start_time() -> int:
@@ -99,7 +104,7 @@ def check(state_dir: str, now: float | None = None) -> tuple[bool, str]:
         return False, f"the enforcer (pid {enforcer}) is stopped or dead (state {state})"
     if live != "1":
         return False, f"the enforcer is not live: {detail}"
-    age = (time.monotonic() if now is None else now) - written_at
+    age = (clock() if now is None else now) - written_at
     if age > bound:
         return False, f"the heartbeat is {age:.1f}s old (bound {bound:.1f}s): the enforcer is stuck; {detail}"
     if age < -1.0:

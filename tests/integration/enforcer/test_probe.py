@@ -24,6 +24,7 @@ import pytest
 from gpufence.contract import ENV_STATE_DIR, PROBE_COMMAND
 from gpufence.enforcer.health import HEARTBEAT_STALE_AFTER_SECONDS
 from gpufence.enforcer.probe import HEARTBEAT_FILE
+from gpufence.enforcer.probe import clock as probe_clock
 from tests.support.enforcer_harness import GpuSandbox, wait_state
 from tests.support.prerequisites import needs
 
@@ -159,7 +160,7 @@ def test_a_workload_rewriting_what_it_can_reach_cannot_make_the_probe_pass(
 
     def forge(pid: int, start: int) -> str:
         fields = genuine.split("\n")[0].split()
-        fields[2], fields[3], fields[5], fields[6] = "1", f"{time.monotonic():.3f}", str(pid), str(start)
+        fields[2], fields[3], fields[5], fields[6] = "1", f"{probe_clock():.3f}", str(pid), str(start)
         heartbeat.write_text(" ".join(fields) + "\nok\n")
         return run_probe(gpu.state_dir).stdout
 

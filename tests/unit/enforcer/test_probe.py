@@ -6,7 +6,6 @@ processes, and the real enforcer, are in tests/integration/enforcer/test_probe.p
 from __future__ import annotations
 
 import os
-import time
 from pathlib import Path
 
 import pytest
@@ -32,7 +31,7 @@ def start_time(pid: int) -> int:
 
 def write(state: Path, pid: int, *, live: bool = True, age: float = 0.0, bound: float = 5.0,
           started: int | None = None, detail: str = "ok") -> None:
-    text = probe.heartbeat_text(live, detail, time.monotonic() - age, bound, pid,
+    text = probe.heartbeat_text(live, detail, probe.clock() - age, bound, pid,
                                 start_time(pid) if started is None else started)
     (state / probe.HEARTBEAT_FILE).write_text(text)
 
@@ -44,7 +43,7 @@ def test_a_fresh_heartbeat_of_a_running_process_passes(tmp_path: Path, sleeper) 
 
 def test_a_stale_heartbeat_fails_after_its_bound(tmp_path: Path, sleeper) -> None:
     write(tmp_path, sleeper.pid, age=0.0, bound=5.0)
-    now = time.monotonic()
+    now = probe.clock()
     assert probe.check(str(tmp_path), now=now + 4.5)[0]
     ok, why = probe.check(str(tmp_path), now=now + 5.5)
     assert not ok and "old (bound 5.0s)" in why
