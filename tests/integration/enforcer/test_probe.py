@@ -6,6 +6,7 @@ while it holds the enforcer stopped cannot make the probe pass."""
 
 from __future__ import annotations
 
+import contextlib
 import http.server
 import json
 import os
@@ -22,7 +23,7 @@ from pathlib import Path
 import pytest
 
 from gpufence.contract import ENV_STATE_DIR, PROBE_COMMAND
-from gpufence.enforcer.health import HEARTBEAT_STALE_AFTER_SECONDS
+from gpufence.enforcer.health import HEARTBEAT_PERIOD_SECONDS, HEARTBEAT_STALE_AFTER_SECONDS
 from gpufence.enforcer.probe import HEARTBEAT_FILE
 from gpufence.enforcer.probe import clock as probe_clock
 from tests.support.enforcer_harness import GpuSandbox, wait_state
@@ -104,6 +105,42 @@ def test_a_stopped_enforcer_fails_its_probe_within_the_bound(gpu: GpuSandbox, ma
     print(f"\nprobe failed {took:.2f}s after SIGSTOP (bound {HEARTBEAT_STALE_AFTER_SECONDS}s): {output.strip()}")
     assert "stopped" in output
     os.kill(enforcer.proc.pid, signal.SIGCONT)
+    wait_probe(gpu.state_dir, True, HEARTBEAT_STALE_AFTER_SECONDS + 2)
+
+
+FREEZER = Path("/sys/fs/cgroup/freezer")
+
+
+@pytest.fixture
+def freezer_group() -> Iterator[Path]:
+    """A cgroup v1 freezer group: frozen processes are not stopped (no ``T``), they just do not run."""
+    group = FREEZER / f"gpufence-probe-test-{os.getpid()}"
+    group.mkdir()
+    try:
+        yield group
+    finally:
+        (group / "freezer.state").write_text("THAWED")
+        for pid in (group / "cgroup.procs").read_text().split():
+            with contextlib.suppress(OSError):
+                (FREEZER / "cgroup.procs").write_text(pid)
+        group.rmdir()
+
+
+@needs(os.geteuid() == 0 and (FREEZER / "cgroup.procs").exists(),
+       reason="needs root and the cgroup v1 freezer to freeze the enforcer without stopping it")
+def test_a_frozen_enforcer_fails_its_probe_once_its_heartbeat_outlives_the_bound(gpu: GpuSandbox, make_config,
+                                                                                 freezer_group: Path) -> None:
+    """Not stopped, not gone, just not running (frozen, or wedged): only the heartbeat's age tells."""
+    enforcer = gpu.enforcer(make_config({"train": {"memoryBytes": 1 << 30}}, interval=INTERVAL))
+    wait_probe(gpu.state_dir, True, 10)
+    (freezer_group / "cgroup.procs").write_text(str(enforcer.proc.pid))
+    (freezer_group / "freezer.state").write_text("FROZEN")
+    took, output = wait_probe(gpu.state_dir, False, HEARTBEAT_STALE_AFTER_SECONDS + 3)
+    print(f"\nprobe failed {took:.2f}s after freezing (bound {HEARTBEAT_STALE_AFTER_SECONDS}s): {output.strip()}")
+    assert "old (bound 5.0s)" in output, output
+    # The last heartbeat came at most one period before the freeze.
+    assert took >= HEARTBEAT_STALE_AFTER_SECONDS - HEARTBEAT_PERIOD_SECONDS - 0.5, took
+    (freezer_group / "freezer.state").write_text("THAWED")
     wait_probe(gpu.state_dir, True, HEARTBEAT_STALE_AFTER_SECONDS + 2)
 
 
