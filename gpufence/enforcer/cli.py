@@ -19,7 +19,14 @@ file and uses it instead of the driver: try policies on a laptop. Simulated proc
 ``/dev/nvidia*`` open, so pair it with ``--nvidia-device-prefix`` naming a file your test
 processes open (the local PID mode accepts only processes holding a device file).
 
-Exit status: 0 after SIGTERM/SIGINT, 1 on a fatal startup error (port in use ...), 2 for usage
+``--probe`` checks the heartbeat of the enforcer running with this state directory (the sidecar's
+exec probe runs the same check without loading the enforcer: gpufence/enforcer/probe.py).
+
+The HTTP port is not needed to enforce: an enforcer that cannot bind it (another container of the
+pod holds it) logs ``http_failed`` once and enforces without ``/metrics``; the kubelet's probes read
+the heartbeat file, not the port.
+
+Exit status: 0 after SIGTERM/SIGINT, 1 on a fatal startup error (the simulated NVML cannot be built), 2 for usage
 and configuration errors, 3 when the poll thread died (an exception the loop did not catch):
 nothing is enforced without it, so the enforcer continues what it holds stopped and exits non-zero,
 which the kubelet restarts under every restart policy but ``Never`` (docs/enforcer-internals.md).
@@ -54,7 +61,7 @@ from gpufence.contract import (
     EnforcerConfig,
 )
 from gpufence.enforcer.decision_log import LEVELS, DecisionLog, forward_stdlib_logging
-from gpufence.enforcer.probe import probe, write_port
+from gpufence.enforcer.probe import probe
 from gpufence.enforcer.procfs import ENV_NVIDIA_DEVICE_PREFIX
 
 PROG = "gpufence-enforcer"
@@ -100,7 +107,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--bind-address", default="0.0.0.0", help="address to serve HTTP on (default 0.0.0.0)")
     p.add_argument("--probe", action="store_true",
-                   help="exit 0 if the enforcer running with this --state-dir is healthy (an exec probe)")
+                   help="exit 0 if the enforcer running with this --state-dir is healthy (its heartbeat)")
     p.add_argument(
         "--host-proc", default=env.get(ENV_HOST_PROC) or None,
         help=f"host /proc mount for legacy drivers that report host PIDs (default: ${ENV_HOST_PROC})",
@@ -306,7 +313,7 @@ async def _serve(
     args: argparse.Namespace, enforcer, metrics, health, log: DecisionLog, port: int, pod,
     device_prefix: str, throttle,
 ) -> int:
-    from gpufence.enforcer.health import make_app, start_server
+    from gpufence.enforcer.health import make_app, start_server, write_heartbeats
     from gpufence.enforcer.procfs import own_privileges, privilege_limits
 
     privileges = own_privileges()
@@ -321,15 +328,21 @@ async def _serve(
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT):
         loop.add_signal_handler(sig, on_signal, sig)
 
+    runner, bound_port = None, None
     try:
         runner, bound_port = await start_server(make_app(metrics, health), args.bind_address, port)
     except OSError as exc:
-        log.error("http_failed", error=f"cannot serve on {args.bind_address}:{port}: {exc}")
-        return 1
-    try:
-        write_port(args.state_dir, bound_port)
-    except OSError as exc:
-        log.warning("port_file_failed", error=str(exc), reason="an exec probe (--probe) cannot find the port")
+        # Any container of the pod can hold the port (the network namespace is shared): that must
+        # not end enforcement. Once, here; the heartbeat's detail repeats it.
+        detail = f"cannot serve on {args.bind_address}:{port}: {exc.strerror or exc}"
+        health.serving_failed(detail)
+        log.error("http_failed", error=detail,
+                  reason="enforcing without /metrics, /healthz and /readyz; the sidecar's probes read the heartbeat")
+    heartbeats = None
+    if args.state_dir:
+        heartbeats = asyncio.create_task(write_heartbeats(health, args.state_dir, log))
+    else:
+        log.warning("heartbeat_disabled", reason="no --state-dir: the sidecar's probe (--probe) cannot pass")
     await asyncio.to_thread(enforcer.open_nvml)
     log.info(
         "started", version=__version__,
@@ -377,7 +390,10 @@ async def _serve(
         # (a later throttle update is ignored once the executor is closed).
         throttle.close("shutdown")
         await asyncio.to_thread(poller.join, 10)
-        await runner.cleanup()
+        if heartbeats is not None:
+            heartbeats.cancel()
+        if runner is not None:
+            await runner.cleanup()
         status = EXIT_POLL_THREAD_DIED if died else 0
         log.info("shutdown", signal=received[0] if received else None, exit_status=status)
     return status

@@ -1,34 +1,55 @@
-"""HTTP endpoints of the enforcer: ``/metrics``, ``/healthz``, ``/readyz`` (aiohttp).
+"""The enforcer's health: one rule (:class:`Health`), told to the kubelet by a heartbeat file and to
+people and Prometheus over HTTP (``/metrics``, ``/healthz``, ``/readyz``, aiohttp).
 
-* ``/healthz`` — liveness. 503 when an NVML call has hung past its deadline (only a new process
-  can use NVML again: the kubelet restarts the sidecar, which continues what this one stopped from
-  the stopped-state file), when the poll loop has not completed a tick for a while (stuck), or once
-  the poll thread died (until the process, which then exits non-zero, is gone); otherwise 200.
-  NVML merely unavailable (an error, not a hang) stays 200: the poll loop retries by itself and a
+* liveness (``Health.liveness``) — fails when an NVML call has hung past its deadline (only a new
+  process can use NVML again: the kubelet restarts the sidecar, which continues what this one
+  stopped from the stopped-state file), when the poll loop has not completed a tick for a while
+  (stuck), or once the poll thread died (until the process, which then exits non-zero, is gone).
+  NVML merely unavailable (an error, not a hang) stays live: the poll loop retries by itself and a
   restart loop would not help.
-* ``/readyz`` — 200 once NVML answered and the last successful poll is fresher than three poll
-  intervals, else 503 with the reason.
-* ``/metrics`` — the enforcer's own Prometheus registry.
+* the heartbeat (``write_heartbeats``) — about once a second the event loop writes that decision,
+  with its detail, into ``heartbeat`` in the state directory; the sidecar's exec probe
+  (``enforcer.probe``) passes only on a fresh one from a running enforcer of its own container. A
+  stopped or frozen process writes nothing, so its heartbeat goes stale and the kubelet restarts it.
+  The kubelet does not probe the HTTP port: any container of the pod can take that port.
+* ``/healthz`` answers the same liveness; ``/readyz`` 200 once NVML answered and the last
+  successful poll is fresher than three poll intervals, else 503 with the reason; ``/metrics`` the
+  enforcer's own Prometheus registry. The HTTP server is optional: an enforcer that cannot bind its
+  port enforces all the same (``serving_failed``), and its heartbeat's detail says so.
 
-Handlers only read a few fields of :class:`Health` (a tiny thread-safe record the poll loop
-updates), so they never wait on NVML.
+Handlers and the heartbeat only read a few fields of :class:`Health` (a tiny thread-safe record
+the poll loop updates), so they never wait on NVML.
 """
 
 from __future__ import annotations
 
+import asyncio
+import os
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
 
 from aiohttp import web
 
 from gpufence.enforcer.metrics import EnforcerMetrics
+from gpufence.enforcer.probe import HEARTBEAT_FILE, heartbeat_text, own_start_time
+from gpufence.enforcer.probe import clock as probe_clock
+from gpufence.enforcer.state_files import write_text
 
 READY_STALENESS_INTERVALS = 3
 # The poll loop is stuck when no tick completed for this many intervals plus the NVML deadline
 # (a tick may legitimately wait that long for NVML).
 LIVE_STALENESS_INTERVALS = 5
+# The event loop rewrites the heartbeat this often. The probe fails a heartbeat older than three
+# periods plus a margin for a CPU-throttled sidecar (250m: a few 100 ms CFS periods) and for the
+# probe's own start: a stopped enforcer is seen within 5 s, a live one never missed. The poll
+# interval enters through the liveness the heartbeat carries (a poll loop stuck for five
+# intervals plus the NVML deadline makes it say "not live"), not through a second bound here.
+HEARTBEAT_PERIOD_SECONDS = 1.0
+HEARTBEAT_STALE_AFTER_SECONDS = 3 * HEARTBEAT_PERIOD_SECONDS + 2.0
 
 
 @dataclass
@@ -50,6 +71,7 @@ class Health:
         self._nvml_hung: Callable[[], float | None] = lambda: None
         self._nvml_timeout = 0.0
         self._poll_thread_died: str | None = None
+        self._serving_failed: str | None = None
 
     def watch_nvml(self, hung_for: Callable[[], float | None], timeout: float = 0.0) -> None:
         """``hung_for()``: seconds an NVML call is overdue, None if none is (the deadline runner)."""
@@ -82,6 +104,24 @@ class Health:
             return False, f"the poll loop has not completed a tick for {age:.1f}s (limit {limit:.1f}s)"
         return True, "ok"
 
+    def serving_failed(self, detail: str) -> None:
+        """The HTTP server is not running (its port taken...): enforcement goes on, the heartbeat says so."""
+        with self._lock:
+            self._serving_failed = detail
+
+    def heartbeat(self) -> tuple[bool, str]:
+        """What the heartbeat carries: liveness (the one rule), its reason and the degraded states."""
+        live, reason = self.liveness()
+        notes = [reason]
+        ready, why = self.readiness()
+        if not ready:
+            notes.append(f"not ready: {why}")
+        with self._lock:
+            failed = self._serving_failed
+        if failed is not None:
+            notes.append(f"no /metrics, /healthz, /readyz: {failed}")
+        return live, "; ".join(notes)
+
     def set_interval(self, interval: float) -> None:
         with self._lock:
             self._interval = interval
@@ -106,6 +146,38 @@ class Health:
         if age > limit:
             return False, f"last successful poll {age:.2f}s ago (limit {limit:.2f}s)"
         return True, "ok"
+
+
+class _Log(Protocol):
+    def error(self, event: str, **fields: object) -> None: ...
+    def info(self, event: str, **fields: object) -> None: ...
+
+
+async def write_heartbeats(health: Health, state_dir: str, log: _Log, clock=probe_clock) -> None:
+    """Rewrite ``<state_dir>/heartbeat`` every ``HEARTBEAT_PERIOD_SECONDS`` until cancelled.
+
+    A write that fails (the state volume full...) is logged once and retried: the probe then sees a
+    stale heartbeat and the kubelet restarts the sidecar, as it should for an enforcer that cannot
+    record what it stopped either.
+    """
+    path = Path(state_dir) / HEARTBEAT_FILE
+    pid, started = os.getpid(), own_start_time()
+    failing = False
+    while True:
+        live, detail = health.heartbeat()
+        text = heartbeat_text(live, detail, clock(), HEARTBEAT_STALE_AFTER_SECONDS, pid, started)
+        try:
+            write_text(path, text)
+        except OSError as exc:
+            if not failing:
+                log.error("heartbeat_failed", path=str(path), error=str(exc),
+                          reason="the sidecar's probe fails on a stale heartbeat: the kubelet restarts it")
+            failing = True
+        else:
+            if failing:
+                log.info("heartbeat_resumed", path=str(path))
+            failing = False
+        await asyncio.sleep(HEARTBEAT_PERIOD_SECONDS)
 
 
 METRICS_KEY = web.AppKey("metrics", EnforcerMetrics)

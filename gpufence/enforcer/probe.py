@@ -1,50 +1,127 @@
-"""``gpufence-enforcer --probe``: the kubelet's exec probe where the sidecar may not own a fixed port.
+"""The sidecar's liveness and startup probe: a heartbeat only the enforcer writes, checked by exec.
 
-In a pod with ``hostNetwork: true`` every pod on the node shares one network namespace, so a
-second GPU pod's enforcer could not bind the same port and its probe would never pass; a user
-container that declares the sidecar's port collides the same way inside the pod. There the webhook
-gives the enforcer port 0 (any free port) and an exec probe instead of an HTTP one: the enforcer
-writes the port it bound into its state directory, and this probe asks ``/healthz`` on it, so the
-health rule stays the one in ``enforcer.health``.
+Why not HTTP: every container of a pod shares its network namespace, so a workload can take the
+enforcer's port while the sidecar restarts (the enforcer then cannot bind it) or answer its own
+``/healthz`` there. A port a workload can take is not a health check. So the kubelet execs this
+probe inside the sidecar container instead, and it asks the enforcer itself:
+
+* the enforcer writes ``heartbeat`` into its state directory (``--state-dir``, the sidecar's own
+  ``gpufence-state`` volume) about once a second, from its event loop: whether it is live by the
+  one health rule (``Health.liveness``: the poll loop ticks, no NVML call is hung), the detail,
+  when it wrote (``CLOCK_BOOTTIME``, one clock for every process of the node) and how stale a
+  heartbeat may get before the enforcer counts as stopped or stuck (derived from its poll
+  interval), with its pid and start time;
+* the probe fails when the file is missing or malformed, when the heartbeat says not live, when it
+  is older than its bound (a SIGSTOPped, frozen or wedged enforcer writes nothing), or when the
+  process it names is not a running enforcer of this container: gone, another process since (its
+  start time differs), stopped (``T``/``t``: a heartbeat rewritten by someone else while the
+  enforcer is held stopped does not pass), or rooted elsewhere (a process of another container:
+  its ``/proc/<pid>/root`` is not our ``/``).
+
+So a workload that could write the file still cannot make the probe pass for a stopped enforcer,
+and one that holds the HTTP port changes nothing here. It runs every 10 s for the life of the pod,
+so it imports nothing but ``os``, ``sys`` and ``time`` (no json, no re, nothing of gpufence): the
+kubelet runs it as ``python3 -I -c`` (``gpufence.contract.PROBE_COMMAND``).
 """
 
 from __future__ import annotations
 
+import os
 import sys
-import urllib.error
-import urllib.request
-from pathlib import Path
+import time
 
-from gpufence.enforcer.state_files import write_text
+HEARTBEAT_FILE = "heartbeat"
+_MAGIC = "gpufence-heartbeat"
+_VERSION = "1"
+# The same name as gpufence.contract.ENV_STATE_DIR (tests/unit/enforcer/test_probe.py): importing
+# the contract would load json and re, doubling what each probe run costs.
+_ENV_STATE_DIR = "GPUFENCE_STATE_DIR"
+_MAX_BYTES = 4096
+_STOPPED_STATES = frozenset("TtXZx")
 
-PORT_FILE = "http-port"
-PROBE_TIMEOUT_SECONDS = 2.0
+
+def clock() -> float:
+    """The heartbeat's clock: never set by NTP, the same in every container of the node."""
+    return time.clock_gettime(time.CLOCK_BOOTTIME)
 
 
-def write_port(state_dir: str | None, port: int) -> None:
-    """Record the bound port for ``probe`` (atomically: a probe never reads half a number)."""
-    if not state_dir:
-        return
-    write_text(Path(state_dir) / PORT_FILE, f"{port}\n")
+def own_start_time() -> int:
+    """This process's start time (clock ticks after boot, /proc/self/stat field 22)."""
+    return _stat(os.getpid())[1]
+
+
+def heartbeat_text(live: bool, detail: str, written: float, stale_after: float, pid: int, start_time: int) -> str:
+    """The file's two lines: the fields, then the free-text detail (one line)."""
+    detail = " ".join(detail.split())
+    return (f"{_MAGIC} {_VERSION} {int(live)} {written:.3f} {stale_after:.3f} {pid} {start_time}\n"
+            f"{detail}\n")
+
+
+def _stat(pid: int) -> tuple[str, int]:
+    """(state letter, start time) of ``pid``; OSError when there is none (or we may not look)."""
+    with open(f"/proc/{pid}/stat") as f:
+        text = f.read()
+    # comm, in parentheses, may itself hold spaces and parentheses: split after the last ')'.
+    fields = text.rsplit(")", 1)[1].split()
+    return fields[0], int(fields[19])
+
+
+def check(state_dir: str, now: float | None = None) -> tuple[bool, str]:
+    """(passes, why) for the heartbeat in ``state_dir``."""
+    path = os.path.join(state_dir, HEARTBEAT_FILE)
+    try:
+        # Non-blocking and not following a link: whatever sits there, the probe does not hang on it.
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW)
+        try:
+            raw = os.read(fd, _MAX_BYTES)
+        finally:
+            os.close(fd)
+    except OSError as exc:
+        return False, f"no heartbeat at {path} ({exc.strerror or exc}): the enforcer has not started"
+    try:
+        head, _, rest = raw.decode().partition("\n")
+        magic, version, live, written, stale_after, pid, start_time = head.split()
+        if (magic, version) != (_MAGIC, _VERSION) or live not in ("0", "1"):
+            raise ValueError(head[:80])
+        written_at, bound = float(written), float(stale_after)
+        enforcer, started = int(pid), int(start_time)
+    except (UnicodeDecodeError, ValueError) as exc:
+        return False, f"malformed heartbeat {path}: {exc}"
+    detail = rest.strip()[:300]
+    if enforcer == os.getpid() or enforcer <= 0:
+        return False, f"the heartbeat names pid {enforcer}, not an enforcer"
+    try:
+        state, actual_start = _stat(enforcer)
+        ours = os.stat("/")
+        theirs = os.stat(f"/proc/{enforcer}/root")
+    except (OSError, IndexError, ValueError) as exc:
+        return False, f"the enforcer (pid {enforcer}) of the heartbeat is gone or unreadable ({exc})"
+    if actual_start != started:
+        return False, f"pid {enforcer} is not the process that wrote the heartbeat (it started later)"
+    if (theirs.st_dev, theirs.st_ino) != (ours.st_dev, ours.st_ino):
+        return False, f"pid {enforcer} of the heartbeat runs in another container"
+    if state in _STOPPED_STATES:
+        return False, f"the enforcer (pid {enforcer}) is stopped or dead (state {state})"
+    if live != "1":
+        return False, f"the enforcer is not live: {detail}"
+    age = (clock() if now is None else now) - written_at
+    if age > bound:
+        return False, f"the heartbeat is {age:.1f}s old (bound {bound:.1f}s): the enforcer is stuck; {detail}"
+    if age < -1.0:
+        return False, f"the heartbeat is dated {-age:.1f}s in the future"
+    return True, detail or "ok"
 
 
 def probe(state_dir: str | None) -> int:
-    """0 when the running enforcer's /healthz answers 200, else 1 with the reason on stderr."""
+    """0 when the heartbeat passes, else 1; the reason on stdout (the kubelet puts it in the Event)."""
     if not state_dir:
-        print("gpufence-enforcer --probe: no --state-dir (or GPUFENCE_STATE_DIR) to find the port in",
-              file=sys.stderr)
+        print(f"gpufence probe: no state directory (--state-dir or {_ENV_STATE_DIR}) to find the heartbeat in")
         return 1
-    try:
-        port = int((Path(state_dir) / PORT_FILE).read_text().strip())
-    except (OSError, ValueError) as exc:
-        print(f"gpufence-enforcer --probe: enforcer not serving yet ({exc})", file=sys.stderr)
-        return 1
-    try:
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=PROBE_TIMEOUT_SECONDS) as resp:
-            return 0 if resp.status == 200 else 1
-    except urllib.error.HTTPError as exc:
-        print(f"gpufence-enforcer --probe: /healthz answered {exc.code}: {exc.read()[:200]!r}", file=sys.stderr)
-        return 1
-    except OSError as exc:
-        print(f"gpufence-enforcer --probe: /healthz on port {port} unreachable: {exc}", file=sys.stderr)
-        return 1
+    ok, why = check(state_dir)
+    print(f"gpufence probe: {why}")
+    return 0 if ok else 1
+
+
+def main() -> int:
+    """The kubelet's entry point: the state directory comes from the sidecar's environment."""
+    return probe(sys.argv[1] if len(sys.argv) > 1 else os.environ.get(_ENV_STATE_DIR))

@@ -3,9 +3,9 @@
 They are how one enforcer process hands over to the next when the kubelet restarts the sidecar
 within its pod: ``stopped.json`` (``stopped_state.py``: processes held stopped) and
 ``kill_deadlines.json`` (``kill_deadlines.py``: SIGKILLs due at the end of a grace period); the
-HTTP port for ``--probe`` sits next to them (``probe.py``). Each file is rewritten whole: a temp
-file in the same directory, then a rename, so a reader (the next enforcer) sees the old or the new
-content, never a torn one.
+heartbeat the sidecar's probe reads sits next to them (``health.py``, ``probe.py``). Each file is
+rewritten whole: a temp file in the same directory, then a rename, so a reader (the next enforcer,
+the probe) sees the old or the new content, never a torn one.
 
 No fsync: the files must outlive the enforcer *process* (its page cache writes are the kernel's
 from the moment ``write`` returns, and ``rename`` is atomic for every later reader), not the

@@ -104,17 +104,16 @@ def desired_pod(pod: dict[str, Any], plan: SharePlan, settings: InjectionSetting
         spec[key] = updated
 
     # The metrics port is fixed unless the pod's network namespace may already hold it: with
-    # hostNetwork every GPU pod on the node shares one (a second pod's enforcer could not bind it,
-    # and its startup probe would never pass), and a container of the pod may declare it.
+    # hostNetwork every GPU pod on the node shares one (a second pod's enforcer could not bind it),
+    # and a container of the pod may declare it. Only metrics depend on it: the probes do not.
     host_network = spec.get("hostNetwork") is True
     fixed_port = not (host_network or port_taken_by)
     if not fixed_port:
         why = "the pod uses the host's network" if host_network else (
             f"container {quote(port_taken_by or '')} declares port {port}")
         warnings.append(
-            f"gpufence: {why}, so the enforcer serves its metrics and health on a free port it picks at "
-            "start (probed with gpufence-enforcer --probe) and Prometheus does not scrape it; its "
-            "decisions still reach the log and the pod's Events"
+            f"gpufence: {why}, so the enforcer serves its metrics on a free port it picks at start and "
+            "Prometheus does not scrape it; its decisions still reach the log and the pod's Events"
         )
     sidecar = build_sidecar(plan, settings, run_as_root=sidecar_runs_as_root(pod["spec"], shares, warnings),
                             pod_security=pod_security, fixed_port=fixed_port)

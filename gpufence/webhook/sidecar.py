@@ -29,6 +29,7 @@ from gpufence.contract import (
     ENV_POD_STATUS,
     ENV_POD_UID,
     ENV_STATE_DIR,
+    PROBE_COMMAND,
     SIDECAR_NAME,
     SIDECAR_PORT_NAME,
     EnforcerConfig,
@@ -196,20 +197,20 @@ def _field_env(name: str, field_path: str) -> dict[str, Any]:
     return {"name": name, "valueFrom": {"fieldRef": {"apiVersion": "v1", "fieldPath": field_path}}}
 
 
-def _probe(path: str, port: int, *, period: int = 10, failures: int = 3) -> dict[str, Any]:
-    """An HTTP probe of ``path`` on ``port``; for port 0 (any free port, see ``enforcer.probe``) the
-    exec probe ``gpufence-enforcer --probe``, which asks the same /healthz on the port it bound."""
-    if port == 0:
-        # The exec'd probe waits up to 2 s for /healthz; the kubelet's timeout covers its start-up.
-        return {"exec": {"command": [ENFORCER_COMMAND, "--probe"]}, "periodSeconds": period,
-                "timeoutSeconds": 5, "successThreshold": 1, "failureThreshold": failures}
-    return {
-        "httpGet": {"path": path, "port": port, "scheme": "HTTP"},
-        "periodSeconds": period,
-        "timeoutSeconds": 1,
-        "successThreshold": 1,
-        "failureThreshold": failures,
-    }
+# How long the kubelet waits after SIGTERM before SIGKILL when a probe fails, instead of the pod's
+# terminationGracePeriodSeconds (often minutes for training jobs): a SIGSTOPped enforcer ignores
+# SIGTERM, and every second until SIGKILL is a second without enforcement. Ten seconds cover the
+# enforcer's own shutdown (it continues what it stopped first, then waits for the poll thread).
+PROBE_KILL_GRACE_SECONDS = 10
+
+
+def _probe(*, period: int = 10, failures: int = 3) -> dict[str, Any]:
+    """The exec probe of the enforcer's heartbeat (``gpufence.enforcer.probe``), never its HTTP
+    port: any container of the pod can take the port or answer on it. The kubelet's timeout covers
+    the interpreter's start-up in a CPU-limited sidecar (the check itself reads two small files)."""
+    return {"exec": {"command": list(PROBE_COMMAND)}, "periodSeconds": period, "timeoutSeconds": 5,
+            "successThreshold": 1, "failureThreshold": failures,
+            "terminationGracePeriodSeconds": PROBE_KILL_GRACE_SECONDS}
 
 
 # The namespace's Pod Security level decides how the root sidecar reads other users' processes.
@@ -254,7 +255,8 @@ def build_sidecar(plan: SharePlan, settings: InjectionSettings, *, run_as_root: 
     """The enforcer container; ``run_as_root`` from ``sidecar_runs_as_root`` (see there why),
     ``pod_security`` the namespace's enforced Pod Security level (see ``sidecar_security_context``);
     ``fixed_port`` False where the pod's network namespace may already hold the metrics port (host
-    network, or a container declaring it): the enforcer then binds any free port (0)."""
+    network, or a container declaring it): the enforcer then serves its metrics on any free port (0)
+    and is not scraped. The port matters for metrics only: the probes read the heartbeat."""
     port = settings.metrics_port if fixed_port else 0
     env = [
         {"name": ENV_CONFIG, "value": config_json(plan, settings)},
@@ -292,13 +294,14 @@ def build_sidecar(plan: SharePlan, settings: InjectionSettings, *, run_as_root: 
                     "memory": settings.sidecar_memory_limit,
                 },
             },
-            # /healthz answers while the process and its poll loop live, even with NVML down (that
-            # degraded state shows in metrics and alerts). No readinessProbe on purpose: the pod's
-            # Ready condition counts sidecars, and an enforcer that lost NVML must not take a serving
-            # pod out of its Service. The startupProbe makes a native sidecar hold the workload
-            # containers back until the enforcer is up (up to 60 s), so enforcement starts first.
-            "startupProbe": _probe("/healthz", port, period=1, failures=60),
-            "livenessProbe": _probe("/healthz", port),
+            # The heartbeat passes while the process and its poll loop live, even with NVML down
+            # (that degraded state shows in metrics and alerts), and fails within seconds for a
+            # stopped enforcer. No readinessProbe on purpose: the pod's Ready condition counts
+            # sidecars, and an enforcer that lost NVML must not take a serving pod out of its Service.
+            # The startupProbe makes a native sidecar hold the workload containers back until the
+            # enforcer is up (up to 60 s), so enforcement starts first.
+            "startupProbe": _probe(period=1, failures=60),
+            "livenessProbe": _probe(),
             "securityContext": sidecar_security_context(run_as_root, pod_security),
             "volumeMounts": mounts,
             "terminationMessagePath": "/dev/termination-log",

@@ -124,7 +124,7 @@ class Enforcer:
             self.started = self.wait_event("started", timeout)
         except AssertionError as exc:
             raise AssertionError(f"{exc}\nstderr:\n{self.stderr()}") from None
-        self.port = self.started["metrics_port"]
+        self.port = self.started.get("metrics_port")  # absent when the port could not be bound
         return self.started
 
     def stderr(self) -> str:
