@@ -75,11 +75,15 @@ def cgroup_namespace(proc_cgroup_text: str | None) -> str | None:
     """The NVML namespace of a process from its /proc/<pid>/cgroup text: ``/sys/fs/cgroup/<path>``
     from the unified hierarchy's ``0::/<path>`` line, as the toolkit's hook builds it. None without
     such a line, or for the root (a cgroup v1 host shows ``0::/`` for every process): no cgroup the
-    driver could limit for this container alone."""
+    driver could limit for this container alone. None too for a path with ``..`` components: the
+    kernel writes a process outside the reader's cgroup namespace that way (cgroup_namespaces(7)),
+    so a sidecar with a private cgroup namespace cannot tell the host path the driver keys on."""
     for line in (proc_cgroup_text or "").splitlines():
         if line.startswith("0::/"):
             path = line[3:].rstrip("/")
-            return CGROUP_ROOT + path if path else None
+            if not path or ".." in path.split("/"):
+                return None
+            return CGROUP_ROOT + path
     return None
 
 
@@ -120,7 +124,10 @@ def _driver_gap(
     if not devices:
         return "the container has no GPU process yet"
     if namespace is None:
-        return "the container has no cgroup v2 path of its own (cgroup v1 host?): the driver limits cgroups v2 only"
+        return (
+            "no cgroup v2 path of the container to ask the driver about (a cgroup v1 host, where the driver "
+            "limits nothing, or a private cgroup namespace that hides the host path)"
+        )
     for d in devices:
         limit = limits.get(d)
         share = shares[d]

@@ -42,6 +42,7 @@ NOT_SET = DriverLimit(DriverLimitState.NOT_SET, error="NOT_SUPPORTED")
         ("12:memory:/x\n0::/kubepods/pod1/train", NS),
         ("0::/\n", None),  # a cgroup v1 host: every process shows the unified root
         ("4:memory:/kubepods/pod1/train\n", None),  # pure cgroup v1
+        ("0::/../cri-containerd-abc.scope\n", None),  # outside the reader's cgroup namespace
         ("", None),
         (None, None),
     ],
