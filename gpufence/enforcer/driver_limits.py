@@ -31,11 +31,12 @@ from gpufence.enforcer.memory_mechanism import (
     driver_usage,
 )
 from gpufence.enforcer.metrics import EnforcerMetrics
-from gpufence.enforcer.nvml import DriverLimit, NvmlClient, NvmlUnavailable
+from gpufence.enforcer.nvml import DriverLimit, DriverLimitState, NvmlClient, NvmlUnavailable
 from gpufence.enforcer.procfs import read_environ
 from gpufence.enforcer.rules import ContainerDeviceUsage
 
 _HINTS_MAX = 1024
+_NO_CALL = DriverLimit(DriverLimitState.NO_CALL, error="FUNCTION_NOT_FOUND")
 
 
 @dataclass
@@ -86,7 +87,10 @@ class DriverLimits:
             reading.cgroups[container] = None
         reading.namespaces = {k: v for k, v in reading.namespaces.items() if k[0] not in many}
         wanted = dict(reading.namespaces)
-        if wanted:
+        if wanted and not client.has_memory_limits:
+            # An older driver: every answer is known without a call (nor the worker-thread handoff).
+            reading.limits = {key: _NO_CALL for key in wanted}
+        elif wanted:
             try:
                 reading.limits = call(
                     "nvmlDeviceGetMemoryLimits",

@@ -375,6 +375,11 @@ class NvmlClient:
 
     # -- driver memory limits (NVML R615) ---------------------------------------------------------
 
+    @property
+    def has_memory_limits(self) -> bool:
+        """Whether this driver has ``nvmlDeviceGetMemoryLimits_v1`` (R615 and later); known after open()."""
+        return self._fn_limits is not None
+
     def memory_limit(self, device_index: int, namespace: str) -> DriverLimit:
         """The driver's per-cgroup memory limit and current use for ``namespace`` (a cgroup path
         under /sys/fs/cgroup, as the container toolkit's hook names it) on one device. Never raises
