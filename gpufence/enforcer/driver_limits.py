@@ -29,6 +29,7 @@ from gpufence.enforcer.memory_mechanism import (
     cgroup_namespace,
     decide,
     driver_usage,
+    hidden_by_cgroup_namespace,
 )
 from gpufence.enforcer.metrics import EnforcerMetrics
 from gpufence.enforcer.nvml import DriverLimit, DriverLimitState, NvmlClient, NvmlUnavailable
@@ -48,6 +49,7 @@ class DriverReading:
     cgroups: dict[str, str | None] = field(default_factory=dict)  # container -> namespace (None: none usable)
     pids: dict[str, int] = field(default_factory=dict)  # container -> one of its processes (for its environment)
     failed: bool = False  # NVML did not answer (hung, closed): nothing to report this poll
+    hidden: set[str] = field(default_factory=set)  # containers whose host cgroup path our cgroup namespace hides
 
     def usage(self) -> dict[tuple[str, int], int]:
         return driver_usage(self.namespaces, self.limits)
@@ -77,6 +79,8 @@ class DriverLimits:
             if p.container is None or p.container not in config.containers:
                 continue
             namespace = cgroup_namespace(p.cgroup)
+            if hidden_by_cgroup_namespace(p.cgroup):
+                reading.hidden.add(p.container)
             reading.pids.setdefault(p.container, p.pid)
             if p.container in reading.cgroups and reading.cgroups[p.container] != namespace:
                 many.add(p.container)  # several cgroups under one name: no single cgroup to ask about
@@ -112,7 +116,7 @@ class DriverLimits:
             namespace = reading.cgroups[container]
             limits = {d: reading.limits[(container, d)] for d in devices if (container, d) in reading.limits}
             hints = self._env_hints(container, namespace, reading.pids[container])
-            decision = decide(namespace, devices, limits, hints)
+            decision = decide(namespace, devices, limits, hints, hidden=container in reading.hidden)
             self._publish(container, namespace, decision, limits)
         for d in discrepancies:
             key = (d.container, d.device_index)

@@ -87,25 +87,44 @@ def cgroup_namespace(proc_cgroup_text: str | None) -> str | None:
     return None
 
 
+def hidden_by_cgroup_namespace(proc_cgroup_text: str | None) -> bool:
+    """Whether the unified-hierarchy path is written relative to the reader's cgroup namespace with
+    ``..`` (the container's cgroup is outside the sidecar's): its host path, and so the driver's
+    answer, cannot be known from here; that says nothing about whether a limit is set."""
+    for line in (proc_cgroup_text or "").splitlines():
+        if line.startswith("0::/"):
+            return ".." in line[3:].split("/")
+    return False
+
+
 def decide(
     namespace: str | None,
     shares: Mapping[int, int | None],
     limits: Mapping[int, DriverLimit],
     hints: EnvHints,
+    hidden: bool = False,
 ) -> MemoryEnforcement:
     """The mechanism that holds one container's memory share.
 
     ``shares``: device index -> the container's share there in bytes (None: no share, or a
     percentage of an unknown total) for each device where the container runs; ``limits``: what the
     driver said for the container's cgroup on those devices. ``driver`` needs a hard limit at or
-    below the share on every one of them."""
+    below the share on every one of them. ``hidden``: the sidecar's cgroup namespace hides the
+    container's host cgroup path; the driver cannot be asked, so a limit asked for is not reported
+    missing (it may well hold)."""
     devices = sorted(shares)
-    driver_why = _driver_gap(namespace, devices, shares, limits)
+    if hidden:
+        driver_why = (
+            "the driver's limit cannot be read: the sidecar's cgroup namespace hides the container's host "
+            "cgroup path (a limit the toolkit set may still hold)"
+        )
+    else:
+        driver_why = _driver_gap(namespace, devices, shares, limits)
     if driver_why is None:
         hard = max(limits[d].hard_bytes or 0 for d in devices)
         where = ", ".join(f"GPU {d}: hard {limits[d].hard_bytes} <= share {shares[d]}" for d in devices)
         return MemoryEnforcement(Mechanism.DRIVER, hard, f"the driver refuses allocations past the limit ({where})")
-    missing = hints.driver_limit_expected
+    missing = hints.driver_limit_expected and not hidden
     if hints.mps:
         return MemoryEnforcement(
             Mechanism.MPS, None, f"CUDA MPS per-client limit ({ENV_MPS_LIMIT}); no driver limit: {driver_why}", missing
@@ -125,8 +144,8 @@ def _driver_gap(
         return "the container has no GPU process yet"
     if namespace is None:
         return (
-            "no cgroup v2 path of the container to ask the driver about (a cgroup v1 host, where the driver "
-            "limits nothing, or a private cgroup namespace that hides the host path)"
+            "no cgroup v2 path of the container to ask the driver about (a cgroup v1 host: the driver "
+            "limits cgroups v2 only)"
         )
     for d in devices:
         limit = limits.get(d)

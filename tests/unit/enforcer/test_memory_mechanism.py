@@ -15,6 +15,7 @@ from gpufence.enforcer.memory_mechanism import (
     cgroup_namespace,
     decide,
     driver_usage,
+    hidden_by_cgroup_namespace,
 )
 from gpufence.enforcer.nvml import DriverLimit, DriverLimitState
 from gpufence.enforcer.rules import ContainerDeviceUsage
@@ -135,3 +136,16 @@ def test_the_core_enforces_on_the_drivers_usage() -> None:
     over = core.step(0.5, seen, {0: 80 * GiB}, driver_used={("train", 0): 5 * GiB})
     assert [(o.container, o.used_bytes, [v.pid for v in o.victims]) for o in over.orders] == [("train", 5 * GiB, [1])]
     assert [(d.driver_bytes, d.process_bytes) for d in over.discrepancies] == [(5 * GiB, 3 * GiB)]
+
+
+def test_a_cgroup_hidden_by_the_sidecars_cgroup_namespace_is_not_reported_missing() -> None:
+    """In a pod with private cgroup namespaces the sidecar reads ``0::/../<container>``: it cannot
+    ask the driver, which says nothing about whether the toolkit set a limit."""
+    assert hidden_by_cgroup_namespace("0::/../cri-containerd-abc.scope\n")
+    assert not hidden_by_cgroup_namespace("0::/kubepods/pod1/train\n")
+    assert not hidden_by_cgroup_namespace("0::/\n") and not hidden_by_cgroup_namespace(None)
+    got = decide(None, {0: 4 * GiB}, {}, EXPECTED, hidden=True)
+    assert got.mechanism is Mechanism.POLLING and not got.driver_limit_missing
+    assert "cgroup namespace hides" in got.why
+    v1 = decide(None, {0: 4 * GiB}, {}, EXPECTED)
+    assert v1.driver_limit_missing and "cgroup v1" in v1.why
