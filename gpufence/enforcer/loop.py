@@ -38,6 +38,7 @@ from gpufence.contract import EnforcerConfig, Mode
 from gpufence.enforcer.attribution import Attribution, Attributor, PidMode
 from gpufence.enforcer.compute import UNATTRIBUTED
 from gpufence.enforcer.decision_log import DecisionLog
+from gpufence.enforcer.driver_limits import DriverLimits
 from gpufence.enforcer.events import EventRecorder
 from gpufence.enforcer.health import Health
 from gpufence.enforcer.kill_deadlines import KillDeadlines
@@ -100,6 +101,7 @@ class Enforcer:
         self._backoff = config.poll_interval_seconds
         self._next_open = 0.0
         self._report = Reporter(log, metrics, events)
+        self._driver_limits = DriverLimits(log, metrics, events)
         self._terminator = Terminator(
             signaller, throttle, log, metrics, events, clock=clock, deadlines=kill_deadlines
         )
@@ -242,7 +244,9 @@ class Enforcer:
         mig = frozenset(d.index for d in sample.devices if d.mig and not d.lost)
         # What the throttle saw since the last poll: processes running while held stopped.
         evasions = self._throttle.take_evasions()
-        decisions = self._core.step(now, attribution, totals, mig, evasions)
+        # The driver's own per-cgroup limits and usage (NVML R615): its currentUsed is the usage.
+        reading = self._driver_limits.read(self._client, attribution, self.config, self._nvml.call)
+        decisions = self._core.step(now, attribution, totals, mig, evasions, reading.usage())
         # From here on, the core's attribution: a name that is no container of the pod is screened out.
         attribution = decisions.attribution
         # Every GPU process accepted as the pod's may be signalled, attributed or not (pod budget),
@@ -253,6 +257,7 @@ class Enforcer:
         self._report.uninspectable(decisions.new_uninspectable)
         self._metrics.uninspectable.set(len(attribution.uninspectable))
         self._report.usage(decisions.usages, attribution)
+        self._driver_limits.report(reading, decisions.usages, decisions.discrepancies)
         self._metrics.set_pod_usage(decisions.pods)
         self._terminator.enforce(decisions, attribution, self.config.mode, self.config.grace_period_seconds)
         self._apply_compute(decisions, attribution)

@@ -30,6 +30,7 @@ from gpufence.enforcer.compute import (
     share_of,
     unattributed_sm_utilization,
 )
+from gpufence.enforcer.memory_mechanism import Discrepancy, apply_driver_usage
 from gpufence.enforcer.rules import (
     ContainerDeviceUsage,
     Evasion,
@@ -90,6 +91,9 @@ class Decisions:
     # The attribution with its claims screened (``rules.screen_claims``; MIG devices' processes
     # kept: a container terminated or throttled is so on every device): what the executors act on.
     attribution: Attribution = field(default_factory=lambda: Attribution((), ()))
+    # (container, device) rows where the driver's currentUsed (now the usage) differs from the
+    # per-process sum, every poll (the loop reports each once)
+    discrepancies: tuple[Discrepancy, ...] = ()
 
 
 class Core:
@@ -119,6 +123,7 @@ class Core:
         device_totals: Mapping[int, int | None],
         mig_devices: frozenset[int] = frozenset(),
         evasions: Iterable[Evasion] = (),
+        driver_used: Mapping[tuple[str, int], int] | None = None,
     ) -> Decisions:
         """One poll. Processes on ``mig_devices`` (MIG mode enabled) are left out of every decision:
         a MIG device's isolation is the hardware's, and NVML's per-process view of the parent GPU
@@ -127,7 +132,9 @@ class Core:
         ``attribution`` is screened first (``rules.screen_claims``): a process named after no
         configured container is unattributed in every decision below. ``evasions`` are what the
         throttle executor saw since the last poll: each gives a one-shot order (never an episode
-        that lasts: the terminator keeps its own timers)."""
+        that lasts: the terminator keeps its own timers). ``driver_used``: (container, device) ->
+        the driver's currentUsed for the container's cgroup, which replaces the per-process sum as
+        the container's usage there (``memory_mechanism.driver_usage``)."""
         config = self.config
         attribution = screened = screen_claims(attribution, config)
         new_mig = tuple(sorted(mig_devices - self._seen_mig))
@@ -138,7 +145,9 @@ class Core:
                 attribution.foreign_pids,
                 attribution.uninspectable,
             )
-        usages = usage_by_container(attribution, config, device_totals)
+        usages, discrepancies = apply_driver_usage(
+            usage_by_container(attribution, config, device_totals), driver_used or {}
+        )
         pods = pod_usage(attribution, config, device_totals)
         lasting = memory_orders(usages, pods) + device_orders(usages, config) + pod_device_orders(attribution, config)
         evaded = evasion_orders(evasions, attribution)
@@ -181,6 +190,7 @@ class Core:
             plan=self._plan,
             throttle_changes=tuple(changes),
             attribution=screened,
+            discrepancies=discrepancies,
         )
 
     def poll_interval(self, base: float) -> float:

@@ -84,6 +84,12 @@ class EnforcerMetrics:
             "1 while the container is duty-cycled with SIGSTOP/SIGCONT",
             container_labels, registry=r,
         )
+        self.memory_enforcement = Gauge(
+            "gpufence_container_memory_enforcement",
+            "1 for the mechanism that holds the container's GPU memory share: driver (NVML's per-cgroup hard "
+            "limit), mps, preload, or polling (the enforcer alone); polling is the backstop in every case",
+            (*container_labels, "mechanism"), registry=r,
+        )
         self.actions = Counter(
             "gpufence_enforcement_actions_total",
             "Enforcement actions taken (or, in audit mode, that would have been taken)",
@@ -146,6 +152,7 @@ class EnforcerMetrics:
         self.nvml_up.set(0)
         self._device_series: set[tuple[str, str, str]] = set()
         self._pod_series: set[tuple[str, str]] = set()
+        self._enforcement_series: dict[str, tuple[tuple[str, ...], ...]] = {}
 
     # -- helpers -----------------------------------------------------------------------------
 
@@ -196,6 +203,14 @@ class EnforcerMetrics:
             for gauge in (self.memory_used, self.memory_limit, self.limit_from_percent, self.sm_utilization):
                 _remove(gauge, labels)
         self._device_series = seen
+
+    def set_memory_enforcement(self, container: str, mechanism: str) -> None:
+        """One series per container: the mechanism in force (the previous one's series is removed)."""
+        for labels in list(self._enforcement_series.get(container, ())):
+            _remove(self.memory_enforcement, labels)
+        labels = (self.namespace, self.pod, container, mechanism)
+        self.memory_enforcement.labels(*labels).set(1)
+        self._enforcement_series[container] = (labels,)
 
     def set_mig_unenforced(self, uuid: str, gpu: int) -> None:
         self.mig_unenforced.labels(self.namespace, self.pod, uuid, str(gpu)).set(1)

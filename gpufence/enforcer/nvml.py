@@ -37,6 +37,7 @@ import struct
 import threading
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from enum import StrEnum
 from types import MappingProxyType
 from typing import Any
 
@@ -44,6 +45,8 @@ import pynvml
 
 __all__ = [
     "DeviceSample",
+    "DriverLimit",
+    "DriverLimitState",
     "GpuProcess",
     "NvmlClient",
     "NvmlErrorEvent",
@@ -89,6 +92,25 @@ class DeviceSample:
 class NvmlSample:
     devices: tuple[DeviceSample, ...]
     errors: tuple[NvmlErrorEvent, ...] = field(default=())  # tolerated errors this round
+
+
+class DriverLimitState(StrEnum):
+    """What ``nvmlDeviceGetMemoryLimits_v1`` (NVML R615) says about one cgroup on one device."""
+
+    SET = "set"  # a hard limit below NVML_DEVICE_MEMORY_LIMIT_MAX applies to the cgroup
+    UNLIMITED = "unlimited"  # the cgroup (or an ancestor) is registered, with the "no limit" maximum
+    NOT_SET = "not_set"  # NOT_SUPPORTED: no limit on the cgroup or above (toolkit hook absent, cgroup v1)
+    NO_CALL = "no_call"  # FUNCTION_NOT_FOUND: a driver older than R615
+    ERROR = "error"  # any other answer (the call failed this time)
+
+
+@dataclass(frozen=True, slots=True)
+class DriverLimit:
+    state: DriverLimitState
+    soft_bytes: int | None = None
+    hard_bytes: int | None = None
+    current_used_bytes: int | None = None  # what the cgroup holds on the device, per the driver
+    error: str | None = None  # the NVML error name for NOT_SET / NO_CALL / ERROR
 
 
 # -- NVML error codes -----------------------------------------------------------------------------
@@ -213,6 +235,7 @@ class NvmlClient:
         self._fn_graphics: Callable[..., int] | None = None
         self._fn_mps: Callable[..., int] | None = None
         self._fn_util: Callable[..., int] | None = None
+        self._fn_limits: Callable[..., int] | None = None
         self._proc_record = _PROC_V2
         self._proc_names = (
             "nvmlDeviceGetComputeRunningProcesses",
@@ -350,6 +373,39 @@ class NvmlClient:
             index, uuid, device.total_memory_bytes, processes, self._util(device, errors), mig=device.mig
         )
 
+    # -- driver memory limits (NVML R615) ---------------------------------------------------------
+
+    @property
+    def has_memory_limits(self) -> bool:
+        """Whether this driver has ``nvmlDeviceGetMemoryLimits_v1`` (R615 and later); known after open()."""
+        return self._fn_limits is not None
+
+    def memory_limit(self, device_index: int, namespace: str) -> DriverLimit:
+        """The driver's per-cgroup memory limit and current use for ``namespace`` (a cgroup path
+        under /sys/fs/cgroup, as the container toolkit's hook names it) on one device. Never raises
+        for per-call errors: an old driver is ``NO_CALL``, a cgroup without a limit ``NOT_SET``."""
+        with self._lock:
+            if not self._open:
+                raise NvmlUnavailable("NVML is not open: call NvmlClient.open() first")
+            fn = self._fn_limits
+            if fn is None:
+                return DriverLimit(DriverLimitState.NO_CALL, error=error_name(_FUNCTION_NOT_FOUND))
+            device = self._devices[device_index] if 0 <= device_index < len(self._devices) else None
+            if device is None or device.handle is None:
+                return DriverLimit(DriverLimitState.ERROR, error=error_name(_GPU_IS_LOST))
+            request = pynvml.c_nvmlGetMemoryLimits_v1_t()
+            request.nameSpace = namespace.encode()
+            ret = fn(device.handle, ctypes.byref(request))
+            if ret == _SUCCESS:
+                hard = int(request.hardLimit)
+                state = DriverLimitState.UNLIMITED if hard == NVML_VALUE_NOT_AVAILABLE else DriverLimitState.SET
+                return DriverLimit(state, int(request.softLimit), hard, int(request.currentUsed))
+            if ret == _FUNCTION_NOT_FOUND:
+                return DriverLimit(DriverLimitState.NO_CALL, error=error_name(ret))
+            if ret == _NOT_SUPPORTED:
+                return DriverLimit(DriverLimitState.NOT_SET, error=error_name(ret))
+            return DriverLimit(DriverLimitState.ERROR, error=error_name(ret))
+
     # -- NVML calls ------------------------------------------------------------------------------
 
     def _acquire(self, device: _Device, errors: list[NvmlErrorEvent]) -> None:
@@ -475,6 +531,8 @@ class NvmlClient:
         self._proc_record = _PROC_V1 if v1 else _PROC_V2
         self._fn_compute, self._fn_graphics, self._fn_mps = compute, graphics, mps
         self._fn_util, _ = first("nvmlDeviceGetProcessUtilization")
+        # Drivers before R615 lack the per-cgroup memory limits: memory_limit() answers NO_CALL.
+        self._fn_limits, _ = first("nvmlDeviceGetMemoryLimits_v1")
 
     # -- loading ---------------------------------------------------------------------------------
 

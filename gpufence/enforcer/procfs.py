@@ -169,6 +169,24 @@ def read_claim(pid: int, proc_root: str = "/proc") -> str | None:
     return _container_from_environ(_read_all(f"{proc_root}/{pid}/environ"))
 
 
+def read_environ(pid: int, names: frozenset[str], proc_root: str = "/proc") -> dict[str, str]:
+    """The first value of each of ``names`` in /proc/<pid>/environ (as getenv() would see it);
+    absent, unreadable or non-UTF-8 values are left out. Needs the same ptrace access as the claim."""
+    environ = _read_all(f"{proc_root}/{pid}/environ")
+    found: dict[str, str] = {}
+    for entry in (environ or b"").split(b"\0"):
+        key, sep, value = entry.partition(b"=")
+        if not sep:
+            continue
+        try:
+            name = key.decode("utf-8")
+            if name in names and name not in found:
+                found[name] = value.decode("utf-8")
+        except UnicodeDecodeError:
+            continue
+    return found
+
+
 def _container_from_environ(environ: bytes | None) -> str | None:
     """GPUFENCE_CONTAINER's value, the first occurrence as getenv() would see it.
 

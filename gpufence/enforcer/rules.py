@@ -36,6 +36,8 @@ class ContainerDeviceUsage:
     unknown_usage: bool = False  # the flag: some process's used memory was None (counted as 0)
     # Which part of the share is the limit here (a share in two units: the smaller on this device).
     limit_unit: LimitUnit | None = None
+    # The per-process sum, when ``used_bytes`` is the driver's currentUsed for the container's cgroup.
+    process_bytes: int | None = None
 
 
 @dataclass(frozen=True)

@@ -403,3 +403,43 @@ def test_decisions_on_what_no_container_can_be_charged_for_and_on_evasion_are_ev
     assert "container train" in by_reason["GPUThrottleEvaded"] and "SIGCONT" in by_reason["GPUThrottleEvaded"]
     assert f"[{train.pid}]" in by_reason["GPUThrottleEvaded"]
     assert "compute budget 20%" in by_reason["GPUPodComputeOverBudget"]
+
+
+def test_a_driver_limit_asked_for_and_absent_is_an_event_once(api: HttpsEventsApi, sa: ServiceAccountDir,
+                                                               tmp_path: Path):
+    """A container whose environment asks for a driver memory limit (NVIDIA_GPU_MEMORY_LIMIT, which
+    the toolkit's hook applies) on a driver without the limit calls: one Warning Event, with why."""
+    from gpufence.enforcer.driver_limits import DriverLimits, DriverReading
+    from gpufence.enforcer.metrics import EnforcerMetrics
+    from gpufence.enforcer.nvml import DriverLimit, DriverLimitState
+    from gpufence.enforcer.rules import ContainerDeviceUsage
+    from tests.support.enforcer_harness import WORKLOAD
+
+    plain = tmp_path / "device"
+    plain.touch()
+    env = {**os.environ, "NVIDIA_GPU_MEMORY_LIMIT": "2048", "NVIDIA_GPU_MEMORY_REQUEST": "2048"}
+    child = subprocess.Popen([sys.executable, str(WORKLOAD), str(plain)], stdout=subprocess.PIPE, text=True, env=env)
+    try:
+        assert child.stdout is not None and child.stdout.readline().startswith("ready")
+        recorder, _ = _direct(api, sa)
+        log, stream = _log()
+        limits = DriverLimits(log, EnforcerMetrics("team", "train-0"), recorder)
+        ns = "/sys/fs/cgroup/kubepods/pod1/train"
+        reading = DriverReading(
+            namespaces={("train", 0): ns},
+            limits={("train", 0): DriverLimit(DriverLimitState.NO_CALL, error="FUNCTION_NOT_FOUND")},
+            cgroups={"train": ns}, pids={"train": child.pid},
+        )
+        usage = (ContainerDeviceUsage("train", 0, "GPU-0", 1 << 30, 2 << 30, ()),)
+        for _ in range(3):  # every poll: one Event, one log line
+            limits.report(reading, usage, ())
+        assert recorder.flush(10)
+        recorder.close()
+    finally:
+        child.kill()
+        child.wait(5)
+    assert [seen.body["reason"] for seen in api.seen] == ["GPUDriverMemoryLimitMissing"]
+    message = api.seen[0].body["message"]
+    assert "container train" in message and "older than R615" in message, message
+    assert api.seen[0].body["type"] == "Warning"
+    assert [r["mechanism"] for r in _records(stream) if r["event"] == "memory_enforcement"] == ["polling"]

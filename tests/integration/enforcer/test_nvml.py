@@ -420,3 +420,24 @@ def test_second_library_in_one_process_is_refused(lib: pathlib.Path, tmp_path: p
     assert result["first"] == [100]
     assert "pynvml already uses another libnvidia-ml.so.1" in str(result["second"])
     assert result["again"] == 2
+
+
+def test_memory_limit_per_cgroup(client: NvmlClient, sim: Writer, tmp_path: pathlib.Path) -> None:
+    """The driver's per-cgroup limit and currentUsed (NVML R615), each answer mapped to a state."""
+    from gpufence.enforcer.nvml import DriverLimit, DriverLimitState
+    from gpufence.simnvml import NO_LIMIT, SimLimit, preset_limits
+
+    pod_a, pod_b = "/sys/fs/cgroup/kubepods/podA/c", "/sys/fs/cgroup/kubepods/podB/c"
+    sim(two_devices((SimProcess(100, 3 * GiB, cgroup=pod_a), SimProcess(101, 1 * GiB, cgroup=pod_b))))
+    preset_limits(tmp_path / "sim-state", SimLimit(UUID_A, pod_a, GiB, 4 * GiB), SimLimit(UUID_A, pod_b, 0, NO_LIMIT))
+    client.open()
+    assert client.memory_limit(0, pod_a) == DriverLimit(DriverLimitState.SET, GiB, 4 * GiB, 3 * GiB)
+    assert client.memory_limit(0, pod_a + "/worker") == client.memory_limit(0, pod_a)  # nearest limited ancestor
+    assert client.memory_limit(0, pod_b) == DriverLimit(DriverLimitState.UNLIMITED, 0, NO_LIMIT, GiB)
+    assert client.memory_limit(1, pod_a) == DriverLimit(DriverLimitState.NOT_SET, error="NOT_SUPPORTED")
+    assert client.memory_limit(0, "/sys/fs/cgroup/kubepods/podC") == DriverLimit(
+        DriverLimitState.NOT_SET, error="NOT_SUPPORTED"
+    )
+    assert client.memory_limit(5, pod_a).state is DriverLimitState.ERROR  # no such device
+    sim(SimState(devices=two_devices().devices, failures={"nvmlDeviceGetMemoryLimits": "UNKNOWN"}))
+    assert client.memory_limit(0, pod_a) == DriverLimit(DriverLimitState.ERROR, error="UNKNOWN")
