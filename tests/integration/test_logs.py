@@ -135,10 +135,12 @@ def test_skipped_pods_are_debug_only(decisions: io.StringIO) -> None:
     # A mirror pod: the webhook never touches those (a pod without GPUs is mutated now, to void
     # its NVIDIA_VISIBLE_DEVICES).
     pod["metadata"].setdefault("annotations", {})["kubernetes.io/config.mirror"] = "abc"
-    assert answer(pod_review(pod=pod)) == "skipped"
+    review = pod_review(pod=pod)
+    review["request"]["userInfo"]["username"] = "system:node:gpu-node-1"  # only a node's mirror is one
+    assert answer(review) == "skipped"
     assert lines(decisions) == []
     logging.getLogger("webhook.decisions").setLevel(logging.DEBUG)
-    assert answer(pod_review(pod=pod)) == "skipped"
+    assert answer(review) == "skipped"
     assert [r["event"] for r in lines(decisions)] == ["pod_skipped"]
 
 
