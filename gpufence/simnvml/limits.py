@@ -24,9 +24,10 @@ import contextlib
 import fcntl
 import os
 import pathlib
-import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass
+
+from gpufence.simnvml.state import replace_file
 
 LEDGER_MAGIC = "gpufence-simnvml-driver 1"
 CGROUP_ROOT = "/sys/fs/cgroup"
@@ -178,19 +179,6 @@ def _locked(state_path: str | os.PathLike[str]) -> Iterator[pathlib.Path]:
         os.close(fd)
 
 
-def _replace(path: pathlib.Path, text: str) -> None:
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as out:
-            out.write(text)
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
-        raise
-
-
 def preset_limits(state_path: str | os.PathLike[str], *limits: SimLimit) -> None:
     """Sets limits as if a process (the toolkit's hook) had set them through NVML before the test.
 
@@ -201,7 +189,7 @@ def preset_limits(state_path: str | os.PathLike[str], *limits: SimLimit) -> None
         current, allocations = _read(state_path)
         keys = {(x.uuid, x.namespace) for x in limits}
         kept = tuple(x for x in current if (x.uuid, x.namespace) not in keys)
-        _replace(path, render_driver_state(kept + tuple(limits), allocations))
+        replace_file(path, render_driver_state(kept + tuple(limits), allocations))
 
 
 def reset_driver_state(state_path: str | os.PathLike[str]) -> None:

@@ -280,16 +280,23 @@ def render_state(state: SimState) -> str:
 
 
 def write_state(path: str | os.PathLike[str], state: SimState) -> None:
-    """Atomically replaces the state file at ``path`` (temp file in the same directory + os.replace)."""
-    text = render_state(state)
+    """Atomically replaces the state file at ``path`` (temp file in the same directory + os.replace),
+    with an mtime the library has not seen before (it re-reads the file when its stamp changes)."""
+    replace_file(path, render_state(state), fresh_mtime=True)
+
+
+def replace_file(path: str | os.PathLike[str], text: str, *, fresh_mtime: bool = False) -> None:
+    """Writes ``text`` to ``path`` atomically: a temp file in the same directory, then os.replace, so
+    a reader sees the old file or the new one, never half of one. The simulated driver's files."""
     target = os.fspath(path)
     directory = os.path.dirname(os.path.abspath(target))
-    fd, tmp = tempfile.mkstemp(prefix=".simnvml-state.", dir=directory)
+    fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(target)}.", dir=directory)
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as out:
             out.write(text)
-        mtime = _next_mtime_ns()
-        os.utime(tmp, ns=(mtime, mtime))
+        if fresh_mtime:
+            mtime = _next_mtime_ns()
+            os.utime(tmp, ns=(mtime, mtime))
         os.chmod(tmp, 0o644)
         os.replace(tmp, target)
     except BaseException:

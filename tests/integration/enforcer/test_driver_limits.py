@@ -82,13 +82,9 @@ def namespace(cgroups: Any, cgroup: pathlib.Path) -> str:
 EXPECTS_LIMIT = {"NVIDIA_GPU_MEMORY_LIMIT": "2048", "NVIDIA_GPU_MEMORY_REQUEST": "2048"}
 
 
-def test_driver_limit_refuses_the_allocation_and_the_enforcer_reports_driver(cgroups, gpu, make_config, allocators):
-    hog_cg, calm_cg = cgroups.make("hog"), cgroups.make("calm")
-    preset_limits(
-        gpu.state_path,
-        SimLimit(UUID, namespace(cgroups, hog_cg), 2 * GIB, 2 * GIB),
-        SimLimit(UUID, namespace(cgroups, calm_cg), 4 * GIB, 4 * GIB),
-    )
+def _hog_and_calm_holding_1gib(cgroups, gpu, allocators, hog_cg, calm_cg):
+    """Two allocating workloads, ``hog`` (which expects a driver limit) and ``calm``, each in its
+    cgroup and holding 1 GiB on the simulated GPU."""
     gpu.write(gpu.device_with())
     hog = allocators(gpu, "hog", EXPECTS_LIMIT)
     calm = allocators(gpu, "calm")
@@ -96,6 +92,17 @@ def test_driver_limit_refuses_the_allocation_and_the_enforcer_reports_driver(cgr
     cgroups.move(calm_cg, calm.pid)
     assert hog.alloc(1 * GIB) == f"allocated {GIB}"
     assert calm.alloc(1 * GIB) == f"allocated {GIB}"
+    return hog, calm
+
+
+def test_driver_limit_refuses_the_allocation_and_the_enforcer_reports_driver(cgroups, gpu, make_config, allocators):
+    hog_cg, calm_cg = cgroups.make("hog"), cgroups.make("calm")
+    preset_limits(
+        gpu.state_path,
+        SimLimit(UUID, namespace(cgroups, hog_cg), 2 * GIB, 2 * GIB),
+        SimLimit(UUID, namespace(cgroups, calm_cg), 4 * GIB, 4 * GIB),
+    )
+    hog, calm = _hog_and_calm_holding_1gib(cgroups, gpu, allocators, hog_cg, calm_cg)
     config = make_config({"hog": {"memoryBytes": 2 * GIB}, "calm": {"memoryBytes": 4 * GIB}}, grace=0.5)
     enforcer = gpu.enforcer(config)
     report = enforcer.wait_event("memory_enforcement", 10, container="hog")
@@ -122,13 +129,7 @@ def test_driver_limit_refuses_the_allocation_and_the_enforcer_reports_driver(cgr
 def test_old_driver_reports_polling_and_still_terminates(cgroups, old_gpu, make_config, allocators):
     gpu = old_gpu
     hog_cg, calm_cg = cgroups.make("hog"), cgroups.make("calm")
-    gpu.write(gpu.device_with())
-    hog = allocators(gpu, "hog", EXPECTS_LIMIT)
-    calm = allocators(gpu, "calm")
-    cgroups.move(hog_cg, hog.pid)
-    cgroups.move(calm_cg, calm.pid)
-    assert hog.alloc(1 * GIB) == f"allocated {GIB}"
-    assert calm.alloc(1 * GIB) == f"allocated {GIB}"
+    hog, calm = _hog_and_calm_holding_1gib(cgroups, gpu, allocators, hog_cg, calm_cg)
     config = make_config({"hog": {"memoryBytes": 2 * GIB}, "calm": {"memoryBytes": 4 * GIB}}, grace=0.5)
     enforcer = gpu.enforcer(config)
     report = enforcer.wait_event("memory_enforcement", 10, container="hog")
