@@ -106,7 +106,7 @@ def sidecar_resource_use(spec: dict[str, Any], exempt: str, port: int, port_name
                         f"container {quote(name)} declares port {declared.get('containerPort')} "
                         f"({quote(str(declared.get('name') or ''))}) at spec.{key}[{i}].ports[{j}]: in a GPU pod port "
                         f"{port} and the port name {quote(port_name)} are the gpufence enforcer's, where it serves "
-                        f"its metrics and health check; use another port, e.g. {port + 1}"
+                        f"its metrics; use another port, e.g. {port + 1}"
                     )
     return None
 
