@@ -207,6 +207,9 @@ def test_a_container_on_more_gpus_than_it_requested_is_terminated(gpu, make_conf
     said = enforcer.wait_event("gpus_over_request", 5)
     assert said["container"] == "wide" and said["gpus_requested"] == 1 and said["gpus_used"] == [0, 1]
     wide.wait_line("got SIGTERM", 5)
+    # The workload can print before the tick that signalled it has counted the action; the next
+    # completed poll comes after that count.
+    enforcer.wait_polls(1)
     assert enforcer.metric("gpufence_enforcement_actions_total", container="wide", action="sigterm",
                            resource="gpus") == 1
     assert enforcer.metric("gpufence_enforcement_actions_total", container="steady", action="sigterm",
