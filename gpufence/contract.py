@@ -95,6 +95,13 @@ SIDECAR_ENV = (ENV_CONFIG, ENV_POD_NAME, ENV_POD_NAMESPACE, ENV_POD_UID, ENV_POD
 # Set on each GPU container: its name (the enforcer reads it from /proc/<pid>/environ) and its memory share.
 ENV_CONTAINER = "GPUFENCE_CONTAINER"
 ENV_MEMORY_LIMIT = "GPUFENCE_MEMORY_LIMIT"
+# The hard limits a GPU container's environment can ask for, which the enforcer reads back to say
+# which mechanism holds a container's share: the driver's per-cgroup limit (the container toolkit's
+# apply-cuda-memory-limits hook applies it), CUDA MPS's per-client limit, and a preload limiter's.
+ENV_DRIVER_MEMORY_LIMIT = "NVIDIA_GPU_MEMORY_LIMIT"
+ENV_MPS_MEMORY_LIMIT = "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"
+ENV_PRELOAD_MEMORY_LIMIT = "CUDA_DEVICE_MEMORY_LIMIT"
+ENV_LD_PRELOAD = "LD_PRELOAD"
 
 DEFAULT_METRICS_PORT = 9401
 # Where the webhook mounts the host's /proc when the legacy-driver flag is on.

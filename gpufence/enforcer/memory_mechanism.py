@@ -24,16 +24,17 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, replace
 from enum import StrEnum
 
+from gpufence.contract import (
+    ENV_DRIVER_MEMORY_LIMIT,
+    ENV_LD_PRELOAD,
+    ENV_MPS_MEMORY_LIMIT,
+    ENV_PRELOAD_MEMORY_LIMIT,
+)
 from gpufence.enforcer.nvml import DriverLimit, DriverLimitState
 from gpufence.enforcer.rules import ContainerDeviceUsage
 
 CGROUP_ROOT = "/sys/fs/cgroup"
-# What the webhook puts in a GPU container's environment (the toolkit's hook reads the first).
-ENV_DRIVER_LIMIT = "NVIDIA_GPU_MEMORY_LIMIT"
-ENV_MPS_LIMIT = "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"
-ENV_PRELOAD_LIMIT = "CUDA_DEVICE_MEMORY_LIMIT"
-ENV_LD_PRELOAD = "LD_PRELOAD"
-HINT_VARIABLES = frozenset({ENV_DRIVER_LIMIT, ENV_MPS_LIMIT, ENV_PRELOAD_LIMIT, ENV_LD_PRELOAD})
+HINT_VARIABLES = frozenset({ENV_DRIVER_MEMORY_LIMIT, ENV_MPS_MEMORY_LIMIT, ENV_PRELOAD_MEMORY_LIMIT, ENV_LD_PRELOAD})
 # A difference between the driver's currentUsed and the per-process sum below this is not reported.
 DISCREPANCY_MIN_BYTES = 1 << 20
 
@@ -56,9 +57,9 @@ class EnvHints:
     @classmethod
     def from_environ(cls, env: Mapping[str, str]) -> EnvHints:
         return cls(
-            driver_limit_expected=bool(env.get(ENV_DRIVER_LIMIT, "").strip()),
-            mps=bool(env.get(ENV_MPS_LIMIT, "").strip()),
-            preload=bool(env.get(ENV_LD_PRELOAD, "").strip()) and bool(env.get(ENV_PRELOAD_LIMIT, "").strip()),
+            driver_limit_expected=bool(env.get(ENV_DRIVER_MEMORY_LIMIT, "").strip()),
+            mps=bool(env.get(ENV_MPS_MEMORY_LIMIT, "").strip()),
+            preload=bool(env.get(ENV_LD_PRELOAD, "").strip()) and bool(env.get(ENV_PRELOAD_MEMORY_LIMIT, "").strip()),
         )
 
 
@@ -127,11 +128,13 @@ def decide(
     missing = hints.driver_limit_expected and not hidden
     if hints.mps:
         return MemoryEnforcement(
-            Mechanism.MPS, None, f"CUDA MPS per-client limit ({ENV_MPS_LIMIT}); no driver limit: {driver_why}", missing
+            Mechanism.MPS, None, f"CUDA MPS per-client limit ({ENV_MPS_MEMORY_LIMIT}); no driver limit: {driver_why}",
+            missing
         )
     if hints.preload:
         return MemoryEnforcement(
-            Mechanism.PRELOAD, None, f"LD_PRELOAD limiter ({ENV_PRELOAD_LIMIT}); no driver limit: {driver_why}", missing
+            Mechanism.PRELOAD, None, f"LD_PRELOAD limiter ({ENV_PRELOAD_MEMORY_LIMIT}); no driver limit: {driver_why}",
+            missing
         )
     return MemoryEnforcement(Mechanism.POLLING, None, f"enforced by polling only: {driver_why}", missing)
 
@@ -157,7 +160,7 @@ def _driver_gap(
         if limit.state is DriverLimitState.NOT_SET:
             return (
                 f"GPU {d}: no limit on {namespace} (toolkit without apply-cuda-memory-limits, or "
-                f"{ENV_DRIVER_LIMIT} absent from the container)"
+                f"{ENV_DRIVER_MEMORY_LIMIT} absent from the container)"
             )
         if limit.state is DriverLimitState.UNLIMITED:
             return f"GPU {d}: {namespace} has no hard limit"

@@ -12,7 +12,14 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from gpufence.contract import ENV_CONTAINER, ENV_MEMORY_LIMIT, ContainerShare
+from gpufence.contract import (
+    ENV_CONTAINER,
+    ENV_LD_PRELOAD,
+    ENV_MEMORY_LIMIT,
+    ENV_MPS_MEMORY_LIMIT,
+    ENV_PRELOAD_MEMORY_LIMIT,
+    ContainerShare,
+)
 from gpufence.webhook.frameworks import DeviceMemory, framework_env, server_warnings
 from gpufence.webhook.gpu_paths import PodGpuPaths
 from gpufence.webhook.podshape import MutationError
@@ -23,14 +30,12 @@ from gpufence.webhook.sidecar import PRELOAD_VOLUME
 
 ENV_TF_ALLOW_GROWTH = "TF_FORCE_GPU_ALLOW_GROWTH"
 ENV_XLA_PREALLOCATE = "XLA_PYTHON_CLIENT_PREALLOCATE"
-ENV_MPS_MEM_LIMIT = "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"
 ENV_MPS_THREADS = "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"
-ENV_HAMI_MEMORY = "CUDA_DEVICE_MEMORY_LIMIT"
 ENV_HAMI_SM = "CUDA_DEVICE_SM_LIMIT"
-ENV_LD_PRELOAD = "LD_PRELOAD"
 ENV_NVIDIA_VISIBLE_DEVICES = "NVIDIA_VISIBLE_DEVICES"
 # Variables whose user-set value the webhook keeps but reports when it differs from the share.
-_LIMIT_VARIABLES = frozenset({ENV_MEMORY_LIMIT, ENV_MPS_MEM_LIMIT, ENV_MPS_THREADS, ENV_HAMI_MEMORY, ENV_HAMI_SM})
+_LIMIT_VARIABLES = frozenset(
+    {ENV_MEMORY_LIMIT, ENV_MPS_MEMORY_LIMIT, ENV_MPS_THREADS, ENV_PRELOAD_MEMORY_LIMIT, ENV_HAMI_SM})
 
 
 def add_share_env(
@@ -67,7 +72,7 @@ def add_share_env(
             elif mib < 1:
                 warnings.append(f"container {quote(name)}: the memory share is below 1Mi, too small for MPS")
             else:
-                add(ENV_MPS_MEM_LIMIT, f"0={mib}M")
+                add(ENV_MPS_MEMORY_LIMIT, f"0={mib}M")
                 if memory.two_units:
                     warnings.append(_percent_part_left(name, "MPS", memory.describe()))
         if compute is not None:
@@ -85,7 +90,7 @@ def add_share_env(
                     f"container {quote(name)}: the memory share is below 1Mi, too small for the preload limiter"
                 )
             else:
-                add(ENV_HAMI_MEMORY, f"{mebibytes_floor(memory.bytes)}m")
+                add(ENV_PRELOAD_MEMORY_LIMIT, f"{mebibytes_floor(memory.bytes)}m")
                 if memory.two_units:
                     warnings.append(_percent_part_left(name, "the preload limiter", memory.describe()))
         if compute is not None:
