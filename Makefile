@@ -44,7 +44,7 @@ framework-python:
 test: venv lint system-deps e2e-binaries helm-binary framework-python
 	GPUFENCE_FRAMEWORK_PYTHON=$(FRAMEWORK_VENV)/bin/python $(PY) -m pytest
 
-# The fast loop: lint and the pure tests (tests/unit: no child process, no network; about 40 s on
+# The fast loop: lint and the pure tests (tests/unit: no child process, no network; about 3 min on
 # 2 cores). `make test` stays the whole suite.
 unit: venv lint
 	$(PY) -m pytest -q tests/unit
