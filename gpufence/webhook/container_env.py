@@ -146,11 +146,13 @@ def gpu_container(
     record: FrameworkRecord | None = None,
     driver_limits: bool = False,
     resolved: bool = False,
+    replaced: list[str] | None = None,
 ) -> dict[str, Any]:
     """``container`` with its share's variables (and the preload mount) added, or ``container``
     itself when it has them all; ``library`` from ``sidecar.preload_library_path``; ``device``
     and ``pytorch`` for the framework caps (``webhook.frameworks``), whose decisions go to
-    ``record``; ``driver_limits`` and ``resolved`` as in ``add_share_env``. Raises
+    ``record``; ``driver_limits`` and ``resolved`` as in ``add_share_env``; ``replaced`` gets the warnings about
+    the author's values of gpufence's variables (default: ``warnings``). Raises
     ``MutationError`` when the container sets GPUFENCE_CONTAINER to another value or takes a mount
     gpufence reserves."""
     name = container["name"]
@@ -235,8 +237,9 @@ def gpu_container(
     if any(var not in written for var in authored):
         env = [e for e in env if e.get("name") not in authored or e["name"] in written]
         changed = True
-    warnings.extend(_replaced(name, var, entries, written.get(var)) for var, entries in authored.items()
-                    if entries != [{"name": var, "value": written.get(var)}])
+    (warnings if replaced is None else replaced).extend(
+        _replaced(name, var, entries, written.get(var)) for var, entries in authored.items()
+        if entries != [{"name": var, "value": written.get(var)}])
     if changed:
         container = {**container, "env": env}
     return container

@@ -80,6 +80,10 @@ def desired_pod(pod: dict[str, Any], plan: SharePlan, settings: InjectionSetting
     shares = dict(plan.containers)
     if limits.warning is not None:
         warnings.append(limits.warning)
+    # Warnings about an author's values of gpufence's variables, which the webhook replaced: for the
+    # pod's creator only, not the status annotation, because a reinvocation no longer sees those
+    # values and would rewrite the annotation without them (a patch where there must be none).
+    replaced: list[str] = []
     library = preload_library_path(settings)
     paths = PodGpuPaths(pod["spec"], settings)
     port = settings.metrics_port
@@ -109,7 +113,7 @@ def desired_pod(pod: dict[str, Any], plan: SharePlan, settings: InjectionSetting
                 container = gpu_container(container, share, settings, library, warnings,
                                           device=device_memory(pod["spec"], container, settings),
                                           pytorch=pytorch, record=record, driver_limits=limits.applies,
-                                          resolved=container["name"] in limits.resolved)
+                                          resolved=container["name"] in limits.resolved, replaced=replaced)
             elif settings.void_non_gpu_containers:
                 container = void_container(container, paths)
             updated.append(container)
@@ -155,7 +159,7 @@ def desired_pod(pod: dict[str, Any], plan: SharePlan, settings: InjectionSetting
     # a Deployment its ReplicaSet controller), so the enforcer turns these into Events on the pod.
     recorded = recorded_warnings([*plan.warnings, *warnings])
     annotations[ANNOTATION_STATUS] = status_annotation(plan, record.caps, recorded)
-    return new_pod, warnings
+    return new_pod, [*warnings, *replaced]
 
 
 def with_claims(sidecar: dict[str, Any], claims: list[str]) -> dict[str, Any]:
