@@ -246,11 +246,15 @@ def gpu_container(
 
 
 def _replaced(name: str, var: str, entries: list[dict[str, Any]], value: str | None) -> str:
-    """The warning for the author's entries of one of gpufence's variables."""
-    dropped = ", ".join("valueFrom" if "valueFrom" in e else quote(e.get("value", "")) for e in entries)
-    done = f"replaces it with {quote(value)}" if value is not None else "removes it (it writes none here)"
-    return (f"container {quote(name)} sets {var} to {dropped}; gpufence {done}: the variable carries the "
-            "container's share under the admin's policy")
+    """The warning for the author's entries of one of gpufence's variables (short: the API server's
+    limit on a warning's length)."""
+    last = entries[-1]
+    dropped = f"{var} from valueFrom" if "valueFrom" in last else f"{var}={quote(last.get('value', ''))}"
+    if len(entries) > 1:
+        dropped += f" (and {len(entries) - 1} earlier entr{'y' if len(entries) == 2 else 'ies'})"
+    if value is None:
+        return f"container {quote(name)}: gpufence removes {dropped}: it writes none for this share"
+    return f"container {quote(name)}: gpufence replaces {dropped} with {quote(value)}, the share's value"
 
 
 def void_container(container: dict[str, Any], paths: PodGpuPaths) -> dict[str, Any]:

@@ -103,18 +103,18 @@ def plan_driver_limits(plan: SharePlan, spec: Mapping[str, Any], settings: Injec
                 share = dataclasses.replace(share, memory=memory)
                 resolved.add(name)
             elif found is not None:
-                left.append(f"{quote(name)}: {memory.describe()} is below 1Mi on a GPU of {device.origin}")
+                left.append(f"{quote(name)} ({memory.describe()}: below 1Mi)")
             elif memory.bytes is None:
-                left.append(f"{quote(name)}: {memory.percent:g}% of a GPU whose memory is unknown (set the "
-                            "pod's node selector nvidia.com/gpu.memory or the webhook's --gpu-memory)")
+                left.append(f"{quote(name)} ({memory.percent:g}%, GPU memory unknown)")
             else:
-                left.append(f"{quote(name)}: the limit is the byte part of {memory.describe()}, the "
-                            f"{memory.percent:g}% part is not (the GPU's memory is unknown)")
+                left.append(f"{quote(name)} (its {memory.percent:g}% part, GPU memory unknown)")
         containers.append((name, share))
     warning = None
     if left:
-        warning = (f"gpufence: driver-memory-limits={settings.driver_memory_limits} gives this pod the driver's "
-                   f"GPU memory limit, but not all of it: {'; '.join(left)}; what the driver does not limit is "
-                   "enforced by the gpufence enforcer's polling only")
+        # One warning per pod, short enough for the API server's limit on warnings.
+        hint = ("; a GPU's memory comes from node selector nvidia.com/gpu.memory or --gpu-memory"
+                if any("unknown" in part for part in left) else "")
+        warning = (f"gpufence: driver-memory-limits={settings.driver_memory_limits}, but polling alone enforces "
+                   f"the memory share of {', '.join(left)}{hint}")
     return DriverLimitPlan(dataclasses.replace(plan, containers=tuple(containers)), True,
                            frozenset(resolved), warning)

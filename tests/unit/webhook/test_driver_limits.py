@@ -43,7 +43,9 @@ LABEL_IN_TRUE = {"key": DRIVER_LIMITS_NODE_LABEL, "operator": "In", "values": ["
 OTHER = {"key": "nvidia.com/gpu.product", "operator": "In", "values": ["H100"]}
 
 
-@pytest.mark.parametrize(("spec", "pinned"), [
+# (pod spec, pinned to nodes labelled gpufence.io/driver-memory-limits=true); the guard's copy of
+# the rule is held to the same cases (tests/unit/guard/test_limit_env.py).
+PIN_CASES: list[tuple[dict[str, Any], bool]] = [
     ({}, False),
     (PINNED, True),
     ({"nodeSelector": {DRIVER_LIMITS_NODE_LABEL: "false"}}, False),
@@ -58,7 +60,10 @@ OTHER = {"key": "nvidia.com/gpu.product", "operator": "In", "values": ["H100"]}
     (_affinity(), False),
     ({"affinity": {"nodeAffinity": {"preferredDuringSchedulingIgnoredDuringExecution": [
         {"weight": 1, "preference": _term(LABEL_IN_TRUE)}]}}}, False),  # preferred is no pin
-])
+]
+
+
+@pytest.mark.parametrize(("spec", "pinned"), PIN_CASES)
 def test_a_pod_is_pinned_only_where_every_placement_has_the_label(spec: dict[str, Any], pinned: bool) -> None:
     assert pinned_to_driver_limit_nodes(spec) is pinned
 
@@ -106,7 +111,7 @@ def driver_env(pod: dict[str, Any], name: str) -> dict[str, str]:
 
 def ours(warnings: list[str]) -> list[str]:
     """The warnings of the driver limits and the limit variables (not the frameworks' caps)."""
-    return [w for w in warnings if "driver-memory-limits" in w or "carries the container's share" in w]
+    return [w for w in warnings if "driver-memory-limits" in w or "gpufence re" in w]
 
 
 def config_of(pod: dict[str, Any]) -> dict[str, Any]:
@@ -149,16 +154,17 @@ def test_shares_the_driver_cannot_limit_give_one_warning_naming_the_setting() ->
     assert driver_env(pod, "b")[ENV_DRIVER_MEMORY_LIMIT] == "4096"  # the byte part; the percentage is polled
     assert driver_env(pod, "c")[ENV_DRIVER_MEMORY_LIMIT] == "2048"
     (warning,) = ours(warnings)
-    assert warning.startswith("gpufence: driver-memory-limits=on gives this pod the driver's GPU memory limit")
-    assert '"a": 25% of a GPU whose memory is unknown' in warning and '"b": the limit is the byte part' in warning
-    assert '"c"' not in warning and '"d"' not in warning and "polling only" in warning
+    assert warning == ('gpufence: driver-memory-limits=on, but polling alone enforces the memory share of "a" '
+                       '(25%, GPU memory unknown), "b" (its 10% part, GPU memory unknown); a GPU\'s memory comes from '
+                       "node selector nvidia.com/gpu.memory or --gpu-memory")
+    assert len(warning) <= 256
 
 
 def test_a_percentage_below_one_mib_on_its_gpu_gets_no_limit() -> None:
     settings = InjectionSettings(driver_memory_limits="on", gpu_memory=(("nvidia.com/gpu", GiB),))
     pod, warnings = desired_pod(gpu_pod("train"), plan_of(("train", MemoryShare(percent=0.05))), settings)
     assert driver_env(pod, "train") == {}
-    assert len(ours(warnings)) == 1 and "below 1Mi on a GPU of webhook flag --gpu-memory" in warnings[0]
+    assert len(ours(warnings)) == 1 and '"train" (0.05%: below 1Mi)' in ours(warnings)[0]
 
 
 def test_audit_mode_gets_no_limit() -> None:
@@ -181,23 +187,22 @@ def test_author_set_values_are_replaced_or_removed_with_a_warning() -> None:
     assert got[:3] == [{"name": "KEEP", "value": "x"}, {"name": ENV_DRIVER_MEMORY_LIMIT, "value": "1024"},
                        {"name": ENV_DRIVER_MEMORY_REQUEST, "value": "1024"}]
     assert not [e for e in got if e["name"].startswith("CUDA_")]  # neither MPS nor the preload limiter is on
-    assert sorted(ours(warnings)) == sorted([
-        'container "train" sets CUDA_DEVICE_SM_LIMIT to "100"; gpufence removes it (it writes none here): '
-        "the variable carries the container's share under the admin's policy",
-        'container "train" sets CUDA_MPS_PINNED_DEVICE_MEM_LIMIT to "0=99999M"; gpufence removes it (it writes '
-        "none here): the variable carries the container's share under the admin's policy",
-        'container "train" sets NVIDIA_GPU_MEMORY_LIMIT to "1", "99999"; gpufence replaces it with "1024": '
-        "the variable carries the container's share under the admin's policy",
-        'container "train" sets NVIDIA_GPU_MEMORY_REQUEST to valueFrom; gpufence replaces it with "1024": '
-        "the variable carries the container's share under the admin's policy",
-    ])
+    assert sorted(ours(warnings)) == [
+        'container "train": gpufence removes CUDA_DEVICE_SM_LIMIT="100": it writes none for this share',
+        'container "train": gpufence removes CUDA_MPS_PINNED_DEVICE_MEM_LIMIT="0=99999M": it writes none for this '
+        "share",
+        'container "train": gpufence replaces NVIDIA_GPU_MEMORY_LIMIT="99999" (and 1 earlier entry) with "1024", '
+        "the share's value",
+        'container "train": gpufence replaces NVIDIA_GPU_MEMORY_REQUEST from valueFrom with "1024", the share\'s value',
+    ]
+    assert all(len(w) <= 256 for w in warnings)
     again, warnings_again = desired_pod(pod, plan, ON)
     assert diff(pod, again) == [] and ours(warnings_again) == []
     # Where driver limits do not apply, the author's driver variables go too.
     off, off_warnings = desired_pod(gpu_pod("train", env=copy.deepcopy(env)), plan, OFF)
     assert [e for e in env_of(off, "train") if e["name"] == "KEEP" or e["name"].startswith("NVIDIA_GPU")] == [
         {"name": "KEEP", "value": "x"}]
-    assert sum("removes it" in w for w in ours(off_warnings)) == 4
+    assert sum("gpufence removes" in w for w in ours(off_warnings)) == 4
 
 
 def test_an_authors_value_equal_to_the_share_passes_silently() -> None:

@@ -151,8 +151,8 @@ def test_a_users_hint_is_kept_and_a_limit_variable_replaced() -> None:
                        {"name": "GPUFENCE_MEMORY_LIMIT", "value": str(8 * 2**30)}]  # in place, a plain value
     assert env_of(new["spec"]["containers"][0])["GPUFENCE_CONTAINER"] == "train"
     assert [w for w in warnings if "GPUFENCE_MEMORY_LIMIT" in w] == [
-        f'container "train" sets GPUFENCE_MEMORY_LIMIT to valueFrom; gpufence replaces it with "{8 * 2**30}": '
-        "the variable carries the container's share under the admin's policy"]
+        f'container "train": gpufence replaces GPUFENCE_MEMORY_LIMIT from valueFrom with "{8 * 2**30}", the share\'s '
+        "value"]
 
 
 def test_ld_preload_is_appended_once() -> None:
