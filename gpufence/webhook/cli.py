@@ -184,7 +184,8 @@ POLICY_FLAGS: tuple[Flag, ...] = (
          "where the preload library's directory is mounted in GPU containers"),
     Flag("gpu-memory", gpu_memory, None,
          'memory of one GPU of a resource, for homogeneous pools ("nvidia.com/gpu=80Gi"; repeatable): turns '
-         "byte shares into the frameworks' memory fractions", repeat=True, example="nvidia.com/gpu=80Gi"),
+         "byte shares into the frameworks' memory fractions and percentage shares into the driver's memory limit",
+         repeat=True, example="nvidia.com/gpu=80Gi"),
     Flag("pytorch-memory-fraction", boolean, _defaults.pytorch_memory_fraction,
          "cap PyTorch's allocator (PYTORCH_CUDA_ALLOC_CONF per_process_memory_fraction; PyTorch >= 2.10 only) "
          "where the namespace does not set gpufence.io/pytorch-memory-fraction"),

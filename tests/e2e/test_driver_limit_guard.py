@@ -75,3 +75,27 @@ def test_the_guard_refuses_wrong_driver_limits_while_the_webhook_is_down(
         elif not (result.status == 403 and "gpufence-guard" in result.message and expected in result.message):
             wrong[name] = f"{result.status}: {result.message}"
     assert not wrong, wrong
+
+
+def test_a_large_gpu_pod_stays_within_the_guards_cost_budget(
+    cluster: ControlPlane, admin: client.ApiClient, webhook: WebhookProcess, tmp_path: Path,
+):
+    """The limit check walks every GPU container's env: with 8 GPU containers of 250 variables each
+    (and a driver limit to find in each), the API server's runtime cost budget still admits the pod."""
+    tenant = make_tenant(cluster, admin, tmp_path, annotations={})
+    pod = _pinned_gpu_pod([{"name": f"SETTING_{i}", "value": "x" * 40} for i in range(250)])
+    first = pod["spec"]["containers"][0]
+    pod["spec"]["containers"] = [{**copy.deepcopy(first), "name": f"trainer-{n}"} for n in range(8)]
+
+    def settled() -> kube.Created | None:
+        """The answer once the webhook mutates in the new namespace, or a refusal for cost."""
+        created = kube.create_pod(tenant.api, tenant.namespace, copy.deepcopy(pod), dry_run=True)
+        if (created.admitted and kube.is_mutated(created.obj)) or (not created.admitted and "cost" in created.message):
+            return created
+        return None
+
+    result = kube.wait_for(settled, "the webhook to see the new namespace")
+    assert result.admitted, result.message
+    (env,) = {tuple(e["name"] for e in c["env"] if e["name"].startswith("NVIDIA_GPU_MEMORY"))
+              for c in result.obj["spec"]["containers"] if c["name"].startswith("trainer-")}
+    assert env == (ENV_DRIVER_MEMORY_LIMIT, ENV_DRIVER_MEMORY_REQUEST)
