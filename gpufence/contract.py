@@ -48,6 +48,11 @@ INJECTION_LABEL = "gpufence.io/injection"
 INJECTION_ENABLED = "enabled"
 POD_OPT_OUT_LABEL = "gpufence.io/inject"
 MIRROR_POD_ANNOTATION = "kubernetes.io/config.mirror"
+# The node label an admin sets ("true") where the driver (>= R615), the container toolkit
+# (>= 1.20.1, its apply-cuda-memory-limits hook) and cgroup v2 can apply a per-container driver
+# memory limit. Under driver-memory-limits=auto the webhook writes the limit only into pods that
+# can be scheduled onto such nodes alone: elsewhere the hook would fail the container's start.
+DRIVER_LIMITS_NODE_LABEL = "gpufence.io/driver-memory-limits"
 
 ANNOTATION_PREFIX = "gpufence.io/"
 ANNOTATION_MEMORY = "gpufence.io/memory"
@@ -99,6 +104,9 @@ ENV_MEMORY_LIMIT = "GPUFENCE_MEMORY_LIMIT"
 # which mechanism holds a container's share: the driver's per-cgroup limit (the container toolkit's
 # apply-cuda-memory-limits hook applies it), CUDA MPS's per-client limit, and a preload limiter's.
 ENV_DRIVER_MEMORY_LIMIT = "NVIDIA_GPU_MEMORY_LIMIT"
+# The hook's soft limit (the cgroup is first in line for eviction past it), which it requires next
+# to the hard one and refuses above it: the webhook writes it equal to the limit.
+ENV_DRIVER_MEMORY_REQUEST = "NVIDIA_GPU_MEMORY_REQUEST"
 ENV_MPS_MEMORY_LIMIT = "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"
 ENV_PRELOAD_MEMORY_LIMIT = "CUDA_DEVICE_MEMORY_LIMIT"
 ENV_LD_PRELOAD = "LD_PRELOAD"

@@ -171,6 +171,11 @@ POLICY_FLAGS: tuple[Flag, ...] = (
     Flag("void-non-gpu-containers", boolean, _defaults.void_non_gpu_containers,
          "give containers that request no GPU NVIDIA_VISIBLE_DEVICES=void, so no image ENV or envFrom "
          "can hand them GPUs through the NVIDIA container toolkit"),
+    Flag("driver-memory-limits", choice("on", "off", "auto"), _defaults.driver_memory_limits,
+         "write the driver's per-container GPU memory limit (NVIDIA_GPU_MEMORY_LIMIT and _REQUEST, applied by the "
+         "NVIDIA container toolkit's apply-cuda-memory-limits hook) from each byte share: on (every GPU pod), off, "
+         "or auto (pods that can only be scheduled onto nodes labelled gpufence.io/driver-memory-limits=true, "
+         "where driver, toolkit and cgroup v2 can apply it)"),
     Flag("mps-limits", boolean, _defaults.mps_limits, "set CUDA MPS per-client limits from the shares"),
     Flag("preload-library", non_empty, _defaults.preload_library_host_path,
          "host path of an LD_PRELOAD GPU limiter (e.g. HAMi-core libvgpu.so) to inject",
@@ -179,7 +184,8 @@ POLICY_FLAGS: tuple[Flag, ...] = (
          "where the preload library's directory is mounted in GPU containers"),
     Flag("gpu-memory", gpu_memory, None,
          'memory of one GPU of a resource, for homogeneous pools ("nvidia.com/gpu=80Gi"; repeatable): turns '
-         "byte shares into the frameworks' memory fractions", repeat=True, example="nvidia.com/gpu=80Gi"),
+         "byte shares into the frameworks' memory fractions and percentage shares into the driver's memory limit",
+         repeat=True, example="nvidia.com/gpu=80Gi"),
     Flag("pytorch-memory-fraction", boolean, _defaults.pytorch_memory_fraction,
          "cap PyTorch's allocator (PYTORCH_CUDA_ALLOC_CONF per_process_memory_fraction; PyTorch >= 2.10 only) "
          "where the namespace does not set gpufence.io/pytorch-memory-fraction"),
@@ -307,6 +313,7 @@ def settings_from_args(args: argparse.Namespace) -> InjectionSettings:
         mount_host_proc=args.sidecar_mount_host_proc,
         host_proc_mount_path=args.sidecar_host_proc_mount_path,
         void_non_gpu_containers=args.void_non_gpu_containers,
+        driver_memory_limits=args.driver_memory_limits,
         mps_limits=args.mps_limits,
         preload_library_host_path=args.preload_library,
         preload_library_mount_dir=args.preload_library_mount_dir,

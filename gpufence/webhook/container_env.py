@@ -1,5 +1,14 @@
 """Each GPU container's part of the injection (pure): the variables that carry its share and the
-framework hints, and the preload limiter's mount. A variable the user set is never overwritten.
+framework hints, and the preload limiter's mount.
+
+A hint the user set (TF_FORCE_GPU_ALLOW_GROWTH, a framework's own fraction) is kept. The
+variables that carry a hard limit (``OWNED_VARIABLES``: the driver's, MPS's, the preload
+limiter's, GPUFENCE_MEMORY_LIMIT) are gpufence's: a value the author set is replaced by the share's
+(a ``valueFrom`` entry becomes a plain value), or removed where gpufence writes none for that
+variable, with a warning naming the container, the variable and the value dropped. Replaced rather
+than denied: the pod still runs, under the admin's policy, and a Deployment whose template carries
+an old value does not get stuck; the guard, which cannot mutate, refuses such a pod while the
+webhook is down. ``envFrom`` needs nothing: an explicit ``env`` entry wins over it.
 
 Copy-on-write: a container is copied only when something is added, and its untouched fields stay
 shared with the input, so ``webhook.patch.diff`` skips them by identity.
@@ -14,12 +23,15 @@ from typing import Any
 
 from gpufence.contract import (
     ENV_CONTAINER,
+    ENV_DRIVER_MEMORY_LIMIT,
+    ENV_DRIVER_MEMORY_REQUEST,
     ENV_LD_PRELOAD,
     ENV_MEMORY_LIMIT,
     ENV_MPS_MEMORY_LIMIT,
     ENV_PRELOAD_MEMORY_LIMIT,
     ContainerShare,
 )
+from gpufence.webhook.driver_limits import driver_limit_mib
 from gpufence.webhook.frameworks import DeviceMemory, framework_env, server_warnings
 from gpufence.webhook.gpu_paths import PodGpuPaths
 from gpufence.webhook.podshape import MutationError
@@ -33,9 +45,11 @@ ENV_XLA_PREALLOCATE = "XLA_PYTHON_CLIENT_PREALLOCATE"
 ENV_MPS_THREADS = "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"
 ENV_HAMI_SM = "CUDA_DEVICE_SM_LIMIT"
 ENV_NVIDIA_VISIBLE_DEVICES = "NVIDIA_VISIBLE_DEVICES"
-# Variables whose user-set value the webhook keeps but reports when it differs from the share.
-_LIMIT_VARIABLES = frozenset(
-    {ENV_MEMORY_LIMIT, ENV_MPS_MEMORY_LIMIT, ENV_MPS_THREADS, ENV_PRELOAD_MEMORY_LIMIT, ENV_HAMI_SM})
+# The variables that carry a GPU container's hard limits: gpufence's alone (the module's docstring).
+# The guard (k8s/base/guard-policy.yaml, limitEnvProblems) checks all but GPUFENCE_MEMORY_LIMIT, which
+# only says the share to a person reading the container's environment.
+OWNED_VARIABLES = (ENV_MEMORY_LIMIT, ENV_DRIVER_MEMORY_LIMIT, ENV_DRIVER_MEMORY_REQUEST, ENV_MPS_MEMORY_LIMIT,
+                   ENV_MPS_THREADS, ENV_PRELOAD_MEMORY_LIMIT, ENV_HAMI_SM)
 
 
 def add_share_env(
@@ -46,15 +60,24 @@ def add_share_env(
     warnings: list[str],
     add: Callable[[str, str], None],
     framework_caps: Sequence[tuple[str, str]] = (),
+    *,
+    driver_limits: bool = False,
+    resolved: bool = False,
 ) -> None:
     """Adds through ``add``, in this order, the variables a GPU container gets for its share, and
     appends the warnings the limits cause. LD_PRELOAD is left to ``gpu_container``: it appends to
     a user's value rather than adding a variable. ``framework_caps``: the allocation-time caps
-    ``webhook.frameworks.framework_env`` chose (variables the container lacks)."""
+    ``webhook.frameworks.framework_env`` chose (variables the container lacks). ``driver_limits``:
+    the pod gets the driver's limit (``webhook.driver_limits``); ``resolved``: the share's byte part
+    is its percentage on the GPU's known memory, so no limiter leaves a percentage part aside."""
     add(ENV_CONTAINER, name)
     memory = share.memory
     if memory is not None:
         add(ENV_MEMORY_LIMIT, memory.describe())
+    driver_mib = driver_limit_mib(memory)
+    if driver_limits and driver_mib is not None:
+        add(ENV_DRIVER_MEMORY_LIMIT, str(driver_mib))
+        add(ENV_DRIVER_MEMORY_REQUEST, str(driver_mib))
     add(ENV_TF_ALLOW_GROWTH, "true")
     add(ENV_XLA_PREALLOCATE, "false")
     for var, value in framework_caps:
@@ -73,7 +96,7 @@ def add_share_env(
                 warnings.append(f"container {quote(name)}: the memory share is below 1Mi, too small for MPS")
             else:
                 add(ENV_MPS_MEMORY_LIMIT, f"0={mib}M")
-                if memory.two_units:
+                if memory.two_units and not resolved:
                     warnings.append(_percent_part_left(name, "MPS", memory.describe()))
         if compute is not None:
             add(ENV_MPS_THREADS, str(compute))
@@ -91,7 +114,7 @@ def add_share_env(
                 )
             else:
                 add(ENV_PRELOAD_MEMORY_LIMIT, f"{mebibytes_floor(memory.bytes)}m")
-                if memory.two_units:
+                if memory.two_units and not resolved:
                     warnings.append(_percent_part_left(name, "the preload limiter", memory.describe()))
         if compute is not None:
             add(ENV_HAMI_SM, str(compute))
@@ -121,16 +144,30 @@ def gpu_container(
     device: DeviceMemory | None = None,
     pytorch: bool = False,
     record: FrameworkRecord | None = None,
+    driver_limits: bool = False,
+    resolved: bool = False,
+    replaced: list[str] | None = None,
 ) -> dict[str, Any]:
     """``container`` with its share's variables (and the preload mount) added, or ``container``
     itself when it has them all; ``library`` from ``sidecar.preload_library_path``; ``device``
     and ``pytorch`` for the framework caps (``webhook.frameworks``), whose decisions go to
-    ``record``. Raises ``MutationError`` when the container sets GPUFENCE_CONTAINER to another
-    value or takes a mount gpufence reserves."""
+    ``record``; ``driver_limits`` and ``resolved`` as in ``add_share_env``; ``replaced`` gets the warnings about
+    the author's values of gpufence's variables (default: ``warnings``). Raises
+    ``MutationError`` when the container sets GPUFENCE_CONTAINER to another value or takes a mount
+    gpufence reserves."""
     name = container["name"]
     env = list(container.get("env") or ())
+    # The author's entries of gpufence's variables, all of them (duplicates included): every one that
+    # is not exactly what gpufence writes is reported once the share's values are known.
+    authored = {var: [e for e in env if e.get("name") == var] for var in OWNED_VARIABLES}
+    authored = {var: entries for var, entries in authored.items() if entries}
+    if any(len(entries) > 1 for entries in authored.values()):
+        # One entry per variable, at the place of the last (the effective one).
+        last = {entry["name"]: i for i, entry in enumerate(env) if entry.get("name") in authored}
+        env = [e for i, e in enumerate(env) if e.get("name") not in authored or last[e["name"]] == i]
     index = {entry["name"]: i for i, entry in enumerate(env)}  # the last duplicate is the effective one
-    changed = False
+    changed = len(env) != len(container.get("env") or ())
+    written: dict[str, str] = {}  # gpufence's variables and the values it writes
 
     frameworks = framework_env(name, share.memory, {var: env[i] for var, i in index.items()}, device,
                                settings, pytorch)
@@ -146,12 +183,13 @@ def gpu_container(
 
     def add(var: str, value: str) -> None:
         nonlocal changed
+        if var in authored:
+            written[var] = value
         if var in index:
-            entry = env[index[var]]
-            if var in _LIMIT_VARIABLES and entry.get("value") != value:
-                warnings.append(
-                    f"container {quote(name)} sets {var} itself; gpufence keeps it instead of {quote(value)}"
-                )
+            wanted = {"name": var, "value": value}
+            if var in authored and env[index[var]] != wanted:
+                env[index[var]] = wanted  # in place: a reinvocation finds it where it was
+                changed = True
             return
         env.append({"name": var, "value": value})
         index[var] = len(env) - 1
@@ -166,7 +204,8 @@ def gpu_container(
                 f"container {quote(name)} sets {ENV_CONTAINER}={quote(entry.get('value', ''))}; gpufence sets "
                 f"it to the container's name to attribute GPU use, so remove it or set it to {quote(name)}"
             )
-    add_share_env(name, share, settings, library, warnings, add, frameworks.set_env)
+    add_share_env(name, share, settings, library, warnings, add, frameworks.set_env,
+                  driver_limits=driver_limits, resolved=resolved)
     if library is not None:
         if ENV_LD_PRELOAD not in index:
             add(ENV_LD_PRELOAD, library)
@@ -195,9 +234,27 @@ def gpu_container(
                 "both reserved by gpufence"
             )
 
+    if any(var not in written for var in authored):
+        env = [e for e in env if e.get("name") not in authored or e["name"] in written]
+        changed = True
+    (warnings if replaced is None else replaced).extend(
+        _replaced(name, var, entries, written.get(var)) for var, entries in authored.items()
+        if entries != [{"name": var, "value": written.get(var)}])
     if changed:
         container = {**container, "env": env}
     return container
+
+
+def _replaced(name: str, var: str, entries: list[dict[str, Any]], value: str | None) -> str:
+    """The warning for the author's entries of one of gpufence's variables (short: the API server's
+    limit on a warning's length)."""
+    last = entries[-1]
+    dropped = f"{var} from valueFrom" if "valueFrom" in last else f"{var}={quote(last.get('value', ''))}"
+    if len(entries) > 1:
+        dropped += f" (and {len(entries) - 1} earlier entr{'y' if len(entries) == 2 else 'ies'})"
+    if value is None:
+        return f"container {quote(name)}: gpufence removes {dropped}: it writes none for this share"
+    return f"container {quote(name)}: gpufence replaces {dropped} with {quote(value)}, the share's value"
 
 
 def void_container(container: dict[str, Any], paths: PodGpuPaths) -> dict[str, Any]:

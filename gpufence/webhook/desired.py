@@ -2,7 +2,8 @@
 
 ``desired_pod`` is idempotent by construction: every field it writes is either fully determined
 by the settings and the plan (the sidecar, the volumes, the status annotation, the enforcer
-config) or added only when absent (the GPU containers' environment), so ``desired_pod`` of its
+config, the GPU containers' hard-limit variables) or added only when absent (the rest of the GPU
+containers' environment), so ``desired_pod`` of its
 own output equals that output and the patch between them is empty (reinvocation).
 
 Copy-on-write: the desired pod shares every untouched subtree with the input (no deep copy), which
@@ -17,6 +18,7 @@ from typing import Any
 
 from gpufence.contract import ANNOTATION_STATUS, SIDECAR_NAME
 from gpufence.webhook.container_env import FrameworkRecord, gpu_container, void_container
+from gpufence.webhook.driver_limits import plan_driver_limits
 from gpufence.webhook.frameworks import device_memory, pytorch_cap_enabled, recorded_warnings
 from gpufence.webhook.gpu_paths import PodGpuPaths
 from gpufence.webhook.podshape import MutationError
@@ -69,6 +71,19 @@ def desired_pod(pod: dict[str, Any], plan: SharePlan, settings: InjectionSetting
         )
     spec["shareProcessNamespace"] = True
 
+    # The driver's memory limit, where it applies to this pod, needs each share in bytes: the plan
+    # (and through it the enforcer config the guard reads) gets percentages resolved first.
+    by_name = {c["name"]: c for key in ("initContainers", "containers") for c in spec.get(key) or ()}
+    limits = plan_driver_limits(plan, pod["spec"], settings,
+                                lambda name: device_memory(pod["spec"], by_name.get(name, {}), settings))
+    plan = limits.plan
+    shares = dict(plan.containers)
+    if limits.warning is not None:
+        warnings.append(limits.warning)
+    # Warnings about an author's values of gpufence's variables, which the webhook replaced: for the
+    # pod's creator only, not the status annotation, because a reinvocation no longer sees those
+    # values and would rewrite the annotation without them (a patch where there must be none).
+    replaced: list[str] = []
     library = preload_library_path(settings)
     paths = PodGpuPaths(pod["spec"], settings)
     port = settings.metrics_port
@@ -97,7 +112,8 @@ def desired_pod(pod: dict[str, Any], plan: SharePlan, settings: InjectionSetting
             if share is not None:
                 container = gpu_container(container, share, settings, library, warnings,
                                           device=device_memory(pod["spec"], container, settings),
-                                          pytorch=pytorch, record=record)
+                                          pytorch=pytorch, record=record, driver_limits=limits.applies,
+                                          resolved=container["name"] in limits.resolved, replaced=replaced)
             elif settings.void_non_gpu_containers:
                 container = void_container(container, paths)
             updated.append(container)
@@ -143,7 +159,7 @@ def desired_pod(pod: dict[str, Any], plan: SharePlan, settings: InjectionSetting
     # a Deployment its ReplicaSet controller), so the enforcer turns these into Events on the pod.
     recorded = recorded_warnings([*plan.warnings, *warnings])
     annotations[ANNOTATION_STATUS] = status_annotation(plan, record.caps, recorded)
-    return new_pod, warnings
+    return new_pod, [*warnings, *replaced]
 
 
 def with_claims(sidecar: dict[str, Any], claims: list[str]) -> dict[str, Any]:

@@ -108,6 +108,10 @@ class InjectionSettings:
     # Legacy drivers report host PIDs: mount the host's /proc read-only in the sidecar.
     mount_host_proc: bool = False
     host_proc_mount_path: str = DEFAULT_HOST_PROC_MOUNT
+    # The driver's per-container GPU memory limit (NVIDIA_GPU_MEMORY_LIMIT / _REQUEST, applied by the
+    # container toolkit's hook; webhook.driver_limits): "on" for every GPU pod, "off" never, "auto"
+    # for pods that can only be scheduled onto nodes labelled gpufence.io/driver-memory-limits=true.
+    driver_memory_limits: str = "auto"
     # CUDA MPS per-client limits derived from the shares.
     mps_limits: bool = False
     # LD_PRELOAD in-process limiter (HAMi-core's libvgpu.so), mounted from the node.

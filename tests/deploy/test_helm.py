@@ -47,6 +47,7 @@ GUARD_POLICY_KEYS = {
     "gpu-resource-name", "exclusive-gpu-resource-name", "non-gpu-resource-claims", "sidecar-image",
     "default-mode", "allow-audit", "allow-opt-out", "max-memory",
     "max-compute", "default-memory", "default-compute", "sidecar-poll-interval", "sidecar-nvidia-visible-devices",
+    "driver-memory-limits",
 }
 
 # Every value changed from its default.

@@ -45,7 +45,7 @@ sidecar-cpu-request sidecar-cpu-limit sidecar-memory-request sidecar-memory-limi
 default-memory default-compute max-memory max-compute default-mode allow-audit allow-opt-out
 default-grace-period sidecar-poll-interval sidecar-nvidia-visible-devices
 sidecar-nvidia-driver-capabilities sidecar-mount-host-proc sidecar-host-proc-mount-path
-void-non-gpu-containers mps-limits preload-library preload-library-mount-dir gpu-memory
+void-non-gpu-containers driver-memory-limits mps-limits preload-library preload-library-mount-dir gpu-memory
 pytorch-memory-fraction framework-memory-headroom admin-groups
 {{- end -}}
 

@@ -43,7 +43,7 @@ EVERY_FIELD = [
     "--gpu-memory=nvidia.com/gpu=80Gi", "--gpu-memory=nvidia.com/mig-1g.10gb=10Gi",
     "--pytorch-memory-fraction", "--framework-memory-headroom=1Gi",
     "--exclusive-gpu-resource-name=nvidia.com/mig-3g.*", "--non-gpu-resource-claims=nic",
-    "--admin-groups=ops:gpu",
+    "--admin-groups=ops:gpu", "--driver-memory-limits=on",
 ]
 
 

@@ -52,6 +52,9 @@ GUARD_READS: dict[str, tuple[str, Callable[[InjectionSettings], Any]]] = {
     "sidecarMemoryRequest": ("sidecar-memory-request", lambda s: s.sidecar_memory_request),
     "sidecarMemoryLimit": ("sidecar-memory-limit", lambda s: s.sidecar_memory_limit),
     "voidNonGpuContainers": ("void-non-gpu-containers", lambda s: s.void_non_gpu_containers),
+    "driverMemoryLimits": ("driver-memory-limits", lambda s: s.driver_memory_limits),
+    "mpsLimits": ("mps-limits", lambda s: s.mps_limits),
+    "preloadLibrary": ("preload-library", lambda s: s.preload_library_host_path or ""),
 }
 
 
@@ -138,6 +141,9 @@ SPELLINGS = [
     ("sidecar-memory-request", "128Mi"),
     ("sidecar-memory-limit", "1Gi"),
     *(("void-non-gpu-containers", v) for v in ("false", "TRUE")),
+    *(("driver-memory-limits", v) for v in ("on", "off", "auto")),
+    *(("mps-limits", v) for v in ("true", " Yes", "false")),
+    ("preload-library", "/usr/local/lib/libvgpu.so"),
 ]
 
 

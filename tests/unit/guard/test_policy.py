@@ -201,6 +201,9 @@ def policy_data_for(settings: InjectionSettings) -> dict[str, str]:
         "sidecar-memory-request": settings.sidecar_memory_request,
         "sidecar-memory-limit": settings.sidecar_memory_limit,
         "void-non-gpu-containers": str(settings.void_non_gpu_containers).lower(),
+        "driver-memory-limits": settings.driver_memory_limits,
+        "mps-limits": str(settings.mps_limits).lower(),
+        "preload-library": settings.preload_library_host_path or "",
     }
 
 

@@ -36,6 +36,7 @@ EVERY_KEY = {
     "mps-limits": "true", "preload-library": "/opt/libvgpu.so", "preload-library-mount-dir": "/pre",
     "gpu-memory": "nvidia.com/gpu=80Gi,nvidia.com/mig-1g.10gb=10Gi", "pytorch-memory-fraction": "true",
     "framework-memory-headroom": "1Gi", "admin-groups": "platform:gpu-admins, system:masters",
+    "driver-memory-limits": "on",
 }
 
 

@@ -138,18 +138,21 @@ def test_sidecar_user_ignores_non_gpu_containers() -> None:
     assert len(warnings) == 1 and '"proxy"' in warnings[0]
 
 
-def test_user_env_is_never_overwritten() -> None:
+def test_a_users_hint_is_kept_and_a_limit_variable_replaced() -> None:
+    """TF_FORCE_GPU_ALLOW_GROWTH is the user's to choose; GPUFENCE_MEMORY_LIMIT carries the share."""
     pod = gpu_pod()
     pod["spec"]["containers"][0]["env"] = [
         {"name": "TF_FORCE_GPU_ALLOW_GROWTH", "value": "false"},
         {"name": "GPUFENCE_MEMORY_LIMIT", "valueFrom": {"configMapKeyRef": {"name": "c", "key": "k"}}},
     ]
     new, warnings = desired_pod(pod, PLAN, InjectionSettings())
-    env = env_of(new["spec"]["containers"][1 - 1])
-    assert env["TF_FORCE_GPU_ALLOW_GROWTH"] == "false"
-    assert env["GPUFENCE_MEMORY_LIMIT"] == {"configMapKeyRef": {"name": "c", "key": "k"}}
-    assert env["GPUFENCE_CONTAINER"] == "train"
-    assert any("GPUFENCE_MEMORY_LIMIT" in w for w in warnings)
+    env = new["spec"]["containers"][0]["env"]
+    assert env[:2] == [{"name": "TF_FORCE_GPU_ALLOW_GROWTH", "value": "false"},
+                       {"name": "GPUFENCE_MEMORY_LIMIT", "value": str(8 * 2**30)}]  # in place, a plain value
+    assert env_of(new["spec"]["containers"][0])["GPUFENCE_CONTAINER"] == "train"
+    assert [w for w in warnings if "GPUFENCE_MEMORY_LIMIT" in w] == [
+        f'container "train": gpufence replaces GPUFENCE_MEMORY_LIMIT from valueFrom with "{8 * 2**30}", the share\'s '
+        "value"]
 
 
 def test_ld_preload_is_appended_once() -> None:

@@ -35,6 +35,16 @@ from tests.unit.webhook.test_admission import good_pods, request, setting_varian
 
 NS = AllNamespacesOptedIn()
 LD_PRELOAD_VALUE = re.compile(r"/spec/(initContainers|containers)/[0-9]+/env/[0-9]+/value")
+ENV_ENTRY = re.compile(r"/spec/(initContainers|containers)/[0-9]+/env(/|$)")
+
+
+def _owned_entries(pod: dict[str, Any]) -> list[str]:
+    """The names of gpufence's hard-limit variables the pod's containers set themselves."""
+    from gpufence.webhook.container_env import OWNED_VARIABLES
+
+    spec = pod.get("spec") or {}
+    return [e.get("name") for key in ("initContainers", "containers") for c in spec.get(key) or ()
+            for e in c.get("env") or () if e.get("name") in OWNED_VARIABLES]
 
 
 def test_escape_rfc6901() -> None:
@@ -140,17 +150,20 @@ def test_the_patch_of_a_first_injection_adds_only_and_reaches_the_desired_pod(
     ops = json.loads(text)
     assert jsonpatch.apply_patch(pod, ops) == desired
     if SIDECAR_NAME not in all_names(pod) and ANNOTATION_STATUS not in pod["metadata"].get("annotations", {}):
-        # Nothing of gpufence yet: every operation adds; the one value of the user's it rewrites
-        # is LD_PRELOAD's, appended to in place (the preload limiter).
+        # Nothing of gpufence yet: every operation adds, but for the user's values gpufence owns or
+        # extends: LD_PRELOAD's, appended to in place (the preload limiter), and the hard-limit
+        # variables (container_env.OWNED_VARIABLES), replaced by the share's or removed.
+        owned = _owned_entries(pod)
         rewritten = [op for op in ops if op["op"] != "add"]
-        assert all(op["op"] == "replace" and LD_PRELOAD_VALUE.fullmatch(op["path"]) for op in rewritten), ops
-        for op in rewritten:
-            # Paths name the pod as the operations before them left it (the sidecar inserted at
-            # initContainers[0] shifts the user's init containers), which is the desired pod here.
-            assert jsonpatch.JsonPointer(op["path"].rsplit("/", 1)[0]).resolve(desired)["name"] == "LD_PRELOAD"
-        # One operation per new value: no path is a prefix of another.
+        preload = [op for op in rewritten if op["op"] == "replace" and LD_PRELOAD_VALUE.fullmatch(op["path"])
+                   and jsonpatch.JsonPointer(op["path"].rsplit("/", 1)[0]).resolve(desired).get("name") == "LD_PRELOAD"]
+        others = [op for op in rewritten if op not in preload]
+        assert not others or owned, ops  # only a pod with such variables has other rewrites
+        assert all(ENV_ENTRY.match(op["path"]) for op in others), ops
+        # One operation per new value: no path is a prefix of another (where gpufence only adds:
+        # removing a user's entry shifts the list, and what follows is rewritten in its place).
         paths = sorted(op["path"] + "/" for op in ops)
-        assert not any(b.startswith(a) for a, b in itertools.pairwise(paths)), paths
+        assert owned or not any(b.startswith(a) for a, b in itertools.pairwise(paths)), paths
     again = _first_injection(jsonpatch.apply_patch(pod, ops), settings_)
     assert again is not None and again[0] is None  # a fixed point
 
