@@ -1,8 +1,8 @@
 """KAI-Scheduler's GPU fractions (pure): which container KAI hands a fraction of a GPU, and the
 share that fraction means.
 
-What KAI-Scheduler does (kai-scheduler/KAI-Scheduler, read at v0.17: docs/gpu-sharing/README.md,
-pkg/common/resources/gpu_sharing.go, pkg/binder/common/gpu_access.go,
+What KAI-Scheduler does (kai-scheduler/KAI-Scheduler, read at commit d5bc503, v0.17.0 and 9
+commits: docs/gpu-sharing/README.md, pkg/common/resources/gpu_sharing.go, pkg/binder/common/gpu_access.go,
 pkg/admission/webhook/v1alpha2/gpusharing/gpu_sharing.go,
 pkg/binder/plugins/gpusharing/gpu-request/gpu_request_validator.go):
 
