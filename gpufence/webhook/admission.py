@@ -18,6 +18,7 @@ from gpufence.webhook.desired import desired_plain_pod, desired_pod
 from gpufence.webhook.ephemeral import SUBRESOURCE as EPHEMERAL_SUBRESOURCE
 from gpufence.webhook.ephemeral import ephemeral_patch
 from gpufence.webhook.gpu_paths import PodGpuPaths, advised_resource
+from gpufence.webhook.kai import kai_fraction, kai_memory
 from gpufence.webhook.namespace_policy import namespace_policy, opt_out_allowed, opt_out_denial
 from gpufence.webhook.patch import diff, dumps
 from gpufence.webhook.podshape import MutationError, check_shape, nvidia_side_door, sidecar_resource_use
@@ -182,9 +183,11 @@ def _decide(
     if MIRROR_POD_ANNOTATION in annotations and _by_a_node(request):
         return OUTCOME_SKIPPED, None  # a static pod's mirror: the kubelet would not run a changed one
 
-    paths = PodGpuPaths(pod.get("spec"), settings)
+    kai = kai_fraction(pod, settings)
+    paths = PodGpuPaths(pod.get("spec"), settings, kai)
     gpu_names = paths.gpu_container_names()
-    side_door = nvidia_side_door(pod.get("spec"), SIDECAR_NAME if gpu_names else None, advised_resource(settings))
+    side_door = nvidia_side_door(pod.get("spec"), SIDECAR_NAME if gpu_names else None, advised_resource(settings),
+                                 kai.container if kai is not None else None)
     if side_door is not None:
         raise _Denied(side_door)  # GPU pod or not, opted out or not: the guard denies it too
     opted_out = labels.get(POD_OPT_OUT_LABEL) == "false"
@@ -212,7 +215,8 @@ def _decide(
         if taken is not None:
             raise MutationError(taken)
         policy = namespace_policy(namespace or "", namespace_annotations, settings)
-        plan = resolve_shares(annotations, namespace_annotations, settings, gpu_names, all_names, policy)
+        plan = resolve_shares(annotations, namespace_annotations, settings, gpu_names, all_names, policy,
+                              scheduler_memory=kai_memory(kai, policy))
         plan = with_gpu_counts(plan, paths.gpu_counts())
         warnings.extend(plan.warnings)
         patch, mutation_warnings = injection_patch(pod, plan, settings, pod_security, namespace_annotations)

@@ -39,9 +39,11 @@ from gpufence.webhook.flag_values import (
     resource_quantity,
 )
 from gpufence.webhook.gpu_paths import claim_name, resource_pattern
+from gpufence.webhook.kai import scheduler_name
 from gpufence.webhook.settings import (
     DEFAULT_ADMIN_GROUPS,
     DEFAULT_GPU_RESOURCES,
+    DEFAULT_KAI_SCHEDULER,
     InjectionSettings,
 )
 from gpufence.webhook.tls import DEFAULT_RELOAD_INTERVAL_SECONDS
@@ -130,6 +132,10 @@ POLICY_FLAGS: tuple[Flag, ...] = (
     Flag("non-gpu-resource-claims", claim_name, None,
          "names of ResourceClaims or ResourceClaimTemplates that hold no GPU; a container using any other DRA "
          "claim is a GPU container (repeatable; default none)", repeat=True, example="nic-claim"),
+    Flag("kai-scheduler-name", scheduler_name, None,
+         "scheduler names of KAI-Scheduler: a pod of one of them with KAI's gpu-fraction or gpu-memory "
+         "annotation has a GPU container by KAI's path, whose share is KAI's request (repeatable; default "
+         + DEFAULT_KAI_SCHEDULER + ")", repeat=True, example=DEFAULT_KAI_SCHEDULER),
     Flag("sidecar-mode", choice("native", "container"), "native" if _defaults.native_sidecar else "container",
          "native sidecar (init container with restartPolicy Always, Kubernetes >= 1.29) or a plain container"),
     Flag("sidecar-metrics-port", port, _defaults.metrics_port, "port of the sidecar's /metrics",
@@ -293,6 +299,7 @@ def settings_from_args(args: argparse.Namespace) -> InjectionSettings:
         gpu_resource_names=args.gpu_resource_name or DEFAULT_GPU_RESOURCES,
         exclusive_gpu_resource_names=tuple(args.exclusive_gpu_resource_name or ()),
         non_gpu_resource_claims=tuple(args.non_gpu_resource_claims or ()),
+        kai_scheduler_names=tuple(args.kai_scheduler_name or (DEFAULT_KAI_SCHEDULER,)),
         native_sidecar=args.sidecar_mode == "native",
         metrics_port=args.sidecar_metrics_port,
         sidecar_cpu_request=args.sidecar_cpu_request,

@@ -18,6 +18,10 @@ Paths, from the pod alone:
   ResourceClaim and its DeviceClass), so an unlisted claim is taken for a GPU: the safe side. A
   container with any claim, listed or not, is never voided.
 
+* KAI-Scheduler's fraction (``webhook.kai``): the one container that KAI hands a GPU fraction
+  through pod annotations and a ConfigMap, not a resource: a shared GPU, with KAI's
+  ``gpu-fraction-num-devices`` (else 1) as its GPU count.
+
 Why MIG defaults to shared: a MIG slice is isolated from other slices in hardware, but the device
 plugin can time-slice a slice under the same resource name (replicas), and the pod spec cannot
 tell the two apart. Treating it as shared costs a sidecar; treating a shared slice as exclusive
@@ -33,6 +37,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from gpufence.contract import SIDECAR_NAME
+from gpufence.webhook.kai import KaiFraction
 from gpufence.webhook.quantity import QuantityError, is_positive_quantity, parse_bytes
 from gpufence.webhook.settings import InjectionSettings
 
@@ -119,8 +124,10 @@ def _count(value: Any) -> int:
 class PodGpuPaths:
     """The paths by which the (init) containers of one pod get devices, under one policy."""
 
-    def __init__(self, spec: Any, settings: InjectionSettings) -> None:
+    def __init__(self, spec: Any, settings: InjectionSettings, kai: KaiFraction | None = None) -> None:
         self.spec: Mapping[str, Any] = spec if isinstance(spec, dict) else {}
+        # KAI-Scheduler's path (webhook.kai): the container it hands a GPU fraction, and how many GPUs.
+        self.kai_container, self.kai_devices = (kai.container, kai.devices) if kai is not None else (None, 0)
         self.gpu = patterns(settings.gpu_resource_names)
         self.exclusive = patterns(settings.exclusive_gpu_resource_names)
         listed = frozenset(settings.non_gpu_resource_claims)
@@ -137,8 +144,12 @@ class PodGpuPaths:
                             for c in (self.spec.get(key) if isinstance(self.spec.get(key), list) else ())]
         # The sidecar holds the GPU claims of the pod it enforces: they make it a GPU container only
         # where no other container is one (a workload named like the sidecar), never in its own pod.
-        self._others_gpu = any(self._gpu_by_resource(c) or self._gpu_claims(c)
+        self._others_gpu = any(self._gpu_by_resource(c) or self._gpu_claims(c) or self._by_kai(c)
                                for c in self._containers if not _is_sidecar(c))
+
+    def _by_kai(self, container: Any) -> bool:
+        return self.kai_container is not None and isinstance(container, dict) and \
+            container.get("name") == self.kai_container
 
     def _gpu_by_resource(self, container: Any) -> bool:
         return any(self.gpu.matches(n) and not self.exclusive.matches(n) for n, _ in _amounts(container))
@@ -148,7 +159,7 @@ class PodGpuPaths:
 
     def is_gpu_container(self, container: Any) -> bool:
         """Gets a shared GPU: a matching resource, or a claim not listed as non-GPU (share + sidecar)."""
-        if self._gpu_by_resource(container):
+        if self._gpu_by_resource(container) or self._by_kai(container):
             return True
         if not self._gpu_claims(container):
             return False
@@ -156,7 +167,7 @@ class PodGpuPaths:
 
     def gets_device(self, container: Any) -> bool:
         """Gets a device by any path, so ``NVIDIA_VISIBLE_DEVICES=void`` would take it away."""
-        return bool(_claims(container)) or any(
+        return bool(_claims(container)) or self._by_kai(container) or any(
             self.gpu.matches(n) or self.exclusive.matches(n) for n, _ in _amounts(container))
 
     def gpu_count(self, container: Any) -> int | None:
@@ -166,8 +177,9 @@ class PodGpuPaths:
         ResourceClaim, not the pod, so a claim-only container gets no count check. A container with
         both is held to its resources' count, because an API server with DRA off drops the claims
         after the webhook and before the guard, which then sees only the resources."""
-        return sum(_count(v) for n, v in _amounts(container)
-                   if self.gpu.matches(n) or self.exclusive.matches(n)) or None
+        kai = self.kai_devices if self._by_kai(container) else 0
+        return kai + sum(_count(v) for n, v in _amounts(container)
+                         if self.gpu.matches(n) or self.exclusive.matches(n)) or None
 
     def gpu_container_names(self) -> list[Any]:
         """The names of the GPU containers, in pod order (init containers first)."""

@@ -31,10 +31,14 @@ NVIDIA_TOOLKIT_VARIABLES = ("NVIDIA_VISIBLE_DEVICES", "NVIDIA_DRIVER_CAPABILITIE
 NVIDIA_INERT_VALUES = ("void", "none")
 
 
-def nvidia_side_door(spec: Any, exempt: str | None, gpu_resource: str) -> str | None:
+def nvidia_side_door(spec: Any, exempt: str | None, gpu_resource: str, kai_container: str | None = None) -> str | None:
     """The denial for the first container (``exempt`` aside: the sidecar of a GPU pod, which the
     injection rebuilds) that sets a toolkit variable to anything but void/none, else None. The
     denial advises requesting ``gpu_resource`` (the first configured GPU resource name).
+
+    ``kai_container``: the container KAI-Scheduler hands a GPU fraction (``webhook.kai``), whose
+    ``NVIDIA_VISIBLE_DEVICES`` from ``valueFrom.configMapKeyRef`` is how KAI hands it the GPU it
+    reserved: accepted there, in that form only (a GPU container, held to its share and GPU count).
 
     Tolerant of garbage: the pod may be any pod of an opted-in namespace, not shape-checked.
     """
@@ -54,6 +58,8 @@ def nvidia_side_door(spec: Any, exempt: str | None, gpu_resource: str) -> str | 
                 value = entry.get("value")
                 if "valueFrom" not in entry and value in NVIDIA_INERT_VALUES:
                     continue
+                if kai_container is not None and container.get("name") == kai_container and _kai_form(entry):
+                    continue
                 how = "from valueFrom" if "valueFrom" in entry else f"to {quote(value if value is not None else '')}"
                 return (
                     f"container {quote(container.get('name'))} sets {entry['name']} {how}: in this namespace only "
@@ -62,6 +68,13 @@ def nvidia_side_door(spec: Any, exempt: str | None, gpu_resource: str) -> str | 
                     f'shares; remove the variable and request GPUs with resources.limits["{gpu_resource}"]'
                 )
     return None
+
+
+def _kai_form(entry: dict[str, Any]) -> bool:
+    """``NVIDIA_VISIBLE_DEVICES`` as KAI-Scheduler's admission webhook writes it: from a ConfigMap key."""
+    source = entry.get("valueFrom")
+    return (entry.get("name") == "NVIDIA_VISIBLE_DEVICES" and not entry.get("value") and isinstance(source, dict)
+            and isinstance(source.get("configMapKeyRef"), dict))
 
 
 def sidecar_resource_use(spec: dict[str, Any], exempt: str, port: int, port_name: str,

@@ -31,6 +31,8 @@ DEFAULT_GPU_RESOURCES = (DEFAULT_GPU_RESOURCE, "nvidia.com/gpu.*", "nvidia.com/m
 # Who may touch the enforcer of a running pod (change the sidecar, exec or attach into it, add an
 # ephemeral container the gpufence-protect policy would refuse): the cluster's superusers and the
 # group gpufence documents for its operators (docs/install.md).
+# KAI-Scheduler's default scheduler name (its chart's), which its fraction pods name.
+DEFAULT_KAI_SCHEDULER = "kai-scheduler"
 DEFAULT_ADMIN_GROUPS = ("system:masters", "gpufence:admins")
 
 
@@ -75,6 +77,9 @@ class InjectionSettings:
     # Names of ResourceClaims / ResourceClaimTemplates that hold no GPU; a DRA claim that is not
     # listed makes the container that uses it a GPU container.
     non_gpu_resource_claims: tuple[str, ...] = ()
+    # The names KAI-Scheduler runs under: a pod of one of them with KAI's gpu-fraction or gpu-memory
+    # annotation has a GPU container by KAI's path (webhook.kai).
+    kai_scheduler_names: tuple[str, ...] = (DEFAULT_KAI_SCHEDULER,)
     # Native sidecar (initContainers[0], restartPolicy Always; Kubernetes >= 1.29) or a plain container.
     native_sidecar: bool = True
     metrics_port: int = DEFAULT_METRICS_PORT

@@ -206,11 +206,18 @@ def resolve_shares(
     gpu_containers: Sequence[str],
     all_containers: Sequence[str],
     policy: NamespacePolicy | None = None,
+    scheduler_memory: Mapping[str, tuple[MemoryShare, str]] | None = None,
 ) -> SharePlan:
     """The share of every GPU container, the mode and the grace period; raises ``ShareError``.
 
     ``policy`` (``namespace_policy``): the admin's mode and ceilings; None: no bounds (unit tests).
+    ``scheduler_memory``: by container, a memory share and its origin that the scheduler fixed
+    (KAI-Scheduler's fraction, ``webhook.kai``). It wins over gpufence's memory annotations and
+    defaults: the scheduler placed the pod on a GPU by that amount and promised the rest of the
+    GPU to other pods, so more would take their memory and less would break what the pod asked the
+    scheduler for. A gpufence memory annotation that would have applied is reported, not used.
     """
+    fixed = scheduler_memory or {}
     warnings: list[str] = []
     gpu_set = set(gpu_containers)
     memory_overrides: dict[str, object] = {}
@@ -254,7 +261,7 @@ def resolve_shares(
     )
     parsed_memory_default: MemoryShare | None = None
     parsed_compute_default: float | None = None
-    if memory_default is not None and len(memory_overrides) < len(gpu_set):
+    if memory_default is not None and len(memory_overrides.keys() | fixed.keys()) < len(gpu_set):
         parsed_memory_default = memory_from(*memory_default)
     if compute_default is not None and len(compute_overrides) < len(gpu_set):
         parsed_compute_default = compute_from(*compute_default)
@@ -264,14 +271,23 @@ def resolve_shares(
 
     shares = []
     for name in gpu_containers:
+        memory = memory_by_name.get(name, parsed_memory_default)
+        memory_origin = _origin(memory_overrides, name, _MEMORY_OVERRIDE_PREFIX, memory_default)
+        if name in fixed:
+            if name in memory_overrides or (memory_default is not None and memory_default[1] == "pod"):
+                warnings.append(
+                    f"container {quote(name)}: {fixed[name][1]} sets its memory share, so {memory_origin} "
+                    "is not used for it (the scheduler placed the pod by its own annotation)"
+                )
+            memory, memory_origin = fixed[name]
         share = ContainerShare(
-            memory=memory_by_name.get(name, parsed_memory_default),
+            memory=memory,
             compute_percent=compute_by_name.get(name, parsed_compute_default),
         )
         if policy is not None:
             share = policy.bound(
                 share,
-                _origin(memory_overrides, name, _MEMORY_OVERRIDE_PREFIX, memory_default),
+                memory_origin,
                 _origin(compute_overrides, name, _COMPUTE_OVERRIDE_PREFIX, compute_default),
                 warnings, name,
             )

@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 
 from gpufence.webhook.cluster_policy import parse_policy
 from gpufence.webhook.gpu_paths import PodGpuPaths
+from gpufence.webhook.kai import kai_fraction
 from tests.unit.guard.test_policy import POLICY, SHIPPED_POLICY, Guard
 
 RESOURCES = [
@@ -43,7 +44,8 @@ CLAIMS = [{"name": "gpu", "resourceClaimTemplateName": "single-gpu"},
 def decisions(pod: dict[str, Any], data: dict[str, str]) -> tuple[dict[str, Any], dict[str, Any]]:
     """(the webhook's, the guard's) answers for ``pod`` under the policy ConfigMap data ``data``."""
     full = {**SHIPPED_POLICY, **data}
-    paths = PodGpuPaths(pod["spec"], parse_policy(full))
+    settings = parse_policy(full)
+    paths = PodGpuPaths(pod["spec"], settings, kai_fraction(pod, settings))
     containers = [c for key in ("initContainers", "containers") for c in pod["spec"].get(key, [])]
     gpu = paths.gpu_container_names()
     counts = paths.gpu_counts()
@@ -180,3 +182,116 @@ def test_a_status_annotation_naming_a_container_only_makes_the_guard_stricter() 
         "gpufence.io/status": '{"containers":["web"],"mode":"enforce","sidecar":"gpufence-enforcer","version":"x"}'}
     allowed, message = GUARD.admit(plain)
     assert not allowed and "has no gpufence-enforcer sidecar" in message
+
+
+# --- KAI-Scheduler's fraction (gpufence/webhook/kai.py) ------------------------------------------
+
+def kai_pod(annotations: dict[str, str], *containers: dict[str, Any], scheduler: str = "kai-scheduler",
+            init: list[dict[str, Any]] | None = None, node: str | None = None) -> dict[str, Any]:
+    pod = pod_with(*containers)
+    pod["metadata"]["annotations"] = annotations
+    pod["spec"]["schedulerName"] = scheduler
+    if init:
+        pod["spec"]["initContainers"] = init
+    if node:
+        pod["spec"]["nodeName"] = node
+    return pod
+
+
+_MAIN = {"name": "main", "image": "x"}
+_LOGS = {"name": "logs", "image": "y"}
+_GPU = {"name": "gpu", "image": "x", "resources": {"limits": {"nvidia.com/gpu": "1"}}}
+KAI_CASES = {
+    "fraction": (kai_pod({"gpu-fraction": "0.5"}, _MAIN, _LOGS), ["main"]),
+    "memory": (kai_pod({"gpu-memory": "2000"}, _MAIN, _LOGS), ["main"]),
+    "named": (kai_pod({"gpu-fraction": "0.5", "gpu-fraction-container-name": "logs"}, _MAIN, _LOGS), ["logs"]),
+    "init": (kai_pod({"gpu-fraction": "0.5", "gpu-fraction-container-name": "warm"}, _MAIN,
+                     init=[{"name": "warm", "image": "x"}]), ["warm"]),
+    "named but absent": (kai_pod({"gpu-fraction": "0.5", "gpu-fraction-container-name": "nope"}, _MAIN), []),
+    "two devices": (kai_pod({"gpu-fraction": "0.5", "gpu-fraction-num-devices": "2"}, _MAIN), ["main"]),
+    "bad device count": (kai_pod({"gpu-fraction": "0.5", "gpu-fraction-num-devices": "x"}, _MAIN), ["main"]),
+    "another scheduler": (kai_pod({"gpu-fraction": "0.5"}, _MAIN, scheduler="default-scheduler"), []),
+    "a named node": (kai_pod({"gpu-fraction": "0.5"}, _MAIN, node="gpu-node-1"), []),
+    "no fraction": (kai_pod({"gpu-fraction-num-devices": "2"}, _MAIN), []),
+    "beside a whole gpu": (kai_pod({"gpu-fraction": "0.5"}, _MAIN, _GPU), ["main", "gpu"]),
+    "fraction and a gpu in one": (kai_pod({"gpu-memory": "100"}, {**_GPU, "name": "main"}), ["main"]),
+}
+
+
+@pytest.mark.parametrize("policy", [{}, {"kai-scheduler-name": "team-kai, kai-scheduler"},
+                                    {"kai-scheduler-name": "team-kai"}])
+@pytest.mark.parametrize("case", KAI_CASES)
+def test_the_guard_and_the_webhook_agree_on_kai_fractions(case: str, policy: dict[str, str]) -> None:
+    pod, gpu = KAI_CASES[case]
+    webhook, guard = decisions(pod, policy)
+    assert guard == webhook
+    # Not vacuous: KAI's container is a GPU container where KAI's scheduler name is configured.
+    by_resource = [c["name"] for c in pod["spec"]["containers"] if "resources" in c]
+    assert webhook["gpu"] == (gpu if "kai-scheduler" in policy.get("kai-scheduler-name", "kai-scheduler")
+                              else by_resource)
+
+
+def test_kai_s_device_count_is_the_enforcer_s() -> None:
+    webhook, guard = decisions(KAI_CASES["two devices"][0], {})
+    assert guard["counts"] == webhook["counts"] == ["main=2"]
+    webhook, guard = decisions(KAI_CASES["fraction and a gpu in one"][0], {})
+    assert guard["counts"] == webhook["counts"] == ["main=2"]
+
+
+def _kai_output(case: str) -> tuple[Guard, dict[str, Any]]:
+    import yaml
+
+    from tests.unit.guard.test_policy import policy_data_for
+    from tests.unit.webhook.test_golden import GOLDEN, load_case
+
+    _, settings, _, _ = load_case(case)
+    mutated = yaml.safe_load((GOLDEN / f"{case}.out.yaml").read_text())["pod"]
+    return Guard(POLICY, policy_data_for(settings)), mutated
+
+
+def _with_config(pod: dict[str, Any], old: str, new: str) -> dict[str, Any]:
+    for c in pod["spec"]["initContainers"]:
+        for e in c.get("env", []):
+            if e["name"] == "GPUFENCE_CONFIG":
+                assert old in e["value"]
+                e["value"] = e["value"].replace(old, new)
+    return pod
+
+
+@pytest.mark.parametrize(("case", "old", "new"), [
+    ("kai-gpu-fraction", '"memoryPercent":50', '"memoryPercent":90'),
+    ("kai-gpu-fraction", '"gpus":1,"memoryPercent":50', '"gpus":1'),
+    ("kai-gpu-memory", '"memoryBytes":2097152000', '"memoryBytes":2097152001'),
+    ("kai-gpu-memory", '"memoryBytes":2097152000', '"memoryPercent":10'),
+])
+def test_a_sidecar_made_while_the_webhook_is_down_cannot_give_more_than_kai_s_request(case: str, old: str,
+                                                                                     new: str) -> None:
+    guard, mutated = _kai_output(case)
+    assert guard.admit(mutated) == (True, "allowed")
+    allowed, message = guard.admit(_with_config(mutated, old, new))
+    assert not allowed and "within its KAI-Scheduler request" in message
+
+
+def test_a_sidecar_made_while_the_webhook_is_down_must_hold_kai_s_gpu_count() -> None:
+    guard, mutated = _kai_output("kai-num-devices")
+    assert guard.admit(mutated) == (True, "allowed")
+    allowed, message = guard.admit(_with_config(mutated, '"gpus":2', '"gpus":1'))
+    assert not allowed and "not the number of GPUs it requested" in message
+
+
+def test_kai_s_variable_passes_the_guard_only_in_its_container_and_form() -> None:
+    guard, mutated = _kai_output("kai-after-kai-webhook")
+    assert guard.admit(mutated) == (True, "allowed")
+    main = mutated["spec"]["containers"][0]
+    kai_entry = next(e for e in main["env"] if e["name"] == "NVIDIA_VISIBLE_DEVICES")
+    kai_entry["valueFrom"] = {"secretKeyRef": {"name": "mine", "key": "NVIDIA_VISIBLE_DEVICES"}}
+    allowed, message = guard.admit(mutated)
+    assert not allowed and 'container "gpu-workload" sets NVIDIA_VISIBLE_DEVICES' in message
+    kai_entry.pop("valueFrom")
+    kai_entry["value"] = "all"
+    assert not guard.admit(mutated)[0]
+    # The same ConfigMap form in a pod that is no KAI pod (another scheduler) is a side door.
+    guard, mutated = _kai_output("kai-after-kai-webhook")
+    mutated["spec"]["schedulerName"] = "default-scheduler"
+    allowed, message = guard.admit(mutated)
+    assert not allowed and "NVIDIA_VISIBLE_DEVICES" in message

@@ -181,6 +181,7 @@ def policy_data_for(settings: InjectionSettings) -> dict[str, str]:
         "gpu-resource-name": ",".join(settings.gpu_resource_names),
         "exclusive-gpu-resource-name": ",".join(settings.exclusive_gpu_resource_names),
         "non-gpu-resource-claims": ",".join(settings.non_gpu_resource_claims),
+        "kai-scheduler-name": ",".join(settings.kai_scheduler_names),
         "default-mode": settings.default_mode,
         "allow-audit": str(settings.allow_audit).lower(),
         "allow-opt-out": str(settings.allow_opt_out).lower(),

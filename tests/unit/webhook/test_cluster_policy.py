@@ -37,6 +37,7 @@ EVERY_KEY = {
     "gpu-memory": "nvidia.com/gpu=80Gi,nvidia.com/mig-1g.10gb=10Gi", "pytorch-memory-fraction": "true",
     "framework-memory-headroom": "1Gi", "admin-groups": "platform:gpu-admins, system:masters",
     "driver-memory-limits": "on",
+    "kai-scheduler-name": "kai-scheduler, team-kai",
 }
 
 
@@ -80,6 +81,7 @@ def test_absent_and_empty_keys_are_the_defaults() -> None:
       'e.g. exclusive-gpu-resource-name: "nvidia.com/mig-3g.40gb"']),
     ({"non-gpu-resource-claims": "NIC"}, ['key "non-gpu-resource-claims"', "ResourceClaimTemplate",
                                           'e.g. non-gpu-resource-claims: "nic-claim"']),
+    ({"kai-scheduler-name": "KAI"}, ['key "kai-scheduler-name"', "'KAI'", 'e.g. kai-scheduler-name: "kai-scheduler"']),
     ({"gpu-memory": "80Gi"}, ["RESOURCE=QUANTITY", 'e.g. gpu-memory: "nvidia.com/gpu=80Gi"']),
     ({"default-mode": "Audit"}, ["'Audit'", "use one of enforce, audit", 'e.g. default-mode: "enforce"']),
     ({"max-mem": "25%"}, ['unknown key "max-mem"', 'did you mean "max-memory"?', "--help"]),
