@@ -15,6 +15,7 @@ from typing import Any
 
 from gpufence.contract import MIRROR_POD_ANNOTATION, POD_OPT_OUT_LABEL, SIDECAR_NAME, SIDECAR_PORT_NAME
 from gpufence.webhook.desired import desired_plain_pod, desired_pod
+from gpufence.webhook.dra import DraObjects, claim_warnings
 from gpufence.webhook.ephemeral import SUBRESOURCE as EPHEMERAL_SUBRESOURCE
 from gpufence.webhook.ephemeral import ephemeral_patch
 from gpufence.webhook.gpu_paths import PodGpuPaths, advised_resource
@@ -52,12 +53,15 @@ class _Denied(Exception):
         self.message = message
 
 
-def review(payload: Any, settings: InjectionSettings, namespaces: NamespaceLookup) -> ReviewResult:
+def review(payload: Any, settings: InjectionSettings, namespaces: NamespaceLookup,
+           claims: DraObjects | None = None) -> ReviewResult:
+    """``claims``: the DRA objects (webhook.dra_cache) that claims are resolved through, for the
+    warnings of webhook.dra.claim_warnings; None where there are none (outside a cluster)."""
     request = _request(payload)
     uid = request["uid"]
     warnings: list[str] = []
     try:
-        outcome, patch = _decide(request, settings, namespaces, warnings)
+        outcome, patch = _decide(request, settings, namespaces, warnings, claims)
     except _Denied as denied:
         return _result(uid, OUTCOME_DENIED, warnings, denied=denied.message)
     except RecursionError:
@@ -148,7 +152,8 @@ def _ephemeral(request: dict[str, Any], namespaces: NamespaceLookup) -> tuple[st
 
 
 def _decide(
-    request: dict[str, Any], settings: InjectionSettings, namespaces: NamespaceLookup, warnings: list[str]
+    request: dict[str, Any], settings: InjectionSettings, namespaces: NamespaceLookup, warnings: list[str],
+    claims: DraObjects | None = None,
 ) -> tuple[str, bytes | None]:
     if _is_ephemeral_request(request):
         return _ephemeral(request, namespaces)
@@ -184,6 +189,11 @@ def _decide(
 
     paths = PodGpuPaths(pod.get("spec"), settings)
     gpu_names = paths.gpu_container_names()
+    if claims is not None and isinstance(namespace, str) and namespace:
+        # What the claims hold, said where it differs from what the pod gets: the pod gets what the
+        # guard, which cannot read claims, can check (docs/gpu-paths.md, "DRA").
+        warnings.extend(claim_warnings(namespace, pod.get("spec"), claims, settings.dra_gpu_drivers,
+                                       settings.non_gpu_resource_claims))
     side_door = nvidia_side_door(pod.get("spec"), SIDECAR_NAME if gpu_names else None, advised_resource(settings))
     if side_door is not None:
         raise _Denied(side_door)  # GPU pod or not, opted out or not: the guard denies it too

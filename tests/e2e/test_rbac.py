@@ -39,6 +39,12 @@ def can_i(cp: ControlPlane, user: str, verb: str, resource: str, namespace: str 
     (WEBHOOK_SA, "list", "namespaces", None, True),
     (WEBHOOK_SA, "watch", "namespaces", None, True),
     (WEBHOOK_SA, "update", "namespaces", None, False),
+    # DRA: read-only, exactly the objects a pod's claims lead to (the API server answers without the group too).
+    *((WEBHOOK_SA, verb, f"{plural}.resource.k8s.io", None, True) for verb in ("get", "list", "watch")
+      for plural in ("deviceclasses", "resourceclaims", "resourceclaimtemplates")),
+    (WEBHOOK_SA, "create", "resourceclaims.resource.k8s.io", "default", False),
+    (WEBHOOK_SA, "update", "deviceclasses.resource.k8s.io", None, False),
+    (WEBHOOK_SA, "list", "resourceslices.resource.k8s.io", None, False),
     (WEBHOOK_SA, "get", "secrets", NAMESPACE, False),
     (WEBHOOK_SA, "create", "pods", "default", False),
     (WEBHOOK_SA, "patch", f"mutatingwebhookconfigurations/{WEBHOOK_CONFIGURATION}", None, False),
