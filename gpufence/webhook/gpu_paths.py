@@ -16,7 +16,9 @@ Paths, from the pod alone:
   unless the pod claim's ``resourceClaimName`` or ``resourceClaimTemplateName`` is listed in
   ``non-gpu-resource-claims``. The pod does not show what the claim holds (that is in the
   ResourceClaim and its DeviceClass), so an unlisted claim is taken for a GPU: the safe side. A
-  container with any claim, listed or not, is never voided.
+  container with any claim, listed or not, is never voided. The webhook also resolves claims
+  through their DeviceClasses (webhook.dra), but only to warn: the guard cannot read claims, so
+  these sets, which it can check, are what the pod gets.
 
 Why MIG defaults to shared: a MIG slice is isolated from other slices in hardware, but the device
 plugin can time-slice a slice under the same resource name (replicas), and the pod spec cannot

@@ -131,6 +131,18 @@ def test_claims_resolve_through_their_device_classes(
         assert claim_warnings(warnings) == [said]
         assert f'DeviceClass "{nic_class}" (nic.example.com)' in said and f'lists "{listed}"' in said
 
+    # A template deleted: its watch event takes it out of the cache, and its claim is unresolved again.
+    gone = kube.unique("gone")
+    assert kube.create(tenant.api, f"{API}/namespaces/{ns}/resourceclaimtemplates", {
+        "apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaimTemplate", "metadata": {"name": gone},
+        "spec": {"spec": claim_spec(nic_class)}}).admitted
+    assert "holds no GPU" in resolved(webhook, ns, {"resourceClaimTemplateName": gone})[0]
+    client.CustomObjectsApi(tenant.api).delete_namespaced_custom_object(
+        "resource.k8s.io", "v1", ns, "resourceclaimtemplates", gone)
+    kube.wait_for(lambda: any("could not be resolved" in w for w in claim_warnings(
+        webhook.review(ns, claim_pod({"resourceClaimTemplateName": gone})).get("warnings") or [])),
+        "the webhook to see the template deleted")
+
     # A claim whose template does not exist (yet): a GPU claim, said so; never a refusal.
     created, warnings = create_warned(tenant.api, f"/api/v1/namespaces/{ns}/pods",
                                       claim_pod({"resourceClaimTemplateName": "not-there"}))

@@ -51,8 +51,7 @@ pytorch-memory-fraction framework-memory-headroom admin-groups
 
 {{- /* The policy flags that repeat; their ConfigMap value is the list, comma-separated. */ -}}
 {{- define "gpufence.repeatedPolicyKeys" -}}
-gpu-resource-name exclusive-gpu-resource-name non-gpu-resource-claims dra-gpu-driver-name gpu-memory
-admin-groups
+gpu-resource-name exclusive-gpu-resource-name non-gpu-resource-claims dra-gpu-driver-name gpu-memory admin-groups
 {{- end -}}
 
 {{- /* The webhook's other flags, which webhook.flags may set (the chart sets port, the TLS files
