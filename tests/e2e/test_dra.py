@@ -203,6 +203,7 @@ def test_a_plain_gpu_request_served_through_dra_is_injected(
     made = kube.create(admin, f"{API}/deviceclasses",
                        device_class(name, "gpu.nvidia.com", extendedResourceName="nvidia.com/gpu"))
     assert made.admitted, made.message
+    assert made.obj["spec"]["extendedResourceName"] == "nvidia.com/gpu"  # served, not dropped, on 1.37
     created = kube.create_pod(tenant.api, tenant.namespace, device_pod({"limits": {"nvidia.com/gpu": "1"}}))
     assert created.admitted, created.message
     assert kube.is_mutated(created.obj)
