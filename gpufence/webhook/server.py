@@ -206,7 +206,7 @@ def _decode(body: bytes) -> Any:
 
 
 def _answer(body: bytes, settings: InjectionSettings, namespaces: NamespaceLookup,
-            claims: DraObjects | None) -> tuple[str, bytes]:
+            claims: DraObjects | None = None) -> tuple[str, bytes]:
     """Decodes, reviews and encodes one request: (outcome, JSON answer)."""
     payload = _decode(body)
     try:
