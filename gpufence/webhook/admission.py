@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import base64
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from gpufence.contract import MIRROR_POD_ANNOTATION, POD_OPT_OUT_LABEL, SIDECAR_NAME, SIDECAR_PORT_NAME
@@ -189,11 +189,13 @@ def _decide(
 
     paths = PodGpuPaths(pod.get("spec"), settings)
     gpu_names = paths.gpu_container_names()
+    claim_notes: list[str] = []
     if claims is not None and isinstance(namespace, str) and namespace:
         # What the claims hold, said where it differs from what the pod gets: the pod gets what the
         # guard, which cannot read claims, can check (docs/gpu-paths.md, "DRA").
-        warnings.extend(claim_warnings(namespace, pod.get("spec"), claims, settings.dra_gpu_drivers,
-                                       settings.non_gpu_resource_claims))
+        claim_notes = claim_warnings(namespace, pod.get("spec"), claims, settings.dra_gpu_drivers,
+                                     settings.non_gpu_resource_claims)
+        warnings.extend(claim_notes)
     side_door = nvidia_side_door(pod.get("spec"), SIDECAR_NAME if gpu_names else None, advised_resource(settings))
     if side_door is not None:
         raise _Denied(side_door)  # GPU pod or not, opted out or not: the guard denies it too
@@ -225,6 +227,9 @@ def _decide(
         plan = resolve_shares(annotations, namespace_annotations, settings, gpu_names, all_names, policy)
         plan = with_gpu_counts(plan, paths.gpu_counts())
         warnings.extend(plan.warnings)
+        # In the status annotation too, so the enforcer posts them as Events on the pod: a pod a
+        # controller creates never shows its author the admission warnings.
+        plan = replace(plan, warnings=(*plan.warnings, *claim_notes))
         patch, mutation_warnings = injection_patch(pod, plan, settings, pod_security, namespace_annotations)
     except (ShareError, MutationError) as exc:
         raise _Denied(str(exc)) from None

@@ -4,13 +4,17 @@ resolution in a cluster is exercised on the real API server (tests/e2e/test_dra.
 
 from __future__ import annotations
 
+import base64
+import json
 from typing import Any
 
+import jsonpatch
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from gpufence.webhook.admission import review
+from gpufence.contract import ANNOTATION_STATUS
+from gpufence.webhook.admission import ReviewResult, review
 from gpufence.webhook.dra import (
     DraSnapshot,
     claim_classes,
@@ -170,6 +174,21 @@ def claim_pod(*pod_claims: tuple[str, str, str], used: tuple[str, ...] | None = 
 T, C = "resourceClaimTemplateName", "resourceClaimName"
 
 
+def reviewed(pod: dict[str, Any], result: ReviewResult) -> tuple[dict[str, Any], list[str]]:
+    """The pod as the review leaves it, without the warnings of its status annotation, and those warnings."""
+    response = result.review["response"]
+    patched = jsonpatch.apply_patch(pod, json.loads(base64.b64decode(response["patch"]))) \
+        if "patch" in response else pod
+    annotations = (patched.get("metadata") or {}).get("annotations") or {}
+    if ANNOTATION_STATUS not in annotations:
+        return patched, []
+    status = json.loads(annotations[ANNOTATION_STATUS])
+    recorded = status.pop("warnings", [])
+    patched = {**patched, "metadata": {**patched["metadata"], "annotations": {
+        **annotations, ANNOTATION_STATUS: json.dumps(status, sort_keys=True)}}}
+    return patched, recorded
+
+
 @pytest.mark.parametrize(("pod_claims", "listed", "warned"), [
     ([("gpu", T, "single-gpu")], (), []),
     ([("gpu", C, "shared-gpu")], (), []),
@@ -195,9 +214,18 @@ def test_the_review_says_what_the_claims_hold_and_gives_the_pod_what_the_guard_c
     before = without.review["response"].get("warnings", [])
     assert [w.removeprefix("gpufence: ") for w in result.review["response"].get("warnings", [])
             if w not in before] == warned
-    # The same pod either way: the guard, which cannot read claims, must admit what the webhook makes.
+    # The same pod either way (the enforcer's Events aside): the guard, which cannot read claims,
+    # must admit what the webhook makes.
     assert result.outcome == without.outcome
-    assert result.review["response"].get("patch") == without.review["response"].get("patch")
+    (pod_with, recorded), (pod_without, recorded_before) = reviewed(pod, result), reviewed(pod, without)
+    assert pod_with == pod_without
+    # Where the enforcer is injected it posts them as Events: a controller's pods show no admission warnings.
+    assert [w.removeprefix("gpufence: ") for w in recorded if w not in recorded_before] == \
+        (warned if result.outcome == "mutated" else [])
+    if "patch" in result.review["response"]:  # a reinvocation finds nothing to change
+        patched = jsonpatch.apply_patch(pod, json.loads(base64.b64decode(result.review["response"]["patch"])))
+        again = review(request(patched, namespace="team"), settings_, AllNamespacesOptedIn(), OBJECTS)
+        assert again.outcome == "unchanged"
     assert result.outcome == ("mutated" if not listed else "unchanged")  # no sidecar, no void (a device)
 
 
@@ -212,6 +240,8 @@ def test_the_resolution_never_changes_the_pod(pod: dict[str, Any]) -> None:
     """For any pod, the review with the DRA objects answers as the review without them, warnings aside."""
     without = review(request(pod), InjectionSettings(), AllNamespacesOptedIn())
     result = review(request(pod), InjectionSettings(), AllNamespacesOptedIn(), OBJECTS)
-    strip = [{k: v for k, v in r.review["response"].items() if k != "warnings"} for r in (without, result)]
-    assert strip[0] == strip[1]
     assert result.outcome == without.outcome
+    if result.review["response"]["allowed"]:
+        assert reviewed(pod, result)[0] == reviewed(pod, without)[0]
+    else:
+        assert result.review["response"]["status"] == without.review["response"]["status"]
