@@ -343,7 +343,7 @@ def claim_warnings(namespace: str, spec: Any, objects: DraObjects, gpu_drivers: 
         elif r.verdict == "unresolved":
             warnings.append(f"{claim} is taken for a GPU (share and enforcer): it could not be resolved: {r.detail}")
         elif r.verdict == "not-gpu":
-            warnings.append(f"{claim} holds no GPU ({r.detail}), but the guard cannot read claims, so its "
-                            f"containers get the enforcer unless an admin lists {_q(r.object_name)} in "
-                            "non-gpu-resource-claims")
+            # Within the API server's 256 characters for names of usual length: what, then why, then the fix.
+            warnings.append(f"{claim} holds no GPU ({r.detail}) but gets the enforcer, as the guard cannot read "
+                            f"claims; an admin can list {_q(r.object_name)} in non-gpu-resource-claims")
     return warnings

@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 from kubernetes import client
 
-from gpufence.contract import SIDECAR_NAME
+from gpufence.contract import ANNOTATION_STATUS, SIDECAR_NAME
 from tests.e2e import kube
 from tests.e2e.controlplane import ControlPlane
 from tests.e2e.gpufence_install import NAMESPACE, POLICY_CONFIGMAP, WebhookProcess, apply_objects
@@ -129,7 +129,10 @@ def test_claims_resolve_through_their_device_classes(
         assert created.admitted, created.message
         assert kube.is_mutated(created.obj)
         assert claim_warnings(warnings) == [said]
-        assert f'DeviceClass "{nic_class}" (nic.example.com)' in said and f'lists "{listed}"' in said
+        assert f'DeviceClass "{nic_class}" (nic.example.com)' in said and f'list "{listed}"' in said
+        # Kept for the enforcer, which posts it as an Event (a controller's pods show no admission warnings).
+        assert said in json.loads(created.obj["metadata"]["annotations"][ANNOTATION_STATUS])["warnings"]
+        assert not said.endswith("...")  # within the 256 characters a warning may have
 
     # A template deleted: its watch event takes it out of the cache, and its claim is unresolved again.
     gone = kube.unique("gone")

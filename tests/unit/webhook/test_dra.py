@@ -194,8 +194,8 @@ def reviewed(pod: dict[str, Any], result: ReviewResult) -> tuple[dict[str, Any],
     ([("gpu", C, "shared-gpu")], (), []),
     ([("nic", T, "nic-t")], ("nic-t",), []),
     ([("nic", T, "nic-t")], (), ['claim "nic" (ResourceClaimTemplate "nic-t") holds no GPU (DeviceClass "nic" '
-                                 '(nic.example.com)), but the guard cannot read claims, so its containers get the '
-                                 'enforcer unless an admin lists "nic-t" in non-gpu-resource-claims']),
+                                 '(nic.example.com)) but gets the enforcer, as the guard cannot read claims; an admin '
+                                 'can list "nic-t" in non-gpu-resource-claims']),
     ([("gpu", T, "absent")], (), ['claim "gpu" (ResourceClaimTemplate "absent") is taken for a GPU (share and '
                                   'enforcer): it could not be resolved: the webhook does not know '
                                   'ResourceClaimTemplate "absent" in namespace "team"']),
