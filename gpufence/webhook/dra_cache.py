@@ -7,8 +7,8 @@ answers from dicts that the threads replace or update (single dict operations ar
 GIL, as in webhook.namespaces).
 
 An API server that does not serve ``resource.k8s.io/v1`` (before 1.34, or with the group off)
-answers the lists 404: the loops keep retrying at their longest backoff, quietly (one line when the
-API is first found missing), and every claim stays unresolved, which the webhook handles as it
+answers the lists 404: the loops keep retrying (their backoff doubles to 30 s), quietly (one line
+when the API is first found missing), and every claim stays unresolved, which the webhook handles as it
 handles a claim it cannot resolve. The caches never gate /readyz: a pod is never refused for the
 state of this cache (docs/gpu-paths.md).
 """
