@@ -41,13 +41,16 @@ class _ObjectWatch(ListWatch):
         # api: kubernetes.client.CustomObjectsApi; cluster-wide lists cover every namespace.
         super().__init__(functools.partial(api.list_cluster_custom_object, GROUP, VERSION, plural), **options)
         self.what = kind
+        self.plural = plural
         self._summary = summary
         self.items: dict[tuple[str, str], Any] = {}
         self.not_served = False
+        self.failure: str | None = None  # why the last list or watch failed, until a list succeeds
 
     def _replace(self, items: list[Mapping[str, Any]]) -> None:
         self.items = {object_key(obj): self._summary(obj) for obj in items}
         self.not_served = False
+        self.failure = None
 
     def _apply(self, kind: str, obj: Mapping[str, Any]) -> None:
         if kind == "DELETED":
@@ -56,6 +59,8 @@ class _ObjectWatch(ListWatch):
             self.items[object_key(obj)] = self._summary(obj)
 
     def _failed(self, error: Exception) -> None:
+        status = getattr(error, "status", None)
+        self.failure = f"HTTP {status} {getattr(error, 'reason', '')}".strip() if status else type(error).__name__
         if getattr(error, "status", None) == HTTP_NOT_FOUND:
             if not self.not_served:
                 log_event(log, "dra_api_not_served", logging.INFO, kind=self.what, api=f"{GROUP}/{VERSION}",
@@ -95,6 +100,10 @@ class DraCache:
         if any(w.not_served for w in self._watches):
             return f"the API server does not serve {GROUP}/{VERSION}"
         if not self.has_synced():
+            # A 403 here is an install whose ClusterRole predates these rules: say so, not "not synced".
+            failed = next((w for w in self._watches if not w.has_synced() and w.failure), None)
+            if failed is not None:
+                return f"the webhook cannot list {failed.plural} ({failed.failure})"
             return "the webhook's DRA cache has not synced yet"
         return None
 

@@ -24,6 +24,7 @@ from gpufence.webhook.dra import (
     resolve_pod_claims,
     selector_drivers,
 )
+from gpufence.webhook.dra_cache import DraCache
 from gpufence.webhook.settings import AllNamespacesOptedIn, InjectionSettings
 from tests.unit.webhook.test_admission import good_pods, pods, request
 
@@ -245,3 +246,32 @@ def test_the_resolution_never_changes_the_pod(pod: dict[str, Any]) -> None:
         assert reviewed(pod, result)[0] == reviewed(pod, without)[0]
     else:
         assert result.review["response"]["status"] == without.review["response"]["status"]
+
+
+class RefusingApi:
+    """The Kubernetes client's CustomObjectsApi where every list fails with ``status`` (the boundary)."""
+
+    def __init__(self, status: int, reason: str) -> None:
+        self.status, self.reason = status, reason
+
+    def list_cluster_custom_object(self, *args: Any, **kwargs: Any) -> Any:
+        from kubernetes.client import ApiException
+
+        raise ApiException(status=self.status, reason=self.reason)
+
+
+@pytest.mark.parametrize(("status", "reason", "why"), [
+    (404, "Not Found", "the API server does not serve resource.k8s.io/v1"),
+    (403, "Forbidden", "the webhook cannot list deviceclasses (HTTP 403 Forbidden)"),
+])
+def test_the_cache_says_why_it_cannot_answer(status: int, reason: str, why: str) -> None:
+    cache = DraCache(RefusingApi(status, reason), min_backoff=60)
+    assert cache.unavailable() == "the webhook's DRA cache has not synced yet"
+    cache.start()
+    try:
+        for watch in (cache.classes, cache.claims, cache.templates):
+            assert watch.wait_for(lambda w: w.failure is not None, timeout=10)
+        assert cache.unavailable() == why
+        assert not cache.has_synced()
+    finally:
+        cache.stop(5)
