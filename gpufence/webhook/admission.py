@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import base64
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from gpufence.contract import MIRROR_POD_ANNOTATION, POD_OPT_OUT_LABEL, SIDECAR_NAME, SIDECAR_PORT_NAME
 from gpufence.webhook.desired import desired_plain_pod, desired_pod
+from gpufence.webhook.dra import DraObjects, claim_warnings
 from gpufence.webhook.ephemeral import SUBRESOURCE as EPHEMERAL_SUBRESOURCE
 from gpufence.webhook.ephemeral import ephemeral_patch
 from gpufence.webhook.gpu_paths import PodGpuPaths, advised_resource
@@ -53,12 +54,15 @@ class _Denied(Exception):
         self.message = message
 
 
-def review(payload: Any, settings: InjectionSettings, namespaces: NamespaceLookup) -> ReviewResult:
+def review(payload: Any, settings: InjectionSettings, namespaces: NamespaceLookup,
+           claims: DraObjects | None = None) -> ReviewResult:
+    """``claims``: the DRA objects (webhook.dra_cache) that claims are resolved through, for the
+    warnings of webhook.dra.claim_warnings; None where there are none (outside a cluster)."""
     request = _request(payload)
     uid = request["uid"]
     warnings: list[str] = []
     try:
-        outcome, patch = _decide(request, settings, namespaces, warnings)
+        outcome, patch = _decide(request, settings, namespaces, warnings, claims)
     except _Denied as denied:
         return _result(uid, OUTCOME_DENIED, warnings, denied=denied.message)
     except RecursionError:
@@ -149,7 +153,8 @@ def _ephemeral(request: dict[str, Any], namespaces: NamespaceLookup) -> tuple[st
 
 
 def _decide(
-    request: dict[str, Any], settings: InjectionSettings, namespaces: NamespaceLookup, warnings: list[str]
+    request: dict[str, Any], settings: InjectionSettings, namespaces: NamespaceLookup, warnings: list[str],
+    claims: DraObjects | None = None,
 ) -> tuple[str, bytes | None]:
     if _is_ephemeral_request(request):
         return _ephemeral(request, namespaces)
@@ -186,6 +191,13 @@ def _decide(
     kai = kai_fraction(pod, settings)
     paths = PodGpuPaths(pod.get("spec"), settings, kai)
     gpu_names = paths.gpu_container_names()
+    claim_notes: list[str] = []
+    if claims is not None and isinstance(namespace, str) and namespace:
+        # What the claims hold, said where it differs from what the pod gets: the pod gets what the
+        # guard, which cannot read claims, can check (docs/gpu-paths.md, "DRA").
+        claim_notes = claim_warnings(namespace, pod.get("spec"), claims, settings.dra_gpu_drivers,
+                                     settings.non_gpu_resource_claims)
+        warnings.extend(claim_notes)
     side_door = nvidia_side_door(pod.get("spec"), SIDECAR_NAME if gpu_names else None, advised_resource(settings),
                                  kai.container if kai is not None else None)
     if side_door is not None:
@@ -219,6 +231,9 @@ def _decide(
                               scheduler_memory=kai_memory(kai, policy))
         plan = with_gpu_counts(plan, paths.gpu_counts())
         warnings.extend(plan.warnings)
+        # In the status annotation too, so the enforcer posts them as Events on the pod: a pod a
+        # controller creates never shows its author the admission warnings.
+        plan = replace(plan, warnings=(*plan.warnings, *claim_notes))
         patch, mutation_warnings = injection_patch(pod, plan, settings, pod_security, namespace_annotations)
     except (ShareError, MutationError) as exc:
         raise _Denied(str(exc)) from None

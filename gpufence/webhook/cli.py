@@ -24,6 +24,7 @@ from gpufence import version_line
 from gpufence.contract import MAX_GRACE_PERIOD_SECONDS, MAX_POLL_INTERVAL_SECONDS, MIN_POLL_INTERVAL_SECONDS
 from gpufence.logs import log_event
 from gpufence.logs import setup_logging as _setup_logging
+from gpufence.webhook.dra import driver_name
 from gpufence.webhook.flag_values import (
     boolean,
     choice,
@@ -42,6 +43,7 @@ from gpufence.webhook.gpu_paths import claim_name, resource_pattern
 from gpufence.webhook.kai import scheduler_name
 from gpufence.webhook.settings import (
     DEFAULT_ADMIN_GROUPS,
+    DEFAULT_DRA_GPU_DRIVERS,
     DEFAULT_GPU_RESOURCES,
     DEFAULT_KAI_SCHEDULER,
     InjectionSettings,
@@ -136,6 +138,11 @@ POLICY_FLAGS: tuple[Flag, ...] = (
          "scheduler names of KAI-Scheduler: a pod of one of them with KAI's gpu-fraction or gpu-memory "
          "annotation has a GPU container by KAI's path, whose share is KAI's request (repeatable; default "
          + DEFAULT_KAI_SCHEDULER + ")", repeat=True, example=DEFAULT_KAI_SCHEDULER),
+    Flag("dra-gpu-driver-name", driver_name, None,
+         "DRA driver whose devices are GPUs: the webhook resolves each claim through its DeviceClass, whose "
+         "selectors name the driver (device.driver == \"gpu.nvidia.com\"), and warns where a claim that holds no "
+         "GPU is not in non-gpu-resource-claims (repeatable; default " + ",".join(DEFAULT_DRA_GPU_DRIVERS) + ")",
+         repeat=True, example=",".join(DEFAULT_DRA_GPU_DRIVERS)),
     Flag("sidecar-mode", choice("native", "container"), "native" if _defaults.native_sidecar else "container",
          "native sidecar (init container with restartPolicy Always, Kubernetes >= 1.29) or a plain container"),
     Flag("sidecar-metrics-port", port, _defaults.metrics_port, "port of the sidecar's /metrics",
@@ -300,6 +307,7 @@ def settings_from_args(args: argparse.Namespace) -> InjectionSettings:
         exclusive_gpu_resource_names=tuple(args.exclusive_gpu_resource_name or ()),
         non_gpu_resource_claims=tuple(args.non_gpu_resource_claims or ()),
         kai_scheduler_names=tuple(args.kai_scheduler_name or (DEFAULT_KAI_SCHEDULER,)),
+        dra_gpu_drivers=tuple(args.dra_gpu_driver_name or DEFAULT_DRA_GPU_DRIVERS),
         native_sidecar=args.sidecar_mode == "native",
         metrics_port=args.sidecar_metrics_port,
         sidecar_cpu_request=args.sidecar_cpu_request,
@@ -341,6 +349,7 @@ def setup_logging(level: str) -> None:
 # --- main --------------------------------------------------------------------------------------------
 async def run(args: argparse.Namespace) -> None:
     from gpufence.webhook.cluster_policy import ClusterPolicy, PolicyWatch
+    from gpufence.webhook.dra_cache import DraCache
     from gpufence.webhook.namespaces import NamespaceCache, load_core_api
     from gpufence.webhook.server import ServerLimits, serve
     from gpufence.webhook.settings import AllNamespacesOptedIn
@@ -349,6 +358,8 @@ async def run(args: argparse.Namespace) -> None:
     reloader = CertReloader(args.tls_cert_file, args.tls_private_key_file, interval=args.cert_reload_interval)
     api = load_core_api(args.kubeconfig)
     namespaces = AllNamespacesOptedIn() if api is None else NamespaceCache(api)
+    # DRA claims resolved through their DeviceClasses (webhook.dra); none outside a cluster.
+    claims = None if api is None else DraCache(_custom_objects(api))
     policy, policy_watch = ClusterPolicy(settings_from_args(args)), None
     if args.policy_configmap is not None:
         namespace, name = args.policy_configmap
@@ -363,7 +374,14 @@ async def run(args: argparse.Namespace) -> None:
         loop.add_signal_handler(sig, stop.set)  # graceful: stop accepting, finish in-flight requests
     limits = ServerLimits(shutdown_delay=args.shutdown_delay)
     await serve(policy, namespaces, reloader, stop, host=args.bind_address, port=args.port, limits=limits,
-                policy_watch=policy_watch)
+                policy_watch=policy_watch, claims=claims)
+
+
+def _custom_objects(core_api: Any) -> Any:
+    """A CustomObjectsApi on the same client as ``core_api`` (the DRA caches list through it)."""
+    from kubernetes import client
+
+    return client.CustomObjectsApi(core_api.api_client)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

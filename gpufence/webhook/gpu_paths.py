@@ -16,7 +16,9 @@ Paths, from the pod alone:
   unless the pod claim's ``resourceClaimName`` or ``resourceClaimTemplateName`` is listed in
   ``non-gpu-resource-claims``. The pod does not show what the claim holds (that is in the
   ResourceClaim and its DeviceClass), so an unlisted claim is taken for a GPU: the safe side. A
-  container with any claim, listed or not, is never voided.
+  container with any claim, listed or not, is never voided. The webhook also resolves claims
+  through their DeviceClasses (webhook.dra), but only to warn: the guard cannot read claims, so
+  these sets, which it can check, are what the pod gets.
 
 * KAI-Scheduler's fraction (``webhook.kai``): the one container that KAI hands a GPU fraction
   through pod annotations and a ConfigMap, not a resource: a shared GPU, with KAI's

@@ -29,6 +29,7 @@ from gpufence.logs import log_event
 from gpufence.webhook.admission import InvalidReview, review
 from gpufence.webhook.cluster_policy import ClusterPolicy
 from gpufence.webhook.decisions import log_decision, log_review_failed
+from gpufence.webhook.dra import DraObjects
 from gpufence.webhook.metrics import WebhookMetrics
 from gpufence.webhook.patch import dumps, loads
 from gpufence.webhook.settings import AllNamespacesOptedIn, InjectionSettings, NamespaceLookup
@@ -68,6 +69,8 @@ POLICY = web.AppKey("policy", ClusterPolicy)
 # Background watches besides the namespace cache (the policy ConfigMap's), started and stopped with the app.
 WATCHES = web.AppKey("watches", tuple)
 NAMESPACES = web.AppKey("namespaces", NamespaceLookup)
+# The DRA objects claims are resolved through (webhook.dra_cache), or None (outside a cluster).
+CLAIMS = web.AppKey("claims", object)
 RELOADER = web.AppKey("reloader", CertReloader)
 METRICS = web.AppKey("metrics", WebhookMetrics)
 LIMITS = web.AppKey("limits", ServerLimits)
@@ -202,11 +205,12 @@ def _decode(body: bytes) -> Any:
         raise Rejected(400, f"malformed JSON: {exc}") from None
 
 
-def _answer(body: bytes, settings: InjectionSettings, namespaces: NamespaceLookup) -> tuple[str, bytes]:
+def _answer(body: bytes, settings: InjectionSettings, namespaces: NamespaceLookup,
+            claims: DraObjects | None = None) -> tuple[str, bytes]:
     """Decodes, reviews and encodes one request: (outcome, JSON answer)."""
     payload = _decode(body)
     try:
-        result = review(payload, settings, namespaces)
+        result = review(payload, settings, namespaces, claims)
     except InvalidReview as exc:
         raise Rejected(400, str(exc)) from None
     except Exception as exc:
@@ -229,9 +233,9 @@ async def mutate(request: web.Request) -> web.Response:
         # limit); on the event loop that would stall every other request of this replica. In a
         # worker thread the GIL still serialises the Python work, but its switch interval lets
         # the loop keep answering small reviews meanwhile.
-        outcome, answer = await asyncio.to_thread(_answer, body, settings, app[NAMESPACES])
+        outcome, answer = await asyncio.to_thread(_answer, body, settings, app[NAMESPACES], app[CLAIMS])
     else:
-        outcome, answer = _answer(body, settings, app[NAMESPACES])
+        outcome, answer = _answer(body, settings, app[NAMESPACES], app[CLAIMS])
     request[OUTCOME] = outcome
     return web.Response(body=answer, content_type="application/json")
 
@@ -287,15 +291,18 @@ async def _run_watches(app: web.Application) -> AsyncIterator[None]:
 
 def create_app(settings: InjectionSettings | ClusterPolicy, namespaces: NamespaceLookup, reloader: CertReloader, *,
                limits: ServerLimits = ServerLimits(), metrics: WebhookMetrics | None = None,
-               policy_watch: BackgroundLookup | None = None) -> web.Application:
+               policy_watch: BackgroundLookup | None = None, claims: DraObjects | None = None) -> web.Application:
     """The webhook application. ``reloader`` holds the serving certificate (see ``start_server``).
 
     ``settings``: fixed InjectionSettings (the flags), or a ClusterPolicy that ``policy_watch`` feeds.
+    ``claims``: the DRA cache (started and stopped with the app; never part of /readyz: a claim it
+    cannot resolve is taken for a GPU, see webhook.dra).
     """
     app = web.Application(middlewares=[error_middleware], client_max_size=limits.max_body_bytes)
     policy = settings if isinstance(settings, ClusterPolicy) else ClusterPolicy(settings)
     app[POLICY] = policy
-    app[WATCHES] = (policy_watch,) if policy_watch is not None else ()
+    app[WATCHES] = tuple(w for w in (policy_watch, claims) if isinstance(w, BackgroundLookup))
+    app[CLAIMS] = claims
     app[NAMESPACES] = namespaces
     app[RELOADER] = reloader
     app[LIMITS] = limits
@@ -379,9 +386,10 @@ async def start_webhook(cert_file: str | Path, key_file: str | Path, *,
 
 async def serve(settings: InjectionSettings | ClusterPolicy, namespaces: NamespaceLookup, reloader: CertReloader,
                 stop: asyncio.Event, *, host: str = "0.0.0.0", port: int = 8443,
-                limits: ServerLimits = ServerLimits(), policy_watch: BackgroundLookup | None = None) -> None:
+                limits: ServerLimits = ServerLimits(), policy_watch: BackgroundLookup | None = None,
+                claims: DraObjects | None = None) -> None:
     """Run until ``stop`` is set, then shut down gracefully."""
-    app = create_app(settings, namespaces, reloader, limits=limits, policy_watch=policy_watch)
+    app = create_app(settings, namespaces, reloader, limits=limits, policy_watch=policy_watch, claims=claims)
     running = await start_server(app, host=host, port=port)
     log_event(log, "serving", address=host, port=running.port, serial=format(reloader.cert.serial_number, "x"),
               version=__version__)

@@ -28,6 +28,9 @@ DEFAULT_GPU_RESOURCE = "nvidia.com/gpu"
 # nvidia.com/gpu.shared) and MIG slices (mixed strategy: nvidia.com/mig-1g.10gb). A trailing "*"
 # is a prefix (webhook.gpu_paths).
 DEFAULT_GPU_RESOURCES = (DEFAULT_GPU_RESOURCE, "nvidia.com/gpu.*", "nvidia.com/mig-*")
+# The DRA driver of NVIDIA's GPUs and MIG devices (kubernetes-sigs/dra-driver-nvidia-gpu): a
+# DeviceClass whose selectors pin it selects GPUs (webhook.dra).
+DEFAULT_DRA_GPU_DRIVERS = ("gpu.nvidia.com",)
 # Who may touch the enforcer of a running pod (change the sidecar, exec or attach into it, add an
 # ephemeral container the gpufence-protect policy would refuse): the cluster's superusers and the
 # group gpufence documents for its operators (docs/install.md).
@@ -80,6 +83,9 @@ class InjectionSettings:
     # The names KAI-Scheduler runs under: a pod of one of them with KAI's gpu-fraction or gpu-memory
     # annotation has a GPU container by KAI's path (webhook.kai).
     kai_scheduler_names: tuple[str, ...] = (DEFAULT_KAI_SCHEDULER,)
+    # DRA drivers whose devices are GPUs: a claim whose DeviceClass selects only other drivers holds
+    # no GPU (webhook.dra). Class names are the admin's and never matched.
+    dra_gpu_drivers: tuple[str, ...] = DEFAULT_DRA_GPU_DRIVERS
     # Native sidecar (initContainers[0], restartPolicy Always; Kubernetes >= 1.29) or a plain container.
     native_sidecar: bool = True
     metrics_port: int = DEFAULT_METRICS_PORT

@@ -85,6 +85,11 @@ class ListWatch:
     def _failed(self, error: Exception) -> None:
         """The list or the watch failed with ``error`` (called under ``_publish``); the loop retries."""
 
+    def _log_level(self, error: Exception) -> int:
+        """The level of the "watch ended; relisting" line for ``error``: info for a 410 Gone, which is
+        routine after etcd compaction, warning for anything else unless a subclass knows better."""
+        return logging.INFO if getattr(error, "status", None) == HTTP_GONE else logging.WARNING
+
     # --- lifecycle -----------------------------------------------------------------------------
     def has_synced(self) -> bool:
         return self._synced.is_set()
@@ -123,9 +128,8 @@ class ListWatch:
                     break
                 self._publish(functools.partial(self._failed, exc))
                 delay = backoff * random.uniform(0.8, 1.2)  # jitter: replicas should not relist in step
-                expired = getattr(exc, "status", None) == HTTP_GONE  # routine after etcd compaction
                 logging.getLogger(type(self).__module__).log(
-                    logging.INFO if expired else logging.WARNING, f"{self.what} watch ended; relisting",
+                    self._log_level(exc), f"{self.what} watch ended; relisting",
                     extra={"error": f"{type(exc).__name__}: {exc}", "retry_in_seconds": round(delay, 2)})
                 self._stopping.wait(delay)
                 backoff = min(backoff * 2, self._max_backoff)

@@ -295,7 +295,7 @@ def test_guard_reads_the_policy_configmap(helm: Path, tmp_path: Path) -> None:
      "policy.sidecar-image: example.com/x:1: the sidecar runs the chart's image; set image.repository and image.tag"),
     ({"policy": {"max-memory": ["8Gi", "16Gi"]}},
      "policy.max-memory: [8Gi 16Gi]: a list, but only gpu-resource-name, exclusive-gpu-resource-name, "
-     "non-gpu-resource-claims, gpu-memory, admin-groups, kai-scheduler-name take several values; "
+     "non-gpu-resource-claims, dra-gpu-driver-name, gpu-memory, admin-groups, kai-scheduler-name take several values; "
      "give one, e.g. policy.max-memory: 8Gi"),
     ({"webhook": {"flags": {"default-memory": "25%"}}},
      "webhook.flags.default-memory: 25%: a policy setting, which the webhook reads from the ConfigMap "

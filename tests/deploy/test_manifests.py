@@ -446,7 +446,10 @@ def test_rbac_is_least_privilege(directory: str) -> None:
             assert set(rule["verbs"]) <= {"get", "patch"}
     webhook_role = one(objects, "ClusterRole", "gpufence-webhook")
     assert webhook_role["rules"] == [
-        {"apiGroups": [""], "resources": ["namespaces"], "verbs": ["get", "list", "watch"]}
+        {"apiGroups": [""], "resources": ["namespaces"], "verbs": ["get", "list", "watch"]},
+        # Exactly the DRA objects a pod's claims lead to, read only (webhook.dra_cache).
+        {"apiGroups": ["resource.k8s.io"], "resources": ["deviceclasses", "resourceclaims", "resourceclaimtemplates"],
+         "verbs": ["get", "list", "watch"]},
     ]
     # The policy ConfigMap by name only (the webhook lists and watches it with a metadata.name selector).
     policy_role = one(objects, "Role", "gpufence-webhook-policy")

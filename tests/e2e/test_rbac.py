@@ -64,6 +64,29 @@ def test_service_account_permissions(cluster: ControlPlane, gpufence: WebhookPro
     assert can_i(cluster, user, verb, resource, namespace) is allowed
 
 
+@pytest.mark.parametrize(("verb", "resource", "namespace", "allowed"), [
+    *((verb, plural, None, True) for verb in ("get", "list", "watch")
+      for plural in ("deviceclasses", "resourceclaims", "resourceclaimtemplates")),
+    ("get", "resourceclaims", "default", True),
+    ("create", "resourceclaims", "default", False),
+    ("update", "deviceclasses", None, False),
+    ("list", "resourceslices", None, False),
+    ("get", "resourceclaims/status", "default", False),
+])
+def test_the_webhook_reads_exactly_the_dra_objects_a_claim_leads_to(
+    admin: client.ApiClient, gpufence: WebhookProcess, verb: str, resource: str, namespace: str | None, allowed: bool,
+):
+    """Asked of the authorizer directly (a SubjectAccessReview): kubectl auth can-i maps names through
+    discovery, which knows no resource.k8s.io where the API server does not serve it (1.30)."""
+    name, _, sub = resource.partition("/")
+    attributes = {"group": "resource.k8s.io", "resource": name, "verb": verb, "subresource": sub,
+                  **({"namespace": namespace} if namespace else {})}
+    review = client.AuthorizationV1Api(admin).create_subject_access_review(
+        {"apiVersion": "authorization.k8s.io/v1", "kind": "SubjectAccessReview",
+         "spec": {"user": WEBHOOK_SA, "resourceAttributes": attributes}})
+    assert review.status.allowed is allowed
+
+
 def test_webhook_token_reads_its_policy_configmap_by_name_only(gpufence: WebhookProcess):
     """The webhook's list and watch select the ConfigMap by metadata.name, which resourceNames allows."""
     core = client.CoreV1Api(kube.api_client(gpufence.kubeconfig))

@@ -40,7 +40,7 @@ gpufence-policy may hold. tests/deploy/test_helm.py checks this list against the
 */ -}}
 {{- define "gpufence.policyKeys" -}}
 sidecar-image sidecar-image-pull-policy gpu-resource-name exclusive-gpu-resource-name
-non-gpu-resource-claims kai-scheduler-name sidecar-mode sidecar-metrics-port
+non-gpu-resource-claims kai-scheduler-name dra-gpu-driver-name sidecar-mode sidecar-metrics-port
 sidecar-cpu-request sidecar-cpu-limit sidecar-memory-request sidecar-memory-limit
 default-memory default-compute max-memory max-compute default-mode allow-audit allow-opt-out
 default-grace-period sidecar-poll-interval sidecar-nvidia-visible-devices
@@ -51,7 +51,7 @@ pytorch-memory-fraction framework-memory-headroom admin-groups
 
 {{- /* The policy flags that repeat; their ConfigMap value is the list, comma-separated. */ -}}
 {{- define "gpufence.repeatedPolicyKeys" -}}
-gpu-resource-name exclusive-gpu-resource-name non-gpu-resource-claims gpu-memory admin-groups kai-scheduler-name
+gpu-resource-name exclusive-gpu-resource-name non-gpu-resource-claims dra-gpu-driver-name gpu-memory admin-groups kai-scheduler-name
 {{- end -}}
 
 {{- /* The webhook's other flags, which webhook.flags may set (the chart sets port, the TLS files

@@ -27,6 +27,7 @@ EVERY_KEY = {
     "sidecar-image": "img:2", "sidecar-image-pull-policy": "Always",
     "gpu-resource-name": "nvidia.com/gpu, nvidia.com/mig-1g.10gb", "sidecar-mode": "container",
     "exclusive-gpu-resource-name": "nvidia.com/mig-3g.40gb, example.com/fpga-*", "non-gpu-resource-claims": "nic,fpga",
+    "dra-gpu-driver-name": "gpu.nvidia.com, gpu.example.com",
     "sidecar-metrics-port": "9500", "sidecar-cpu-request": "20m", "sidecar-cpu-limit": "1",
     "sidecar-memory-request": "96Mi", "sidecar-memory-limit": "384Mi", "default-memory": "25%",
     "default-compute": "50", "max-memory": "40Gi", "max-compute": "25", "default-mode": "audit",

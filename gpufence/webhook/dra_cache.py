@@ -1,0 +1,117 @@
+"""The DRA objects the webhook resolves claims through, from watch caches (never a GET per admission).
+
+Three list-then-watch loops (webhook.watch) over ``resource.k8s.io/v1``: DeviceClasses (cluster
+scope), ResourceClaims and ResourceClaimTemplates (all namespaces). Each keeps only what
+webhook.dra reads: a class's drivers, a claim's or template's device class names. Readers get
+answers from dicts that the threads replace or update (single dict operations are atomic under the
+GIL, as in webhook.namespaces).
+
+An API server that does not serve ``resource.k8s.io/v1`` (before 1.34, or with the group off)
+answers the lists 404: the loops keep retrying (their backoff doubles to 30 s), quietly (one line
+when the API is first found missing), and every claim stays unresolved, which the webhook handles as it
+handles a claim it cannot resolve. The caches never gate /readyz: a pod is never refused for the
+state of this cache (docs/gpu-paths.md).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from collections.abc import Mapping
+from typing import Any
+
+from gpufence.logs import log_event
+from gpufence.webhook.dra import Drivers, class_drivers, object_key, resource_claim_classes, template_classes
+from gpufence.webhook.watch import ListWatch
+
+log = logging.getLogger(__name__)
+
+GROUP, VERSION = "resource.k8s.io", "v1"
+HTTP_NOT_FOUND = 404
+
+
+def _drivers(obj: Mapping[str, Any]) -> tuple[Drivers]:
+    return (class_drivers(obj),)
+
+
+class _ObjectWatch(ListWatch):
+    """One kind's list-then-watch, keeping ``summary(obj)`` by (namespace, name)."""
+
+    def __init__(self, api: Any, plural: str, summary: Any, *, kind: str, **options: Any) -> None:
+        # api: kubernetes.client.CustomObjectsApi; cluster-wide lists cover every namespace.
+        super().__init__(functools.partial(api.list_cluster_custom_object, GROUP, VERSION, plural), **options)
+        self.what = kind
+        self.plural = plural
+        self._summary = summary
+        self.items: dict[tuple[str, str], Any] = {}
+        self.not_served = False
+        self.failure: str | None = None  # why the last list or watch failed, until a list succeeds
+
+    def _replace(self, items: list[Mapping[str, Any]]) -> None:
+        self.items = {object_key(obj): self._summary(obj) for obj in items}
+        self.not_served = False
+        self.failure = None
+
+    def _apply(self, kind: str, obj: Mapping[str, Any]) -> None:
+        if kind == "DELETED":
+            self.items.pop(object_key(obj), None)
+        else:
+            self.items[object_key(obj)] = self._summary(obj)
+
+    def _failed(self, error: Exception) -> None:
+        status = getattr(error, "status", None)
+        self.failure = f"HTTP {status} {getattr(error, 'reason', '')}".strip() if status else type(error).__name__
+        if getattr(error, "status", None) == HTTP_NOT_FOUND:
+            if not self.not_served:
+                log_event(log, "dra_api_not_served", logging.INFO, kind=self.what, api=f"{GROUP}/{VERSION}",
+                          message="DRA claims are not resolved; containers that use claims are GPU containers")
+            self.not_served = True
+
+    def _log_level(self, error: Exception) -> int:
+        # Not served is the state of the cluster, said once by _failed, not a failure of each retry.
+        not_found = getattr(error, "status", None) == HTTP_NOT_FOUND
+        return logging.DEBUG if not_found else super()._log_level(error)
+
+
+class DraCache:
+    """DeviceClasses, ResourceClaims and ResourceClaimTemplates, implementing ``webhook.dra.DraObjects``."""
+
+    def __init__(self, api: Any, **options: Any) -> None:
+        self.classes = _ObjectWatch(api, "deviceclasses", _drivers, kind="DeviceClass", **options)
+        self.claims = _ObjectWatch(api, "resourceclaims", resource_claim_classes, kind="ResourceClaim", **options)
+        self.templates = _ObjectWatch(api, "resourceclaimtemplates", template_classes,
+                                      kind="ResourceClaimTemplate", **options)
+        self._watches = (self.classes, self.claims, self.templates)
+
+    # --- BackgroundLookup (started and stopped with the server; never part of /readyz) --------
+    def start(self) -> None:
+        for watch in self._watches:
+            watch.start()
+
+    def stop(self, timeout: float | None = None) -> None:
+        for watch in self._watches:
+            watch.stop(timeout)
+
+    def has_synced(self) -> bool:
+        return all(w.has_synced() for w in self._watches)
+
+    # --- DraObjects ------------------------------------------------------------------------
+    def unavailable(self) -> str | None:
+        if any(w.not_served for w in self._watches):
+            return f"the API server does not serve {GROUP}/{VERSION}"
+        if not self.has_synced():
+            # A 403 here is an install whose ClusterRole predates these rules: say so, not "not synced".
+            failed = next((w for w in self._watches if not w.has_synced() and w.failure), None)
+            if failed is not None:
+                return f"the webhook cannot list {failed.plural} ({failed.failure})"
+            return "the webhook's DRA cache has not synced yet"
+        return None
+
+    def claim(self, namespace: str, name: str) -> tuple[str, ...] | None:
+        return self.claims.items.get((namespace, name))
+
+    def template(self, namespace: str, name: str) -> tuple[str, ...] | None:
+        return self.templates.items.get((namespace, name))
+
+    def device_class(self, name: str) -> tuple[Drivers] | None:
+        return self.classes.items.get(("", name))
