@@ -20,6 +20,8 @@ runs the hook with the container's state (its pid, its bundle) on stdin, and the
   (``0::/kubepods/<qos>/pod<uid>/<container id>``), so the hook goes on to NVML and sets the limit
   on the container's own cgroup. The wrapper is this file, installed as an executable (standard
   library only); on a v2 node it runs the hook unchanged.
+* ``OLD_DRIVER_HANDLER`` is the v2 view with a driver root whose ``libnvidia-ml.so.1`` predates
+  R615 (no ``nvmlDeviceSetMemoryLimits_v1``).
 """
 
 from __future__ import annotations
@@ -33,6 +35,9 @@ from pathlib import Path
 
 HOOK_HANDLER = "gpufence-nvidia-hook"
 V2_VIEW_HANDLER = "gpufence-nvidia-hook-v2view"
+# The v2 view again, with a driver older than R615 (the simulator built without the limit calls).
+OLD_DRIVER_HANDLER = "gpufence-nvidia-hook-v2view-old-driver"
+HANDLERS = (HOOK_HANDLER, V2_VIEW_HANDLER, OLD_DRIVER_HANDLER)
 # The simulated GPU every node test uses (tests.node.workloads writes it into the state file).
 GPU_UUID = "GPU-5e1f0c0d-0000-4000-8000-000000000000"
 UNIFIED = "/sys/fs/cgroup/unified"
@@ -62,12 +67,11 @@ def install_v2_view(target: Path) -> Path:
     return target
 
 
-def driver_root(sim_dir: Path) -> Path:
+def driver_root(directory: Path, library: Path) -> Path:
     """A driver root as the hook searches it (``<root>/usr/lib64/libnvidia-ml.so.1``)."""
-    root = sim_dir / "driver-root"
-    (root / "usr" / "lib64").mkdir(parents=True, exist_ok=True)
-    shutil.copy(sim_dir / "libnvidia-ml.so.1", root / "usr" / "lib64" / "libnvidia-ml.so.1")
-    return root
+    (directory / "usr" / "lib64").mkdir(parents=True, exist_ok=True)
+    shutil.copy(library, directory / "usr" / "lib64" / "libnvidia-ml.so.1")
+    return directory
 
 
 def hook_entry(hook: Path, root: Path, sim_state: Path, wrapper: Path | None = None) -> dict[str, object]:
@@ -107,22 +111,25 @@ def runtime_classes() -> str:
     """Both RuntimeClasses, as a kubectl List (JSON: this file runs outside the venv, without yaml)."""
     return json.dumps({"apiVersion": "v1", "kind": "List", "items": [
         {"apiVersion": "node.k8s.io/v1", "kind": "RuntimeClass", "metadata": {"name": name}, "handler": name}
-        for name in (HOOK_HANDLER, V2_VIEW_HANDLER)]})
+        for name in HANDLERS]})
 
 
 def configure(workdir: Path, sim_dir: Path, runc: str) -> str:
-    """Builds the hook (cached), writes both handlers' wrappers and base specs; returns containerd's
+    """Builds the hook (cached), writes the handlers' wrapper and base specs; returns containerd's
     config for them."""
+    from gpufence.simnvml import build_library
     from tests.e2e.binaries import nvidia_cdi_hook
     from tests.node import simruntime
 
     hook = nvidia_cdi_hook()
-    root = driver_root(sim_dir)
+    root = driver_root(sim_dir / "driver-root", sim_dir / "libnvidia-ml.so.1")
+    old_root = driver_root(sim_dir / "driver-root-old", build_library(memory_limits=False))
     runtime = simruntime.install(str(workdir / "runc-simnvml-gpu"), str(sim_dir), runc, driver_in_gpu_containers=True)
     wrapper = install_v2_view(workdir / "nvidia-hook-v2view")
     handlers = {}
     for name, entry in ((HOOK_HANDLER, hook_entry(hook, root, sim_dir / "state")),
-                        (V2_VIEW_HANDLER, hook_entry(hook, root, sim_dir / "state", wrapper))):
+                        (V2_VIEW_HANDLER, hook_entry(hook, root, sim_dir / "state", wrapper)),
+                        (OLD_DRIVER_HANDLER, hook_entry(hook, old_root, sim_dir / "state", wrapper))):
         spec = workdir / f"base-spec-{name}.json"
         spec.write_text(json.dumps(base_spec(["ctr"], entry), indent=1))
         handlers[name] = (runtime, spec)

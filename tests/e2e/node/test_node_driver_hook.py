@@ -30,7 +30,14 @@ from gpufence.contract import SIDECAR_NAME
 from gpufence.simnvml import SimLimit, read_limits
 from tests.e2e import kube
 from tests.e2e.controlplane import ControlPlane
-from tests.node.driver_hook import GPU_UUID, HOOK_HANDLER, V2_VIEW_HANDLER, runtime_classes
+from tests.node.driver_hook import (
+    GPU_UUID,
+    HANDLERS,
+    HOOK_HANDLER,
+    OLD_DRIVER_HANDLER,
+    V2_VIEW_HANDLER,
+    runtime_classes,
+)
 from tests.node.node import Node, cgroup_version
 from tests.node.workloads import (
     container_log,
@@ -74,7 +81,7 @@ while True:
 def runtime_class(cluster: ControlPlane, node: Node) -> Any:
     cluster.kubectl("apply", "-f", "-", input=runtime_classes())
     yield
-    cluster.kubectl("delete", "runtimeclass", HOOK_HANDLER, V2_VIEW_HANDLER, "--ignore-not-found", check=False)
+    cluster.kubectl("delete", "runtimeclass", *HANDLERS, "--ignore-not-found", check=False)
 
 
 def _create(admin: client.ApiClient, namespace: str, pod: dict) -> dict:
@@ -111,6 +118,19 @@ def _cgroups(pid: int) -> dict[str, str]:
     return found
 
 
+def _failed_start(cluster: ControlPlane, node: Node, namespace: str, name: str, container: str) -> str:
+    """The runtime's message once ``container`` failed to start (the test fails if it starts)."""
+    def failed() -> str | None:
+        return _start_failure(statuses(get_pod(cluster, namespace, name)).get(container, {}))
+
+    try:
+        return kube.wait_for(failed, f"the {container} container's start to fail", 90, 0.5)
+    except AssertionError:
+        raise AssertionError(f"statuses: {statuses(get_pod(cluster, namespace, name))}\n"
+                             f"events: {events(cluster, namespace, name)}\n"
+                             f"kubelet: {node.log('kubelet')[-3000:]}") from None
+
+
 def test_the_real_hook_fails_the_start_where_it_cannot_apply_the_limit(
         admin: client.ApiClient, cluster: ControlPlane, node: Node, sim: Node, gpu_namespace: str,
         runtime_class: Any):
@@ -123,16 +143,7 @@ def test_the_real_hook_fails_the_start_where_it_cannot_apply_the_limit(
                       runtimeClassName=HOOK_HANDLER)
     pod = _create(admin, gpu_namespace, limited)
     name = pod["metadata"]["name"]
-
-    def failed() -> str | None:
-        return _start_failure(statuses(get_pod(cluster, gpu_namespace, name)).get("limited", {}))
-
-    try:
-        message = kube.wait_for(failed, "the limited container's start to fail", 90, 0.5)
-    except AssertionError:
-        raise AssertionError(f"statuses: {statuses(get_pod(cluster, gpu_namespace, name))}\n"
-                             f"events: {events(cluster, gpu_namespace, name)}\n"
-                             f"kubelet: {node.log('kubelet')[-3000:]}") from None
+    message = _failed_start(cluster, node, gpu_namespace, name, "limited")
     # runc: "error running hook #0: error running hook: exit status 1, stdout: , stderr: ...", with
     # the hook's own log line in it; the container never ran.
     assert "error running hook" in message and V2_ONLY in message, message
@@ -193,3 +204,20 @@ def test_the_real_hook_sets_the_limit_on_the_containers_cgroup_in_a_v2_view(
     report = wait_record(running, lambda r: r.get("event") == "memory_enforcement"
                          and r.get("container") == "limited", "the enforcer's mechanism for limited")
     assert report["mechanism"] == "driver", report
+
+
+def test_with_a_driver_older_than_r615_the_real_hook_fails_the_start_too(
+        admin: client.ApiClient, cluster: ControlPlane, node: Node, sim: Node, gpu_namespace: str,
+        runtime_class: Any):
+    """Past the cgroup check, a driver without nvmlDeviceSetMemoryLimits_v1: the hook (linked lazily,
+    as the toolkit links it) dies in the dynamic loader at the call, exit 127, and the container
+    does not start either; without the variables the hook never gets there."""
+    pod = _create(admin, gpu_namespace, gpu_pod([
+        workload_container("limited", env=LIMIT_ENV), workload_container("plain"),
+    ], {"gpufence.io/memory": "2Gi"}, runtimeClassName=OLD_DRIVER_HANDLER))
+    name = pod["metadata"]["name"]
+    message = _failed_start(cluster, node, gpu_namespace, name, "limited")
+    assert "error running hook" in message and "exit status 127" in message, message
+    assert "undefined symbol: nvmlDeviceSetMemoryLimits_v1" in message, message
+    kube.wait_for(lambda: "running" in (statuses(get_pod(cluster, gpu_namespace, name)).get("plain", {})
+                                        .get("state") or {}), "the container without the variables running", 60, 0.5)
