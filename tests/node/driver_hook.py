@@ -1,4 +1,4 @@
-"""NVIDIA's real ``apply-cuda-memory-limits`` hook on the node: two runtime handlers and their RuntimeClasses.
+"""NVIDIA's real ``apply-cuda-memory-limits`` hook on the node: runtime handlers and their RuntimeClasses.
 
 The NVIDIA Container Toolkit (v1.20.1+) writes, into the CDI spec of every full GPU, a
 ``createRuntime`` hook ``nvidia-cdi-hook apply-cuda-memory-limits --driver-root R --gpu-id UUID``
@@ -108,7 +108,7 @@ def containerd_runtimes(handlers: dict[str, tuple[str, Path]]) -> str:
 
 
 def runtime_classes() -> str:
-    """Both RuntimeClasses, as a kubectl List (JSON: this file runs outside the venv, without yaml)."""
+    """The RuntimeClasses, as a kubectl List (JSON: this file runs outside the venv, without yaml)."""
     return json.dumps({"apiVersion": "v1", "kind": "List", "items": [
         {"apiVersion": "node.k8s.io/v1", "kind": "RuntimeClass", "metadata": {"name": name}, "handler": name}
         for name in HANDLERS]})

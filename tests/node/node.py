@@ -285,7 +285,7 @@ def start_node(cp: ControlPlane, name: str = NODE_NAME) -> Node:
         # does for the real driver); GPUFENCE_NODE_RUNC swaps runc for another OCI runtime.
         runc = os.environ.get("GPUFENCE_NODE_RUNC") or _which("runc")
         runtime = simruntime.install(str(workdir / "runc-simnvml"), str(sim_dir), runc)
-        # Two more handlers that run NVIDIA's real memory-limit hook (RuntimeClasses the tests create).
+        # Three more handlers that run NVIDIA's real memory-limit hook (RuntimeClasses the tests create).
         hook_runtimes = driver_hook.configure(workdir, sim_dir, runc)
         config.write_text(_containerd_config(workdir, socket, cni_conf, runtime, hook_runtimes))
         node.components.append(start("containerd", [_which("containerd"), "--config", str(config)], workdir))
