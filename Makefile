@@ -21,7 +21,8 @@ lint: venv
 	$(PY) -m ruff check .
 
 # Kubernetes control-plane binaries for tests/e2e, built once from pinned Go modules into
-# ~/.cache/gpufence (about 17 min and 2.6 GB of RAM the first time on 2 cores; seconds after).
+# ~/.cache/gpufence (about 17 min and 2.6 GB of RAM the first time on 2 cores; seconds after), and
+# NVIDIA's nvidia-cdi-hook for the node tests (cgo: about 1 min more).
 e2e-binaries: venv
 	$(PY) -m tests.e2e.binaries
 

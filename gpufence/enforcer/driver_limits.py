@@ -7,9 +7,9 @@ attribution: the cgroup is the container's identity) is turned into NVML's names
 (container, device), none on a driver without the call. The answers give the core the driver's
 ``currentUsed`` as usage, and the reporter the mechanism that holds each share: a
 ``memory_enforcement`` log line whenever it changes (the first at the container's first resolution),
-the gauge ``gpufence_container_memory_enforcement{mechanism}`` and, when the container's environment
-asks for a driver limit that the driver does not show, a ``GPUDriverMemoryLimitMissing`` Event
-(once per container cgroup).
+the gauge ``gpufence_container_memory_enforcement{mechanism}``, the ``/healthz`` detail and, when
+the container's environment asks for a driver limit that the driver does not show, a
+``GPUDriverMemoryLimitMissing`` Event (once per container cgroup).
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from gpufence.contract import EnforcerConfig
 from gpufence.enforcer.attribution import Attribution
 from gpufence.enforcer.decision_log import DecisionLog
 from gpufence.enforcer.events import EventRecorder
+from gpufence.enforcer.health import Health
 from gpufence.enforcer.memory_mechanism import (
     HINT_VARIABLES,
     Discrepancy,
@@ -57,9 +58,11 @@ class DriverReading:
 
 class DriverLimits:
     def __init__(
-        self, log: DecisionLog, metrics: EnforcerMetrics, events: EventRecorder, *, proc_root: str = "/proc"
+        self, log: DecisionLog, metrics: EnforcerMetrics, events: EventRecorder, *, proc_root: str = "/proc",
+        health: Health | None = None,
     ) -> None:
         self._log = log
+        self._health = health
         self._metrics = metrics
         self._events = events
         self._proc_root = proc_root
@@ -137,6 +140,8 @@ class DriverLimits:
         if self._reported.get(container) != decision:
             self._reported[container] = decision
             self._metrics.set_memory_enforcement(container, decision.mechanism.value)
+            if self._health is not None:
+                self._health.memory_enforcement(container, decision.mechanism.value)
             self._log.info(
                 "memory_enforcement", container=container, mechanism=decision.mechanism.value,
                 limit_bytes=decision.limit_bytes, why=decision.why, cgroup=namespace,

@@ -12,8 +12,12 @@ people and Prometheus over HTTP (``/metrics``, ``/healthz``, ``/readyz``, aiohtt
   (``enforcer.probe``) passes only on a fresh one from a running enforcer of its own container. A
   stopped or frozen process writes nothing, so its heartbeat goes stale and the kubelet restarts it.
   The kubelet does not probe the HTTP port: any container of the pod can take that port.
-* ``/healthz`` answers the same liveness; ``/readyz`` 200 once NVML answered and the last
-  successful poll is fresher than three poll intervals, else 503 with the reason; ``/metrics`` the
+* ``/healthz`` answers the same liveness (its first line), then one line per GPU container naming
+  the mechanism that holds its memory share (``memory <container>: driver|mps|preload|polling``,
+  what the ``memory_enforcement`` log line and the ``gpufence_container_memory_enforcement`` gauge
+  say), so a person checking a pod sees at once whether the driver's limit is in force;
+* ``/readyz`` 200 once NVML answered and the last successful poll is fresher than three poll
+  intervals, else 503 with the reason; ``/metrics`` the
   enforcer's own Prometheus registry. The HTTP server is optional: an enforcer that cannot bind its
   port enforces all the same (``serving_failed``), and its heartbeat's detail says so.
 
@@ -72,6 +76,16 @@ class Health:
         self._nvml_timeout = 0.0
         self._poll_thread_died: str | None = None
         self._serving_failed: str | None = None
+        self._memory_mechanisms: dict[str, str] = {}
+
+    def memory_enforcement(self, container: str, mechanism: str) -> None:
+        """The mechanism that now holds ``container``'s memory share (told by the driver-limit reporter)."""
+        with self._lock:
+            self._memory_mechanisms[container] = mechanism
+
+    def memory_mechanisms(self) -> dict[str, str]:
+        with self._lock:
+            return dict(self._memory_mechanisms)
 
     def watch_nvml(self, hung_for: Callable[[], float | None], timeout: float = 0.0) -> None:
         """``hung_for()``: seconds an NVML call is overdue, None if none is (the deadline runner)."""
@@ -189,9 +203,15 @@ async def _metrics(request: web.Request) -> web.Response:
     return web.Response(body=body, headers={"Content-Type": content_type})
 
 
+def healthz_body(reason: str, mechanisms: dict[str, str]) -> str:
+    """The liveness reason, then ``memory <container>: <mechanism>`` per container, by name."""
+    return "".join([reason + "\n", *(f"memory {c}: {m}\n" for c, m in sorted(mechanisms.items()))])
+
+
 async def _healthz(request: web.Request) -> web.Response:
-    live, reason = request.app[HEALTH_KEY].liveness()
-    return web.Response(text=reason + "\n", status=200 if live else 503)
+    health = request.app[HEALTH_KEY]
+    live, reason = health.liveness()
+    return web.Response(text=healthz_body(reason, health.memory_mechanisms()), status=200 if live else 503)
 
 
 async def _readyz(request: web.Request) -> web.Response:

@@ -101,7 +101,7 @@ class Enforcer:
         self._backoff = config.poll_interval_seconds
         self._next_open = 0.0
         self._report = Reporter(log, metrics, events)
-        self._driver_limits = DriverLimits(log, metrics, events)
+        self._driver_limits = DriverLimits(log, metrics, events, health=health)
         self._terminator = Terminator(
             signaller, throttle, log, metrics, events, clock=clock, deadlines=kill_deadlines
         )

@@ -45,6 +45,7 @@ class BuildRecipe:
     module_dir: Path
     packages: tuple[str, ...]  # import paths of main packages
     ldflags: str
+    cgo: bool = False  # the NVIDIA hook binds libnvidia-ml through cgo; the Kubernetes binaries are static
 
     @property
     def key(self) -> str:
@@ -54,6 +55,8 @@ class BuildRecipe:
             if path.exists():
                 digest.update(path.read_bytes())
         digest.update(self.ldflags.encode())
+        if self.cgo:  # only then, so the existing binaries' keys (and caches) stay as they were
+            digest.update(b"cgo")
         return f"{self.module_dir.name}-{digest.hexdigest()[:12]}"
 
     def outputs(self) -> dict[str, Path]:
@@ -86,6 +89,30 @@ def refwebhook_recipe() -> BuildRecipe:
     return BuildRecipe(GOMOD / "refwebhook", ("gpufence.test/e2e/refwebhook",), "-s -w")
 
 
+# NVIDIA Container Toolkit: the first release with the `apply-cuda-memory-limits` CDI hook is v1.20.1;
+# v1.20.2 was the newest the module proxy served when this was pinned (2026-12-04).
+NVIDIA_TOOLKIT_VERSION = "v1.20.2"
+_TOOLKIT = "github.com/NVIDIA/nvidia-container-toolkit"
+
+
+def nvidia_cdi_hook_recipe() -> BuildRecipe:
+    """``nvidia-cdi-hook``, the binary the toolkit's generated CDI specs name in their hooks.
+
+    The link flags are the toolkit's own Makefile's: its version stamp, and lazy binding with
+    unresolved symbols allowed, which is how go-nvml calls whatever the installed
+    libnvidia-ml.so.1 has (a symbol the driver lacks fails only when called)."""
+    extld = "-Wl,--export-dynamic -Wl,--unresolved-symbols=ignore-in-object-files -Wl,-z,lazy"
+    return BuildRecipe(
+        GOMOD / "nvidia-cdi-hook", (f"{_TOOLKIT}/cmd/nvidia-cdi-hook",),
+        f"-s -w '-extldflags={extld}' -X {_TOOLKIT}/internal/info.version={NVIDIA_TOOLKIT_VERSION.lstrip('v')}",
+        cgo=True,
+    )
+
+
+def nvidia_cdi_hook() -> Path:
+    return build(nvidia_cdi_hook_recipe())["nvidia-cdi-hook"]
+
+
 def go_binary() -> str:
     go = shutil.which("go")
     if go is None:
@@ -104,7 +131,7 @@ def build(recipe: BuildRecipe, log=sys.stderr) -> dict[str, Path]:
         fcntl.flock(lock, fcntl.LOCK_EX)  # a second test process waits for the first build
         if all(path.exists() for path in outputs.values()):
             return outputs
-        env = {**os.environ, "CGO_ENABLED": "0", "GOFLAGS": "-mod=readonly"}
+        env = {**os.environ, "CGO_ENABLED": "1" if recipe.cgo else "0", "GOFLAGS": "-mod=readonly"}
         started = time.monotonic()
         before = resource.getrusage(resource.RUSAGE_CHILDREN)
         for pkg in recipe.packages:
@@ -178,6 +205,10 @@ def main(argv: list[str]) -> int:
             for path in (bins.kube_apiserver, bins.kube_controller_manager, bins.etcd):
                 cost = path.parent / "BUILD-COST"
                 print(path, cost.read_text().strip() if cost.exists() else "")
+        if not argv:  # the node tests' real NVIDIA hook (cgo: needs a C compiler, as simnvml does)
+            hook = nvidia_cdi_hook()
+            cost = hook.parent / "BUILD-COST"
+            print(hook, cost.read_text().strip() if cost.exists() else "")
     except GoMissing as exc:
         # Not a failure: the e2e tests skip with this same reason, printed in pytest's summary.
         print(f"e2e: not building the control plane, the end-to-end tests will skip: {exc}", file=sys.stderr)

@@ -40,7 +40,7 @@ from gpufence.certs import pki
 from gpufence.simnvml import build_library
 from tests.e2e.cluster_pki import client_cert
 from tests.e2e.controlplane import Component, ControlPlane, StartupFailed, free_port, start, write_kubeconfig
-from tests.node import images, simruntime
+from tests.node import driver_hook, images, simruntime
 
 NODE_NAME = "gf-node"
 BRIDGE = "gfcni0"
@@ -187,7 +187,7 @@ def _wait(what: str, condition, node: Node | None = None, timeout: float = START
     raise StartupFailed(f"timed out after {timeout:.0f}s waiting for {what}")
 
 
-def _containerd_config(workdir: Path, socket: Path, cni_conf: Path, runtime: str) -> str:
+def _containerd_config(workdir: Path, socket: Path, cni_conf: Path, runtime: str, more_runtimes: str = "") -> str:
     # Version 2 config of containerd 1.6 (Debian bookworm). runc through the v2 shim with cgroupfs
     # (SystemdCgroup false), like the kubelet's cgroupDriver; overlayfs snapshots; our CNI config.
     return f"""version = 2
@@ -211,7 +211,7 @@ state = "{workdir / 'containerd-state'}"
       [plugins."io.containerd.grpc.v1.cri".containerd.runtimes.runc.options]
         SystemdCgroup = false
         BinaryName = "{runtime}"
-  [plugins."io.containerd.grpc.v1.cri".cni]
+{more_runtimes}  [plugins."io.containerd.grpc.v1.cri".cni]
     bin_dir = "{cni_bin_dir()}"
     conf_dir = "{cni_conf}"
 """
@@ -283,9 +283,11 @@ def start_node(cp: ControlPlane, name: str = NODE_NAME) -> Node:
         config = workdir / "containerd.toml"
         # runc behind the simulated driver's runtime wrapper (what the NVIDIA container toolkit
         # does for the real driver); GPUFENCE_NODE_RUNC swaps runc for another OCI runtime.
-        runtime = simruntime.install(str(workdir / "runc-simnvml"), str(sim_dir),
-                                     os.environ.get("GPUFENCE_NODE_RUNC") or _which("runc"))
-        config.write_text(_containerd_config(workdir, socket, cni_conf, runtime))
+        runc = os.environ.get("GPUFENCE_NODE_RUNC") or _which("runc")
+        runtime = simruntime.install(str(workdir / "runc-simnvml"), str(sim_dir), runc)
+        # Three more handlers that run NVIDIA's real memory-limit hook (RuntimeClasses the tests create).
+        hook_runtimes = driver_hook.configure(workdir, sim_dir, runc)
+        config.write_text(_containerd_config(workdir, socket, cni_conf, runtime, hook_runtimes))
         node.components.append(start("containerd", [_which("containerd"), "--config", str(config)], workdir))
         _wait("containerd's socket", lambda: subprocess.run(
             [*node.ctr, "version"], capture_output=True).returncode == 0, node, 30)

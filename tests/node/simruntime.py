@@ -11,7 +11,12 @@ equivalent for the simulator, so neither the gpufence webhook nor the pods chang
   read-only at ``/opt/simnvml`` plus ``LD_LIBRARY_PATH`` and ``GPUFENCE_SIM_STATE`` into it, so the
   real pynvml loads the simulator and reads the state file the test writes;
 * a container whose environment has ``GPUFENCE_CONTAINER`` (a GPU container, as the webhook marks
-  it) gets the stand-in device file at ``/dev/nvidia0``.
+  it) gets the stand-in device file at ``/dev/nvidia0``;
+* on the runtime handlers that run NVIDIA's real memory-limit hook (``tests.node.driver_hook``,
+  ``DRIVER_IN_GPU_CONTAINERS``), a GPU container also gets the simulator, as the toolkit gives every
+  GPU container the driver's libraries, so that its workload allocates through the simulated driver
+  and meets the limit the hook set. Read-write there: the simulated driver's allocations are a file
+  beside the state (``<state>.driver``), where the real driver's are behind ``/dev/nvidia*``.
 
 The OCI spec is a runtime detail, so Pod Security admission sees the pods exactly as users write
 them (no hostPath). containerd runs this file as ``BinaryName``; it must only use the standard
@@ -26,6 +31,7 @@ import sys
 
 SIM_DIR = "@SIM_DIR@"
 RUNC = "@RUNC@"
+DRIVER_IN_GPU_CONTAINERS = "@DRIVER_IN_GPU_CONTAINERS@" == "yes"
 SIM_MOUNT = "/opt/simnvml"
 DEVICE_PATH = "/dev/nvidia0"
 
@@ -39,16 +45,17 @@ def _bundle(argv: list[str]) -> str | None:
     return os.getcwd()
 
 
-def edit_spec(spec: dict, sim_dir: str) -> bool:
+def edit_spec(spec: dict, sim_dir: str, driver_in_gpu_containers: bool = False) -> bool:
     """Adds the simulator to an OCI spec in place; True when it changed anything."""
     process = spec.get("process") or {}
     env = process.get("env") or []
     names = {entry.split("=", 1)[0] for entry in env}
     mounts = spec.setdefault("mounts", [])
     changed = False
-    if "NVIDIA_VISIBLE_DEVICES" in names and not any(m.get("destination") == SIM_MOUNT for m in mounts):
+    gpu_driver = driver_in_gpu_containers and "GPUFENCE_CONTAINER" in names
+    if ("NVIDIA_VISIBLE_DEVICES" in names or gpu_driver) and not any(m.get("destination") == SIM_MOUNT for m in mounts):
         mounts.append({"destination": SIM_MOUNT, "type": "bind", "source": sim_dir,
-                       "options": ["rbind", "ro", "nosuid", "nodev"]})
+                       "options": ["rbind", "rw" if gpu_driver else "ro", "nosuid", "nodev"]})
         env[:] = [e for e in env if not e.startswith(("LD_LIBRARY_PATH=", "GPUFENCE_SIM_STATE="))]
         env += [f"LD_LIBRARY_PATH={SIM_MOUNT}", f"GPUFENCE_SIM_STATE={SIM_MOUNT}/state"]
         changed = True
@@ -68,18 +75,19 @@ def main(argv: list[str]) -> None:
         path = os.path.join(bundle, "config.json")
         with open(path) as f:
             spec = json.load(f)
-        if edit_spec(spec, SIM_DIR):
+        if edit_spec(spec, SIM_DIR, DRIVER_IN_GPU_CONTAINERS):
             with open(path + ".tmp", "w") as f:
                 json.dump(spec, f)
             os.replace(path + ".tmp", path)
     os.execv(RUNC, [RUNC, *argv])
 
 
-def install(target: str, sim_dir: str, runc: str) -> str:
+def install(target: str, sim_dir: str, runc: str, driver_in_gpu_containers: bool = False) -> str:
     """Writes this file, with the node's paths filled in, as an executable at ``target``."""
     with open(__file__) as f:
         text = f.read()
     text = text.replace('"@SIM_DIR@"', json.dumps(sim_dir), 1).replace('"@RUNC@"', json.dumps(runc), 1)
+    text = text.replace('"@DRIVER_IN_GPU_CONTAINERS@"', '"yes"' if driver_in_gpu_containers else '"no"', 1)
     with open(target, "w") as f:
         f.write(text)
     os.chmod(target, 0o755)

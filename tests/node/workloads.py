@@ -12,10 +12,10 @@ from gpufence.contract import SIDECAR_NAME
 from gpufence.simnvml import SimDevice, SimProcess, SimState, write_state
 from tests.e2e import kube
 from tests.e2e.controlplane import ControlPlane
+from tests.node.driver_hook import GPU_UUID
 from tests.node.images import GPUFENCE_IMAGE
 from tests.node.node import NODE_NAME, Node
 
-GPU_UUID = "GPU-5e1f0c0d-0000-4000-8000-000000000000"
 GPU_MEMORY = 80 << 30
 
 # A GPU process as far as the enforcer can tell: it holds the (stand-in) device open. It says when

@@ -36,6 +36,8 @@ BY_DESIGN: dict[str, str] = {
     "dra-not-served": "the DRA objects (DeviceClass, ResourceClaimTemplate) can only be created where the "
     "API server serves resource.k8s.io/v1 (Kubernetes >= 1.34; 1.30's DRA is a beta API off by default); "
     "tests/e2e/test_gpu_paths.py checks on every version that claims break nothing",
+    "cgroup-v2-node": "the check that NVIDIA's memory-limit hook fails a container's start where it cannot "
+    "apply the limit needs a node whose /sys/fs/cgroup is not cgroup2 (on a v2 node the hook succeeds)",
     "opted-out": "the person running the suite set GPUFENCE_SKIP_E2E or GPUFENCE_SKIP_NODE to leave "
     "those tests out",
 }

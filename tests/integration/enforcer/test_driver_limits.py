@@ -113,6 +113,8 @@ def test_driver_limit_refuses_the_allocation_and_the_enforcer_reports_driver(cgr
     assert enforcer.wait_event("memory_enforcement", 10, container="calm")["mechanism"] == "driver"
     assert enforcer.metric("gpufence_container_memory_enforcement", container="hog", mechanism="driver") == 1
     assert enforcer.metric("gpufence_container_memory_enforcement", container="hog", mechanism="polling") is None
+    status, body = enforcer.http("/healthz")  # the liveness line, then each container's mechanism
+    assert status == 200 and body.splitlines() == ["ok", "memory calm: driver", "memory hog: driver"], body
 
     # Past the share: the driver refuses at allocation; the neighbour still gets its memory.
     assert hog.alloc(2 * GIB) == "CUDA error: out of memory"
@@ -141,6 +143,8 @@ def test_old_driver_reports_polling_and_still_terminates(cgroups, old_gpu, make_
     assert enforcer.wait_event("memory_enforcement", 10, container="calm")["mechanism"] == "polling"
     assert enforcer.events("driver_memory_limit_missing", container="calm") == []  # it asked for none
     assert enforcer.metric("gpufence_container_memory_enforcement", container="hog", mechanism="polling") == 1
+    status, body = enforcer.http("/healthz")
+    assert status == 200 and body.splitlines() == ["ok", "memory calm: polling", "memory hog: polling"], body
 
     # Nothing refuses the allocation: polling terminates the container over its share.
     assert hog.alloc(2 * GIB) == f"allocated {2 * GIB}"

@@ -146,7 +146,8 @@ def test_http_endpoints_and_metric_names(gpu, make_config):
     assert started["pod"] == "train-0" and started["namespace"] == "team"
     assert isinstance(started["metrics_port"], int) and started["metrics_port"] > 0
     enforcer.wait_ready()
-    assert enforcer.http("/healthz") == (200, "ok\n")
+    # Liveness first, then the mechanism holding each container's memory share (no driver limit here).
+    assert enforcer.http("/healthz") == (200, "ok\nmemory train: polling\n")
     labels = {"namespace": "team", "pod": "train-0", "container": "train", "UUID": "GPU-abc", "gpu": "0"}
     assert enforcer.metric("gpufence_container_gpu_memory_used_bytes", **labels) == GIB
     assert enforcer.metric("gpufence_container_gpu_memory_limit_bytes", **labels) == 40 * GIB
