@@ -42,6 +42,7 @@ import os
 import signal
 import sys
 import threading
+import time
 import traceback
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -61,7 +62,7 @@ from gpufence.contract import (
     EnforcerConfig,
 )
 from gpufence.enforcer.decision_log import LEVELS, DecisionLog, forward_stdlib_logging
-from gpufence.enforcer.probe import probe
+from gpufence.enforcer.probe import own_start_time, probe
 from gpufence.enforcer.procfs import ENV_NVIDIA_DEVICE_PREFIX
 
 PROG = "gpufence-enforcer"
@@ -309,11 +310,21 @@ def _run(
         enforcer.close()
 
 
+def _seconds_since_process_start() -> float | None:
+    """From this process's start (the container's, in the sidecar) to now, on the kernel's clock."""
+    try:
+        ticks = own_start_time()
+    except (OSError, IndexError, ValueError):
+        return None
+    return round(time.clock_gettime(time.CLOCK_BOOTTIME) - ticks / os.sysconf("SC_CLK_TCK"), 3)
+
+
 async def _serve(
     args: argparse.Namespace, enforcer, metrics, health, log: DecisionLog, port: int, pod,
     device_prefix: str, throttle,
 ) -> int:
-    from gpufence.enforcer.health import make_app, start_server, write_heartbeats
+    from gpufence.enforcer.health import make_app, write_heartbeats
+    from gpufence.enforcer.http_server import start_server
     from gpufence.enforcer.procfs import own_privileges, privilege_limits
 
     privileges = own_privileges()
@@ -338,14 +349,10 @@ async def _serve(
         health.serving_failed(detail)
         log.error("http_failed", error=detail,
                   reason="enforcing without /metrics, /healthz and /readyz; the sidecar's probes read the heartbeat")
-    heartbeats = None
-    if args.state_dir:
-        heartbeats = asyncio.create_task(write_heartbeats(health, args.state_dir, log))
-    else:
-        log.warning("heartbeat_disabled", reason="no --state-dir: the sidecar's probe (--probe) cannot pass")
     await asyncio.to_thread(enforcer.open_nvml)
     log.info(
-        "started", version=__version__,
+        "started", version=__version__, startup_seconds=_seconds_since_process_start(),
+        startup_cpu_seconds=round(time.process_time(), 3),
         pid_mode=enforcer.pid_mode, driver_version=enforcer.driver_version, metrics_port=bound_port,
         bind_address=args.bind_address, mode=enforcer.config.mode, enforcer_pid=os.getpid(),
         state_dir=args.state_dir, host_proc=args.host_proc, device_prefix=device_prefix,
@@ -353,6 +360,13 @@ async def _serve(
     )
     for limit in privilege_limits(privileges):
         log.warning("privilege_limit", limit=limit)
+    # The first heartbeat only now: the startup probe passes on it, and the kubelet then starts the
+    # workload containers, so they start after the `started` record, never before NVML was tried.
+    heartbeats = None
+    if args.state_dir:
+        heartbeats = asyncio.create_task(write_heartbeats(health, args.state_dir, log))
+    else:
+        log.warning("heartbeat_disabled", reason="no --state-dir: the sidecar's probe (--probe) cannot pass")
     throttle.start()
     thread_stop = threading.Event()
 
