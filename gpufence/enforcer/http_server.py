@@ -9,8 +9,10 @@ close``), GET or HEAD, no body, the path without its query.
 
 Any container of the pod can reach the port (the network namespace is shared), so the server
 bounds what a client can hold: the request head must arrive within ``HEAD_TIMEOUT_SECONDS`` and
-fit in ``MAX_HEAD_BYTES``, and at most ``MAX_CONNECTIONS`` are served at once (more are closed at
-once). None of that touches enforcement: the kubelet's probes read the heartbeat, not this port.
+fit in ``MAX_HEAD_BYTES``, and at most ``MAX_WAITING`` connections may wait for their head at once:
+a new one closes the one that has waited longest, so idle connections (a slowloris) cannot keep a
+client that sends its request out. None of that touches enforcement: the kubelet's probes read
+the heartbeat, not this port.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from collections.abc import Callable, Mapping
 
 MAX_HEAD_BYTES = 8192
 HEAD_TIMEOUT_SECONDS = 5.0
-MAX_CONNECTIONS = 16
+MAX_WAITING = 64
 
 # A route answers (status, content type, body); it runs on the event loop, so it must not block.
 Route = Callable[[], tuple[int, str, bytes]]
@@ -70,14 +72,14 @@ class HttpServer:
 async def start_server(routes: Mapping[str, Route], host: str, port: int) -> tuple[HttpServer, int]:
     """Serve ``routes`` on ``host:port`` (0: any free port); returns the server and the bound port.
     OSError when the address cannot be bound."""
-    active = 0
+    waiting: dict[asyncio.StreamWriter, None] = {}  # insertion order: the longest-waiting first
 
     async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        nonlocal active
-        active += 1
+        if len(waiting) >= MAX_WAITING:
+            next(iter(waiting)).close()  # its read ends at once (EOF): the handler below returns
+            waiting.pop(next(iter(waiting)))
+        waiting[writer] = None
         try:
-            if active > MAX_CONNECTIONS:
-                return
             try:
                 head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), HEAD_TIMEOUT_SECONDS)
             except (asyncio.LimitOverrunError, ValueError):
@@ -88,11 +90,12 @@ async def start_server(routes: Mapping[str, Route], host: str, port: int) -> tup
                 return
             else:
                 response = answer(routes, head)
+            finally:
+                waiting.pop(writer, None)
             writer.write(response)
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(writer.drain(), HEAD_TIMEOUT_SECONDS)
         finally:
-            active -= 1
             writer.close()
 
     server = await asyncio.start_server(handle, host, port, limit=MAX_HEAD_BYTES)
