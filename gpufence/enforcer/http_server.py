@@ -29,7 +29,8 @@ MAX_WAITING = 64
 Route = Callable[[], tuple[int, str, bytes]]
 
 _REASONS = {200: "OK", 400: "Bad Request", 404: "Not Found", 405: "Method Not Allowed",
-            408: "Request Timeout", 431: "Request Header Fields Too Large", 503: "Service Unavailable"}
+            408: "Request Timeout", 431: "Request Header Fields Too Large", 500: "Internal Server Error",
+            503: "Service Unavailable"}
 _TEXT = "text/plain; charset=utf-8"
 
 
@@ -52,7 +53,10 @@ def answer(routes: Mapping[str, Route], head: bytes) -> bytes:
         return _response(404, _TEXT, b"not found\n", head_only=method == b"HEAD")
     if method not in (b"GET", b"HEAD"):
         return _response(405, _TEXT, b"only GET and HEAD\n", extra="Allow: GET, HEAD\r\n")
-    status, content_type, body = route()
+    try:
+        status, content_type, body = route()
+    except Exception as exc:  # a route's bug is the client's 500, never the server's end
+        status, content_type, body = 500, _TEXT, f"{type(exc).__name__}\n".encode()
     return _response(status, content_type, body, head_only=method == b"HEAD")
 
 

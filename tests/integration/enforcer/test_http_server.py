@@ -107,3 +107,5 @@ def test_answer_is_pure() -> None:
     routes = {"/x": lambda: (200, "text/plain", b"body")}
     assert answer(routes, b"GET /x HTTP/1.0\r\n\r\n").endswith(b"\r\n\r\nbody")
     assert answer(routes, b"GET /y HTTP/1.1\r\n\r\n").startswith(b"HTTP/1.1 404 ")
+    broken = {"/x": lambda: 1 // 0}
+    assert answer(broken, b"GET /x HTTP/1.1\r\n\r\n").startswith(b"HTTP/1.1 500 ")  # type: ignore[arg-type]
