@@ -4,6 +4,19 @@
 #
 #   docker build -t ghcr.io/gpufence/gpufence:0.1.0 .
 #
+# The target "enforcer" is a sidecar-only image: the project with only the enforcer's runtime
+# dependencies (requirements/enforcer.txt: pynvml and prometheus-client; about 3.4 MiB with their
+# bytecode, against about 185 MiB with the webhook's aiohttp, cryptography and kubernetes client).
+# Point the webhook's --sidecar-image at it (docs/PERFORMANCE.md, "The sidecar in a pod"):
+#
+#   docker build --target enforcer -t ghcr.io/gpufence/gpufence-enforcer:0.1.0 .
+#
+# Bytecode: containers run with a read-only root and PYTHONDONTWRITEBYTECODE, so a module without a
+# valid .pyc is compiled again at every start (for the CPU-limited sidecar, most of its start-up).
+# Both images compile the standard library and /opt/gpufence against hashes, unchecked at import:
+# valid whatever the layers' file times (a builder that rewrites them, or a base image without
+# .pyc files), and the sources in an image never change.
+#
 # The build stage makes a wheel of this project and installs it, with only its runtime
 # dependencies pinned by requirements/lock.txt (constraints, so the test extra is never
 # installed), into a virtualenv at /opt/gpufence. The final stage copies that virtualenv onto a
@@ -26,7 +39,36 @@ RUN python -m pip wheel --no-deps --wheel-dir /dist . \
         test -x "/opt/gpufence/bin/$script" || { echo "missing console script $script" >&2; exit 1; }; \
     done \
  && /opt/gpufence/bin/pip uninstall --yes pip setuptools \
- && /opt/gpufence/bin/python -m compileall -q /opt/gpufence/lib
+ && /opt/gpufence/bin/python -m compileall -q -f --invalidation-mode unchecked-hash /opt/gpufence/lib
+
+FROM ${PYTHON_IMAGE} AS build-enforcer
+ENV PIP_DISABLE_PIP_VERSION_CHECK=1 \
+    PIP_NO_CACHE_DIR=1 \
+    PIP_ROOT_USER_ACTION=ignore
+COPY requirements/lock.txt requirements/enforcer.txt /src/requirements/
+COPY --from=build /dist /dist
+RUN python -m venv /opt/gpufence \
+ && /opt/gpufence/bin/pip install --no-deps /dist/gpufence-*.whl \
+ && /opt/gpufence/bin/pip install -c /src/requirements/lock.txt -r /src/requirements/enforcer.txt \
+ && test -x /opt/gpufence/bin/gpufence-enforcer \
+ && /opt/gpufence/bin/pip uninstall --yes pip setuptools \
+ && /opt/gpufence/bin/python -m compileall -q -f --invalidation-mode unchecked-hash /opt/gpufence/lib
+
+FROM ${PYTHON_IMAGE} AS enforcer
+LABEL org.opencontainers.image.title="gpufence-enforcer" \
+      org.opencontainers.image.description="gpufence's per-pod GPU share enforcer (the sidecar the webhook injects)" \
+      org.opencontainers.image.source="https://github.com/gpufence/gpufence" \
+      org.opencontainers.image.licenses="Apache-2.0"
+COPY --from=build-enforcer /opt/gpufence /opt/gpufence
+RUN python -m compileall -q -f --invalidation-mode unchecked-hash \
+        "$(python -c 'import sysconfig; print(sysconfig.get_paths()["stdlib"])')"
+ENV PATH=/opt/gpufence/bin:$PATH \
+    PYTHONDONTWRITEBYTECODE=1 \
+    PYTHONUNBUFFERED=1
+# The webhook sets the sidecar's user (see below); non-root when run otherwise.
+USER 65532:65532
+WORKDIR /tmp
+CMD ["gpufence-enforcer", "--help"]
 
 FROM ${PYTHON_IMAGE}
 LABEL org.opencontainers.image.title="gpufence" \
@@ -34,6 +76,8 @@ LABEL org.opencontainers.image.title="gpufence" \
       org.opencontainers.image.source="https://github.com/gpufence/gpufence" \
       org.opencontainers.image.licenses="Apache-2.0"
 COPY --from=build /opt/gpufence /opt/gpufence
+RUN python -m compileall -q -f --invalidation-mode unchecked-hash \
+        "$(python -c 'import sysconfig; print(sysconfig.get_paths()["stdlib"])')"
 # Root filesystems are mounted read-only in the manifests: no .pyc writes, unbuffered JSON logs.
 ENV PATH=/opt/gpufence/bin:$PATH \
     PYTHONDONTWRITEBYTECODE=1 \

@@ -37,16 +37,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import atexit
-import contextlib
 import os
-import signal
 import sys
-import threading
-import traceback
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from gpufence import __version__, version_line
+from gpufence import version_line
 from gpufence.contract import (
     DEFAULT_METRICS_PORT,
     ENV_CONFIG,
@@ -67,7 +63,6 @@ from gpufence.enforcer.procfs import ENV_NVIDIA_DEVICE_PREFIX
 PROG = "gpufence-enforcer"
 ENV_LOG_LEVEL = "GPUFENCE_LOG_LEVEL"
 EXIT_USAGE = 2
-EXIT_POLL_THREAD_DIED = 3
 
 
 class _Parser(argparse.ArgumentParser):
@@ -247,6 +242,7 @@ def _run(
     from gpufence.enforcer.loop import Enforcer
     from gpufence.enforcer.metrics import EnforcerMetrics
     from gpufence.enforcer.procfs import NVIDIA_DEVICE_PREFIX_DEFAULT
+    from gpufence.enforcer.serve import serve
     from gpufence.enforcer.signals import SafeSignaller
     from gpufence.enforcer.stopped_state import StoppedState
     from gpufence.enforcer.throttle import ThrottleExecutor
@@ -302,98 +298,6 @@ def _run(
             reason="no --state-dir: if the enforcer is killed while throttling, stopped processes stay stopped",
         )
     try:
-        return asyncio.run(
-            _serve(args, enforcer, metrics, health, log, port, pod, device_prefix, throttle)
-        )
+        return asyncio.run(serve(args, enforcer, metrics, health, log, port, pod, device_prefix, throttle))
     finally:
         enforcer.close()
-
-
-async def _serve(
-    args: argparse.Namespace, enforcer, metrics, health, log: DecisionLog, port: int, pod,
-    device_prefix: str, throttle,
-) -> int:
-    from gpufence.enforcer.health import make_app, start_server, write_heartbeats
-    from gpufence.enforcer.procfs import own_privileges, privilege_limits
-
-    privileges = own_privileges()
-    loop = asyncio.get_running_loop()
-    stop = asyncio.Event()
-    received: list[str] = []
-
-    def on_signal(sig: signal.Signals) -> None:
-        received.append(sig.name)
-        stop.set()
-
-    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT):
-        loop.add_signal_handler(sig, on_signal, sig)
-
-    runner, bound_port = None, None
-    try:
-        runner, bound_port = await start_server(make_app(metrics, health), args.bind_address, port)
-    except OSError as exc:
-        # Any container of the pod can hold the port (the network namespace is shared): that must
-        # not end enforcement. Once, here; the heartbeat's detail repeats it.
-        detail = f"cannot serve on {args.bind_address}:{port}: {exc.strerror or exc}"
-        health.serving_failed(detail)
-        log.error("http_failed", error=detail,
-                  reason="enforcing without /metrics, /healthz and /readyz; the sidecar's probes read the heartbeat")
-    heartbeats = None
-    if args.state_dir:
-        heartbeats = asyncio.create_task(write_heartbeats(health, args.state_dir, log))
-    else:
-        log.warning("heartbeat_disabled", reason="no --state-dir: the sidecar's probe (--probe) cannot pass")
-    await asyncio.to_thread(enforcer.open_nvml)
-    log.info(
-        "started", version=__version__,
-        pid_mode=enforcer.pid_mode, driver_version=enforcer.driver_version, metrics_port=bound_port,
-        bind_address=args.bind_address, mode=enforcer.config.mode, enforcer_pid=os.getpid(),
-        state_dir=args.state_dir, host_proc=args.host_proc, device_prefix=device_prefix,
-        config=enforcer.config.to_dict(), privileges=privileges,
-    )
-    for limit in privilege_limits(privileges):
-        log.warning("privilege_limit", limit=limit)
-    throttle.start()
-    thread_stop = threading.Event()
-
-    died: list[str] = []
-
-    def poll() -> None:
-        try:
-            enforcer.run(thread_stop)
-        except BaseException as exc:  # the loop catches every Exception of a tick; not all of them
-            # format_exception_only survives an exception whose str() raises.
-            error = "".join(traceback.format_exception_only(type(exc), exc)).strip()
-            trace = traceback.format_exc(limit=8)
-        else:
-            if thread_stop.is_set():
-                return
-            error, trace = "the poll loop returned", None
-        died.append(error)
-        # Nothing is enforced from here on: /healthz fails, and the process exits non-zero so the
-        # kubelet restarts it (a plain container under OnFailure restarts only on failure).
-        health.poll_thread_died(error)
-        log.error(
-            "poll_thread_died", error=error, traceback=trace, exit_status=EXIT_POLL_THREAD_DIED,
-            reason="nothing is enforced without the poll thread: exiting for the kubelet to restart the sidecar",
-        )
-        with contextlib.suppress(RuntimeError):  # the event loop is already closing
-            loop.call_soon_threadsafe(stop.set)
-
-    poller = threading.Thread(target=poll, name="gpufence-poll", daemon=True)
-    poller.start()
-    try:
-        await stop.wait()
-    finally:
-        thread_stop.set()
-        # Continue everything first: the poll thread may be stuck in an NVML call for a while
-        # (a later throttle update is ignored once the executor is closed).
-        throttle.close("shutdown")
-        await asyncio.to_thread(poller.join, 10)
-        if heartbeats is not None:
-            heartbeats.cancel()
-        if runner is not None:
-            await runner.cleanup()
-        status = EXIT_POLL_THREAD_DIED if died else 0
-        log.info("shutdown", signal=received[0] if received else None, exit_status=status)
-    return status

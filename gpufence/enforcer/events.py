@@ -17,7 +17,6 @@ The sidecar runs under the pod's own service account, so Events need a Role gran
 from __future__ import annotations
 
 import contextlib
-import http.client
 import os
 import queue
 import threading
@@ -165,6 +164,8 @@ class EventRecorder:
                 self._queue.task_done()
 
     def _deliver(self, body: dict[str, Any]) -> None:
+        from http.client import HTTPException  # on the first Event, not at start (kube_events_api)
+
         assert self._api is not None
         deadline = time.monotonic() + self._max_retry_wait
         backoff = FIRST_BACKOFF
@@ -195,7 +196,7 @@ class EventRecorder:
             except CredentialsUnavailable as exc:
                 self._fail(str(exc))
                 return
-            except (OSError, http.client.HTTPException) as exc:  # refused, reset, timeout, TLS verification
+            except (OSError, HTTPException) as exc:  # refused, reset, timeout, TLS verification
                 self._fail(f"{type(exc).__name__}: {exc}")
                 return
             self.posted += 1

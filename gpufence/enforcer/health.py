@@ -1,5 +1,5 @@
 """The enforcer's health: one rule (:class:`Health`), told to the kubelet by a heartbeat file and to
-people and Prometheus over HTTP (``/metrics``, ``/healthz``, ``/readyz``, aiohttp).
+people and Prometheus over HTTP (``/metrics``, ``/healthz``, ``/readyz``: gpufence/enforcer/http_server.py).
 
 * liveness (``Health.liveness``) — fails when an NVML call has hung past its deadline (only a new
   process can use NVML again: the kubelet restarts the sidecar, which continues what this one
@@ -36,8 +36,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
-from aiohttp import web
-
+from gpufence.enforcer.http_server import Route
 from gpufence.enforcer.metrics import EnforcerMetrics
 from gpufence.enforcer.probe import HEARTBEAT_FILE, heartbeat_text, own_start_time
 from gpufence.enforcer.probe import clock as probe_clock
@@ -194,13 +193,7 @@ async def write_heartbeats(health: Health, state_dir: str, log: _Log, clock=prob
         await asyncio.sleep(HEARTBEAT_PERIOD_SECONDS)
 
 
-METRICS_KEY = web.AppKey("metrics", EnforcerMetrics)
-HEALTH_KEY = web.AppKey("health", Health)
-
-
-async def _metrics(request: web.Request) -> web.Response:
-    body, content_type = request.app[METRICS_KEY].render()
-    return web.Response(body=body, headers={"Content-Type": content_type})
+_TEXT = "text/plain; charset=utf-8"
 
 
 def healthz_body(reason: str, mechanisms: dict[str, str]) -> str:
@@ -208,36 +201,19 @@ def healthz_body(reason: str, mechanisms: dict[str, str]) -> str:
     return "".join([reason + "\n", *(f"memory {c}: {m}\n" for c, m in sorted(mechanisms.items()))])
 
 
-async def _healthz(request: web.Request) -> web.Response:
-    health = request.app[HEALTH_KEY]
-    live, reason = health.liveness()
-    return web.Response(text=healthz_body(reason, health.memory_mechanisms()), status=200 if live else 503)
+def make_app(metrics: EnforcerMetrics, health: Health) -> dict[str, Route]:
+    """The routes of the enforcer's HTTP endpoint (gpufence/enforcer/http_server.py)."""
 
+    def metrics_page() -> tuple[int, str, bytes]:
+        body, content_type = metrics.render()
+        return 200, content_type, body
 
-async def _readyz(request: web.Request) -> web.Response:
-    ready, reason = request.app[HEALTH_KEY].readiness()
-    return web.Response(text=reason + "\n", status=200 if ready else 503)
+    def healthz() -> tuple[int, str, bytes]:
+        live, reason = health.liveness()
+        return (200 if live else 503), _TEXT, healthz_body(reason, health.memory_mechanisms()).encode()
 
+    def readyz() -> tuple[int, str, bytes]:
+        ready, reason = health.readiness()
+        return (200 if ready else 503), _TEXT, (reason + "\n").encode()
 
-def make_app(metrics: EnforcerMetrics, health: Health) -> web.Application:
-    app = web.Application()
-    app[METRICS_KEY] = metrics
-    app[HEALTH_KEY] = health
-    app.router.add_get("/metrics", _metrics)
-    app.router.add_get("/healthz", _healthz)
-    app.router.add_get("/readyz", _readyz)
-    return app
-
-
-async def start_server(app: web.Application, host: str, port: int) -> tuple[web.AppRunner, int]:
-    """Start serving; returns the runner (for cleanup) and the bound port (useful with port 0)."""
-    runner = web.AppRunner(app, access_log=None, handle_signals=False)
-    await runner.setup()
-    site = web.TCPSite(runner, host, port)
-    await site.start()
-    bound = port
-    for addr in runner.addresses:
-        if isinstance(addr, tuple) and len(addr) >= 2:
-            bound = int(addr[1])
-            break
-    return runner, bound
+    return {"/metrics": metrics_page, "/healthz": healthz, "/readyz": readyz}

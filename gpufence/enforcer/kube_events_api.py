@@ -11,15 +11,19 @@ rotates projected service-account tokens in place, so a token held in memory goe
 
 from __future__ import annotations
 
-import http.client
 import json
 import ssl
 import time
 from collections.abc import Callable
-from email.utils import parsedate_to_datetime
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from urllib.parse import quote, urlsplit
+
+if TYPE_CHECKING:
+    import http.client
+
+# http.client (with the email package it parses headers with) is imported on the first post, not
+# at start: most sidecars never post an Event, and every one of them starts under a CPU limit.
 
 SERVICE_ACCOUNT_DIR = Path("/var/run/secrets/kubernetes.io/serviceaccount")
 USER_AGENT = "gpufence-enforcer"
@@ -63,6 +67,8 @@ def parse_retry_after(value: str | None) -> float | None:
     value = value.strip()
     if value.isdigit():
         return float(value)
+    from email.utils import parsedate_to_datetime
+
     try:
         when = parsedate_to_datetime(value)
     except (TypeError, ValueError):
@@ -144,6 +150,8 @@ class EventsApi:
             return self._post(path, data, fresh)
 
     def _post(self, path: str, data: bytes, authorization: str | None) -> dict[str, Any]:
+        import http.client
+
         headers = {"Content-Type": "application/json", "Accept": "application/json", "User-Agent": USER_AGENT}
         if authorization:
             headers["Authorization"] = authorization

@@ -24,26 +24,60 @@ Cost: handles, UUIDs and total memory are cached after ``open()`` (re-queried af
 sample makes four NVML calls per device (compute, graphics and MPS processes, utilisation)
 into buffers reused between polls (grown on ``NVML_ERROR_INSUFFICIENT_SIZE``), decoded with
 ``struct.iter_unpack`` instead of pynvml's per-element ctypes objects.
+
+The values it returns live in ``nvml_types``, codes, layouts and loading in ``nvml_library``.
 """
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import operator
 import os
-import re
-import struct
 import threading
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from enum import StrEnum
 from types import MappingProxyType
 from typing import Any
 
 import pynvml
 
+from gpufence.enforcer.nvml_library import (
+    DEVICE_GONE,
+    FATAL,
+    FUNCTION_NOT_FOUND,
+    GPU_IS_LOST,
+    INSUFFICIENT_SIZE,
+    NOT_FOUND,
+    NOT_SUPPORTED,
+    PROC_V2,
+    SUCCESS,
+    UTIL,
+    Buffer,
+    Functions,
+    NvmlCallError,
+    base_name,
+    check_same_library,
+    error_name,
+    fatal_message,
+    init_message,
+    preload,
+    resolve_functions,
+    shutdown_quietly,
+    text,
+)
+from gpufence.enforcer.nvml_types import (
+    NVML_VALUE_NOT_AVAILABLE,
+    DeviceSample,
+    DriverLimit,
+    DriverLimitState,
+    GpuProcess,
+    NvmlErrorEvent,
+    NvmlSample,
+    NvmlUnavailable,
+)
+
 __all__ = [
+    "NVML_VALUE_NOT_AVAILABLE",
     "DeviceSample",
     "DriverLimit",
     "DriverLimitState",
@@ -53,140 +87,6 @@ __all__ = [
     "NvmlSample",
     "NvmlUnavailable",
 ]
-
-NVML_VALUE_NOT_AVAILABLE = 0xFFFFFFFFFFFFFFFF
-_SONAME = "libnvidia-ml.so.1"
-
-
-class NvmlUnavailable(Exception):
-    """NVML cannot be used: library missing, driver not loaded, init failed, or NVML stopped answering."""
-
-
-@dataclass(frozen=True, slots=True)
-class GpuProcess:
-    pid: int
-    device_index: int
-    device_uuid: str
-    used_memory_bytes: int | None  # None: NVML_VALUE_NOT_AVAILABLE or not supported
-
-
-@dataclass(frozen=True, slots=True)
-class NvmlErrorEvent:
-    function: str  # e.g. "nvmlDeviceGetProcessUtilization" (without the _vN suffix)
-    error: str  # e.g. "NOT_SUPPORTED", "GPU_IS_LOST"
-    device_index: int | None
-
-
-@dataclass(frozen=True)
-class DeviceSample:
-    index: int
-    uuid: str
-    total_memory_bytes: int | None
-    processes: tuple[GpuProcess, ...]  # compute + graphics, merged by pid (a pid in both lists once)
-    sm_util_by_pid: Mapping[int, int]  # newest SM% per pid since the previous sample; {} if unsupported/no samples
-    lost: bool = False  # device fell off the bus this round: skip it, keep going
-    mig: bool = False  # MIG mode enabled: isolation is MIG's (hardware); the enforcer leaves it alone
-
-
-@dataclass(frozen=True)
-class NvmlSample:
-    devices: tuple[DeviceSample, ...]
-    errors: tuple[NvmlErrorEvent, ...] = field(default=())  # tolerated errors this round
-
-
-class DriverLimitState(StrEnum):
-    """What ``nvmlDeviceGetMemoryLimits_v1`` (NVML R615) says about one cgroup on one device."""
-
-    SET = "set"  # a hard limit below NVML_DEVICE_MEMORY_LIMIT_MAX applies to the cgroup
-    UNLIMITED = "unlimited"  # the cgroup (or an ancestor) is registered, with the "no limit" maximum
-    NOT_SET = "not_set"  # NOT_SUPPORTED: no limit on the cgroup or above (toolkit hook absent, cgroup v1)
-    NO_CALL = "no_call"  # FUNCTION_NOT_FOUND: a driver older than R615
-    ERROR = "error"  # any other answer (the call failed this time)
-
-
-@dataclass(frozen=True, slots=True)
-class DriverLimit:
-    state: DriverLimitState
-    soft_bytes: int | None = None
-    hard_bytes: int | None = None
-    current_used_bytes: int | None = None  # what the cgroup holds on the device, per the driver
-    error: str | None = None  # the NVML error name for NOT_SET / NO_CALL / ERROR
-
-
-# -- NVML error codes -----------------------------------------------------------------------------
-
-_SUCCESS = pynvml.NVML_SUCCESS
-_INSUFFICIENT_SIZE = pynvml.NVML_ERROR_INSUFFICIENT_SIZE
-_NOT_FOUND = pynvml.NVML_ERROR_NOT_FOUND
-_NOT_SUPPORTED = pynvml.NVML_ERROR_NOT_SUPPORTED
-_GPU_IS_LOST = pynvml.NVML_ERROR_GPU_IS_LOST
-_FUNCTION_NOT_FOUND = pynvml.NVML_ERROR_FUNCTION_NOT_FOUND
-# The whole library stopped answering: no device can be sampled until a fresh init.
-_FATAL = frozenset(
-    {
-        pynvml.NVML_ERROR_UNINITIALIZED,
-        pynvml.NVML_ERROR_DRIVER_NOT_LOADED,
-        pynvml.NVML_ERROR_LIBRARY_NOT_FOUND,
-        pynvml.NVML_ERROR_LIB_RM_VERSION_MISMATCH,
-    }
-)
-# The device is gone for this round (drop the handle, re-acquire later).
-_DEVICE_GONE = frozenset({_GPU_IS_LOST, getattr(pynvml, "NVML_ERROR_GPU_NOT_FOUND", 28)})
-
-_ERROR_NAMES: dict[int, str] = {
-    value: name.removeprefix("NVML_ERROR_")
-    for name, value in vars(pynvml).items()
-    if name.startswith("NVML_ERROR_") and isinstance(value, int)
-}
-
-
-def error_name(code: int) -> str:
-    """``"NOT_SUPPORTED"`` for ``NVML_ERROR_NOT_SUPPORTED``; ``"ERROR_<n>"`` for codes pynvml does not know."""
-    return _ERROR_NAMES.get(code, f"ERROR_{code}")
-
-
-def _base_name(function: str) -> str:
-    """Metric-stable function names: ``nvmlDeviceGetComputeRunningProcesses_v3`` -> without ``_v3``."""
-    return re.sub(r"_v\d+$", "", function)
-
-
-class _NvmlCallError(Exception):
-    def __init__(self, function: str, code: int) -> None:
-        super().__init__(function, code)
-        self.function = function
-        self.code = code
-
-
-# -- raw buffers ----------------------------------------------------------------------------------
-
-# Native layouts (ctypes/C alignment): nvmlProcessInfo_v2_t/_v3_t, nvmlProcessInfo_v1_t,
-# nvmlProcessUtilizationSample_t.
-# Only the fields the enforcer uses are decoded (pid, usedGpuMemory / pid, timeStamp, smUtil).
-_PROC_V2 = struct.Struct("@IQ8x")
-_PROC_V1 = struct.Struct("@IQ")
-_UTIL = struct.Struct("@IQI12x")
-assert ctypes.sizeof(pynvml.c_nvmlProcessInfo_v3_t) == _PROC_V2.size
-assert ctypes.sizeof(pynvml.c_nvmlProcessUtilizationSample_t) == _UTIL.size
-
-
-class _Buffer:
-    """A reusable C array of fixed-size records, grown on demand."""
-
-    __slots__ = ("capacity", "raw", "record")
-
-    def __init__(self, record: struct.Struct, capacity: int = 64) -> None:
-        self.record = record
-        self.capacity = 0
-        self.raw: ctypes.Array[ctypes.c_char] = ctypes.create_string_buffer(0)
-        self.grow(capacity)
-
-    def grow(self, capacity: int) -> None:
-        if capacity > self.capacity:
-            self.capacity = capacity
-            self.raw = ctypes.create_string_buffer(capacity * self.record.size)
-
-    def records(self, count: int) -> Any:
-        return self.record.iter_unpack(self.raw.raw[: count * self.record.size])
 
 
 @dataclass
@@ -198,10 +98,10 @@ class _Device:
     total_settled: bool = False  # total known, or NOT_SUPPORTED (do not ask every round)
     mig: bool = False
     last_seen_us: int = 0  # lastSeenTimeStamp for nvmlDeviceGetProcessUtilization
-    compute: _Buffer = field(default_factory=lambda: _Buffer(_PROC_V2))
-    graphics: _Buffer = field(default_factory=lambda: _Buffer(_PROC_V2))
-    mps: _Buffer = field(default_factory=lambda: _Buffer(_PROC_V2))
-    util: _Buffer = field(default_factory=lambda: _Buffer(_UTIL))
+    compute: Buffer = field(default_factory=lambda: Buffer(PROC_V2))
+    graphics: Buffer = field(default_factory=lambda: Buffer(PROC_V2))
+    mps: Buffer = field(default_factory=lambda: Buffer(PROC_V2))
+    util: Buffer = field(default_factory=lambda: Buffer(UTIL))
     records: dict[int, GpuProcess] = field(default_factory=dict)  # last round's, by pid
 
 
@@ -236,7 +136,7 @@ class NvmlClient:
         self._fn_mps: Callable[..., int] | None = None
         self._fn_util: Callable[..., int] | None = None
         self._fn_limits: Callable[..., int] | None = None
-        self._proc_record = _PROC_V2
+        self._proc_record = PROC_V2
         self._proc_names = (
             "nvmlDeviceGetComputeRunningProcesses",
             "nvmlDeviceGetGraphicsRunningProcesses",
@@ -250,16 +150,16 @@ class NvmlClient:
         with self._lock:
             if self._open:
                 return
-            preloaded = self._preload()
+            preloaded = preload(self._library_path)
             try:
                 pynvml.nvmlInit()
             except pynvml.NVMLError as exc:
-                raise NvmlUnavailable(_init_message(exc.value, self._library_path)) from None
+                raise NvmlUnavailable(init_message(exc.value, self._library_path)) from None
             try:
-                self._check_same_library(preloaded)
-                self._resolve_functions()
+                check_same_library(preloaded, self._library_path)
+                self._set_functions(resolve_functions())
                 try:
-                    self._driver_version = _text(pynvml.nvmlSystemGetDriverVersion())
+                    self._driver_version = text(pynvml.nvmlSystemGetDriverVersion())
                 except pynvml.NVMLError:
                     self._driver_version = None
                 try:
@@ -271,13 +171,13 @@ class NvmlClient:
                 for device in self._devices:
                     try:
                         self._acquire(device, self._pending)
-                    except _NvmlCallError as err:
-                        if err.code in _FATAL:
-                            raise NvmlUnavailable(_fatal_message(err)) from None
-                        event = NvmlErrorEvent(_base_name(err.function), error_name(err.code), device.index)
+                    except NvmlCallError as err:
+                        if err.code in FATAL:
+                            raise NvmlUnavailable(fatal_message(err)) from None
+                        event = NvmlErrorEvent(base_name(err.function), error_name(err.code), device.index)
                         self._pending.append(event)
             except BaseException:
-                _shutdown_quietly()
+                shutdown_quietly()
                 raise
             self._open = True
 
@@ -289,7 +189,7 @@ class NvmlClient:
             self._open = False
             self._devices = []
             self._pending = []
-            _shutdown_quietly()
+            shutdown_quietly()
 
     def __enter__(self) -> NvmlClient:
         self.open()
@@ -315,8 +215,8 @@ class NvmlClient:
             try:
                 for device in self._devices:
                     samples.append(self._sample_device(device, errors))
-            except _NvmlCallError as err:  # only fatal codes get here
-                raise NvmlUnavailable(_fatal_message(err)) from None
+            except NvmlCallError as err:  # only fatal codes get here
+                raise NvmlUnavailable(fatal_message(err)) from None
             return NvmlSample(devices=tuple(samples), errors=tuple(errors))
 
     def _sample_device(self, device: _Device, errors: list[NvmlErrorEvent]) -> DeviceSample:
@@ -338,15 +238,15 @@ class NvmlClient:
             for buf, fn, name in lists:
                 try:
                     listed += self._processes(device, buf, fn, name)
-                except _NvmlCallError as err:
-                    if err.code in _FATAL or err.code in _DEVICE_GONE:
+                except NvmlCallError as err:
+                    if err.code in FATAL or err.code in DEVICE_GONE:
                         raise
-                    errors.append(NvmlErrorEvent(_base_name(err.function), error_name(err.code), index))
-        except _NvmlCallError as err:
-            if err.code in _FATAL:
+                    errors.append(NvmlErrorEvent(base_name(err.function), error_name(err.code), index))
+        except NvmlCallError as err:
+            if err.code in FATAL:
                 raise
             # The device is gone (or its handle could not be acquired): skip it this round.
-            errors.append(NvmlErrorEvent(_base_name(err.function), error_name(err.code), index))
+            errors.append(NvmlErrorEvent(base_name(err.function), error_name(err.code), index))
             device.handle = None  # re-acquire (and re-read the uuid) next round
             return DeviceSample(index, device.uuid, device.total_memory_bytes, (), _EMPTY, lost=True)
 
@@ -389,20 +289,20 @@ class NvmlClient:
                 raise NvmlUnavailable("NVML is not open: call NvmlClient.open() first")
             fn = self._fn_limits
             if fn is None:
-                return DriverLimit(DriverLimitState.NO_CALL, error=error_name(_FUNCTION_NOT_FOUND))
+                return DriverLimit(DriverLimitState.NO_CALL, error=error_name(FUNCTION_NOT_FOUND))
             device = self._devices[device_index] if 0 <= device_index < len(self._devices) else None
             if device is None or device.handle is None:
-                return DriverLimit(DriverLimitState.ERROR, error=error_name(_GPU_IS_LOST))
+                return DriverLimit(DriverLimitState.ERROR, error=error_name(GPU_IS_LOST))
             request = pynvml.c_nvmlGetMemoryLimits_v1_t()
             request.nameSpace = namespace.encode()
             ret = fn(device.handle, ctypes.byref(request))
-            if ret == _SUCCESS:
+            if ret == SUCCESS:
                 hard = int(request.hardLimit)
                 state = DriverLimitState.UNLIMITED if hard == NVML_VALUE_NOT_AVAILABLE else DriverLimitState.SET
                 return DriverLimit(state, int(request.softLimit), hard, int(request.currentUsed))
-            if ret == _FUNCTION_NOT_FOUND:
+            if ret == FUNCTION_NOT_FOUND:
                 return DriverLimit(DriverLimitState.NO_CALL, error=error_name(ret))
-            if ret == _NOT_SUPPORTED:
+            if ret == NOT_SUPPORTED:
                 return DriverLimit(DriverLimitState.NOT_SET, error=error_name(ret))
             return DriverLimit(DriverLimitState.ERROR, error=error_name(ret))
 
@@ -413,11 +313,11 @@ class NvmlClient:
         try:
             handle = pynvml.nvmlDeviceGetHandleByIndex(device.index)
         except pynvml.NVMLError as exc:
-            raise _NvmlCallError("nvmlDeviceGetHandleByIndex", exc.value) from None
+            raise NvmlCallError("nvmlDeviceGetHandleByIndex", exc.value) from None
         try:
-            uuid = _text(pynvml.nvmlDeviceGetUUID(handle))
+            uuid = text(pynvml.nvmlDeviceGetUUID(handle))
         except pynvml.NVMLError as exc:
-            raise _NvmlCallError("nvmlDeviceGetUUID", exc.value) from None
+            raise NvmlCallError("nvmlDeviceGetUUID", exc.value) from None
         if uuid != device.uuid:
             device.last_seen_us = 0
         device.handle, device.uuid = handle, uuid
@@ -433,18 +333,18 @@ class NvmlClient:
             device.total_memory_bytes = int(pynvml.nvmlDeviceGetMemoryInfo(device.handle).total)
             device.total_settled = True
         except pynvml.NVMLError as exc:
-            if exc.value in _FATAL or exc.value in _DEVICE_GONE:
-                raise _NvmlCallError("nvmlDeviceGetMemoryInfo", exc.value) from None
+            if exc.value in FATAL or exc.value in DEVICE_GONE:
+                raise NvmlCallError("nvmlDeviceGetMemoryInfo", exc.value) from None
             # Tolerated: total unknown. NOT_SUPPORTED will not change; other errors are retried.
-            device.total_settled = exc.value == _NOT_SUPPORTED
+            device.total_settled = exc.value == NOT_SUPPORTED
             errors.append(NvmlErrorEvent("nvmlDeviceGetMemoryInfo", error_name(exc.value), device.index))
 
     def _processes(
-        self, device: _Device, buf: _Buffer, fn: Callable[..., int] | None, name: str
+        self, device: _Device, buf: Buffer, fn: Callable[..., int] | None, name: str
     ) -> list[tuple[int, int | None]]:
-        """(pid, used bytes or None) from one running-processes list; raises _NvmlCallError."""
+        """(pid, used bytes or None) from one running-processes list; raises NvmlCallError."""
         if fn is None:
-            raise _NvmlCallError(name, _FUNCTION_NOT_FOUND)
+            raise NvmlCallError(name, FUNCTION_NOT_FOUND)
         if buf.record is not self._proc_record:
             buf.record = self._proc_record
             buf.capacity = 0
@@ -452,13 +352,13 @@ class NvmlClient:
         count = ctypes.c_uint(buf.capacity)
         ret = fn(device.handle, ctypes.byref(count), buf.raw)
         for _ in range(4):  # the list may grow between the calls
-            if ret != _INSUFFICIENT_SIZE:
+            if ret != INSUFFICIENT_SIZE:
                 break
             buf.grow(count.value * 2 + 8)
             count.value = buf.capacity
             ret = fn(device.handle, ctypes.byref(count), buf.raw)
-        if ret != _SUCCESS:
-            raise _NvmlCallError(name, ret)
+        if ret != SUCCESS:
+            raise NvmlCallError(name, ret)
         return [
             (record[0], None if record[1] == NVML_VALUE_NOT_AVAILABLE else record[1])
             for record in buf.records(count.value)
@@ -474,16 +374,16 @@ class NvmlClient:
         last_seen = ctypes.c_ulonglong(device.last_seen_us)
         ret = fn(device.handle, buf.raw, ctypes.byref(count), last_seen)
         for _ in range(4):
-            if ret != _INSUFFICIENT_SIZE:
+            if ret != INSUFFICIENT_SIZE:
                 break
             buf.grow(count.value * 2 + 8)
             count.value = buf.capacity
             ret = fn(device.handle, buf.raw, ctypes.byref(count), last_seen)
-        if ret == _NOT_FOUND:
+        if ret == NOT_FOUND:
             return _EMPTY
-        if ret != _SUCCESS:
-            if ret in _FATAL:
-                raise _NvmlCallError("nvmlDeviceGetProcessUtilization", ret)
+        if ret != SUCCESS:
+            if ret in FATAL:
+                raise NvmlCallError("nvmlDeviceGetProcessUtilization", ret)
             errors.append(NvmlErrorEvent("nvmlDeviceGetProcessUtilization", error_name(ret), device.index))
             return _EMPTY
         last = device.last_seen_us
@@ -494,97 +394,7 @@ class NvmlClient:
         # Oldest first, so each pid ends up with its newest sample.
         return {pid: sm_util for pid, _ts, sm_util in fresh}
 
-    def _resolve_functions(self) -> None:
-        """The newest process-list symbols this driver has (v3, else v2 with the same layout, else v1)."""
-
-        def first(*names: str) -> tuple[Callable[..., int] | None, str]:
-            for name in names:
-                try:
-                    return pynvml._nvmlGetFunctionPointer(name), name
-                except pynvml.NVMLError:
-                    continue
-            return None, names[0]
-
-        compute, compute_name = first(
-            "nvmlDeviceGetComputeRunningProcesses_v3",
-            "nvmlDeviceGetComputeRunningProcesses_v2",
-            "nvmlDeviceGetComputeRunningProcesses",
-        )
-        graphics, graphics_name = first(
-            "nvmlDeviceGetGraphicsRunningProcesses_v3",
-            "nvmlDeviceGetGraphicsRunningProcesses_v2",
-            "nvmlDeviceGetGraphicsRunningProcesses",
-        )
-        # Both lists must use one record layout; v1 (no suffix) is nvmlProcessInfo_v1_t.
-        v1 = not compute_name.endswith(("_v2", "_v3")) or not graphics_name.endswith(("_v2", "_v3"))
-        if v1:
-            compute, _ = first("nvmlDeviceGetComputeRunningProcesses")
-            graphics, _ = first("nvmlDeviceGetGraphicsRunningProcesses")
-        mps, mps_name = first(
-            "nvmlDeviceGetMPSComputeRunningProcesses_v3",
-            "nvmlDeviceGetMPSComputeRunningProcesses_v2",
-            "nvmlDeviceGetMPSComputeRunningProcesses",
-        )
-        if v1 != (not mps_name.endswith(("_v2", "_v3"))):
-            # One record layout for all lists: take the MPS symbol of the same layout, if any.
-            mps, _ = first("nvmlDeviceGetMPSComputeRunningProcesses") if v1 else (None, "")
-        self._proc_record = _PROC_V1 if v1 else _PROC_V2
-        self._fn_compute, self._fn_graphics, self._fn_mps = compute, graphics, mps
-        self._fn_util, _ = first("nvmlDeviceGetProcessUtilization")
-        # Drivers before R615 lack the per-cgroup memory limits: memory_limit() answers NO_CALL.
-        self._fn_limits, _ = first("nvmlDeviceGetMemoryLimits_v1")
-
-    # -- loading ---------------------------------------------------------------------------------
-
-    def _preload(self) -> ctypes.CDLL | None:
-        path = self._library_path
-        if path is None:
-            return None
-        if not os.path.exists(path):
-            raise NvmlUnavailable(f"NVML library {path} does not exist")
-        try:
-            return ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)
-        except OSError as exc:
-            raise NvmlUnavailable(f"cannot load the NVML library {path}: {exc}") from None
-
-    def _check_same_library(self, preloaded: ctypes.CDLL | None) -> None:
-        if preloaded is None:
-            return
-        loaded = pynvml.nvmlLib
-        mine = ctypes.cast(preloaded.nvmlShutdown, ctypes.c_void_p).value
-        theirs = ctypes.cast(loaded.nvmlShutdown, ctypes.c_void_p).value if loaded is not None else None
-        if mine != theirs:
-            raise NvmlUnavailable(
-                f"pynvml already uses another {_SONAME} in this process, so {self._library_path} cannot take "
-                "effect: pynvml loads NVML once per process; use one library file per process"
-            )
-
-
-def _text(value: str | bytes) -> str:
-    return value.decode() if isinstance(value, bytes) else value
-
-
-def _shutdown_quietly() -> None:
-    with contextlib.suppress(pynvml.NVMLError):
-        pynvml.nvmlShutdown()
-
-
-def _init_message(code: int, library_path: str | None) -> str:
-    where = library_path or _SONAME
-    if code == pynvml.NVML_ERROR_LIBRARY_NOT_FOUND:
-        return (
-            f"NVML library {_SONAME} not found: no NVIDIA driver on this host, or it is not mounted into "
-            "this container (the NVIDIA container toolkit mounts it when NVIDIA_DRIVER_CAPABILITIES "
-            "includes 'utility'); for a simulated GPU use --simulate"
-        )
-    if code == pynvml.NVML_ERROR_DRIVER_NOT_LOADED:
-        return f"NVIDIA driver not loaded (nvmlInit via {where} returned NVML_ERROR_DRIVER_NOT_LOADED)"
-    if code == pynvml.NVML_ERROR_NO_PERMISSION:
-        return f"no permission to use NVML (nvmlInit via {where} returned NVML_ERROR_NO_PERMISSION)"
-    if code == pynvml.NVML_ERROR_LIB_RM_VERSION_MISMATCH:
-        return f"NVML library {where} does not match the loaded kernel driver (driver upgraded? reboot or reload it)"
-    return f"nvmlInit via {where} failed: NVML_ERROR_{error_name(code)}"
-
-
-def _fatal_message(err: _NvmlCallError) -> str:
-    return f"NVML stopped answering: {err.function} returned NVML_ERROR_{error_name(err.code)}"
+    def _set_functions(self, functions: Functions) -> None:
+        self._proc_record = functions.proc_record
+        self._fn_compute, self._fn_graphics, self._fn_mps = functions.compute, functions.graphics, functions.mps
+        self._fn_util, self._fn_limits = functions.util, functions.limits

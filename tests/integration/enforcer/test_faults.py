@@ -339,7 +339,8 @@ def test_healthz_fails_from_the_moment_the_poll_thread_died():
     server) the liveness probe must not pass."""
     import asyncio
 
-    from gpufence.enforcer.health import Health, make_app, start_server
+    from gpufence.enforcer.health import Health, make_app
+    from gpufence.enforcer.http_server import start_server
     from gpufence.enforcer.metrics import EnforcerMetrics
     from tests.support.enforcer_harness import enforcer_http
 
