@@ -136,6 +136,10 @@ def desired_pod(pod: dict[str, Any], plan: SharePlan, settings: InjectionSetting
         sidecar = previous_sidecar
     others = list(spec.get(sidecar_key) or ())
     if sidecar_at is not None:
+        if settings.native_sidecar:
+            # Never after a GPU init container: that one would run before enforcement starts.
+            first_gpu = next((i for i, c in enumerate(others) if c.get("name") in shares), sidecar_at)
+            sidecar_at = min(sidecar_at, first_gpu)
         others.insert(sidecar_at, sidecar)
     elif settings.native_sidecar:
         others.insert(0, sidecar)  # first: the enforcer is up before the workload starts

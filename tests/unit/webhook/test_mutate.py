@@ -380,3 +380,14 @@ def test_the_status_records_the_pods_warnings_not_the_containers_own() -> None:
     assert "sets runAsUser 0" in recorded[0]
     assert env_of(new["spec"]["initContainers"][0])["GPUFENCE_POD_STATUS"] == {
         "fieldRef": {"fieldPath": f"metadata.annotations['{ANNOTATION_STATUS}']"}}
+
+
+def test_a_sidecar_brought_after_a_gpu_init_container_is_put_before_it() -> None:
+    """Ours keeps its index on a reinvocation, but never after a GPU init container, which would
+    run before enforcement starts (the guard refuses that order)."""
+    plan = SharePlan(containers=(("warmup", ContainerShare()), ("train", ContainerShare())), mode=Mode.AUDIT,
+                     grace_period_seconds=10.0)
+    pod = gpu_pod(initContainers=[{"name": "warmup", "image": "i", "resources": {"limits": {"nvidia.com/gpu": "1"}}},
+                                  {"name": SIDECAR_NAME, "image": "i"}])
+    new, _ = desired_pod(pod, plan, DEFAULT)
+    assert [c["name"] for c in new["spec"]["initContainers"]] == [SIDECAR_NAME, "warmup"]
