@@ -24,7 +24,7 @@ from typing import Any
 
 import yaml
 
-from bench.common import REPO_ROOT, table, write_section
+from bench.common import REPO_ROOT, command_line, table, write_section
 from gpufence.contract import ANNOTATION_STATUS, PROBE_COMMAND, SIDECAR_NAME
 from tests.support.injected_bytes import GOLDEN, bytes_added, compact_size
 from tests.support.stats import median
@@ -122,6 +122,9 @@ def render(rows: dict[str, dict[str, int]], before: dict[str, dict[str, int]] | 
              f"({now['total']:.0f}; min {min(totals)}, max {max(totals)}).\n")
     if probe:
         text += "\n" + table(["probe command", "CPU ms per run"], [[n, f"{ms:.1f}"] for n, ms in probe]) + "\n"
+        text += ("\nThe probe's start-up, measured as host processes (not in a pod) on the machine named above, "
+                 "with PYTHON an interpreter that has gpufence installed from a wheel as in the image "
+                 "(`python3 -m venv v && v/bin/pip install .`); the check finds no heartbeat and fails at once.\n")
     text += "\n<details><summary>per golden</summary>\n\n" + table(
         ["golden", "bytes added", "sidecar", "status"],
         [[case, r["total"], r["sidecar"], r["status"]] for case, r in sorted(rows.items())]) + "\n\n</details>\n"
@@ -143,7 +146,9 @@ def main(argv: list[str] | None = None) -> int:
     text = render(rows, before, args.against, probe_cost(args.python) if args.probe_cost else None)
     print(text)
     if not args.no_write:
-        write_section("injected_bytes", "Bytes the injection adds per pod (goldens)", text)
+        # The interpreter's path is this machine's: the docs name it PYTHON.
+        command = command_line().replace(args.python, "PYTHON") if args.probe_cost else None
+        write_section("injected_bytes", "Bytes the injection adds per pod (goldens)", text, command=command)
     return 0
 
 
