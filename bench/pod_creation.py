@@ -52,7 +52,8 @@ from tests.e2e.controlplane import ControlPlane, free_port, running_control_plan
 from tests.e2e.gpufence_install import WebhookProcess, point_webhook_at, start_gpufence
 from tests.support.stats import median, percentile
 
-TARGET_RATIO = 0.9
+# What a user may be asked to pay for the injection: 0.7 of the no-webhook rate with 100 creates in flight.
+TARGET_RATIO = 0.7
 TARGET_ADDED_P99_MS = 5.0
 
 

@@ -23,6 +23,10 @@ Config wire format (version 1), keys in camelCase as in Kubernetes objects::
       }
     }
 
+The webhook writes a top-level field only where it differs from its default (the values above:
+version 1, enforce, 10 s, 0.5 s), so a typical pod carries ``{"containers":{...}}`` alone; the
+reader takes the default for an absent field, and so does the guard.
+
 A container appears when it asks for a GPU. ``memoryBytes`` or ``memoryPercent`` is its memory
 share; both present means the smaller of the two on each device (a pod's share and a namespace
 ceiling in different units, which cannot be compared at admission because the device's memory is
@@ -81,22 +85,28 @@ ENFORCER_COMMAND = "gpufence-enforcer"
 # The sidecar's startup and liveness probe (gpufence/enforcer/probe.py): an exec of the image's
 # interpreter that checks the heartbeat the enforcer writes into its state directory. Isolated (-I)
 # and importing only the probe module: about a tenth of the CPU time of the console script, which
-# loads the whole enforcer, for a command the kubelet runs every 10 s for the life of the pod.
-PROBE_COMMAND = ("python3", "-I", "-c", "from gpufence.enforcer.probe import main; raise SystemExit(main())")
+# loads the whole enforcer, for a command the kubelet runs every 10 s for the life of the pod. Not a
+# console script of its own either: pip's wrapper imports ``re`` and runs without -I, half as much
+# CPU again per run (bench/injected_bytes.py --probe-cost), to save 70 bytes per probe.
+PROBE_COMMAND = ("python3", "-Ic", "from gpufence.enforcer.probe import run;run()")
 
 # Environment variables the webhook sets and the enforcer reads.
 ENV_CONFIG = "GPUFENCE_CONFIG"
 ENV_POD_NAME = "GPUFENCE_POD_NAME"
 ENV_POD_NAMESPACE = "GPUFENCE_POD_NAMESPACE"
 ENV_POD_UID = "GPUFENCE_POD_UID"
-# The gpufence.io/status annotation (downward API): its share-aware warnings become Events.
+# The gpufence.io/status annotation (downward API), set only when the status records warnings:
+# the enforcer posts them as Events.
 ENV_POD_STATUS = "GPUFENCE_POD_STATUS"
+# Set only when not DEFAULT_METRICS_PORT (0 where the pod's network may hold the port).
 ENV_METRICS_PORT = "GPUFENCE_METRICS_PORT"
 ENV_HOST_PROC = "GPUFENCE_HOST_PROC"
+# Never set by the webhook, which mounts the state volume at DEFAULT_STATE_DIR, the enforcer's and
+# the probe's default; a variable for running the enforcer elsewhere (tests, the demo).
 ENV_STATE_DIR = "GPUFENCE_STATE_DIR"
 # Every GPUFENCE_* variable the webhook may put on the sidecar; the guard refuses a sidecar with any other.
 SIDECAR_ENV = (ENV_CONFIG, ENV_POD_NAME, ENV_POD_NAMESPACE, ENV_POD_UID, ENV_POD_STATUS, ENV_METRICS_PORT,
-               ENV_STATE_DIR, ENV_HOST_PROC)
+               ENV_HOST_PROC)
 # Set on each GPU container: its name (the enforcer reads it from /proc/<pid>/environ) and its memory share.
 ENV_CONTAINER = "GPUFENCE_CONTAINER"
 ENV_MEMORY_LIMIT = "GPUFENCE_MEMORY_LIMIT"
@@ -251,6 +261,7 @@ class EnforcerConfig:
     # -- wire format -------------------------------------------------------------------------
 
     def to_dict(self) -> dict[str, Any]:
+        """Every field, defaults included (``to_json`` leaves the defaults out)."""
         containers: dict[str, Any] = {}
         for name in sorted(self.containers):
             share = self.containers[name]
@@ -274,8 +285,10 @@ class EnforcerConfig:
         }
 
     def to_json(self) -> str:
-        """Compact, key-sorted JSON: equal configs give byte-identical env values (idempotent patches)."""
-        return json.dumps(self.to_dict(), separators=(",", ":"), sort_keys=True)
+        """Compact, key-sorted JSON without the top-level fields at their defaults: equal configs give
+        byte-identical env values (idempotent patches), and a pod carries what is particular to it."""
+        doc = {key: value for key, value in self.to_dict().items() if _WRITTEN_DEFAULTS.get(key, _NONE) != value}
+        return json.dumps(doc, separators=(",", ":"), sort_keys=True)
 
     @classmethod
     def from_dict(cls, doc: Any) -> EnforcerConfig:
@@ -348,6 +361,16 @@ def _plain_number(value: float | None) -> int | float | None:
     if value is not None and float(value).is_integer():
         return int(value)
     return value
+
+
+_NONE = object()
+# The top-level fields to_json leaves out at these values (from_dict's defaults, as written).
+_WRITTEN_DEFAULTS: dict[str, Any] = {
+    FIELD_VERSION: SCHEMA_VERSION,
+    FIELD_MODE: Mode.ENFORCE.value,
+    FIELD_GRACE_PERIOD_SECONDS: _plain_number(DEFAULT_GRACE_PERIOD_SECONDS),
+    FIELD_POLL_INTERVAL_SECONDS: _plain_number(DEFAULT_POLL_INTERVAL_SECONDS),
+}
 
 
 # --- the gpufence.io/status annotation ---------------------------------------------------------

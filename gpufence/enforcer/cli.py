@@ -45,6 +45,7 @@ from pathlib import Path
 from gpufence import version_line
 from gpufence.contract import (
     DEFAULT_METRICS_PORT,
+    DEFAULT_STATE_DIR,
     ENV_CONFIG,
     ENV_HOST_PROC,
     ENV_METRICS_PORT,
@@ -91,6 +92,12 @@ def _positive(value: str) -> float:
     return number
 
 
+def default_state_dir() -> str | None:
+    """Where the webhook mounts the state volume (the sidecar carries no variable naming it), when
+    that directory exists; None elsewhere (a host, the demo): the enforcer then keeps no records."""
+    return DEFAULT_STATE_DIR if os.path.isdir(DEFAULT_STATE_DIR) else None
+
+
 def build_parser() -> argparse.ArgumentParser:
     env = os.environ
     p = _Parser(prog=PROG, description="Enforce per-container GPU memory and compute shares in one pod.")
@@ -108,9 +115,9 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"host /proc mount for legacy drivers that report host PIDs (default: ${ENV_HOST_PROC})",
     )
     p.add_argument(
-        "--state-dir", default=env.get(ENV_STATE_DIR) or None,
+        "--state-dir", default=env.get(ENV_STATE_DIR) or default_state_dir(),
         help=f"directory for the records a restarted enforcer takes over: stopped processes, pending "
-        f"SIGKILLs (default: ${ENV_STATE_DIR})",
+        f"SIGKILLs (default: ${ENV_STATE_DIR}, else {DEFAULT_STATE_DIR} where it exists)",
     )
     p.add_argument(
         "--nvidia-device-prefix", default=env.get(ENV_NVIDIA_DEVICE_PREFIX) or None,

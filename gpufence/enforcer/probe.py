@@ -21,7 +21,7 @@ probe inside the sidecar container instead, and it asks the enforcer itself:
 So a workload that could write the file still cannot make the probe pass for a stopped enforcer,
 and one that holds the HTTP port changes nothing here. It runs every 10 s for the life of the pod,
 so it imports nothing but ``os``, ``sys`` and ``time`` (no json, no re, nothing of gpufence): the
-kubelet runs it as ``python3 -I -c`` (``gpufence.contract.PROBE_COMMAND``).
+kubelet runs it as ``python3 -Ic`` (``gpufence.contract.PROBE_COMMAND``), which calls :func:`run`.
 """
 
 from __future__ import annotations
@@ -36,6 +36,9 @@ _VERSION = "1"
 # The same name as gpufence.contract.ENV_STATE_DIR (tests/unit/enforcer/test_probe.py): importing
 # the contract would load json and re, doubling what each probe run costs.
 _ENV_STATE_DIR = "GPUFENCE_STATE_DIR"
+# Where the webhook mounts the enforcer's state volume (gpufence.contract.DEFAULT_STATE_DIR), so the
+# sidecar needs no variable to name it.
+_DEFAULT_STATE_DIR = "/var/run/gpufence"
 _MAX_BYTES = 4096
 _STOPPED_STATES = frozenset("TtXZx")
 
@@ -123,5 +126,10 @@ def probe(state_dir: str | None) -> int:
 
 
 def main() -> int:
-    """The kubelet's entry point: the state directory comes from the sidecar's environment."""
-    return probe(sys.argv[1] if len(sys.argv) > 1 else os.environ.get(_ENV_STATE_DIR))
+    """The state directory: the first argument, else the environment's, else the sidecar's mount."""
+    return probe(sys.argv[1] if len(sys.argv) > 1 else os.environ.get(_ENV_STATE_DIR) or _DEFAULT_STATE_DIR)
+
+
+def run() -> None:
+    """The kubelet's entry point (``PROBE_COMMAND``): exits with :func:`main`'s status."""
+    raise SystemExit(main())

@@ -25,6 +25,7 @@ from gpufence.webhook.podshape import MutationError
 from gpufence.webhook.settings import InjectionSettings
 from gpufence.webhook.shares import SharePlan, quote
 from gpufence.webhook.sidecar import (
+    api_defaulted,
     build_sidecar,
     pod_volumes,
     preload_library_path,
@@ -44,6 +45,10 @@ def desired_pod(pod: dict[str, Any], plan: SharePlan, settings: InjectionSetting
     The pod's shape must have been checked (``podshape.check_shape``): dicts and lists where
     this function reads them.
     """
+    # Warnings about a GPU container's own settings (its frameworks' caps, its driver limits) go to
+    # the admission response only: they concern what the container's spec shows. Those about the
+    # pod and its enforcer are also recorded in the status annotation, for the enforcer's Events.
+    container_warnings: list[str] = []
     warnings: list[str] = []
     shares = dict(plan.containers)
     spec = dict(pod["spec"])
@@ -110,7 +115,7 @@ def desired_pod(pod: dict[str, Any], plan: SharePlan, settings: InjectionSetting
                     port_taken_by = port_taken_by or container["name"]
             share = shares.get(container["name"])
             if share is not None:
-                container = gpu_container(container, share, settings, library, warnings,
+                container = gpu_container(container, share, settings, library, container_warnings,
                                           device=device_memory(pod["spec"], container, settings),
                                           pytorch=pytorch, record=record, driver_limits=limits.applies,
                                           resolved=container["name"] in limits.resolved, replaced=replaced)
@@ -131,20 +136,32 @@ def desired_pod(pod: dict[str, Any], plan: SharePlan, settings: InjectionSetting
             f"gpufence: {why}, so the enforcer serves its metrics on a free port it picks at start and "
             "Prometheus does not scrape it; its decisions still reach the log and the pod's Events"
         )
-    sidecar = build_sidecar(plan, settings, run_as_root=sidecar_runs_as_root(pod["spec"], shares, warnings),
-                            pod_security=pod_security, fixed_port=fixed_port)
+    run_as_root = sidecar_runs_as_root(pod["spec"], shares, warnings)
+    if not settings.native_sidecar:
+        _warn_plain_sidecar(spec, shares, warnings)
+    # Warnings reach only whoever created the pod (for a Deployment its ReplicaSet controller), so
+    # the enforcer turns those about the pod and itself into Events on the pod.
+    recorded = recorded_warnings([*plan.warnings, *warnings])
+    sidecar = build_sidecar(plan, settings, run_as_root=run_as_root, pod_security=pod_security,
+                            fixed_port=fixed_port, status_warnings=bool(recorded))
     sidecar = with_service_account_token(sidecar, previous_sidecar, pod["spec"])
     sidecar = with_claims(sidecar, paths.sidecar_claims([name for name, _ in plan.containers]))
+    if previous_sidecar is not None and previous_sidecar == api_defaulted(sidecar):
+        # A reinvocation: ours as the API server defaulted it. Taken back as it is stored, or the
+        # patch would remove the defaults only for the API server to write them again.
+        sidecar = previous_sidecar
     others = list(spec.get(sidecar_key) or ())
     if sidecar_at is not None:
+        if settings.native_sidecar:
+            # Never after a GPU init container: that one would run before enforcement starts.
+            first_gpu = next((i for i, c in enumerate(others) if c.get("name") in shares), sidecar_at)
+            sidecar_at = min(sidecar_at, first_gpu)
         others.insert(sidecar_at, sidecar)
     elif settings.native_sidecar:
         others.insert(0, sidecar)  # first: the enforcer is up before the workload starts
     else:
         others.append(sidecar)
     spec[sidecar_key] = others
-    if not settings.native_sidecar:
-        _warn_plain_sidecar(spec, shares, warnings)
 
     volumes = list(spec.get("volumes") or ())
     existing = {v["name"]: v for v in volumes if isinstance(v.get("name"), str)}
@@ -155,11 +172,8 @@ def desired_pod(pod: dict[str, Any], plan: SharePlan, settings: InjectionSetting
         elif present != volume:
             raise MutationError(f"volume name {quote(volume['name'])} is reserved by gpufence; rename the pod's volume")
     spec["volumes"] = volumes
-    # Every admission warning, not only the frameworks': warnings reach only whoever created the pod (for
-    # a Deployment its ReplicaSet controller), so the enforcer turns these into Events on the pod.
-    recorded = recorded_warnings([*plan.warnings, *warnings])
     annotations[ANNOTATION_STATUS] = status_annotation(plan, record.caps, recorded)
-    return new_pod, [*warnings, *replaced]
+    return new_pod, [*container_warnings, *warnings, *replaced]
 
 
 def with_claims(sidecar: dict[str, Any], claims: list[str]) -> dict[str, Any]:

@@ -1,10 +1,13 @@
 """What the injection adds to a pod from the settings and the share plan alone (pure): the
 enforcer sidecar, the pod volumes it needs, the enforcer config and the status annotation.
 
-Every object here spells out the values the API server's defaulting would add (probe timings,
-``protocol: TCP``, ``fieldRef.apiVersion``, ``terminationMessagePath``, ``hostPath.type``...): the
-API server defaults the patched pod before a reinvocation, and a sidecar that differed from ours
-only by defaults would be patched again.
+The sidecar leaves out what the API server's defaulting fills in (probe timings at their
+defaults, ``protocol: TCP``, ``fieldRef.apiVersion``, ``terminationMessagePath``, an
+``imagePullPolicy`` that is the image's default) and the variables whose values are the enforcer's
+own defaults: every GPU pod carries the sidecar, and bytes in a pod cost the API server, etcd and
+every watcher. ``api_defaulted`` writes those defaults back, as the API server does before the
+guard sees the pod and before a reinvocation: on a reinvocation the stored sidecar is kept when it
+is ours after defaulting (desired.py), so the webhook does not patch its own output again.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from typing import Any
 from gpufence import __version__
 from gpufence.contract import (
     ANNOTATION_STATUS,
+    DEFAULT_METRICS_PORT,
     DEFAULT_STATE_DIR,
     ENFORCER_COMMAND,
     ENV_CONFIG,
@@ -28,7 +32,6 @@ from gpufence.contract import (
     ENV_POD_NAMESPACE,
     ENV_POD_STATUS,
     ENV_POD_UID,
-    ENV_STATE_DIR,
     PROBE_COMMAND,
     SIDECAR_NAME,
     SIDECAR_PORT_NAME,
@@ -194,7 +197,7 @@ def sidecar_runs_as_root(spec: dict[str, Any], gpu_containers: Container[str], w
 
 
 def _field_env(name: str, field_path: str) -> dict[str, Any]:
-    return {"name": name, "valueFrom": {"fieldRef": {"apiVersion": "v1", "fieldPath": field_path}}}
+    return {"name": name, "valueFrom": {"fieldRef": {"fieldPath": field_path}}}
 
 
 # How long the kubelet waits after SIGTERM before SIGKILL when a probe fails, instead of the pod's
@@ -204,13 +207,45 @@ def _field_env(name: str, field_path: str) -> dict[str, Any]:
 PROBE_KILL_GRACE_SECONDS = 10
 
 
+# What the API server writes into a probe that leaves these out (Kubernetes' SetDefaults_Probe).
+PROBE_DEFAULTS = MappingProxyType({"timeoutSeconds": 1, "periodSeconds": 10, "successThreshold": 1,
+                                   "failureThreshold": 3})
+
+
 def _probe(*, period: int = 10, failures: int = 3) -> dict[str, Any]:
     """The exec probe of the enforcer's heartbeat (``gpufence.enforcer.probe``), never its HTTP
     port: any container of the pod can take the port or answer on it. The kubelet's timeout covers
-    the interpreter's start-up in a CPU-limited sidecar (the check itself reads two small files)."""
-    return {"exec": {"command": list(PROBE_COMMAND)}, "periodSeconds": period, "timeoutSeconds": 5,
-            "successThreshold": 1, "failureThreshold": failures,
-            "terminationGracePeriodSeconds": PROBE_KILL_GRACE_SECONDS}
+    the interpreter's start-up in a CPU-limited sidecar (the check itself reads two small files).
+    Timings at the API server's defaults are left to it."""
+    probe: dict[str, Any] = {"exec": {"command": list(PROBE_COMMAND)}, "periodSeconds": period, "timeoutSeconds": 5,
+                             "failureThreshold": failures, "terminationGracePeriodSeconds": PROBE_KILL_GRACE_SECONDS}
+    return {key: value for key, value in probe.items() if PROBE_DEFAULTS.get(key) != value}
+
+
+def default_pull_policy(image: str) -> str:
+    """The ``imagePullPolicy`` the API server gives a container that sets none: Always for the tag
+    ``latest`` or no tag and no digest, else IfNotPresent (Kubernetes' SetDefaults_Container)."""
+    name, _, digest = image.partition("@")
+    tag = name.rsplit("/", 1)[-1].partition(":")[2]
+    return "Always" if tag == "latest" or (not tag and not digest) else "IfNotPresent"
+
+
+def api_defaulted(container: dict[str, Any]) -> dict[str, Any]:
+    """``container`` (one ``build_sidecar`` made) with the fields the API server's defaulting fills
+    where the sidecar leaves them out: what the stored pod, and so a reinvocation and the guard,
+    show. Only those fields: everything else the sidecar spells out itself."""
+    defaulted = {"terminationMessagePath": "/dev/termination-log", "terminationMessagePolicy": "File",
+                 "imagePullPolicy": default_pull_policy(container.get("image", "")), **container}
+    for key in ("startupProbe", "livenessProbe"):
+        if key in defaulted:
+            defaulted[key] = {**PROBE_DEFAULTS, **defaulted[key]}
+    if "ports" in defaulted:
+        defaulted["ports"] = [{"protocol": "TCP", **port} for port in defaulted["ports"]]
+    if "env" in defaulted:
+        defaulted["env"] = [
+            {**e, "valueFrom": {"fieldRef": {"apiVersion": "v1", **e["valueFrom"]["fieldRef"]}}}
+            if "fieldRef" in e.get("valueFrom", {}) else e for e in defaulted["env"]]
+    return defaulted
 
 
 # The namespace's Pod Security level decides how the root sidecar reads other users' processes.
@@ -251,23 +286,28 @@ def sidecar_security_context(run_as_root: bool, pod_security: str | None) -> dic
 
 
 def build_sidecar(plan: SharePlan, settings: InjectionSettings, *, run_as_root: bool = True,
-                  pod_security: str | None = None, fixed_port: bool = True) -> dict[str, Any]:
+                  pod_security: str | None = None, fixed_port: bool = True,
+                  status_warnings: bool = False) -> dict[str, Any]:
     """The enforcer container; ``run_as_root`` from ``sidecar_runs_as_root`` (see there why),
     ``pod_security`` the namespace's enforced Pod Security level (see ``sidecar_security_context``);
     ``fixed_port`` False where the pod's network namespace may already hold the metrics port (host
     network, or a container declaring it): the enforcer then serves its metrics on any free port (0)
-    and is not scraped. The port matters for metrics only: the probes read the heartbeat."""
+    and is not scraped. The port matters for metrics only: the probes read the heartbeat.
+    ``status_warnings``: whether the status annotation records warnings for the enforcer's Events."""
     port = settings.metrics_port if fixed_port else 0
     env = [
         {"name": ENV_CONFIG, "value": config_json(plan, settings)},
         _field_env(ENV_POD_NAME, "metadata.name"),
         _field_env(ENV_POD_NAMESPACE, "metadata.namespace"),
         _field_env(ENV_POD_UID, "metadata.uid"),
+    ]
+    if status_warnings:
         # Admission warnings reach only the pod's creator (a Deployment's controller); the enforcer
         # turns the ones recorded in the status annotation into Events on the pod.
-        _field_env(ENV_POD_STATUS, f"metadata.annotations['{ANNOTATION_STATUS}']"),
-        {"name": ENV_METRICS_PORT, "value": str(port)},
-        {"name": ENV_STATE_DIR, "value": DEFAULT_STATE_DIR},
+        env.append(_field_env(ENV_POD_STATUS, f"metadata.annotations['{ANNOTATION_STATUS}']"))
+    if port != DEFAULT_METRICS_PORT:
+        env.append({"name": ENV_METRICS_PORT, "value": str(port)})
+    env += [
         {"name": "NVIDIA_VISIBLE_DEVICES", "value": settings.nvidia_visible_devices},
         {"name": "NVIDIA_DRIVER_CAPABILITIES", "value": settings.nvidia_driver_capabilities},
     ]
@@ -275,18 +315,16 @@ def build_sidecar(plan: SharePlan, settings: InjectionSettings, *, run_as_root: 
     if settings.mount_host_proc:
         env.append({"name": ENV_HOST_PROC, "value": settings.host_proc_mount_path})
         mounts.append({"name": HOST_PROC_VOLUME, "mountPath": settings.host_proc_mount_path, "readOnly": True})
-    sidecar: dict[str, Any] = {
-        "name": SIDECAR_NAME,
-        "image": settings.sidecar_image,
-        "imagePullPolicy": settings.sidecar_image_pull_policy,
-        "command": [ENFORCER_COMMAND],
-    }
+    sidecar: dict[str, Any] = {"name": SIDECAR_NAME, "image": settings.sidecar_image}
+    if settings.sidecar_image_pull_policy != default_pull_policy(settings.sidecar_image):
+        sidecar["imagePullPolicy"] = settings.sidecar_image_pull_policy
+    sidecar["command"] = [ENFORCER_COMMAND]
     if settings.native_sidecar:
         sidecar["restartPolicy"] = "Always"
     sidecar.update(
         {
             "env": env,
-            "ports": [{"containerPort": port, "name": SIDECAR_PORT_NAME, "protocol": "TCP"}],
+            "ports": [{"containerPort": port, "name": SIDECAR_PORT_NAME}],
             "resources": {
                 "requests": {"cpu": settings.sidecar_cpu_request, "memory": settings.sidecar_memory_request},
                 "limits": {
@@ -304,7 +342,6 @@ def build_sidecar(plan: SharePlan, settings: InjectionSettings, *, run_as_root: 
             "livenessProbe": _probe(),
             "securityContext": sidecar_security_context(run_as_root, pod_security),
             "volumeMounts": mounts,
-            "terminationMessagePath": "/dev/termination-log",
             "terminationMessagePolicy": "FallbackToLogsOnError",
         }
     )

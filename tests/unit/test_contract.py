@@ -174,7 +174,13 @@ def test_the_webhook_writes_the_contract_encoding(config: EnforcerConfig) -> Non
     plan = SharePlan(containers=tuple(config.containers.items()), mode=config.mode,
                      grace_period_seconds=config.grace_period_seconds)
     settings = InjectionSettings(poll_interval_seconds=config.poll_interval_seconds)
-    assert config_json(plan, settings) == encode(config.to_dict()) == config.to_json()
+    text = config_json(plan, settings)
+    assert text == config.to_json() == encode(json.loads(text))
+    written = json.loads(text)
+    # Every field not at its default is written; the ones left out are at their defaults.
+    assert {**config.to_dict(), **written} == config.to_dict()
+    assert EnforcerConfig.from_dict({key: value for key, value in config.to_dict().items()
+                                     if key in written}) == config
 
 
 def _misspellings(name: str) -> list[str]:
@@ -220,10 +226,20 @@ def test_the_guard_and_the_enforcer_refuse_a_config_outside_the_schema(what: str
 
 
 @pytest.mark.parametrize("field", CONFIG_FIELDS)
-def test_the_guard_refuses_a_config_without_a_field_the_webhook_always_writes(field: str) -> None:
-    """The enforcer would take its default; the guard admits the webhook's complete document only."""
+def test_a_top_level_field_left_out_is_its_default_for_the_guard_and_the_enforcer(field: str) -> None:
+    """The webhook leaves a top-level field out at its default; only the containers are required."""
     doc = {key: value for key, value in FULL.to_dict().items() if key != field}
-    assert not guard_accepts(encode(doc))
+    if field == FIELD_CONTAINERS:
+        assert not guard_accepts(encode(doc))
+        return
+    assert guard_accepts(encode(doc))
+    assert EnforcerConfig.from_json(encode(doc)).to_dict()[field] == EnforcerConfig().to_dict()[field]
+
+
+def test_the_typical_config_is_its_containers_alone() -> None:
+    config = EnforcerConfig(containers={"train": ContainerShare(memory=MemoryShare(bytes=8 << 30), gpus=1)})
+    assert config.to_json() == '{"containers":{"train":{"gpus":1,"memoryBytes":8589934592}}}'
+    assert guard_accepts(config.to_json())
 
 
 def test_the_guard_refuses_the_schema_in_another_encoding() -> None:
@@ -294,5 +310,6 @@ def test_the_guard_allows_the_sidecar_exactly_the_variables_the_webhook_may_set(
     allowed = re.findall(r"'(GPUFENCE_[A-Z_]+)", VARIABLES["expectedEnv"])
     assert sorted(allowed) == sorted(SIDECAR_ENV)
     plan = SharePlan(containers=(("train", ContainerShare()),), mode=Mode.ENFORCE, grace_period_seconds=10)
-    sidecar = build_sidecar(plan, InjectionSettings(mount_host_proc=True))
+    # Every variable the webhook may set: a port other than the default, warnings in the status.
+    sidecar = build_sidecar(plan, InjectionSettings(mount_host_proc=True, metrics_port=9402), status_warnings=True)
     assert sorted(e["name"] for e in sidecar["env"] if e["name"].startswith("GPUFENCE_")) == sorted(SIDECAR_ENV)

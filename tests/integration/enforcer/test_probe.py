@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from gpufence.contract import ENV_STATE_DIR, PROBE_COMMAND
+from gpufence.contract import DEFAULT_STATE_DIR, ENV_STATE_DIR, PROBE_COMMAND
 from gpufence.enforcer.health import HEARTBEAT_PERIOD_SECONDS, HEARTBEAT_STALE_AFTER_SECONDS
 from gpufence.enforcer.probe import HEARTBEAT_FILE
 from gpufence.enforcer.probe import clock as probe_clock
@@ -64,9 +64,10 @@ def test_the_probe_follows_the_running_enforcer(gpu: GpuSandbox, make_config) ->
     assert result.returncode == 1 and "gone" in result.stdout, result.stdout
 
 
-def test_the_probe_without_a_state_dir_says_so() -> None:
+def test_the_probe_without_a_state_dir_looks_where_the_webhook_mounts_it() -> None:
+    """The sidecar carries no GPUFENCE_STATE_DIR: the state volume's mount is the probe's default."""
     result = run_probe(None)
-    assert result.returncode == 1 and "GPUFENCE_STATE_DIR" in result.stdout
+    assert result.returncode == 1 and f"no heartbeat at {DEFAULT_STATE_DIR}/heartbeat" in result.stdout, result.stdout
 
 
 @pytest.fixture
@@ -215,7 +216,8 @@ def test_a_workload_rewriting_what_it_can_reach_cannot_make_the_probe_pass(
 
 def test_the_probe_loads_nothing_heavy_and_what_it_costs(gpu: GpuSandbox, make_config) -> None:
     """It runs every 10 s for the life of every GPU pod, in a sidecar limited to 250m of CPU."""
-    code = PROBE_COMMAND[-1].replace("raise SystemExit(main())", "import sys; print(sorted(sys.modules))")
+    code = PROBE_COMMAND[-1].replace(";run()", ";import sys; print(sorted(sys.modules))")
+    assert code != PROBE_COMMAND[-1]
     loaded = set(json.loads(subprocess.run([sys.executable, "-I", "-c", code], capture_output=True, text=True,
                                            check=True, cwd="/").stdout.replace("'", '"')))
     bare = set(json.loads(subprocess.run([sys.executable, "-I", "-c", "import sys; print(sorted(sys.modules))"],

@@ -96,8 +96,9 @@ def test_the_detail_stays_on_one_line(tmp_path: Path, sleeper) -> None:
     assert probe.check(str(tmp_path)) == (True, "ok; second line and tab")
 
 
-def test_the_probe_names_the_contracts_state_directory_variable() -> None:
+def test_the_probe_names_the_contracts_state_directory_variable_and_default() -> None:
     assert probe._ENV_STATE_DIR == contract.ENV_STATE_DIR
+    assert probe._DEFAULT_STATE_DIR == contract.DEFAULT_STATE_DIR
 
 
 def test_the_heartbeat_carries_the_liveness_rule_and_the_degraded_states() -> None:

@@ -211,6 +211,14 @@ FORGERIES: dict[str, tuple[Callable[[dict[str, Any]], None], str]] = {
     "another uid, capabilities dropped": (_other_user, "its securityContext is not the webhook's"),
     "moved to containers with a 16Mi limit": (_to_containers, "it is not in spec.initContainers"),
     "probes removed": (_no_probes, "its probes are not the webhook's"),
+    # The webhook leaves the liveness probe's period and threshold to the API server's defaults
+    # (10 s, 3): a forgery that sets its own is refused, before and after defaulting.
+    "liveness probe every 5 minutes": (lambda p: sidecar_of(p)["livenessProbe"].update(periodSeconds=300),
+                                       "its probes are not the webhook's"),
+    "liveness probe failing 1000 times": (lambda p: sidecar_of(p)["livenessProbe"].update(failureThreshold=1000),
+                                          "its probes are not the webhook's"),
+    "state directory variable of its own": (lambda p: set_env(p, "GPUFENCE_STATE_DIR", "/tmp/state"),
+                                            "its env has GPUFENCE_STATE_DIR=/tmp/state"),
     "a GPU init container before it": (_gpu_init_first, 'init container "warmup" requests a GPU and comes before it'),
     "driver capabilities compute": (lambda p: replace_env(p, "NVIDIA_DRIVER_CAPABILITIES", "compute"),
                                     "its env has NVIDIA_DRIVER_CAPABILITIES=compute"),
@@ -313,3 +321,18 @@ def test_a_container_named_like_a_config_key_is_judged_correctly() -> None:
     assert GUARD.admit(mutated, namespace_annotations=CEILINGS)[0]
     with_config(mutated, lambda d: d["containers"]["containers"].update(memoryBytes=30 * GIB))
     assert not GUARD.admit(mutated, namespace_annotations=CEILINGS)[0]
+
+
+def test_a_poll_interval_left_out_is_the_default_and_judged_so() -> None:
+    """The webhook leaves out a poll interval of 0.5 s; where the policy asks for a faster one, a
+    config without the field (the enforcer's 0.5 s) polls less often than configured."""
+    data = {**SHIPPED_POLICY, "sidecar-poll-interval": "200ms"}
+    guard = Guard(POLICY, data)
+    pod = injected(gpu_pod({"gpufence.io/memory": "4Gi"}), {}, parse_policy(data))
+    assert config_of(pod)["pollIntervalSeconds"] == 0.2
+    assert guard.admit(pod, namespace_annotations={})[0]
+    with_config(pod, lambda d: d.pop("pollIntervalSeconds"))
+    allowed, message = guard.admit(pod, namespace_annotations={})
+    assert not allowed and "polls less often" in message, message
+    # Under the default policy the same config is the webhook's own.
+    assert GUARD.admit(pod, namespace_annotations={})[0]

@@ -8,7 +8,16 @@ import json
 import jsonpatch
 import pytest
 
-from gpufence.contract import SIDECAR_NAME, SIDECAR_PORT_NAME, ContainerShare, EnforcerConfig, MemoryShare, Mode
+from gpufence.contract import (
+    ANNOTATION_STATUS,
+    DEFAULT_STATE_DIR,
+    SIDECAR_NAME,
+    SIDECAR_PORT_NAME,
+    ContainerShare,
+    EnforcerConfig,
+    MemoryShare,
+    Mode,
+)
 from gpufence.webhook import sidecar as sidecar_module
 from gpufence.webhook.admission import injection_patch
 from gpufence.webhook.desired import desired_pod
@@ -18,8 +27,10 @@ from gpufence.webhook.settings import InjectionSettings
 from gpufence.webhook.shares import SharePlan
 from gpufence.webhook.sidecar import (
     PRELOAD_VOLUME,
+    api_defaulted,
     build_sidecar,
     config_json,
+    default_pull_policy,
     enforcer_config,
     preload_library_path,
     sidecar_runs_as_root,
@@ -80,9 +91,11 @@ def test_sidecar_contract() -> None:
     assert EnforcerConfig.from_json(env["GPUFENCE_CONFIG"]) == EnforcerConfig(
         containers=dict(PLAN.containers), mode=Mode.ENFORCE, grace_period_seconds=10.0
     )
-    assert env["GPUFENCE_POD_UID"] == {"fieldRef": {"apiVersion": "v1", "fieldPath": "metadata.uid"}}
+    assert env["GPUFENCE_POD_UID"] == {"fieldRef": {"fieldPath": "metadata.uid"}}
     assert env["GPUFENCE_HOST_PROC"] == "/host/proc"
-    assert env["GPUFENCE_STATE_DIR"] == "/var/run/gpufence"
+    # The enforcer's and the probe's defaults: the state volume's mount, the default port, no warnings.
+    assert not {"GPUFENCE_STATE_DIR", "GPUFENCE_METRICS_PORT", "GPUFENCE_POD_STATUS"} & set(env)
+    assert {"name": "gpufence-state", "mountPath": DEFAULT_STATE_DIR} in sidecar["volumeMounts"]
     assert sidecar["ports"][0]["name"] == SIDECAR_PORT_NAME and len(SIDECAR_PORT_NAME) <= 15
     assert {m["name"] for m in sidecar["volumeMounts"]} == {"gpufence-state", "gpufence-host-proc"}
     assert "restartPolicy" not in build_sidecar(PLAN, InjectionSettings(native_sidecar=False))
@@ -304,3 +317,80 @@ def test_first_injection_mounts_the_token_the_api_server_gave_the_other_containe
     new, _ = desired_pod(pod, PLAN, InjectionSettings())
     assert new["spec"]["initContainers"][0]["volumeMounts"][-1] == token
     assert diff(new, desired_pod(new, PLAN, InjectionSettings())[0]) == []
+
+
+# --- what the API server's defaulting fills is left to it ------------------------------------------
+
+
+@pytest.mark.parametrize(("image", "policy"), [
+    ("ghcr.io/gpufence/gpufence:0.1.0", "IfNotPresent"), ("registry:5000/gpufence", "Always"),
+    ("registry:5000/gpufence:latest", "Always"), ("gpufence@sha256:" + "a" * 64, "IfNotPresent"),
+    ("gpufence:latest@sha256:" + "a" * 64, "Always"), ("registry:5000/team/gpufence:1.2", "IfNotPresent"),
+])
+def test_default_pull_policy_is_kubernetes(image: str, policy: str) -> None:
+    assert default_pull_policy(image) == policy
+
+
+def test_the_sidecar_leaves_the_api_servers_defaults_out_and_says_which() -> None:
+    sidecar = build_sidecar(PLAN, InjectionSettings())
+    assert "terminationMessagePath" not in sidecar and "imagePullPolicy" not in sidecar
+    assert sidecar["livenessProbe"].keys() == {"exec", "timeoutSeconds", "terminationGracePeriodSeconds"}
+    assert "successThreshold" not in sidecar["startupProbe"] and "protocol" not in sidecar["ports"][0]
+    defaulted = api_defaulted(sidecar)
+    assert defaulted["imagePullPolicy"] == "IfNotPresent"
+    assert defaulted["terminationMessagePath"] == "/dev/termination-log"
+    assert defaulted["terminationMessagePolicy"] == "FallbackToLogsOnError"  # ours, not the default
+    assert defaulted["livenessProbe"] == {**sidecar["livenessProbe"], "periodSeconds": 10, "successThreshold": 1,
+                                          "failureThreshold": 3}
+    assert defaulted["startupProbe"]["periodSeconds"] == 1 and defaulted["startupProbe"]["failureThreshold"] == 60
+    assert defaulted["ports"][0]["protocol"] == "TCP"
+    assert {"name": "GPUFENCE_POD_UID", "valueFrom": {"fieldRef": {"apiVersion": "v1", "fieldPath": "metadata.uid"}}} \
+        in defaulted["env"]
+    # A policy that is not the image's default is written.
+    assert build_sidecar(PLAN, InjectionSettings(sidecar_image_pull_policy="Always"))["imagePullPolicy"] == "Always"
+
+
+def test_a_reinvocation_on_the_defaulted_pod_patches_nothing() -> None:
+    """The API server defaults the patched pod before it reinvokes the webhook: the sidecar it sees
+    then has every default written out, and must be taken for ours."""
+    injected = apply(gpu_pod())
+    stored = copy.deepcopy(injected)
+    (sidecar,) = stored["spec"]["initContainers"]
+    stored["spec"]["initContainers"] = [api_defaulted(sidecar)]
+    assert stored != injected
+    new, _ = desired_pod(stored, PLAN, DEFAULT)
+    assert diff(stored, new) == []
+    # A sidecar that differs from ours by more than the defaults is still rebuilt.
+    stored["spec"]["initContainers"][0]["livenessProbe"]["failureThreshold"] = 30
+    assert diff(stored, desired_pod(stored, PLAN, DEFAULT)[0]) != []
+
+
+def test_the_status_records_the_pods_warnings_not_the_containers_own() -> None:
+    """A GPU container's framework advice goes back with the admission response only; what limits
+    the enforcer (here: a container of another user) is also recorded, for its Events, and only then
+    does the sidecar read the status annotation."""
+    plain = gpu_pod()
+    new, warnings = desired_pod(plain, PLAN, DEFAULT)  # a byte share, the GPU's memory unknown: advice
+    assert any("framework cap" in w for w in warnings)
+    assert "warnings" not in json.loads(new["metadata"]["annotations"][ANNOTATION_STATUS])
+    assert "GPUFENCE_POD_STATUS" not in env_of(new["spec"]["initContainers"][0])
+
+    other_user = gpu_pod(securityContext={"runAsUser": 1000})
+    other_user["spec"]["containers"][0]["securityContext"] = {"runAsUser": 0}
+    new, warnings = desired_pod(other_user, PLAN, DEFAULT)
+    recorded = json.loads(new["metadata"]["annotations"][ANNOTATION_STATUS])["warnings"]
+    assert recorded == [w for w in warnings if "framework cap" not in w] and len(recorded) == 1
+    assert "sets runAsUser 0" in recorded[0]
+    assert env_of(new["spec"]["initContainers"][0])["GPUFENCE_POD_STATUS"] == {
+        "fieldRef": {"fieldPath": f"metadata.annotations['{ANNOTATION_STATUS}']"}}
+
+
+def test_a_sidecar_brought_after_a_gpu_init_container_is_put_before_it() -> None:
+    """Ours keeps its index on a reinvocation, but never after a GPU init container, which would
+    run before enforcement starts (the guard refuses that order)."""
+    plan = SharePlan(containers=(("warmup", ContainerShare()), ("train", ContainerShare())), mode=Mode.AUDIT,
+                     grace_period_seconds=10.0)
+    pod = gpu_pod(initContainers=[{"name": "warmup", "image": "i", "resources": {"limits": {"nvidia.com/gpu": "1"}}},
+                                  {"name": SIDECAR_NAME, "image": "i"}])
+    new, _ = desired_pod(pod, plan, DEFAULT)
+    assert [c["name"] for c in new["spec"]["initContainers"]] == [SIDECAR_NAME, "warmup"]

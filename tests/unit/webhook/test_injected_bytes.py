@@ -1,0 +1,33 @@
+"""The gate on what the injection adds to a pod: the median over the goldens.
+
+Every GPU pod carries the sidecar, and the API server stores, validates and sends every byte of it
+to every watcher; the bench (bench/injected_bytes.py) prints the figure per golden.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.support.injected_bytes import bytes_added
+from tests.support.stats import median
+
+# The target: a median of at most 1.2 kB added per injected pod.
+TARGET_MEDIAN_BYTES = 1200
+# What the injection adds now (2084.5 bytes median when this was set): no change may grow it.
+CEILING_MEDIAN_BYTES = 2100
+
+
+def _median() -> float:
+    added = bytes_added()
+    assert len(added) >= 50, f"only {len(added)} mutated goldens"
+    return median(list(added.values()))
+
+
+def test_the_injection_does_not_grow() -> None:
+    assert _median() <= CEILING_MEDIAN_BYTES
+
+
+@pytest.mark.xfail(strict=True, reason="measured 2084.5 bytes median over the goldens; what remains is the "
+                   "sidecar's own spec (probes, securityContext, env, resources) and the GPU containers' variables")
+def test_the_median_injection_is_within_the_target() -> None:
+    assert _median() <= TARGET_MEDIAN_BYTES
