@@ -632,7 +632,8 @@ _label_variants = st.sampled_from([None, {POD_OPT_OUT_LABEL: "false"}, {POD_OPT_
 def test_the_guard_agrees_with_the_webhook_on_generated_pods(candidate: dict[str, Any], ns_annotations: dict[str, str],
                                                              labels: dict[str, str] | None) -> None:
     """What the webhook admits as is the guard admits; what it mutates passes the guard; a pod it
-    would mutate is refused by the guard when sent unmutated (the webhook down)."""
+    would mutate is refused by the guard when sent unmutated (the webhook down); what it denies,
+    the guard denies."""
     import jsonpatch
 
     from gpufence.webhook import admission, client
@@ -655,3 +656,5 @@ def test_the_guard_agrees_with_the_webhook_on_generated_pods(candidate: dict[str
         mutated = jsonpatch.apply_patch(candidate, patch)
         assert GUARD.admit(mutated, namespace_annotations=ns_annotations)[0], "the webhook's output fails the guard"
         assert not unmutated, "a pod the webhook mutates passes the guard unmutated"
+    else:
+        assert not unmutated, "the guard admits a pod the webhook denies"
