@@ -25,7 +25,7 @@ import celpy
 import pytest
 import yaml
 from celpy import celtypes
-from hypothesis import event, given
+from hypothesis import event, example, given
 from hypothesis import settings as hypothesis_settings
 from hypothesis import strategies as st
 
@@ -620,10 +620,20 @@ _label_variants = st.sampled_from([None, {POD_OPT_OUT_LABEL: "false"}, {POD_OPT_
 
 @hypothesis_settings(max_examples=200)
 @given(good_pods, _namespace_variants, _label_variants)
+# An author's container under the sidecar's name after a GPU init container: the webhook kept it
+# there (behind the GPU init container, which the guard refuses); it denies the pod now.
+@example(
+    candidate={"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "p"}, "spec": {
+        "containers": [{"name": "a", "image": "i", "resources": {"limits": {"nvidia.com/gpu": "1"}}}],
+        "initContainers": [{"name": "i1", "image": "i", "resources": {"limits": {"nvidia.com/gpu": "1"}}},
+                           {"name": SIDECAR_NAME, "image": "i", "resources": {"limits": {"nvidia.com/gpu": "0"}}}]}},
+    ns_annotations={}, labels=None,
+)
 def test_the_guard_agrees_with_the_webhook_on_generated_pods(candidate: dict[str, Any], ns_annotations: dict[str, str],
                                                              labels: dict[str, str] | None) -> None:
     """What the webhook admits as is the guard admits; what it mutates passes the guard; a pod it
-    would mutate is refused by the guard when sent unmutated (the webhook down)."""
+    would mutate is refused by the guard when sent unmutated (the webhook down); what it denies,
+    the guard denies."""
     import jsonpatch
 
     from gpufence.webhook import admission, client
@@ -646,3 +656,5 @@ def test_the_guard_agrees_with_the_webhook_on_generated_pods(candidate: dict[str
         mutated = jsonpatch.apply_patch(candidate, patch)
         assert GUARD.admit(mutated, namespace_annotations=ns_annotations)[0], "the webhook's output fails the guard"
         assert not unmutated, "a pod the webhook mutates passes the guard unmutated"
+    else:
+        assert not unmutated, "the guard admits a pod the webhook denies"
