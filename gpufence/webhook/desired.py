@@ -93,8 +93,6 @@ def desired_pod(pod: dict[str, Any], plan: SharePlan, settings: InjectionSetting
     paths = PodGpuPaths(pod["spec"], settings)
     port = settings.metrics_port
     sidecar_key = "initContainers" if settings.native_sidecar else "containers"
-    if settings.native_sidecar:
-        _check_kept_sidecar_place(spec.get("initContainers") or (), shares)
     sidecar_at: int | None = None  # where ours already is in its list (a reinvocation)
     previous_sidecar: dict[str, Any] | None = None
     port_taken_by: str | None = None  # a container of the pod that declares the metrics port
@@ -177,29 +175,6 @@ def desired_pod(pod: dict[str, Any], plan: SharePlan, settings: InjectionSetting
     annotations[ANNOTATION_STATUS] = status_annotation(plan, record.caps, recorded)
     return new_pod, [*container_warnings, *warnings, *replaced]
 
-
-def _check_kept_sidecar_place(init_containers: Any, gpu_names: Container[str]) -> None:
-    """Deny a container under our sidecar's name in ``spec.initContainers`` after an init container
-    that requests a GPU.
-
-    The webhook rebuilds such a container where it is (a reinvocation keeps its index, see
-    ``desired_pod``), and its own output never has it there: it puts the enforcer first. So this
-    shape is the author's: there the GPU init container would run before enforcement starts, and
-    the guard refuses the pod for it; the webhook says why first, instead of a pod the guard denies.
-    """
-    names = [c.get("name") for c in init_containers]
-    if SIDECAR_NAME not in names:
-        return
-    at = names.index(SIDECAR_NAME)
-    before = [(i, name) for i, name in enumerate(names[:at]) if name in gpu_names]
-    if before:
-        i, name = before[0]
-        raise MutationError(
-            f"spec.initContainers[{at}] is named {SIDECAR_NAME}, the name gpufence reserves for its enforcer "
-            f"sidecar, and comes after init container {quote(name)} (spec.initContainers[{i}]), which requests "
-            "a GPU and would run before enforcement starts; remove that container (the webhook injects the "
-            f"enforcer first, e.g. initContainers: [{SIDECAR_NAME}, {quote(name)}]) or rename it"
-        )
 
 
 def with_claims(sidecar: dict[str, Any], claims: list[str]) -> dict[str, Any]:
