@@ -13,7 +13,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from gpufence.contract import ANNOTATION_STATUS
+from gpufence.contract import ANNOTATION_STATUS, ENV_POD_STATUS, SIDECAR_NAME
 from gpufence.webhook.admission import ReviewResult, review
 from gpufence.webhook.dra import (
     DraSnapshot,
@@ -176,7 +176,9 @@ T, C = "resourceClaimTemplateName", "resourceClaimName"
 
 
 def reviewed(pod: dict[str, Any], result: ReviewResult) -> tuple[dict[str, Any], list[str]]:
-    """The pod as the review leaves it, without the warnings of its status annotation, and those warnings."""
+    """The pod as the review leaves it, without the warnings of its status annotation (nor the
+    sidecar's variable that hands them to the enforcer, written only when there are some), and those
+    warnings."""
     response = result.review["response"]
     patched = jsonpatch.apply_patch(pod, json.loads(base64.b64decode(response["patch"]))) \
         if "patch" in response else pod
@@ -187,6 +189,11 @@ def reviewed(pod: dict[str, Any], result: ReviewResult) -> tuple[dict[str, Any],
     recorded = status.pop("warnings", [])
     patched = {**patched, "metadata": {**patched["metadata"], "annotations": {
         **annotations, ANNOTATION_STATUS: json.dumps(status, sort_keys=True)}}}
+    spec = patched["spec"]
+    patched["spec"] = {**spec, **{key: [
+        {**c, "env": [e for e in c.get("env") or () if e.get("name") != ENV_POD_STATUS]}
+        if c.get("name") == SIDECAR_NAME else c for c in spec[key]]
+        for key in ("initContainers", "containers") if spec.get(key)}}
     return patched, recorded
 
 
