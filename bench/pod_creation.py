@@ -4,17 +4,30 @@
 
 One control plane (tests/e2e's: etcd, kube-apiserver, kube-controller-manager from pinned Go
 modules) with gpufence installed as shipped (webhook as a local process, guard policy active) and a
-reference peer. Each round runs four phases, each creating ``--pods`` GPU pods (``generateName``)
+reference peer. Each round runs six phases, each creating ``--pods`` GPU pods (``generateName``)
 with ``--concurrency`` creates in flight from an aiohttp client:
 
 1. **no webhook**: a namespace that is not opted in (the API server calls no webhook and the guard
    does not apply): the pod as its user wrote it;
 2. **no webhook, pre-injected pod**: the pod as gpufence would store it, sent as is to a namespace
    that is not opted in: what storing and validating the larger pod costs by itself;
-3. **gpufence**: an opted-in namespace, the API server calling the gpufence webhook;
-4. **reference**: the same, with the webhook configuration pointed at a minimal Go webhook
+3. **guard only, pre-injected pod**: the same pod sent to an opted-in namespace that the webhook
+   configuration skips: only the ``gpufence-guard`` policy's CEL runs (and admits it), so the
+   difference between 2 and 3 is the guard's cost;
+4. **gpufence**: an opted-in namespace, the API server calling the gpufence webhook (and the guard);
+5. **gpufence, no guard**: the same in a namespace that the guard's binding skips: the webhook alone;
+6. **reference**: as 4, with the webhook configuration pointed at a minimal Go webhook
    (tests/e2e/gomod/refwebhook) that returns the JSON Patch gpufence computed for this pod, so the
-   difference between 3 and 4 is gpufence's own cost, and between 2 and 4 the cost of any webhook.
+   difference between 4 and 6 is gpufence's own cost, and between 3 and 6 the cost of any webhook.
+
+Phases 3 and 5 need one change to the installed objects, made once before the first phase: the
+webhook configuration's namespaceSelector and the guard binding's matchResources each gain a term
+excluding namespaces labelled ``bench.gpufence.io/webhook=off`` (resp. ``.../guard=off``). Only
+those two phases' namespaces carry the labels; what the guard enforces is unchanged. Before phase
+3 measures, a pod as its user wrote it must be refused there (the guard applies, the webhook does
+not). The API server's own metric ``apiserver_admission_controller_admission_duration_seconds`` for
+its ValidatingAdmissionPolicy plugin gives, per phase, the plugin's time per create (it serves no
+per-policy metric): the guard's CEL where it applies, matching alone where it does not.
 
 Phases alternate round by round and each figure is the median over the rounds, because the
 machine is shared. Every process (API server, etcd, webhook, this client) shares its cores: on 2
@@ -40,6 +53,7 @@ from typing import Any
 import aiohttp
 import jsonpatch
 import psutil
+from prometheus_client.parser import text_string_to_metric_families
 
 from bench.common import table, write_section
 from gpufence.webhook.admission import review
@@ -49,7 +63,7 @@ from gpufence.webhook.settings import AllNamespacesOptedIn, InjectionSettings
 from tests.e2e import kube
 from tests.e2e.binaries import KUBERNETES_VERSIONS, build, control_plane, refwebhook_recipe
 from tests.e2e.controlplane import ControlPlane, free_port, running_control_plane, start
-from tests.e2e.gpufence_install import WebhookProcess, point_webhook_at, start_gpufence
+from tests.e2e.gpufence_install import WEBHOOK_CONFIGURATION, WebhookProcess, point_webhook_at, start_gpufence
 from tests.support.stats import median, percentile
 
 # What a user may be asked to pay for the injection: 0.7 of the no-webhook rate with 100 creates in flight.
@@ -68,6 +82,8 @@ class Phase:
     namespace: str
     webhook_calls: float | None = None
     concurrency: int = 0
+    vap_creates: float = 0.0
+    vap_seconds: float = 0.0
 
     @property
     def rate(self) -> float:
@@ -129,11 +145,15 @@ async def create_many(cp: ControlPlane, namespace: str, pods: int, concurrency: 
 
 def run_phase(cp: ControlPlane, name: str, pods: int, concurrency: int, *, expect_mutated: bool,
               webhook_pid: int | None, pod: dict[str, Any] | None = None, opted_in: bool = True,
-              webhook_calls: Callable[[], float] | None = None) -> Phase:
+              webhook_calls: Callable[[], float] | None = None, switch_off: str | None = None,
+              check: Callable[[str], None] | None = None) -> Phase:
+    """One phase; ``switch_off`` ("webhook" or "guard") labels the namespace so that part skips it."""
     pod = pod or bench_pod()
     admin = kube.api_client(cp.admin_kubeconfig)
-    namespace = kube.create_namespace(admin, "bench-" + re.sub(r"[^a-z0-9]+", "-", name),
-                                      kube.OPT_IN if opted_in else None)
+    labels = dict(kube.OPT_IN) if opted_in else {}
+    if switch_off:
+        labels[SWITCH_PREFIX + switch_off] = "off"
+    namespace = kube.create_namespace(admin, "bench-" + re.sub(r"[^a-z0-9]+", "-", name), labels)
     # The API server picks up configuration changes from its own watch: wait until it acts on them.
     last: list[kube.Created] = []
 
@@ -145,18 +165,57 @@ def run_phase(cp: ControlPlane, name: str, pods: int, concurrency: int, *, expec
         kube.wait_for(in_effect, f"phase {name!r} to take effect", timeout=30)
     except AssertionError as exc:
         raise AssertionError(f"{exc}: {last[0].status} {last[0].message}") from None
+    if check is not None:
+        check(namespace)
     cpu: list[float | None] = []
     calls: list[float] = []
+    vap: list[tuple[float, float]] = []
 
     def mark() -> None:
         cpu.append(_cpu(webhook_pid))
+        vap.append(policy_plugin_time(cp))
         if webhook_calls is not None:
             calls.append(webhook_calls())
 
     elapsed, latencies, failures = asyncio.run(create_many(cp, namespace, pods, concurrency, pod, mark))
     return Phase(name, pods, elapsed, latencies, failures,
                  None if cpu[0] is None or cpu[1] is None else cpu[1] - cpu[0], namespace,
-                 calls[1] - calls[0] if calls else None, concurrency)
+                 calls[1] - calls[0] if calls else None, concurrency,
+                 vap[1][0] - vap[0][0], vap[1][1] - vap[0][1])
+
+
+SWITCH_PREFIX = "bench.gpufence.io/"
+GUARD = "gpufence-guard"
+PLUGIN_METRIC = "apiserver_admission_controller_admission_duration_seconds"
+
+
+def add_switches(cp: ControlPlane) -> None:
+    """Let a namespace label turn the webhook or the guard off for the phases that measure one alone."""
+    config = json.loads(cp.kubectl("get", "mutatingwebhookconfiguration", WEBHOOK_CONFIGURATION, "-o", "json").stdout)
+    off = {"operator": "NotIn", "values": ["off"]}
+    ops = [{"op": "add", "path": f"/webhooks/{i}/namespaceSelector/matchExpressions/-",
+            "value": {"key": SWITCH_PREFIX + "webhook", **off}} for i, _ in enumerate(config["webhooks"])]
+    cp.kubectl("patch", "mutatingwebhookconfiguration", WEBHOOK_CONFIGURATION, "--type=json", "-p", json.dumps(ops))
+    binding = json.loads(cp.kubectl("get", "validatingadmissionpolicybinding", GUARD, "-o", "json").stdout)
+    assert "matchResources" not in binding["spec"], "the shipped binding now has matchResources: merge, not add"
+    cp.kubectl("patch", "validatingadmissionpolicybinding", GUARD, "--type=json", "-p", json.dumps([
+        {"op": "add", "path": "/spec/matchResources",
+         "value": {"namespaceSelector": {"matchExpressions": [{"key": SWITCH_PREFIX + "guard", **off}]}}}]))
+
+
+def policy_plugin_time(cp: ControlPlane) -> tuple[float, float]:
+    """The API server's count of CREATEs through its ValidatingAdmissionPolicy plugin and their total
+    seconds (its /metrics)."""
+    with urllib.request.urlopen(f"{cp.server}/metrics", context=cp.ssl_context(), timeout=10) as resp:
+        text = resp.read().decode()
+    count = seconds = 0.0
+    for family in text_string_to_metric_families(text):
+        if family.name == PLUGIN_METRIC:
+            for s in family.samples:
+                if s.labels.get("name") == "ValidatingAdmissionPolicy" and s.labels.get("operation") == "CREATE":
+                    count += s.value if s.name.endswith("_count") else 0.0
+                    seconds += s.value if s.name.endswith("_sum") else 0.0
+    return count, seconds
 
 
 def _cpu(pid: int | None) -> float | None:
@@ -183,6 +242,7 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as tmp, running_control_plane(binaries, Path(tmp) / "cp") as cp:
         injected = pre_injected_pod(cp)
         hook: WebhookProcess = start_gpufence(cp, Path(tmp) / "gpufence")
+        add_switches(cp)
         ref = start_reference(cp, hook, ref_binary, Path(tmp))
         try:
             assert hook.component is not None
@@ -200,10 +260,27 @@ def main(argv: list[str] | None = None) -> int:
                 return run_phase(cp, "no webhook, pre-injected pod", pods, concurrency, expect_mutated=True,
                                  webhook_pid=None, pod=injected, opted_in=False)
 
+            def guard_only(concurrency: int, pods: int) -> Phase:
+                # The same pod in an opted-in namespace that the webhook configuration skips: only
+                # the guard's CEL runs, and admits the webhook's output.
+                return run_phase(cp, "guard only, pre-injected pod", pods, concurrency, expect_mutated=True,
+                                 webhook_pid=None, pod=injected, switch_off="webhook",
+                                 webhook_calls=lambda: sum(hook.request_counts().values()), check=guarded)
+
+            def guarded(namespace: str) -> None:
+                plain = kube.create_pod(kube.api_client(cp.admin_kubeconfig), namespace, bench_pod(), dry_run=True)
+                assert not plain.admitted and GUARD in plain.message, f"the guard did not refuse: {plain.message}"
+
             def gpufence(concurrency: int, pods: int) -> Phase:
                 point_webhook_at(cp, gpufence_url)
                 return run_phase(cp, "gpufence", pods, concurrency, expect_mutated=True,
                                  webhook_pid=hook.component.process.pid,
+                                 webhook_calls=lambda: sum(hook.request_counts().values()))
+
+            def gpufence_no_guard(concurrency: int, pods: int) -> Phase:
+                point_webhook_at(cp, gpufence_url)
+                return run_phase(cp, "gpufence, no guard", pods, concurrency, expect_mutated=True,
+                                 webhook_pid=hook.component.process.pid, switch_off="guard",
                                  webhook_calls=lambda: sum(hook.request_counts().values()))
 
             def reference(concurrency: int, pods: int) -> Phase:
@@ -211,7 +288,7 @@ def main(argv: list[str] | None = None) -> int:
                 return run_phase(cp, "reference", pods, concurrency, expect_mutated=True,
                                  webhook_pid=ref.component.process.pid)
 
-            order = [no_webhook, pre_injected, gpufence, reference]
+            order = [no_webhook, pre_injected, guard_only, gpufence, gpufence_no_guard, reference]
             for level, pods in ((1, args.sequential_pods), (args.concurrency, args.pods)):
                 for r in range(args.rounds):
                     # Each round starts with another phase, so that neither the machine's changing
@@ -224,9 +301,9 @@ def main(argv: list[str] | None = None) -> int:
             hook.stop()
 
     body = report(rounds, args.pods) + "\n\n" + report(sequential, args.sequential_pods, "one create at a time")
-    base, ours, peer = (median([r[i].rate for r in rounds]) for i in (0, 2, 3))
-    added = median([r[2].p(99) for r in sequential]) - median([r[0].p(99) for r in sequential])
-    added_peer = median([r[3].p(99) for r in sequential]) - median([r[0].p(99) for r in sequential])
+    base, ours, peer = (median([r[i].rate for r in rounds]) for i in (0, 3, 5))
+    added = median([r[3].p(99) for r in sequential]) - median([r[0].p(99) for r in sequential])
+    added_peer = median([r[5].p(99) for r in sequential]) - median([r[0].p(99) for r in sequential])
     verdict = (
         f"\n\nKubernetes {args.version}; medians of {args.rounds} rounds, phases rotated round by round. "
         f"Targets: with {args.concurrency} creates in flight gpufence >= {TARGET_RATIO} x the no-webhook rate "
@@ -238,6 +315,8 @@ def main(argv: list[str] | None = None) -> int:
     print(body + verdict)
     if not args.no_write:
         write_section("pod_creation", "Pod creation through the real API server", body + verdict)
+    # The guard-only phase must not have reached the webhook.
+    assert not any(p.name.startswith("guard") and p.webhook_calls for r in rounds + sequential for p in r)
     return 0 if all(p.failures == 0 for r in rounds + sequential for p in r) else 1
 
 
@@ -253,16 +332,19 @@ def report(rounds: list[list[Phase]], pods: int, title: str = "") -> str:
         runs = [r[i] for r in rounds]
         cpu = [p.webhook_cpu_s / p.pods * 1e6 for p in runs if p.webhook_cpu_s is not None]
         calls = [p.webhook_calls / p.pods for p in runs if p.webhook_calls is not None]
+        vap = [p.vap_seconds / p.vap_creates * 1e6 for p in runs if p.vap_creates]
         rows.append([name, f"{len(runs)} x {pods}", f"{med(i, lambda p: p.rate):.0f}",
                      f"{med(i, lambda p: p.rate) / base_rate:.2f}",
                      " / ".join(f"{p.rate / r[0].rate:.2f}" for p, r in zip(runs, rounds, strict=True)),
                      f"{med(i, lambda p: p.p(50)):.1f}", f"{med(i, lambda p: p.p(99)):.1f}",
                      f"{med(i, lambda p: p.p(99)) - base_p99:+.1f}", sum(p.failures for p in runs),
-                     f"{median(cpu):.0f}" if cpu else "-", f"{median(calls):.2f}" if calls else "-"])
+                     f"{median(cpu):.0f}" if cpu else "-", f"{median(calls):.2f}" if calls else "-",
+                     f"{median(vap):.0f}" if vap else "-"])
     concurrency = title or f"{rounds[0][0].concurrency} creates in flight"
     return f"**{concurrency}**\n\n" + table(
         ["phase", "pods", "pods/s", "x no webhook", "x no webhook per round", "p50 ms", "p99 ms",
-         "added p99 ms", "failed", "webhook CPU µs/pod", "webhook calls/pod"], rows)
+         "added p99 ms", "failed", "webhook CPU µs/pod", "webhook calls/pod",
+         "VAP plugin µs/create"], rows)
 
 
 @dataclass
