@@ -9,7 +9,7 @@ CI=true (tests/support/prerequisites.py).
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -18,8 +18,9 @@ from kubernetes import client
 from tests.e2e import kube
 from tests.e2e.binaries import KUBERNETES_VERSIONS, GoMissing, control_plane
 from tests.e2e.controlplane import ControlPlane, running_control_plane
-from tests.e2e.gpufence_install import WebhookProcess, start_gpufence
+from tests.e2e.gpufence_install import NAMESPACE, POLICY_CONFIGMAP, WebhookProcess, apply_objects, start_gpufence
 from tests.e2e.tenant import Tenant, make_tenant
+from tests.e2e.test_policy_reload import policy_valid, shipped_configmap
 from tests.support.prerequisites import missing, skip_by_design
 
 
@@ -83,3 +84,19 @@ def tenant(cluster: ControlPlane, admin: client.ApiClient, gpufence: WebhookProc
            tmp_path: Path) -> Tenant:
     """An ``edit`` ServiceAccount in an opted-in namespace with ceilings (tests/e2e/tenant.py)."""
     return make_tenant(cluster, admin, tmp_path)
+
+
+@pytest.fixture
+def set_policy(cluster: ControlPlane, admin: client.ApiClient,
+               webhook: WebhookProcess) -> Iterator[Callable[[dict[str, str]], None]]:
+    """Patches keys of the policy ConfigMap as an admin would; afterwards the shipped ConfigMap is
+    back, seen by the webhook."""
+    def set_keys(data: dict[str, str]) -> None:
+        client.CoreV1Api(admin).patch_namespaced_config_map(POLICY_CONFIGMAP, NAMESPACE, {"data": data})
+
+    yield set_keys
+    # As an admin re-applying the install would: the shipped data wins over the patches (and a
+    # deleted ConfigMap is created again).
+    apply_objects(cluster, [shipped_configmap(cluster, webhook)], "--force-conflicts")
+    if webhook.component is not None and webhook.component.process.poll() is None:
+        kube.wait_for(lambda: policy_valid(webhook), "the webhook to read the shipped policy again", timeout=30)

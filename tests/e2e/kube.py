@@ -14,7 +14,7 @@ from typing import Any
 from kubernetes import client, config
 from kubernetes.client.exceptions import ApiException
 
-from gpufence.contract import SIDECAR_NAME
+from gpufence.contract import ENV_CONFIG, SIDECAR_NAME
 
 _names = itertools.count(1)
 OPT_IN = {"gpufence.io/injection": "enabled"}
@@ -124,6 +124,38 @@ def is_mutated(pod: dict[str, Any]) -> bool:
 
 def env_of(container: dict[str, Any]) -> dict[str, Any]:
     return {e["name"]: e.get("value", e.get("valueFrom")) for e in container.get("env", [])}
+
+
+def container(pod: dict[str, Any], name: str) -> dict[str, Any]:
+    """The init or regular container of ``pod`` named ``name`` (exactly one)."""
+    spec = pod["spec"]
+    (found,) = [c for c in spec.get("initContainers", []) + spec["containers"] if c["name"] == name]
+    return found
+
+
+def enforcer_config(pod: dict[str, Any]) -> dict[str, Any]:
+    """The injected sidecar's GPUFENCE_CONFIG, parsed."""
+    return json.loads(env_of(container(pod, SIDECAR_NAME))[ENV_CONFIG])
+
+
+Forgery = tuple[Callable[[dict[str, Any]], None], str]
+
+
+def forgeries_not_refused(api: client.ApiClient, namespace: str, template: dict[str, Any],
+                          forgeries: dict[str, Forgery]) -> dict[str, str]:
+    """Each forgery applied to a copy of ``template`` and created: the names of those the guard did not
+    refuse with its expected message, with what happened instead (empty when all were refused)."""
+    wrong: dict[str, str] = {}
+    for name, (forge, expected) in forgeries.items():
+        forged = copy.deepcopy(template)
+        forged["metadata"]["name"] = unique("forged")
+        forge(forged)
+        result = create_pod(api, namespace, forged)
+        if result.admitted:
+            wrong[name] = "admitted"
+        elif not (result.status == 403 and "gpufence-guard" in result.message and expected in result.message):
+            wrong[name] = f"{result.status}: {result.message}"
+    return wrong
 
 
 def without_server_fields(pod: dict[str, Any]) -> dict[str, Any]:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -20,10 +20,11 @@ from kubernetes import client
 from gpufence.contract import ANNOTATION_STATUS, SIDECAR_NAME
 from tests.e2e import kube
 from tests.e2e.controlplane import ControlPlane
-from tests.e2e.gpufence_install import NAMESPACE, POLICY_CONFIGMAP, WebhookProcess, apply_objects
+from tests.e2e.gpufence_install import WebhookProcess
+from tests.e2e.kube import container, enforcer_config
 from tests.e2e.tenant import Tenant
-from tests.e2e.test_gpu_paths import container, device_pod, enforcer_config, served
-from tests.e2e.test_policy_reload import logged, policy_valid, shipped_configmap
+from tests.e2e.test_gpu_paths import device_pod, served
+from tests.e2e.test_policy_reload import logged
 from tests.support.prerequisites import skip_by_design
 
 API = "/apis/resource.k8s.io/v1"
@@ -63,19 +64,6 @@ def dra(cluster: ControlPlane, admin: client.ApiClient) -> None:
         skip_by_design("dra-not-served", f"Kubernetes {cluster.version} does not serve resource.k8s.io/v1")
 
 
-@pytest.fixture
-def policy(cluster: ControlPlane, admin: client.ApiClient,
-           webhook: WebhookProcess) -> Iterator[Callable[[dict[str, str]], None]]:
-    """Patches keys of the policy ConfigMap as an admin would; the shipped data is put back after."""
-    def set_keys(data: dict[str, str]) -> None:
-        client.CoreV1Api(admin).patch_namespaced_config_map(POLICY_CONFIGMAP, NAMESPACE, {"data": data})
-
-    yield set_keys
-    apply_objects(cluster, [shipped_configmap(cluster, webhook)], "--force-conflicts")
-    if webhook.component is not None and webhook.component.process.poll() is None:
-        kube.wait_for(lambda: policy_valid(webhook), "the webhook to read the shipped policy again", timeout=30)
-
-
 def claim_pod(pod_claim: dict[str, str], *, voided: bool = False) -> dict[str, Any]:
     return device_pod({"claims": [{"name": "dev"}]}, claims=[{"name": "dev", **pod_claim}], voided=voided)
 
@@ -91,7 +79,7 @@ def resolved(webhook: WebhookProcess, namespace: str, pod_claim: dict[str, str])
 
 def test_claims_resolve_through_their_device_classes(
     dra: None, admin: client.ApiClient, tenant: Tenant, webhook: WebhookProcess,
-    policy: Callable[[dict[str, str]], None],
+    set_policy: Callable[[dict[str, str]], None],
 ):
     gpu_class, nic_class = kube.unique("gpu"), kube.unique("nic")
     for obj in (device_class(gpu_class, "gpu.nvidia.com"), device_class(nic_class, "nic.example.com")):
@@ -157,7 +145,7 @@ def test_claims_resolve_through_their_device_classes(
     # The admin lists the NIC template: no sidecar, the container keeps its claim (never void),
     # and the guard admits the pod with the webhook up and down alike. A listed name whose class
     # selects GPUs runs on the admin's word, and the author is told.
-    policy({"non-gpu-resource-claims": f"{nic_template},{gpu_template}"})
+    set_policy({"non-gpu-resource-claims": f"{nic_template},{gpu_template}"})
     nic = {"resourceClaimTemplateName": nic_template}
     created = kube.wait_for(lambda: (c := kube.create_pod(tenant.api, ns, claim_pod(nic))).admitted
                             and not kube.is_mutated(c.obj) and c, "the webhook to read the new policy")
@@ -180,7 +168,7 @@ def test_claims_resolve_through_their_device_classes(
 
 def test_the_gpu_drivers_are_policy(
     dra: None, admin: client.ApiClient, tenant: Tenant, webhook: WebhookProcess,
-    policy: Callable[[dict[str, str]], None],
+    set_policy: Callable[[dict[str, str]], None],
 ):
     """An admin whose GPUs come from another DRA driver names it in dra-gpu-driver-name."""
     other = kube.unique("other-gpu")
@@ -192,7 +180,7 @@ def test_the_gpu_drivers_are_policy(
     pod_claim = {"resourceClaimTemplateName": template}
     (said,) = resolved(webhook, tenant.namespace, pod_claim)
     assert "holds no GPU" in said
-    policy({"dra-gpu-driver-name": "gpu.nvidia.com,gpu.example.com"})
+    set_policy({"dra-gpu-driver-name": "gpu.nvidia.com,gpu.example.com"})
     kube.wait_for(lambda: resolved(webhook, tenant.namespace, pod_claim) == [], "the webhook to read the new policy")
 
 

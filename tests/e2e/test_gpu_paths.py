@@ -9,19 +9,18 @@ plugin's, so ``void`` would take the device away.
 
 from __future__ import annotations
 
-import json
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import pytest
 from kubernetes import client
 
-from gpufence.contract import ENV_CONFIG, SIDECAR_NAME
+from gpufence.contract import SIDECAR_NAME
 from tests.e2e import kube
 from tests.e2e.controlplane import ControlPlane
-from tests.e2e.gpufence_install import NAMESPACE, POLICY_CONFIGMAP, WebhookProcess, apply_objects
+from tests.e2e.gpufence_install import WebhookProcess
+from tests.e2e.kube import container, enforcer_config
 from tests.e2e.tenant import Tenant
-from tests.e2e.test_policy_reload import policy_valid, shipped_configmap
 from tests.support.prerequisites import skip_by_design
 
 SHARE = {"gpufence.io/memory": "4Gi", "gpufence.io/compute": "20"}  # within the tenant's ceilings
@@ -53,16 +52,6 @@ def device_pod(resources: dict[str, Any], *, claims: list[dict[str, str]] | None
     if claims is not None:
         pod["spec"]["resourceClaims"] = claims
     return pod
-
-
-def container(pod: dict[str, Any], name: str) -> dict[str, Any]:
-    spec = pod["spec"]
-    (found,) = [c for c in spec.get("initContainers", []) + spec["containers"] if c["name"] == name]
-    return found
-
-
-def enforcer_config(pod: dict[str, Any]) -> dict[str, Any]:
-    return json.loads(kube.env_of(container(pod, SIDECAR_NAME))[ENV_CONFIG])
 
 
 @pytest.mark.parametrize("resource", ["nvidia.com/gpu.shared", "nvidia.com/mig-1g.10gb"])
@@ -148,19 +137,6 @@ def test_claims_beside_a_gpu_resource_break_nothing_with_or_without_dra(
     assert created.admitted, created.message
     assert kube.is_mutated(created.obj)
     assert "gpus" not in enforcer_config(created.obj)["containers"]["trainer"]
-
-
-@pytest.fixture
-def set_policy(cluster: ControlPlane, admin: client.ApiClient,
-               webhook: WebhookProcess) -> Iterator[Callable[[dict[str, str]], None]]:
-    """Patches keys of the policy ConfigMap as an admin would; the shipped data is put back after."""
-    def set_keys(data: dict[str, str]) -> None:
-        client.CoreV1Api(admin).patch_namespaced_config_map(POLICY_CONFIGMAP, NAMESPACE, {"data": data})
-
-    yield set_keys
-    apply_objects(cluster, [shipped_configmap(cluster, webhook)], "--force-conflicts")
-    if webhook.component is not None and webhook.component.process.poll() is None:
-        kube.wait_for(lambda: policy_valid(webhook), "the webhook to read the shipped policy again", timeout=30)
 
 
 def test_an_exclusive_mig_profile_gets_no_sidecar_and_keeps_its_device(

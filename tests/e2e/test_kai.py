@@ -9,12 +9,12 @@ request, within the namespace's ceilings, and never strip or refuse KAI's variab
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 from gpufence.contract import ENV_CONFIG, SIDECAR_NAME
 from tests.e2e import kube
 from tests.e2e.gpufence_install import WebhookProcess
+from tests.e2e.kube import container, enforcer_config
 from tests.e2e.tenant import Tenant
 
 KAI_CONFIGMAP = "train-x7k2p9q-shared-gpu-0"  # as KAI's admission webhook names it for containers[0]
@@ -41,16 +41,6 @@ def kai_pod(annotations: dict[str, str], *, scheduler: str | None = "kai-schedul
     if scheduler is not None:
         pod["spec"]["schedulerName"] = scheduler
     return pod
-
-
-def container(pod: dict[str, Any], name: str) -> dict[str, Any]:
-    spec = pod["spec"]
-    (found,) = [c for c in spec.get("initContainers", []) + spec["containers"] if c["name"] == name]
-    return found
-
-
-def enforcer_config(pod: dict[str, Any]) -> dict[str, Any]:
-    return json.loads(kube.env_of(container(pod, SIDECAR_NAME))[ENV_CONFIG])
 
 
 def resubmitted(stored: dict[str, Any]) -> dict[str, Any]:

@@ -12,10 +12,9 @@ from __future__ import annotations
 
 import copy
 import json
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
-import pytest
 from kubernetes import client
 
 from tests.e2e import kube
@@ -34,23 +33,6 @@ def shipped_configmap(cluster: ControlPlane, webhook: WebhookProcess) -> dict[st
     (obj,) = [o for o in rendered(cluster, REPO / "k8s", webhook.url)
               if o["kind"] == "ConfigMap" and o["metadata"]["name"] == POLICY_CONFIGMAP]
     return obj
-
-
-@pytest.fixture
-def set_policy(cluster: ControlPlane, admin: client.ApiClient,
-               webhook: WebhookProcess) -> Iterator[Callable[[dict[str, str]], None]]:
-    """Patches keys of the policy ConfigMap; afterwards the shipped ConfigMap is back, seen by the webhook."""
-    core = client.CoreV1Api(admin)
-
-    def set_keys(data: dict[str, str]) -> None:
-        core.patch_namespaced_config_map(POLICY_CONFIGMAP, NAMESPACE, {"data": data})
-
-    yield set_keys
-    # As an admin re-applying the install would: the shipped data wins over the patches (and a
-    # deleted ConfigMap is created again).
-    apply_objects(cluster, [shipped_configmap(cluster, webhook)], "--force-conflicts")
-    if webhook.component is not None and webhook.component.process.poll() is None:
-        kube.wait_for(lambda: policy_valid(webhook), "the webhook to read the shipped policy again", timeout=30)
 
 
 def policy_valid(webhook: WebhookProcess) -> bool:
