@@ -28,7 +28,7 @@
  *
  *     gpufence-simnvml-driver 1
  *     limit <uuid> <soft> <hard> <namespace>
- *     alloc <uuid> <host pid, 0 if unknown> <bytes> <allocator's pid ns inode> <its pid there>
+ *     alloc <uuid> <host pid, 0 if unknown> <bytes> <allocator's pid ns inode> <its pid there> <its start time>
  *
  * Writers hold flock(LOCK_EX) on "<state file>.driver.lock", re-read the file, and replace it
  * (temp file + rename); readers read it without the lock at every call.
@@ -74,6 +74,11 @@ struct sim_alloc {
     unsigned long long bytes;
     unsigned long long ns_inode; /* the allocator's pid namespace and its pid there */
     unsigned int ns_pid;
+    /* The allocator's start time (clock ticks after boot, field 22 of /proc/<pid>/stat; 0: unknown).
+     * A pid, even with its namespace's inode, names a process only until both are reused: a later
+     * pod's namespace can get a dead one's inode and the same small pids, and would inherit its
+     * allocations without this. */
+    unsigned long long start;
 };
 
 struct ledger {
@@ -157,6 +162,8 @@ static int parse_ledger(const char *text, struct ledger *l) {
             if (parse_ull(strtok_r(NULL, " ", &save), &a.bytes)) goto bad;
             if (parse_ull(strtok_r(NULL, " ", &save), &a.ns_inode)) goto bad;
             if (parse_ull(strtok_r(NULL, " ", &save), &nspid) || nspid > 0xFFFFFFFFULL) goto bad;
+            char *start = strtok_r(NULL, " ", &save); /* absent in ledgers written before it was kept */
+            if (start && parse_ull(start, &a.start)) goto bad;
             if (grow((void **)&l->allocs, &l->alloccap, l->nallocs, sizeof a)) goto bad;
             strcpy(a.uuid, uuid);
             a.pid = (unsigned int)pid;
@@ -186,13 +193,28 @@ static int write_ledger(const char *state_path, const struct ledger *l) {
         fprintf(f, "limit %s %llu %llu %s\n", l->limits[i].uuid, l->limits[i].soft, l->limits[i].hard,
                 l->limits[i].ns);
     for (size_t i = 0; i < l->nallocs; i++)
-        fprintf(f, "alloc %s %u %llu %llu %u\n", l->allocs[i].uuid, l->allocs[i].pid, l->allocs[i].bytes,
-                l->allocs[i].ns_inode, l->allocs[i].ns_pid);
+        fprintf(f, "alloc %s %u %llu %llu %u %llu\n", l->allocs[i].uuid, l->allocs[i].pid, l->allocs[i].bytes,
+                l->allocs[i].ns_inode, l->allocs[i].ns_pid, l->allocs[i].start);
     if (fclose(f) != 0 || rename(tmp, path) != 0) {
         unlink(tmp);
         return -1;
     }
     return 0;
+}
+
+/* Field 22 of <proc_dir>/stat (the process's start time in clock ticks after boot); 0 when unreadable. */
+static unsigned long long proc_start_ticks(const char *proc_dir) {
+    char path[96], buf[1024];
+    snprintf(path, sizeof path, "%s/stat", proc_dir);
+    FILE *f = fopen(path, "r");
+    if (!f) return 0;
+    size_t n = fread(buf, 1, sizeof buf - 1, f);
+    fclose(f);
+    buf[n] = 0;
+    char *field = strrchr(buf, ')'); /* the command name may hold spaces and parentheses */
+    if (!field) return 0;
+    for (int i = 2; i < 22 && field; i++) field = strchr(field + 1, ' '); /* field 2 ends at the ')' */
+    return field ? strtoull(field + 1, NULL, 10) : 0;
 }
 
 /* An allocation whose process has exited is gone, as the driver frees a dead process's memory.
@@ -204,6 +226,7 @@ static int alloc_alive(const struct sim_alloc *a) {
     if (ns == a->ns_inode) snprintf(path, sizeof path, "/proc/%u", a->ns_pid);
     else if (a->pid && ns == g_base->host_ns) snprintf(path, sizeof path, "/proc/%u", a->pid);
     else return 1;
+    if (a->start) return proc_start_ticks(path) == a->start; /* same pid, same process */
     return access(path, F_OK) == 0;
 }
 
@@ -488,6 +511,7 @@ static nvmlReturn_t do_allocate(const char *uuid, unsigned long long bytes, int 
     }
     unsigned long long my_ns = caller_pidns();
     unsigned int me = (unsigned int)getpid();
+    unsigned long long my_start = proc_start_ticks("/proc/self");
     const struct sim_proc *listed = NULL;
     for (size_t i = 0; i < d->nprocs && !listed; i++)
         if (visible_pid(&d->procs[i], my_ns) == me) listed = &d->procs[i];
@@ -515,7 +539,8 @@ static nvmlReturn_t do_allocate(const char *uuid, unsigned long long bytes, int 
         if (!alloc_alive(&g_ledger.allocs[i])) continue;
         g_ledger.allocs[k] = g_ledger.allocs[i];
         const struct sim_alloc *a = &g_ledger.allocs[k];
-        if (strcmp(a->uuid, d->uuid) == 0 && a->ns_inode == my_ns && a->ns_pid == me) mine = &g_ledger.allocs[k];
+        if (strcmp(a->uuid, d->uuid) == 0 && a->ns_inode == my_ns && a->ns_pid == me && a->start == my_start)
+            mine = &g_ledger.allocs[k];
         k++;
     }
     g_ledger.nallocs = k;
@@ -529,6 +554,7 @@ static nvmlReturn_t do_allocate(const char *uuid, unsigned long long bytes, int 
         snprintf(mine->uuid, sizeof mine->uuid, "%s", d->uuid);
         mine->ns_inode = my_ns;
         mine->ns_pid = me;
+        mine->start = my_start;
     }
     if (mine) {
         mine->pid = host_pid;

@@ -7,7 +7,7 @@ toolkit's hook) the others see (the enforcer, the workloads). They live beside t
 
     gpufence-simnvml-driver 1
     limit <uuid> <soft bytes> <hard bytes> <namespace>
-    alloc <uuid> <host pid, 0 if unknown> <bytes> <allocator's pid ns inode> <its pid there>
+    alloc <uuid> <host pid, 0 if unknown> <bytes> <allocator's pid ns inode> <its pid there> <its start time>
 
 Writers (the library, ``preset_limits``, ``reset_driver_state``) hold ``flock`` on
 ``<state file>.driver.lock`` and replace the file atomically; readers need no lock.
@@ -86,6 +86,9 @@ class SimAllocation:
     bytes: int
     ns_inode: int  # the allocator's pid namespace and its pid there
     ns_pid: int
+    # Its start time (clock ticks after boot; 0: unknown): a reused namespace inode and pid are
+    # another process, whose allocations these are not.
+    start_ticks: int = 0
 
 
 def driver_state_path(state_path: str | os.PathLike[str]) -> pathlib.Path:
@@ -133,8 +136,11 @@ def parse_driver_state(text: str) -> tuple[tuple[SimLimit, ...], tuple[SimAlloca
                 uuid, soft, hard, namespace = rest.split(" ", 3)
                 limits.append(SimLimit(uuid, namespace, int(soft), int(hard)))
             elif kind == "alloc":
-                uuid, pid, nbytes, ns_inode, ns_pid = rest.split(" ")
-                allocations.append(SimAllocation(uuid, int(pid), int(nbytes), int(ns_inode), int(ns_pid)))
+                uuid, pid, nbytes, ns_inode, ns_pid, *start = rest.split(" ")
+                if len(start) > 1:
+                    raise ValueError(f"{len(start) - 1} field(s) too many")
+                allocations.append(SimAllocation(uuid, int(pid), int(nbytes), int(ns_inode), int(ns_pid),
+                                                 int(start[0]) if start else 0))
             else:
                 raise ValueError(f"unknown record {kind!r}")
         except ValueError as exc:
@@ -145,7 +151,7 @@ def parse_driver_state(text: str) -> tuple[tuple[SimLimit, ...], tuple[SimAlloca
 def render_driver_state(limits: tuple[SimLimit, ...], allocations: tuple[SimAllocation, ...] = ()) -> str:
     lines = [LEDGER_MAGIC]
     lines.extend(f"limit {x.uuid} {x.soft_limit_bytes} {x.hard_limit_bytes} {x.namespace}" for x in limits)
-    lines.extend(f"alloc {a.uuid} {a.pid} {a.bytes} {a.ns_inode} {a.ns_pid}" for a in allocations)
+    lines.extend(f"alloc {a.uuid} {a.pid} {a.bytes} {a.ns_inode} {a.ns_pid} {a.start_ticks}" for a in allocations)
     return "\n".join(lines) + "\n"
 
 

@@ -160,7 +160,19 @@ def wait_record(pod: dict[str, Any], predicate: Callable[[dict[str, Any]], bool]
     try:
         return kube.wait_for(found, what, timeout, interval=0.2)
     except AssertionError:
-        raise AssertionError(f"no enforcer record: {what}; log:\n{container_log(pod, SIDECAR_NAME)[-4000:]}") from None
+        raise AssertionError(f"no enforcer record: {what}; log:\n{container_log(pod, SIDECAR_NAME)[-4000:]}"
+                             f"\nwhat the sidecar measures now:\n{_measured(pod)}") from None
+
+
+def _measured(pod: dict[str, Any]) -> str:
+    """The sidecar's per-container and per-pod figures, for a failure message: what it saw, not what it did."""
+    try:
+        found = metrics(pod)
+    except OSError as exc:
+        return f"(no metrics: {exc})"
+    return "\n".join(f"{k} {v}" for k, v in found.items()
+                     if k.startswith(("gpufence_container_", "gpufence_pod_", "gpufence_enforcement_actions",
+                                      "gpufence_uninspectable", "gpufence_nvml_errors", "gpufence_poll_errors")))
 
 
 def process_state(pid: int) -> str:

@@ -15,6 +15,7 @@ from collections.abc import Iterator
 import pytest
 from kubernetes import client
 
+from gpufence.simnvml import reset_driver_state
 from tests.e2e import kube
 from tests.e2e.binaries import GoMissing
 from tests.e2e.controlplane import ControlPlane
@@ -72,4 +73,7 @@ def gpu_namespace(admin: client.ApiClient, cluster: ControlPlane, node: Node, si
     write_gpu_state(node, ())
     # A finished test's pods must be gone before the next starts (GPUs, CPU of 2-core machines).
     cluster.kubectl("-n", namespace, "delete", "pods", "--all", "--wait=true", "--timeout=90s", check=False)
+    # And a driver that forgot them: no limit, no allocation of this test's processes is left for the
+    # next test's (whose pod may get the same PID-namespace inode and the same small pids).
+    reset_driver_state(node.state_file)
     cluster.kubectl("delete", "namespace", namespace, "--wait=false", check=False)

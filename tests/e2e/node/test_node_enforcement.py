@@ -8,6 +8,7 @@ containers and the kubelet's restarts are the real ones.
 
 from __future__ import annotations
 
+import json
 import time
 from pathlib import Path
 
@@ -282,7 +283,7 @@ def test_a_process_renamed_to_no_container_of_the_pod_is_held_to_the_pod_budget(
     assert b"GPUFENCE_CONTAINER=not-a-container" in environ, "the workload did not re-exec under its new name"
     write_gpu_state(node, [(renamed, 9 * GIB, 10)])
     record = wait_record(running, lambda r: r.get("event") == "unattributed_process", "unattributed_process")
-    assert record.get("claim") == "not-a-container", record
+    assert record.get("claim") == "not-a-container", json.dumps(record)
     over = wait_record(running, lambda r: r.get("event") == "pod_over_budget", "pod_over_budget", timeout=30)
     assert over.get("used_bytes") == 9 * GIB and over.get("limit_bytes") == 8 * GIB, over
 

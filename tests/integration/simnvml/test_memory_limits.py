@@ -22,17 +22,21 @@ import pytest
 
 from gpufence.simnvml import (
     NO_LIMIT,
+    SimAllocation,
     SimDevice,
     SimLimit,
     SimProcess,
     SimState,
     build_library,
+    driver_state_path,
     preset_limits,
     read_allocations,
     read_limits,
     simulated_env,
     write_state,
 )
+from gpufence.simnvml.limits import render_driver_state
+from gpufence.simnvml.state import replace_file
 from tests.integration.simnvml.test_simnvml import REPO, run_child
 
 GiB = 1 << 30
@@ -342,6 +346,24 @@ def test_concurrent_allocations_never_pass_the_hard_limit_together(
     answers = [w.receive() for w in crowd for _ in range(5)]
     assert sorted(answers) == ["err 20"] * 10 + ["ok"] * 10
     assert sum(x.bytes for x in read_allocations(state_path)) == 10 * GiB
+
+
+def test_an_allocation_belongs_to_its_process_not_to_a_later_one_with_the_same_pid(
+    lib: pathlib.Path, state_path: pathlib.Path, workloads: Any
+) -> None:
+    """A later pod's PID namespace can get a dead pod's namespace inode and the same small pids: its
+    process must not inherit the dead one's allocations (a 0 % sample under its pid, memory it never took)."""
+    live = workloads()
+    start = int(pathlib.Path(f"/proc/{live.pid}/stat").read_text().rsplit(")", 1)[1].split()[19])
+    own_ns = os.stat("/proc/self/ns/pid").st_ino
+    write_state(state_path, device())
+    stale = SimAllocation(UUID, 0, 5 * GiB, own_ns, live.pid, start_ticks=start - 1)  # same pid, older process
+    replace_file(driver_state_path(state_path), render_driver_state((), (stale,)))
+    listing = "N.nvmlInit(); result = procs(N.nvmlDeviceGetComputeRunningProcesses(N.nvmlDeviceGetHandleByIndex(0)))"
+    assert child(lib, state_path, listing) == []
+    assert live.allocate(GiB) == "ok"  # its own entry, not the stale one's 5 GiB plus one
+    assert child(lib, state_path, listing) == [[live.pid, GiB]]
+    assert [(x.ns_pid, x.bytes, x.start_ticks) for x in read_allocations(state_path)] == [(live.pid, GiB, start)]
 
 
 @pytest.mark.skipif(shutil.which("unshare") is None or os.geteuid() != 0, reason="needs unshare and root")

@@ -99,6 +99,13 @@ def test_driver_state_round_trip_and_errors() -> None:
     )  # namespace last: spaces allowed
     assert parse_driver_state(text) == (limits, allocations)
     assert parse_driver_state("") == ((), ())
+    # The start time came later: a ledger without it reads as "unknown" (0); one field more is an error.
+    assert parse_driver_state(f"gpufence-simnvml-driver 1\nalloc {UUID} 42 {GiB} 4026531836 42\n")[1] == (
+        SimAllocation(UUID, 42, GiB, 4026531836, 42, 0),
+    )
+    assert render_driver_state((), (SimAllocation(UUID, 42, GiB, 7, 42, 9001),)).splitlines()[1].endswith(" 42 9001")
+    with pytest.raises(ValueError, match="too many"):
+        parse_driver_state(f"gpufence-simnvml-driver 1\nalloc {UUID} 42 {GiB} 7 42 9001 1\n")
     with pytest.raises(ValueError, match="not a simnvml driver-state file"):
         parse_driver_state("gpufence-simnvml 1\n")
     with pytest.raises(ValueError, match="line 2"):
