@@ -790,16 +790,25 @@ static struct {
 } g_lagged[MAX_LAGGED];
 static size_t g_nlagged;
 
-static int proc_running(unsigned int pid) {
-    char path[64], buf[512];
-    snprintf(path, sizeof path, "/proc/%u/stat", pid);
+/* The fields of <proc_dir>/stat from field 3 (the state letter) on, read into buf; NULL when the
+ * process is gone. The command name, in parentheses, may hold spaces and ')': cut after the last. */
+static const char *proc_stat_fields(const char *proc_dir, char *buf, size_t n) {
+    char path[96];
+    snprintf(path, sizeof path, "%s/stat", proc_dir);
     FILE *f = fopen(path, "r");
-    if (!f) return 0;
-    size_t n = fread(buf, 1, sizeof buf - 1, f);
+    if (!f) return NULL;
+    size_t got = fread(buf, 1, n - 1, f);
     fclose(f);
-    buf[n] = 0;
+    buf[got] = 0;
     char *close = strrchr(buf, ')');
-    return !(close && close[1] == ' ' && (close[2] == 'T' || close[2] == 't'));
+    return close && close[1] == ' ' ? close + 2 : NULL;
+}
+
+static int proc_running(unsigned int pid) {
+    char dir[32], buf[1024];
+    snprintf(dir, sizeof dir, "/proc/%u", pid);
+    const char *state = proc_stat_fields(dir, buf, sizeof buf);
+    return state && *state != 'T' && *state != 't';
 }
 
 static unsigned int lagged_util(const struct sim_proc *p, unsigned long long now) {

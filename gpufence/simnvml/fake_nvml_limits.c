@@ -204,17 +204,11 @@ static int write_ledger(const char *state_path, const struct ledger *l) {
 
 /* Field 22 of <proc_dir>/stat (the process's start time in clock ticks after boot); 0 when unreadable. */
 static unsigned long long proc_start_ticks(const char *proc_dir) {
-    char path[96], buf[1024];
-    snprintf(path, sizeof path, "%s/stat", proc_dir);
-    FILE *f = fopen(path, "r");
-    if (!f) return 0;
-    size_t n = fread(buf, 1, sizeof buf - 1, f);
-    fclose(f);
-    buf[n] = 0;
-    char *field = strrchr(buf, ')'); /* the command name may hold spaces and parentheses */
-    if (!field) return 0;
-    for (int i = 2; i < 22 && field; i++) field = strchr(field + 1, ' '); /* field 2 ends at the ')' */
-    return field ? strtoull(field + 1, NULL, 10) : 0;
+    char buf[1024];
+    const char *field = proc_stat_fields(proc_dir, buf, sizeof buf); /* field 3 */
+    for (int i = 3; i < 22 && field; i++)
+        if ((field = strchr(field, ' '))) field++;
+    return field ? strtoull(field, NULL, 10) : 0;
 }
 
 /* An allocation whose process has exited is gone, as the driver frees a dead process's memory.
