@@ -20,6 +20,7 @@ from typing import Any
 
 import pytest
 
+from gpufence.enforcer.procfs import read_start_time
 from gpufence.simnvml import (
     NO_LIMIT,
     SimAllocation,
@@ -354,7 +355,8 @@ def test_an_allocation_belongs_to_its_process_not_to_a_later_one_with_the_same_p
     """A later pod's PID namespace can get a dead pod's namespace inode and the same small pids: its
     process must not inherit the dead one's allocations (a 0 % sample under its pid, memory it never took)."""
     live = workloads()
-    start = int(pathlib.Path(f"/proc/{live.pid}/stat").read_text().rsplit(")", 1)[1].split()[19])
+    start = read_start_time(live.pid)
+    assert start is not None
     own_ns = os.stat("/proc/self/ns/pid").st_ino
     write_state(state_path, device())
     stale = SimAllocation(UUID, 0, 5 * GiB, own_ns, live.pid, start_ticks=start - 1)  # same pid, older process
