@@ -82,16 +82,21 @@ SIDECAR_NAME = "gpufence-enforcer"
 SIDECAR_PORT_NAME = "gpufence-metric"
 # The enforcer's console script (pyproject.toml), the sidecar's whole command.
 ENFORCER_COMMAND = "gpufence-enforcer"
-# The sidecar's startup and liveness probe (gpufence/enforcer/probe.py): an exec of the image's
+# The sidecar's liveness probe (gpufence/enforcer/probe.py): an exec of the image's
 # interpreter that checks the heartbeat the enforcer writes into its state directory. Isolated (-I)
 # and importing only the probe module: about a tenth of the CPU time of the console script, which
 # loads the whole enforcer, for a command the kubelet runs every 10 s for the life of the pod. Not a
 # console script of its own either: pip's wrapper imports ``re`` and runs without -I, half as much
 # CPU again per run (bench/injected_bytes.py --probe-cost), to save 70 bytes per probe.
 PROBE_COMMAND = ("python3", "-Ic", "from gpufence.enforcer.probe import run;run()")
+# The sidecar's postStart hook: the same check, repeated until it passes (or 60 s have gone by),
+# which holds the workload containers back until the enforcer is up.
+POST_START_COMMAND = ("python3", "-Ic", "from gpufence.enforcer.probe import wait;wait()")
 
 # Environment variables the webhook sets and the enforcer reads.
 ENV_CONFIG = "GPUFENCE_CONFIG"
+# The pod's identity for an enforcer run outside a pod (the demo, tests, a host); in a pod the
+# enforcer reads it from its service-account token and the guard refuses these on the sidecar.
 ENV_POD_NAME = "GPUFENCE_POD_NAME"
 ENV_POD_NAMESPACE = "GPUFENCE_POD_NAMESPACE"
 ENV_POD_UID = "GPUFENCE_POD_UID"
@@ -105,8 +110,7 @@ ENV_HOST_PROC = "GPUFENCE_HOST_PROC"
 # the probe's default; a variable for running the enforcer elsewhere (tests, the demo).
 ENV_STATE_DIR = "GPUFENCE_STATE_DIR"
 # Every GPUFENCE_* variable the webhook may put on the sidecar; the guard refuses a sidecar with any other.
-SIDECAR_ENV = (ENV_CONFIG, ENV_POD_NAME, ENV_POD_NAMESPACE, ENV_POD_UID, ENV_POD_STATUS, ENV_METRICS_PORT,
-               ENV_HOST_PROC)
+SIDECAR_ENV = (ENV_CONFIG, ENV_POD_STATUS, ENV_METRICS_PORT, ENV_HOST_PROC)
 # Set on each GPU container: its name (the enforcer reads it from /proc/<pid>/environ) and its memory share.
 ENV_CONTAINER = "GPUFENCE_CONTAINER"
 ENV_MEMORY_LIMIT = "GPUFENCE_MEMORY_LIMIT"

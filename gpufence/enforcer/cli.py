@@ -12,7 +12,8 @@ environment variable; a missing or invalid config is reported on stderr and exit
 before anything else happens. Flags default to the environment variables of the sidecar contract
 (docs/architecture.md): ``GPUFENCE_METRICS_PORT`` (9401; 0 picks a free port, logged in the
 ``started`` line), ``GPUFENCE_HOST_PROC``, ``GPUFENCE_STATE_DIR``, ``GPUFENCE_NVIDIA_DEVICE_PREFIX``;
-the pod identity from ``GPUFENCE_POD_NAME`` / ``_NAMESPACE`` / ``_UID``.
+the pod identity from the service-account token the kubelet mounts, or ``GPUFENCE_POD_NAME`` /
+``_NAMESPACE`` / ``_UID`` outside a pod (gpufence/enforcer/pod_identity.py).
 
 ``--simulate STATE_FILE`` builds the simulated NVML library (``simnvml``), points it at the state
 file and uses it instead of the driver: try policies on a laptop. Simulated processes do not hold
@@ -41,6 +42,7 @@ import os
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from gpufence import version_line
 from gpufence.contract import (
@@ -49,10 +51,7 @@ from gpufence.contract import (
     ENV_CONFIG,
     ENV_HOST_PROC,
     ENV_METRICS_PORT,
-    ENV_POD_NAME,
-    ENV_POD_NAMESPACE,
     ENV_POD_STATUS,
-    ENV_POD_UID,
     ENV_STATE_DIR,
     ConfigError,
     EnforcerConfig,
@@ -60,6 +59,9 @@ from gpufence.contract import (
 from gpufence.enforcer.decision_log import LEVELS, DecisionLog, forward_stdlib_logging
 from gpufence.enforcer.probe import probe
 from gpufence.enforcer.procfs import ENV_NVIDIA_DEVICE_PREFIX
+
+if TYPE_CHECKING:
+    from gpufence.enforcer.pod_identity import PodIdentity
 
 PROG = "gpufence-enforcer"
 ENV_LOG_LEVEL = "GPUFENCE_LOG_LEVEL"
@@ -206,13 +208,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             "config_invalid", message=f"{PROG}: invalid configuration: {exc}", error=str(exc))
         return EXIT_USAGE
 
-    namespace = os.environ.get(ENV_POD_NAMESPACE) or "default"
-    pod_name = os.environ.get(ENV_POD_NAME) or "local"
-    pod_uid = os.environ.get(ENV_POD_UID) or None
-    log = DecisionLog(namespace=namespace, pod=pod_name, level=args.log_level)
+    from gpufence.enforcer.kube_events_api import SERVICE_ACCOUNT_DIR
+    from gpufence.enforcer.pod_identity import identify
+
+    identity = identify(SERVICE_ACCOUNT_DIR)
+    log = DecisionLog(namespace=identity.namespace, pod=identity.name, level=args.log_level)
     forward_stdlib_logging(log, args.log_level)
     try:
-        return _run(args, config, port, log, namespace, pod_name, pod_uid)
+        return _run(args, config, port, log, identity)
     except KeyboardInterrupt:
         return 0
 
@@ -238,7 +241,7 @@ def _client_factory(args: argparse.Namespace, log: DecisionLog) -> Callable[[], 
 
 def _run(
     args: argparse.Namespace, config: EnforcerConfig, port: int, log: DecisionLog,
-    namespace: str, pod_name: str, pod_uid: str | None,
+    identity: PodIdentity,
 ) -> int:
     from gpufence.enforcer.admission_warnings import report as report_admission_warnings
     from gpufence.enforcer.attribution import Attributor, choose_mode
@@ -269,12 +272,13 @@ def _run(
     attributor = Attributor(
         pid_mode, proc_root="/proc", host_proc_root=args.host_proc, device_prefix=device_prefix, own_pid=own_pid,
     )
-    metrics = EnforcerMetrics(namespace, pod_name)
+    metrics = EnforcerMetrics(identity.namespace or "", identity.name or "")
     # The containers are fixed by the pod spec, so the initial config names all of them; "" is the
     # label of what is done to unattributed processes (the pod's budgets), at zero like the rest.
     metrics.declare_containers([*config.containers, UNATTRIBUTED])
     health = Health(config.poll_interval_seconds)
-    pod = PodRef(namespace, pod_name, pod_uid)
+    pod = PodRef(identity.namespace or "", identity.name or "", identity.uid)
+    log.info("pod_identity", source=identity.source, uid=identity.uid)
     events = EventRecorder.from_environment(log, pod)
     report_admission_warnings(log, events, os.environ.get(ENV_POD_STATUS))
     enforcer = Enforcer(

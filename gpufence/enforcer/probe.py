@@ -1,4 +1,4 @@
-"""The sidecar's liveness and startup probe: a heartbeat only the enforcer writes, checked by exec.
+"""The sidecar's liveness probe and postStart hook: a heartbeat only the enforcer writes, checked by exec.
 
 Why not HTTP: every container of a pod shares its network namespace, so a workload can take the
 enforcer's port while the sidecar restarts (the enforcer then cannot bind it) or answer its own
@@ -22,6 +22,14 @@ So a workload that could write the file still cannot make the probe pass for a s
 and one that holds the HTTP port changes nothing here. It runs every 10 s for the life of the pod,
 so it imports nothing but ``os``, ``sys`` and ``time`` (no json, no re, nothing of gpufence): the
 kubelet runs it as ``python3 -Ic`` (``gpufence.contract.PROBE_COMMAND``), which calls :func:`run`.
+
+The same check holds the workload back until the enforcer is up: the sidecar's ``postStart`` hook
+(``gpufence.contract.POST_START_COMMAND``, :func:`wait`) repeats it every few milliseconds and
+returns as soon as it passes. The kubelet starts the next container only after a native sidecar's
+postStart hook returned, and kills and restarts the sidecar when the hook fails (here: no passing
+heartbeat within ``WAIT_SECONDS``), so the workload never runs before enforcement. A startup probe
+did the same on the kubelet's one-second probe tick: the enforcer was up in 0.5-0.7 s but seen up
+after a median 1.6 s.
 """
 
 from __future__ import annotations
@@ -41,6 +49,10 @@ _ENV_STATE_DIR = "GPUFENCE_STATE_DIR"
 _DEFAULT_STATE_DIR = "/var/run/gpufence"
 _MAX_BYTES = 4096
 _STOPPED_STATES = frozenset("TtXZx")
+# How long the postStart hook waits for a passing heartbeat (the startup probe's budget before it:
+# 60 tries a second apart), and how often it looks: each look is a few system calls.
+WAIT_SECONDS = 60.0
+WAIT_STEP_SECONDS = 0.02
 
 
 def clock() -> float:
@@ -133,3 +145,23 @@ def main() -> int:
 def run() -> None:
     """The kubelet's entry point (``PROBE_COMMAND``): exits with :func:`main`'s status."""
     raise SystemExit(main())
+
+
+def wait_until_up(state_dir: str, timeout: float = WAIT_SECONDS, step: float = WAIT_STEP_SECONDS) -> int:
+    """0 as soon as the heartbeat in ``state_dir`` passes, 1 when it has not within ``timeout``
+    seconds; the last reason on stdout (the kubelet puts a failed hook's output in its Event)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        ok, why = check(state_dir)
+        if ok:
+            return 0
+        if time.monotonic() >= deadline:
+            print(f"gpufence postStart: the enforcer was not up within {timeout:g}s: {why}")
+            return 1
+        time.sleep(step)
+
+
+def wait() -> None:
+    """The kubelet's postStart entry point (``POST_START_COMMAND``): the state directory as for
+    :func:`main`, then :func:`wait_until_up`'s status."""
+    raise SystemExit(wait_until_up(os.environ.get(_ENV_STATE_DIR) or _DEFAULT_STATE_DIR))

@@ -28,10 +28,8 @@ from gpufence.contract import (
     ENV_CONFIG,
     ENV_HOST_PROC,
     ENV_METRICS_PORT,
-    ENV_POD_NAME,
-    ENV_POD_NAMESPACE,
     ENV_POD_STATUS,
-    ENV_POD_UID,
+    POST_START_COMMAND,
     PROBE_COMMAND,
     SIDECAR_NAME,
     SIDECAR_PORT_NAME,
@@ -212,14 +210,13 @@ PROBE_DEFAULTS = MappingProxyType({"timeoutSeconds": 1, "periodSeconds": 10, "su
                                    "failureThreshold": 3})
 
 
-def _probe(*, period: int = 10, failures: int = 3) -> dict[str, Any]:
+def _probe() -> dict[str, Any]:
     """The exec probe of the enforcer's heartbeat (``gpufence.enforcer.probe``), never its HTTP
     port: any container of the pod can take the port or answer on it. The kubelet's timeout covers
     the interpreter's start-up in a CPU-limited sidecar (the check itself reads two small files).
-    Timings at the API server's defaults are left to it."""
-    probe: dict[str, Any] = {"exec": {"command": list(PROBE_COMMAND)}, "periodSeconds": period, "timeoutSeconds": 5,
-                             "failureThreshold": failures, "terminationGracePeriodSeconds": PROBE_KILL_GRACE_SECONDS}
-    return {key: value for key, value in probe.items() if PROBE_DEFAULTS.get(key) != value}
+    Timings at the API server's defaults (period 10 s, 3 failures) are left to it."""
+    return {"exec": {"command": list(PROBE_COMMAND)}, "timeoutSeconds": 5,
+            "terminationGracePeriodSeconds": PROBE_KILL_GRACE_SECONDS}
 
 
 def default_pull_policy(image: str) -> str:
@@ -236,9 +233,8 @@ def api_defaulted(container: dict[str, Any]) -> dict[str, Any]:
     show. Only those fields: everything else the sidecar spells out itself."""
     defaulted = {"terminationMessagePath": "/dev/termination-log", "terminationMessagePolicy": "File",
                  "imagePullPolicy": default_pull_policy(container.get("image", "")), **container}
-    for key in ("startupProbe", "livenessProbe"):
-        if key in defaulted:
-            defaulted[key] = {**PROBE_DEFAULTS, **defaulted[key]}
+    if "livenessProbe" in defaulted:
+        defaulted["livenessProbe"] = {**PROBE_DEFAULTS, **defaulted["livenessProbe"]}
     if "ports" in defaulted:
         defaulted["ports"] = [{"protocol": "TCP", **port} for port in defaulted["ports"]]
     if "env" in defaulted:
@@ -296,10 +292,9 @@ def build_sidecar(plan: SharePlan, settings: InjectionSettings, *, run_as_root: 
     ``status_warnings``: whether the status annotation records warnings for the enforcer's Events."""
     port = settings.metrics_port if fixed_port else 0
     env = [
+        # No pod name, namespace or uid: the enforcer reads them from the service-account token the
+        # kubelet mounts (gpufence/enforcer/pod_identity.py), which saves every pod three variables.
         {"name": ENV_CONFIG, "value": config_json(plan, settings)},
-        _field_env(ENV_POD_NAME, "metadata.name"),
-        _field_env(ENV_POD_NAMESPACE, "metadata.namespace"),
-        _field_env(ENV_POD_UID, "metadata.uid"),
     ]
     if status_warnings:
         # Admission warnings reach only the pod's creator (a Deployment's controller); the enforcer
@@ -336,10 +331,12 @@ def build_sidecar(plan: SharePlan, settings: InjectionSettings, *, run_as_root: 
             # (that degraded state shows in metrics and alerts), and fails within seconds for a
             # stopped enforcer. No readinessProbe on purpose: the pod's Ready condition counts
             # sidecars, and an enforcer that lost NVML must not take a serving pod out of its Service.
-            # The startupProbe makes a native sidecar hold the workload containers back until the
-            # enforcer is up (up to 60 s), so enforcement starts first.
-            "startupProbe": _probe(period=1, failures=60),
             "livenessProbe": _probe(),
+            # The postStart hook makes a native sidecar hold the workload containers back until the
+            # enforcer is up (up to 60 s), so enforcement starts first: the kubelet starts the next
+            # container once the hook returns, not on its next one-second probe tick as a
+            # startupProbe would (gpufence/enforcer/probe.py).
+            "lifecycle": {"postStart": {"exec": {"command": list(POST_START_COMMAND)}}},
             "securityContext": sidecar_security_context(run_as_root, pod_security),
             "volumeMounts": mounts,
             "terminationMessagePolicy": "FallbackToLogsOnError",

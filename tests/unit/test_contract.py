@@ -33,6 +33,7 @@ from gpufence.contract import (
     MAX_POLL_INTERVAL_SECONDS,
     MIN_POLL_INTERVAL_SECONDS,
     MIRROR_POD_ANNOTATION,
+    POST_START_COMMAND,
     PROBE_COMMAND,
     SCHEMA_VERSION,
     SHARE_FIELDS,
@@ -293,8 +294,9 @@ def test_the_guard_finds_the_sidecar_in_every_status_annotation_the_webhook_writ
 def test_the_guard_names_the_sidecar_its_command_and_its_config_variable_as_the_contract() -> None:
     assert set(re.findall(r"c\.name == '([^']*)'", CEL)) == {SIDECAR_NAME}
     assert re.findall(r"\bc\.command == (\[[^\]]*\])", CEL) == [json.dumps([ENFORCER_COMMAND]).replace('"', "'")]
-    (probe,) = re.findall(r"exec\.command ==\s*(\[[^\]]*\])", CEL)
+    probe, post_start = re.findall(r"exec\.command ==\s*(\[[^\]]*\])", CEL)
     assert json.loads(re.sub(r"\s+", " ", probe).replace("'", '"')) == list(PROBE_COMMAND)
+    assert json.loads(re.sub(r"\s+", " ", post_start).replace("'", '"')) == list(POST_START_COMMAND)
     assert set(re.findall(r"e\.name == '(GPUFENCE_[A-Z_]*)'", CEL)) == {ENV_CONFIG}
     assert set(re.findall(r"'(gpufence\.io/[a-z.-]+|kubernetes\.io/config\.mirror)'", CEL)) <= _contract_keys()
 

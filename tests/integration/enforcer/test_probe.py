@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from gpufence.contract import DEFAULT_STATE_DIR, ENV_STATE_DIR, PROBE_COMMAND
+from gpufence.contract import DEFAULT_STATE_DIR, ENV_STATE_DIR, POST_START_COMMAND, PROBE_COMMAND
 from gpufence.enforcer.health import HEARTBEAT_PERIOD_SECONDS, HEARTBEAT_STALE_AFTER_SECONDS
 from gpufence.enforcer.probe import HEARTBEAT_FILE
 from gpufence.enforcer.probe import clock as probe_clock
@@ -62,6 +62,36 @@ def test_the_probe_follows_the_running_enforcer(gpu: GpuSandbox, make_config) ->
     enforcer.stop()
     result = run_probe(gpu.state_dir)
     assert result.returncode == 1 and "gone" in result.stdout, result.stdout
+
+
+def test_the_post_start_hook_returns_once_the_enforcer_is_up_and_not_before(gpu: GpuSandbox, make_config) -> None:
+    """The hook (POST_START_COMMAND) is started before the enforcer, as the kubelet starts it right
+    after the container's process: it returns 0 only after the heartbeat passes, which the
+    enforcer writes after its ``started`` record (so the workload starts after enforcement)."""
+    assert POST_START_COMMAND[0] == "python3"
+    hook = subprocess.Popen([sys.executable, *POST_START_COMMAND[1:]], cwd="/", stdout=subprocess.PIPE, text=True,
+                            env={ENV_STATE_DIR: str(gpu.state_dir)})
+    try:
+        with pytest.raises(subprocess.TimeoutExpired):
+            hook.wait(timeout=0.5)  # no enforcer yet: the hook keeps waiting
+        enforcer = gpu.enforcer(make_config({"train": {"memoryBytes": 1 << 30}}, interval=INTERVAL), wait=False)
+        assert hook.wait(timeout=30) == 0, hook.stdout.read() if hook.stdout else ""
+        assert run_probe(gpu.state_dir).returncode == 0
+        assert enforcer.wait_started()["event"] == "started"
+    finally:
+        if hook.poll() is None:
+            hook.kill()
+            hook.wait()
+
+
+def test_the_post_start_hook_fails_with_the_reason_when_the_enforcer_never_comes_up(tmp_path: Path) -> None:
+    """The kubelet then kills and restarts the sidecar, and the workload never starts."""
+    code = POST_START_COMMAND[-1].replace("wait()", f"raise SystemExit(wait_until_up({str(tmp_path)!r}, timeout=0.3))")
+    code = code.replace("import wait;", "import wait_until_up;")
+    assert code != POST_START_COMMAND[-1]
+    result = subprocess.run([sys.executable, "-I", "-c", code], cwd="/", capture_output=True, text=True, timeout=30)
+    assert result.returncode == 1, result
+    assert "not up within 0.3s" in result.stdout and "has not started" in result.stdout, result.stdout
 
 
 def test_the_probe_without_a_state_dir_looks_where_the_webhook_mounts_it() -> None:

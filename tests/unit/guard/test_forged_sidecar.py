@@ -122,8 +122,22 @@ def _to_containers(pod: dict[str, Any]) -> None:
 
 def _no_probes(pod: dict[str, Any]) -> None:
     """Nothing restarts an enforcer that is stopped or hung."""
-    sidecar_of(pod).pop("startupProbe")
     sidecar_of(pod).pop("livenessProbe")
+
+
+def _no_post_start(pod: dict[str, Any]) -> None:
+    """The workload starts at once, before the enforcer is up."""
+    sidecar_of(pod).pop("lifecycle")
+
+
+def _post_start_sleeps(pod: dict[str, Any]) -> None:
+    """A hook that returns whether or not the enforcer came up."""
+    sidecar_of(pod)["lifecycle"]["postStart"] = {"exec": {"command": ["python3", "-c", "pass"]}}
+
+
+def _pre_stop(pod: dict[str, Any]) -> None:
+    """A preStop hook of the author's, run inside the enforcer's container."""
+    sidecar_of(pod)["lifecycle"]["preStop"] = {"exec": {"command": ["kill", "-STOP", "1"]}}
 
 
 def _shared_state(pod: dict[str, Any]) -> None:
@@ -211,6 +225,11 @@ FORGERIES: dict[str, tuple[Callable[[dict[str, Any]], None], str]] = {
     "another uid, capabilities dropped": (_other_user, "its securityContext is not the webhook's"),
     "moved to containers with a 16Mi limit": (_to_containers, "it is not in spec.initContainers"),
     "probes removed": (_no_probes, "its probes are not the webhook's"),
+    "postStart hook removed": (_no_post_start, "its probes are not the webhook's"),
+    "postStart hook that waits for nothing": (_post_start_sleeps, "its probes are not the webhook's"),
+    "preStop hook added": (_pre_stop, "its probes are not the webhook's"),
+    "startup probe of its own": (lambda p: sidecar_of(p).update(startupProbe={"exec": {"command": ["true"]}}),
+                                 "its probes are not the webhook's"),
     # The webhook leaves the liveness probe's period and threshold to the API server's defaults
     # (10 s, 3): a forgery that sets its own is refused, before and after defaulting.
     "liveness probe every 5 minutes": (lambda p: sidecar_of(p)["livenessProbe"].update(periodSeconds=300),

@@ -91,7 +91,8 @@ def test_sidecar_contract() -> None:
     assert EnforcerConfig.from_json(env["GPUFENCE_CONFIG"]) == EnforcerConfig(
         containers=dict(PLAN.containers), mode=Mode.ENFORCE, grace_period_seconds=10.0
     )
-    assert env["GPUFENCE_POD_UID"] == {"fieldRef": {"fieldPath": "metadata.uid"}}
+    # The pod's identity is the service-account token's (gpufence/enforcer/pod_identity.py).
+    assert not {"GPUFENCE_POD_NAME", "GPUFENCE_POD_NAMESPACE", "GPUFENCE_POD_UID"} & env.keys()
     assert env["GPUFENCE_HOST_PROC"] == "/host/proc"
     # The enforcer's and the probe's defaults: the state volume's mount, the default port, no warnings.
     assert not {"GPUFENCE_STATE_DIR", "GPUFENCE_METRICS_PORT", "GPUFENCE_POD_STATUS"} & set(env)
@@ -335,17 +336,18 @@ def test_the_sidecar_leaves_the_api_servers_defaults_out_and_says_which() -> Non
     sidecar = build_sidecar(PLAN, InjectionSettings())
     assert "terminationMessagePath" not in sidecar and "imagePullPolicy" not in sidecar
     assert sidecar["livenessProbe"].keys() == {"exec", "timeoutSeconds", "terminationGracePeriodSeconds"}
-    assert "successThreshold" not in sidecar["startupProbe"] and "protocol" not in sidecar["ports"][0]
+    assert "startupProbe" not in sidecar and "protocol" not in sidecar["ports"][0]
     defaulted = api_defaulted(sidecar)
     assert defaulted["imagePullPolicy"] == "IfNotPresent"
     assert defaulted["terminationMessagePath"] == "/dev/termination-log"
     assert defaulted["terminationMessagePolicy"] == "FallbackToLogsOnError"  # ours, not the default
     assert defaulted["livenessProbe"] == {**sidecar["livenessProbe"], "periodSeconds": 10, "successThreshold": 1,
                                           "failureThreshold": 3}
-    assert defaulted["startupProbe"]["periodSeconds"] == 1 and defaulted["startupProbe"]["failureThreshold"] == 60
+    assert defaulted["lifecycle"] == sidecar["lifecycle"]  # a hook has no defaults
     assert defaulted["ports"][0]["protocol"] == "TCP"
-    assert {"name": "GPUFENCE_POD_UID", "valueFrom": {"fieldRef": {"apiVersion": "v1", "fieldPath": "metadata.uid"}}} \
-        in defaulted["env"]
+    status = api_defaulted(build_sidecar(PLAN, InjectionSettings(), status_warnings=True))["env"]
+    assert {"name": "GPUFENCE_POD_STATUS", "valueFrom": {"fieldRef": {
+        "apiVersion": "v1", "fieldPath": "metadata.annotations['gpufence.io/status']"}}} in status
     # A policy that is not the image's default is written.
     assert build_sidecar(PLAN, InjectionSettings(sidecar_image_pull_policy="Always"))["imagePullPolicy"] == "Always"
 
