@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 from kubernetes import client
 
-from gpufence.contract import ANNOTATION_STATUS, PROBE_COMMAND, SIDECAR_NAME
+from gpufence.contract import ANNOTATION_STATUS, POST_START_COMMAND, PROBE_COMMAND, SIDECAR_NAME
 from tests.e2e import kube
 from tests.e2e.gpufence_install import WebhookProcess
 
@@ -153,7 +153,7 @@ def test_host_network_pod_gets_a_sidecar_that_binds_no_fixed_port(admin: client.
     sidecar = created.obj["spec"]["initContainers"][0]
     assert "ports" not in sidecar
     # The probes read the enforcer's heartbeat, whatever port it bound (and the API server keeps them as injected).
-    for probe in ("startupProbe", "livenessProbe"):
-        assert sidecar[probe]["exec"]["command"] == list(PROBE_COMMAND), sidecar[probe]
+    assert sidecar["livenessProbe"]["exec"]["command"] == list(PROBE_COMMAND), sidecar["livenessProbe"]
+    assert sidecar["lifecycle"]["postStart"]["exec"]["command"] == list(POST_START_COMMAND), sidecar["lifecycle"]
     assert kube.env_of(sidecar)["GPUFENCE_METRICS_PORT"] == "0"
     assert_stable(webhook, opted_in, created.obj)

@@ -60,13 +60,13 @@ def test_gpu_pod_starts_sidecar_first_with_healthy_probes(admin: client.ApiClien
     running = wait_running(cluster, node, gpu_namespace, pod["metadata"]["name"])
     found = statuses(running)
     sidecar = found[SIDECAR_NAME]
-    # Native sidecar: started (its startupProbe passed) and ready, never restarted.
+    # Native sidecar: started (its postStart hook returned) and ready, never restarted.
     assert sidecar["started"] is True and sidecar["ready"] is True and sidecar["restartCount"] == 0, sidecar
     sidecar_started = sidecar["state"]["running"]["startedAt"]
     for name in ("trainer", "eval"):
         assert found[name]["restartCount"] == 0, found[name]
-        # RFC 3339 seconds in UTC compare as strings; the startupProbe (period 1 s) holds the
-        # workloads back until /healthz answers, so they cannot start before the sidecar.
+        # RFC 3339 seconds in UTC compare as strings; the postStart hook holds the
+        # workloads back until the heartbeat passes, so they cannot start before the sidecar.
         assert found[name]["state"]["running"]["startedAt"] >= sidecar_started
     # The real pynvml in the sidecar loaded the simulator and the enforcer is polling.
     started = wait_record(running, lambda r: r.get("event") == "started", "the enforcer's started record")

@@ -179,7 +179,7 @@ def test_a_status_annotation_naming_a_container_only_makes_the_guard_stricter() 
     plain = pod_with({"name": "web", "image": "nginx", "env": [{"name": "NVIDIA_VISIBLE_DEVICES", "value": "void"}]})
     assert GUARD.admit(plain) == (True, "allowed")
     plain["metadata"]["annotations"] = {
-        "gpufence.io/status": '{"containers":["web"],"mode":"enforce","sidecar":"gpufence-enforcer","version":"x"}'}
+        "gpufence.io/status": '{"containers":["web"],"mode":"enforce","version":"x"}'}
     allowed, message = GUARD.admit(plain)
     assert not allowed and "has no gpufence-enforcer sidecar" in message
 

@@ -114,7 +114,7 @@ def _request(operation: str, sub_resource: str, groups: tuple[str, ...]) -> dict
 
 PROTECT = Protect()
 PROTECT_EXEC = Protect(policy=EXEC_POLICY)
-STATUS = '{"containers":["trainer"],"mode":"enforce","sidecar":"gpufence-enforcer","version":"0.1.0"}'
+STATUS = '{"containers":["trainer"],"mode":"enforce","version":"0.1.0"}'
 
 
 def injected_pod(*, native: bool = True) -> dict[str, Any]:

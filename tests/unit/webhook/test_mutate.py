@@ -258,7 +258,7 @@ def test_injection_patch_is_the_json_of_the_diff(pod: dict, settings: InjectionS
 
 def _uncached_status(plan: SharePlan) -> str:
     doc = {"containers": [n for n, _ in plan.containers], "mode": plan.mode.value,
-           "sidecar": SIDECAR_NAME, "version": sidecar_module.GPUFENCE_VERSION}
+           "version": sidecar_module.GPUFENCE_VERSION}
     return json.dumps(doc, separators=(",", ":"), sort_keys=True)
 
 
