@@ -66,6 +66,29 @@ if TYPE_CHECKING:
 PROG = "gpufence-enforcer"
 ENV_LOG_LEVEL = "GPUFENCE_LOG_LEVEL"
 EXIT_USAGE = 2
+# The kubelet's default terminationMessagePath, which it bind-mounts into every container and shows
+# as the container's last-state message (`kubectl describe`). The enforcer writes why it exited
+# there itself, so the sidecar needs no `terminationMessagePolicy: FallbackToLogsOnError` (the
+# tail of a JSON log is a poorer reason, and the field 50 more bytes in every GPU pod).
+TERMINATION_LOG = "/dev/termination-log"
+MAX_TERMINATION_MESSAGE = 4096  # the kubelet keeps no more
+
+
+def write_termination_message(path: str | None, text: str) -> None:
+    """``text`` into ``path`` when that file exists (the kubelet's; never created here, so a run
+    on a host writes nothing into its /dev); errors are ignored: the exit must not fail on it."""
+    if not path:
+        return
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_TRUNC | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except OSError:
+        return
+    try:
+        os.write(fd, text.encode("utf-8", "replace")[:MAX_TERMINATION_MESSAGE])
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
 
 
 class _Parser(argparse.ArgumentParser):
@@ -137,6 +160,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--compute-window", type=_positive, default=5.0, help="SM utilisation window, seconds (default 5)")
     p.add_argument("--compute-period", type=_positive, default=1.0, help="duty-cycle period, seconds (default 1)")
     p.add_argument(
+        "--termination-log", metavar="FILE", default=TERMINATION_LOG,
+        help=f"where to write why the enforcer exited, when that file exists (default {TERMINATION_LOG}, "
+        "the kubelet's; empty: nowhere)",
+    )
+    p.add_argument(
         "--nvml-timeout", type=_positive, default=5.0,
         help="deadline of one NVML call, seconds (default 5): a hung call is an error, and /healthz fails",
     )
@@ -206,6 +234,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         # Before anything runs, on stderr (stdout is the decision log), in the shared log format.
         DecisionLog(level="error", stream=sys.stderr).error(
             "config_invalid", message=f"{PROG}: invalid configuration: {exc}", error=str(exc))
+        write_termination_message(args.termination_log, f"config_invalid: {exc}")
         return EXIT_USAGE
 
     from gpufence.enforcer.kube_events_api import SERVICE_ACCOUNT_DIR
@@ -215,9 +244,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     log = DecisionLog(namespace=identity.namespace, pod=identity.name, level=args.log_level)
     forward_stdlib_logging(log, args.log_level)
     try:
-        return _run(args, config, port, log, identity)
+        status = _run(args, config, port, log, identity)
     except KeyboardInterrupt:
         return 0
+    except BaseException as exc:  # the traceback goes to stderr as before; the reason to the kubelet
+        write_termination_message(args.termination_log, f"crashed: {type(exc).__name__}: {exc}")
+        raise
+    if status != 0:
+        write_termination_message(args.termination_log, log.last_error or f"exited with status {status}")
+    return status
 
 
 def _client_factory(args: argparse.Namespace, log: DecisionLog) -> Callable[[], object] | None:

@@ -38,11 +38,16 @@ class DecisionLog:
         self._stream = stream if stream is not None else sys.stdout
         self._lock = threading.Lock()
         self._base = {k: v for k, v in (("namespace", namespace), ("pod", pod)) if v is not None}
+        # The last error record, "event: error", for the container's termination message.
+        self.last_error: str | None = None
 
     def enabled(self, level: str) -> bool:
         return LEVELS[level] >= self._threshold
 
     def emit(self, event: str, *, level: str = "info", **fields: Any) -> None:
+        if level == "error":
+            detail = fields.get("error") or fields.get("reason")
+            self.last_error = f"{event}: {detail}" if detail else event
         if LEVELS[level] < self._threshold:
             return
         merged = dict(self._base)

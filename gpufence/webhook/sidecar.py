@@ -156,7 +156,9 @@ def _config_json_cached(key: tuple[Any, ...]) -> str:
 #   DAC_READ_SEARCH (read-only; no DAC_OVERRIDE, SETUID, ...), which reaches processes of any user;
 # * except under a pod-level runAsNonRoot: true, where uid 0 would keep the pod from starting; the
 #   sidecar then runs as its image's user, and the pod is admitted with a warning.
-_ROOT_USER = MappingProxyType({"runAsUser": 0, "runAsNonRoot": False})
+# No runAsNonRoot: false beside it: the sidecar runs as root only where the pod does not set
+# runAsNonRoot (see below), so there is nothing to override.
+_ROOT_USER = MappingProxyType({"runAsUser": 0})
 
 
 def sidecar_runs_as_root(spec: dict[str, Any], gpu_containers: Container[str], warnings: list[str]) -> bool:
@@ -339,7 +341,8 @@ def build_sidecar(plan: SharePlan, settings: InjectionSettings, *, run_as_root: 
             "lifecycle": {"postStart": {"exec": {"command": list(POST_START_COMMAND)}}},
             "securityContext": sidecar_security_context(run_as_root, pod_security),
             "volumeMounts": mounts,
-            "terminationMessagePolicy": "FallbackToLogsOnError",
+            # No terminationMessagePolicy: the enforcer writes why it exited into the kubelet's
+            # /dev/termination-log itself (gpufence/enforcer/cli.py).
         }
     )
     if not fixed_port:

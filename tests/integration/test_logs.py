@@ -54,10 +54,19 @@ def test_startup_errors_of_all_three_programs_share_the_shape(tmp_path: Path) ->
                  if json.loads(line)["event"] == "startup_failed"]  # fmt: skip
     assert failed["level"] == "error" and "none.crt" in failed["error"]
 
-    enforcer = run(["-m", "gpufence.enforcer", "--config", str(tmp_path / "missing.json")])
+    termination_log = tmp_path / "termination-log"
+    termination_log.write_text("")  # as the kubelet creates it
+    enforcer = run(["-m", "gpufence.enforcer", "--config", str(tmp_path / "missing.json"),
+                    "--termination-log", str(termination_log)])
     assert enforcer.returncode == 2 and enforcer.stdout == ""
     (invalid,) = [assert_shape(line) for line in enforcer.stderr.splitlines()]
     assert invalid["event"] == "config_invalid" and "missing.json" in invalid["error"]
+    # The same reason is the container's termination message (the kubelet's file, never created).
+    assert termination_log.read_text() == f"config_invalid: {invalid['error']}"
+    absent = tmp_path / "no-such-termination-log"
+    again = run(["-m", "gpufence.enforcer", "--config", str(tmp_path / "missing.json"),
+                 "--termination-log", str(absent)])
+    assert again.returncode == 2 and not absent.exists()
 
     certs = run(["-m", "gpufence.certs", "inspect", "--cert-file", str(tmp_path / "missing.pem")])
     assert certs.returncode != 0

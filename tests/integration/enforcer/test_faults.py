@@ -313,8 +313,9 @@ def test_a_dead_poll_thread_exits_non_zero_and_leaves_nothing_stopped(gpu, make_
     argv = [
         sys.executable, "-c", POLL_THREAD_FAULT, "--metrics-port", "0", "--bind-address", "127.0.0.1",
         "--nvidia-device-prefix", gpu.device_prefix, "--state-dir", str(gpu.state_dir),
-        "--compute-window", "0.5", "--compute-period", "0.3",
+        "--compute-window", "0.5", "--compute-period", "0.3", "--termination-log", str(gpu.root / "termination-log"),
     ]
+    (gpu.root / "termination-log").write_text("")  # the kubelet's file exists before the container starts
     stderr_path = gpu.root / "enforcer-fault.stderr"
     with open(stderr_path, "w") as err:
         proc = subprocess.Popen(argv, env=env, cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=err, text=True)
@@ -329,6 +330,9 @@ def test_a_dead_poll_thread_exits_non_zero_and_leaves_nothing_stopped(gpu, make_
     died = enforcer.wait_event("poll_thread_died", 5)
     assert died["level"] == "error" and "InjectedFault: injected into the poll thread" in died["error"]
     assert enforcer.wait_event("shutdown", 5)["exit_status"] == 3
+    # The kubelet shows why in the container's last state.
+    message = (gpu.root / "termination-log").read_text()
+    assert message.startswith("poll_thread_died: ") and "InjectedFault: injected into the poll thread" in message
     # Whatever it held stopped is continued on the way out, and nothing is left on record.
     wait_state(busy.pid, lambda s: s not in ("T", None), 2)
     assert _stopped_file(gpu) == []

@@ -82,7 +82,7 @@ def test_sidecar_contract() -> None:
     sidecar = build_sidecar(PLAN, InjectionSettings(mount_host_proc=True))
     assert sidecar["name"] == SIDECAR_NAME and sidecar["restartPolicy"] == "Always"
     assert sidecar["command"] == ["gpufence-enforcer"]
-    assert sidecar["securityContext"]["runAsUser"] == 0 and sidecar["securityContext"]["runAsNonRoot"] is False
+    assert sidecar["securityContext"]["runAsUser"] == 0 and "runAsNonRoot" not in sidecar["securityContext"]
     inheriting = build_sidecar(PLAN, InjectionSettings(), run_as_root=False)["securityContext"]
     assert "runAsUser" not in inheriting and "runAsNonRoot" not in inheriting
     capabilities = sidecar["securityContext"]["capabilities"]
@@ -131,7 +131,7 @@ def test_sidecar_user(pod_context, container_context, root: bool, warning: str |
     context, warnings = sidecar_context(pod)
     assert ("runAsUser" in context) is root
     if root:
-        assert context["runAsUser"] == 0 and context["runAsNonRoot"] is False
+        assert context["runAsUser"] == 0 and "runAsNonRoot" not in context
     assert context["capabilities"] == {"drop": ["ALL"], "add": ["DAC_READ_SEARCH", "KILL", "SYS_PTRACE"]}
     if warning is None:
         assert warnings == []
@@ -340,7 +340,8 @@ def test_the_sidecar_leaves_the_api_servers_defaults_out_and_says_which() -> Non
     defaulted = api_defaulted(sidecar)
     assert defaulted["imagePullPolicy"] == "IfNotPresent"
     assert defaulted["terminationMessagePath"] == "/dev/termination-log"
-    assert defaulted["terminationMessagePolicy"] == "FallbackToLogsOnError"  # ours, not the default
+    # The enforcer writes its own termination message (gpufence/enforcer/cli.py): the default policy.
+    assert defaulted["terminationMessagePolicy"] == "File" and "terminationMessagePolicy" not in sidecar
     assert defaulted["livenessProbe"] == {**sidecar["livenessProbe"], "periodSeconds": 10, "successThreshold": 1,
                                           "failureThreshold": 3}
     assert defaulted["lifecycle"] == sidecar["lifecycle"]  # a hook has no defaults
