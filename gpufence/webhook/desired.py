@@ -191,6 +191,20 @@ def with_claims(sidecar: dict[str, Any], claims: list[str]) -> dict[str, Any]:
 SERVICE_ACCOUNT_MOUNT_PATH = "/var/run/secrets/kubernetes.io/serviceaccount"
 
 
+def is_service_account_token_volume(volume: Any) -> bool:
+    """Whether ``volume`` holds the pod's own service-account token: projected, with a
+    ``serviceAccountToken`` source at path ``token`` for the API server's audience, as the
+    ServiceAccount plugin makes it. The enforcer names its pod by that token's claims
+    (gpufence/enforcer/pod_identity.py); the guard checks the same of the sidecar's mount."""
+    projected = volume.get("projected") if isinstance(volume, dict) else None
+    sources = projected.get("sources") if isinstance(projected, dict) else None
+    return isinstance(sources, list) and any(
+        isinstance(source, dict) and isinstance(source.get("serviceAccountToken"), dict)
+        and source["serviceAccountToken"].get("path") == "token"
+        and not source["serviceAccountToken"].get("audience")
+        for source in sources)
+
+
 def _token_mount(container: Any) -> dict[str, Any] | None:
     for mount in (container.get("volumeMounts") or ()) if isinstance(container, dict) else ():
         if isinstance(mount, dict) and mount.get("mountPath") == SERVICE_ACCOUNT_MOUNT_PATH:
@@ -220,6 +234,9 @@ def with_service_account_token(built: dict[str, Any], previous: dict[str, Any] |
     ours = {m.get("name") for m in built.get("volumeMounts") or ()}
     if token is None or token.get("readOnly") is not True or token.get("name") in ours:
         return built
+    volumes = {v.get("name"): v for v in spec.get("volumes") or () if isinstance(v, dict)}
+    if not is_service_account_token_volume(volumes.get(token["name"])):
+        return built  # a file of the author's at the token's path would name another pod
     mount = {"name": token["name"], "readOnly": True, "mountPath": SERVICE_ACCOUNT_MOUNT_PATH}
     return {**built, "volumeMounts": [*(built.get("volumeMounts") or ()), mount]}
 

@@ -140,6 +140,40 @@ def _pre_stop(pod: dict[str, Any]) -> None:
     sidecar_of(pod)["lifecycle"]["preStop"] = {"exec": {"command": ["kill", "-STOP", "1"]}}
 
 
+TOKEN_PATH = "/var/run/secrets/kubernetes.io/serviceaccount"
+# The volume the API server's ServiceAccount plugin adds (its name ends in a random suffix).
+TOKEN_VOLUME = {"name": "kube-api-access-x7k2p", "projected": {"defaultMode": 420, "sources": [
+    {"serviceAccountToken": {"expirationSeconds": 3607, "path": "token"}},
+    {"configMap": {"name": "kube-root-ca.crt", "items": [{"key": "ca.crt", "path": "ca.crt"}]}}]}}
+
+
+def _mount_in_sidecar(pod: dict[str, Any], volume: dict[str, Any], path: str) -> None:
+    pod["spec"].setdefault("volumes", []).append(volume)
+    sidecar = sidecar_of(pod)
+    sidecar["volumeMounts"] = [m for m in sidecar["volumeMounts"] if m["mountPath"] != TOKEN_PATH]
+    sidecar["volumeMounts"].append({"name": volume["name"], "mountPath": path, "readOnly": True})
+
+
+def _authors_file_as_token(pod: dict[str, Any]) -> None:
+    """The pod opts out of the token and puts a JWT of its own making where the enforcer reads
+    the name of its pod (its logs, metrics and Events would be about another pod)."""
+    pod["spec"]["automountServiceAccountToken"] = False
+    _mount_in_sidecar(pod, {"name": "kube-api-access-fake", "configMap": {"name": "forged-token"}}, TOKEN_PATH)
+
+
+def _token_for_another_audience(pod: dict[str, Any]) -> None:
+    volume = copy.deepcopy(TOKEN_VOLUME)
+    volume["name"] = "vault-token"
+    volume["projected"]["sources"][0]["serviceAccountToken"]["audience"] = "vault"
+    _mount_in_sidecar(pod, volume, TOKEN_PATH)
+
+
+def _secrets_above_the_token(pod: dict[str, Any]) -> None:
+    """Without the pod's own token mounted below it, a volume at /var/run/secrets shows its files."""
+    pod["spec"]["automountServiceAccountToken"] = False
+    _mount_in_sidecar(pod, {"name": "secrets", "secret": {"secretName": "forged"}}, "/var/run/secrets")
+
+
 def _shared_state(pod: dict[str, Any]) -> None:
     """The sidecar's state directory on a volume of the author's, which the workload mounts too."""
     pod["spec"]["volumes"].append({"name": "shared", "emptyDir": {}})
@@ -248,6 +282,11 @@ FORGERIES: dict[str, tuple[Callable[[dict[str, Any]], None], str]] = {
     # The pod around it: the enforcer's volume and port are its own.
     "workload mounts the state volume": (_workload_mounts_state, 'container "trainer" mounts volume gpufence-state'),
     "workload declares the metrics port": (_workload_declares_the_port, 'container "trainer" declares port 9401'),
+    # The token the enforcer names its pod by (gpufence/enforcer/pod_identity.py).
+    "a file of the author's as the token": (_authors_file_as_token, "it mounts volume kube-api-access-fake at "
+                                            "/var/run/secrets/kubernetes.io/serviceaccount, where the enforcer reads"),
+    "a token for another audience": (_token_for_another_audience, "only the pod's own token"),
+    "a volume above the token": (_secrets_above_the_token, "it mounts volume secrets at /var/run/secrets, where"),
     # A container without a device: the webhook's NVIDIA_VISIBLE_DEVICES=void, or no pod.
     "a container without a device and without the void": (
         _helper_without_void, 'container "helper" requests no GPU and has no NVIDIA_VISIBLE_DEVICES'),
@@ -307,6 +346,12 @@ def test_a_default_share_cannot_be_left_out() -> None:
     with_config(pod, lambda d: d["containers"]["trainer"].pop("computePercent"))
     allowed, message = GUARD.admit(pod, namespace_annotations=annotations)
     assert not allowed and "no compute share where the namespace sets a default" in message
+
+
+def test_the_pods_own_token_mounted_as_the_api_server_mounts_it_passes() -> None:
+    pod = injected(gpu_pod({"gpufence.io/memory": "4Gi"}), {})
+    _mount_in_sidecar(pod, copy.deepcopy(TOKEN_VOLUME), TOKEN_PATH)
+    assert GUARD.admit(pod, namespace_annotations={})[0]
 
 
 def test_other_injectors_mounts_are_not_forgeries() -> None:

@@ -296,6 +296,7 @@ def test_reinvocation_keeps_the_service_account_token_mount_and_nothing_else() -
     sidecar = pod["spec"]["initContainers"][0]
     token = {"name": "kube-api-access-x1y2z", "readOnly": True,
              "mountPath": "/var/run/secrets/kubernetes.io/serviceaccount"}
+    pod["spec"]["volumes"].append(token_volume("kube-api-access-x1y2z"))
     sidecar["volumeMounts"] = [*sidecar["volumeMounts"], token]
     new, _ = desired_pod(pod, PLAN, InjectionSettings())
     assert diff(pod, new) == []
@@ -315,9 +316,31 @@ def test_first_injection_mounts_the_token_the_api_server_gave_the_other_containe
     token = {"name": "kube-api-access-q8r9s", "readOnly": True,
              "mountPath": "/var/run/secrets/kubernetes.io/serviceaccount"}
     pod["spec"]["containers"][0]["volumeMounts"] = [token]
+    pod["spec"]["volumes"] = [token_volume("kube-api-access-q8r9s")]
     new, _ = desired_pod(pod, PLAN, InjectionSettings())
     assert new["spec"]["initContainers"][0]["volumeMounts"][-1] == token
     assert diff(new, desired_pod(new, PLAN, InjectionSettings())[0]) == []
+
+
+def token_volume(name: str, audience: str | None = None) -> dict:
+    """The volume the API server's ServiceAccount plugin adds (``audience``: one of the author's)."""
+    token = {"expirationSeconds": 3607, "path": "token", **({"audience": audience} if audience else {})}
+    return {"name": name, "projected": {"defaultMode": 420, "sources": [
+        {"serviceAccountToken": token},
+        {"configMap": {"name": "kube-root-ca.crt", "items": [{"key": "ca.crt", "path": "ca.crt"}]}}]}}
+
+
+@pytest.mark.parametrize("volume", [{"name": "forged", "configMap": {"name": "my-jwt"}},
+                                    token_volume("forged", audience="vault"), {"name": "other"}])
+def test_a_file_of_the_authors_at_the_token_path_is_not_given_to_the_enforcer(volume: dict) -> None:
+    """The enforcer names its pod by the token's claims: only the pod's own token is mounted."""
+    pod = gpu_pod()
+    pod["spec"]["automountServiceAccountToken"] = False
+    pod["spec"]["containers"][0]["volumeMounts"] = [
+        {"name": "forged", "readOnly": True, "mountPath": "/var/run/secrets/kubernetes.io/serviceaccount"}]
+    pod["spec"]["volumes"] = [volume]
+    new, _ = desired_pod(pod, PLAN, InjectionSettings())
+    assert [m["name"] for m in new["spec"]["initContainers"][0]["volumeMounts"]] == ["gpufence-state"]
 
 
 # --- what the API server's defaulting fills is left to it ------------------------------------------
