@@ -27,7 +27,8 @@ The same check holds the workload back until the enforcer is up: the sidecar's `
 (``gpufence.contract.POST_START_COMMAND``, :func:`wait`) repeats it every few milliseconds and
 returns as soon as it passes. The kubelet starts the next container only after a native sidecar's
 postStart hook returned, and kills and restarts the sidecar when the hook fails (here: no passing
-heartbeat within ``WAIT_SECONDS``), so the workload never runs before enforcement. A startup probe
+heartbeat within ``WAIT_SECONDS``, or no enforcer left in the container), so the workload never
+runs before enforcement. A startup probe
 did the same on the kubelet's one-second probe tick: the enforcer was up in 0.5-0.7 s but seen up
 after a median 1.6 s.
 """
@@ -37,6 +38,11 @@ from __future__ import annotations
 import os
 import sys
 import time
+
+# Not ``typing.TYPE_CHECKING``: importing typing would cost every probe run more than the check.
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from collections.abc import Callable
 
 HEARTBEAT_FILE = "heartbeat"
 _MAGIC = "gpufence-heartbeat"
@@ -53,6 +59,8 @@ _STOPPED_STATES = frozenset("TtXZx")
 # 60 tries a second apart), and how often it looks: each look is a few system calls.
 WAIT_SECONDS = 60.0
 WAIT_STEP_SECONDS = 0.02
+# How often the hook looks whether the enforcer still runs (a scan of /proc).
+ALIVE_CHECK_SECONDS = 0.5
 
 
 def clock() -> float:
@@ -147,17 +155,48 @@ def run() -> None:
     raise SystemExit(main())
 
 
-def wait_until_up(state_dir: str, timeout: float = WAIT_SECONDS, step: float = WAIT_STEP_SECONDS) -> int:
+def container_has_another_process() -> bool:
+    """Whether a process other than this one (and its parent) runs in this container: one whose
+    ``/proc/<pid>/root`` is our ``/``. The pod shares one PID namespace, so the enforcer's exit does
+    not end the hook; this is how the hook tells that the enforcer is gone. Unreadable entries
+    count as alive: the hook must never give up on an enforcer it merely cannot see."""
+    ours = os.stat("/")
+    me, parent = os.getpid(), os.getppid()
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit() or int(entry) in (me, parent):
+            continue
+        try:
+            theirs = os.stat(f"/proc/{entry}/root")
+        except FileNotFoundError:
+            continue  # exited while we looked
+        except OSError:
+            return True
+        if (theirs.st_dev, theirs.st_ino) == (ours.st_dev, ours.st_ino):
+            return True
+    return False
+
+
+def wait_until_up(state_dir: str, timeout: float = WAIT_SECONDS, step: float = WAIT_STEP_SECONDS,
+                  alive: Callable[[], bool] = container_has_another_process) -> int:
     """0 as soon as the heartbeat in ``state_dir`` passes, 1 when it has not within ``timeout``
-    seconds; the last reason on stdout (the kubelet puts a failed hook's output in its Event)."""
-    deadline = time.monotonic() + timeout
+    seconds or the container holds no other process (the enforcer exited: the kubelet, which waits
+    for this hook before it acts on anything else in the pod, then restarts it at once instead of
+    after the timeout); the reason on stdout (the kubelet puts a failed hook's output in its Event)."""
+    started = time.monotonic()
+    deadline, next_look = started + timeout, started + ALIVE_CHECK_SECONDS
     while True:
         ok, why = check(state_dir)
         if ok:
             return 0
-        if time.monotonic() >= deadline:
+        now = time.monotonic()
+        if now >= deadline:
             print(f"gpufence postStart: the enforcer was not up within {timeout:g}s: {why}")
             return 1
+        if now >= next_look:
+            if not alive():
+                print(f"gpufence postStart: the enforcer exited before it was up: {why}")
+                return 1
+            next_look = now + ALIVE_CHECK_SECONDS
         time.sleep(step)
 
 

@@ -115,3 +115,37 @@ def test_the_heartbeat_carries_the_liveness_rule_and_the_degraded_states() -> No
     live, detail = health.heartbeat()
     assert not live and detail.startswith("the poll loop has not completed a tick")
     assert HEARTBEAT_STALE_AFTER_SECONDS < 10  # a stopped enforcer is seen within one liveness period
+
+
+# --- the postStart hook (probe.wait_until_up) ----------------------------------------------------
+
+
+def test_the_hook_passes_at_once_on_a_passing_heartbeat(tmp_path: Path, sleeper, capsys) -> None:
+    write(tmp_path, sleeper.pid)
+    assert probe.wait_until_up(str(tmp_path), timeout=5, alive=lambda: pytest.fail("no need to look")) == 0
+
+
+def test_the_hook_gives_up_when_the_enforcer_is_gone(tmp_path: Path, capsys) -> None:
+    """The kubelet waits for the hook before it acts on anything else in the pod: an enforcer that
+    exited before it was up must not hold the pod for the whole timeout."""
+    looks: list[bool] = []
+
+    def gone() -> bool:
+        looks.append(False)
+        return False
+
+    assert probe.wait_until_up(str(tmp_path), timeout=60, step=0.01, alive=gone) == 1
+    assert len(looks) == 1
+    out = capsys.readouterr().out
+    assert "the enforcer exited before it was up" in out and "has not started" in out, out
+
+
+def test_the_hook_gives_up_after_its_timeout_while_the_enforcer_runs(tmp_path: Path, capsys) -> None:
+    assert probe.wait_until_up(str(tmp_path), timeout=0.05, step=0.01, alive=lambda: True) == 1
+    assert "was not up within 0.05s" in capsys.readouterr().out
+
+
+def test_another_process_of_this_container_is_seen() -> None:
+    """Other processes of this machine share the test's root directory, as the enforcer shares the
+    hook's (the hook's own parent is not counted: a shell running the hook is no enforcer)."""
+    assert probe.container_has_another_process()
