@@ -247,7 +247,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         status = _run(args, config, port, log, identity)
     except KeyboardInterrupt:
         return 0
-    except BaseException as exc:  # the traceback goes to stderr as before; the reason to the kubelet
+    except Exception as exc:  # the traceback goes to stderr as before; the reason to the kubelet
         write_termination_message(args.termination_log, f"crashed: {type(exc).__name__}: {exc}")
         raise
     if status != 0:
