@@ -28,9 +28,8 @@ The same check holds the workload back until the enforcer is up: the sidecar's `
 returns as soon as it passes. The kubelet starts the next container only after a native sidecar's
 postStart hook returned, and kills and restarts the sidecar when the hook fails (here: no passing
 heartbeat within ``WAIT_SECONDS``, or no enforcer left in the container), so the workload never
-runs before enforcement. A startup probe
-did the same on the kubelet's one-second probe tick: the enforcer was up in 0.5-0.7 s but seen up
-after a median 1.6 s.
+runs before enforcement. A startup probe did the same on the kubelet's one-second probe tick: the
+enforcer was up in 0.5-0.7 s but seen up after a median 1.6 s.
 """
 
 from __future__ import annotations
