@@ -88,6 +88,13 @@ def _stat(pid: int) -> tuple[str, int]:
     return fields[0], int(fields[19])
 
 
+def _root(pid: int | str) -> tuple[int, int]:
+    """The (device, inode) of ``pid``'s root directory: the same for every process of one container
+    (``"self"``: this process's), another for a process of another container of the pod."""
+    st = os.stat(f"/proc/{pid}/root")
+    return st.st_dev, st.st_ino
+
+
 def check(state_dir: str, now: float | None = None) -> tuple[bool, str]:
     """(passes, why) for the heartbeat in ``state_dir``."""
     path = os.path.join(state_dir, HEARTBEAT_FILE)
@@ -114,13 +121,13 @@ def check(state_dir: str, now: float | None = None) -> tuple[bool, str]:
         return False, f"the heartbeat names pid {enforcer}, not an enforcer"
     try:
         state, actual_start = _stat(enforcer)
-        ours = os.stat("/")
-        theirs = os.stat(f"/proc/{enforcer}/root")
+        ours = _root("self")
+        theirs = _root(enforcer)
     except (OSError, IndexError, ValueError) as exc:
         return False, f"the enforcer (pid {enforcer}) of the heartbeat is gone or unreadable ({exc})"
     if actual_start != started:
         return False, f"pid {enforcer} is not the process that wrote the heartbeat (it started later)"
-    if (theirs.st_dev, theirs.st_ino) != (ours.st_dev, ours.st_ino):
+    if theirs != ours:
         return False, f"pid {enforcer} of the heartbeat runs in another container"
     if state in _STOPPED_STATES:
         return False, f"the enforcer (pid {enforcer}) is stopped or dead (state {state})"
@@ -159,18 +166,18 @@ def container_has_another_process() -> bool:
     ``/proc/<pid>/root`` is our ``/``. The pod shares one PID namespace, so the enforcer's exit does
     not end the hook; this is how the hook tells that the enforcer is gone. Unreadable entries
     count as alive: the hook must never give up on an enforcer it merely cannot see."""
-    ours = os.stat("/")
+    ours = _root("self")
     me, parent = os.getpid(), os.getppid()
     for entry in os.listdir("/proc"):
         if not entry.isdigit() or int(entry) in (me, parent):
             continue
         try:
-            theirs = os.stat(f"/proc/{entry}/root")
+            theirs = _root(entry)
         except FileNotFoundError:
             continue  # exited while we looked
         except OSError:
             return True
-        if (theirs.st_dev, theirs.st_ino) == (ours.st_dev, ours.st_ino):
+        if theirs == ours:
             return True
     return False
 
