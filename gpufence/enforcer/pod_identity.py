@@ -39,7 +39,7 @@ class PodIdentity:
     namespace: str | None
     name: str | None
     uid: str | None
-    source: str  # where the identity came from, for the started record
+    source: str  # where the identity came from, for the "pod_identity" record
 
 
 def from_token(token: str) -> tuple[str | None, str | None, str | None]:

@@ -151,9 +151,14 @@ def probe(state_dir: str | None) -> int:
     return 0 if ok else 1
 
 
-def main() -> int:
+def _state_dir() -> str:
     """The state directory: the first argument, else the environment's, else the sidecar's mount."""
-    return probe(sys.argv[1] if len(sys.argv) > 1 else os.environ.get(_ENV_STATE_DIR) or _DEFAULT_STATE_DIR)
+    return sys.argv[1] if len(sys.argv) > 1 else os.environ.get(_ENV_STATE_DIR) or _DEFAULT_STATE_DIR
+
+
+def main() -> int:
+    """:func:`probe` of the state directory :func:`_state_dir` names."""
+    return probe(_state_dir())
 
 
 def run() -> None:
@@ -207,6 +212,6 @@ def wait_until_up(state_dir: str, timeout: float = WAIT_SECONDS, step: float = W
 
 
 def wait() -> None:
-    """The kubelet's postStart entry point (``POST_START_COMMAND``): the state directory as for
-    :func:`main`, then :func:`wait_until_up`'s status."""
-    raise SystemExit(wait_until_up(os.environ.get(_ENV_STATE_DIR) or _DEFAULT_STATE_DIR))
+    """The kubelet's postStart entry point (``POST_START_COMMAND``): :func:`wait_until_up`'s status
+    for the state directory :func:`_state_dir` names."""
+    raise SystemExit(wait_until_up(_state_dir()))
