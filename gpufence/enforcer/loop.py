@@ -33,6 +33,7 @@ import threading
 import time
 import traceback
 from collections.abc import Callable
+from functools import partial
 
 from gpufence.contract import EnforcerConfig, Mode
 from gpufence.enforcer.attribution import Attribution, Attributor, PidMode
@@ -229,10 +230,12 @@ class Enforcer:
         if self._client is None and (now < self._next_open or not self.open_nvml()):
             self._check_pending(now)
             return
-        assert self._client is not None
+        client = self._client
+        assert client is not None
         try:
             # While NVML answers slowly the SIGKILL timers still fire (the idle callback).
-            sample = self._nvml.call("sample", self._client.sample, idle=self._between_calls)
+            utilisation = self._core.wants_utilisation(now)
+            sample = self._nvml.call("sample", partial(client.sample, utilisation), idle=self._between_calls)
         except NvmlUnavailable as exc:
             self._nvml_lost(exc)
             self._check_pending(self._clock())

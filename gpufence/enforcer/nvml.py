@@ -102,6 +102,7 @@ class _Device:
     graphics: Buffer = field(default_factory=lambda: Buffer(PROC_V2))
     mps: Buffer = field(default_factory=lambda: Buffer(PROC_V2))
     util: Buffer = field(default_factory=lambda: Buffer(UTIL))
+    sm_util: Mapping[int, int] = field(default_factory=dict)  # the last fresh reading, pid -> SM%
     records: dict[int, GpuProcess] = field(default_factory=dict)  # last round's, by pid
 
 
@@ -204,8 +205,12 @@ class NvmlClient:
 
     # -- polling ---------------------------------------------------------------------------------
 
-    def sample(self) -> NvmlSample:
-        """Every device's processes, memory and SM utilisation now; tolerated errors as events."""
+    def sample(self, utilisation: bool = True) -> NvmlSample:
+        """Every device's processes, memory and SM utilisation now; tolerated errors as events.
+
+        ``utilisation=False`` reuses each device's last reading instead of asking the driver: the
+        call costs about as much as the rest of a poll on a real GPU. A device that lists no
+        process is never asked (no sample could be attributed)."""
         with self._lock:
             if not self._open:
                 raise NvmlUnavailable("NVML is not open: call NvmlClient.open() first")
@@ -214,12 +219,12 @@ class NvmlClient:
             samples = []
             try:
                 for device in self._devices:
-                    samples.append(self._sample_device(device, errors))
+                    samples.append(self._sample_device(device, errors, utilisation))
             except NvmlCallError as err:  # only fatal codes get here
                 raise NvmlUnavailable(fatal_message(err)) from None
             return NvmlSample(devices=tuple(samples), errors=tuple(errors))
 
-    def _sample_device(self, device: _Device, errors: list[NvmlErrorEvent]) -> DeviceSample:
+    def _sample_device(self, device: _Device, errors: list[NvmlErrorEvent], utilisation: bool) -> DeviceSample:
         index = device.index
         listed: list[tuple[int, int | None]] = []
         try:
@@ -269,9 +274,11 @@ class NvmlClient:
             records[pid] = record
         device.records = records
         processes = tuple(records.values())
-        return DeviceSample(
-            index, uuid, device.total_memory_bytes, processes, self._util(device, errors), mig=device.mig
-        )
+        if not processes:
+            device.sm_util = _EMPTY
+        elif utilisation:
+            device.sm_util = self._util(device, errors)
+        return DeviceSample(index, uuid, device.total_memory_bytes, processes, device.sm_util, mig=device.mig)
 
     # -- driver memory limits (NVML R615) ---------------------------------------------------------
 

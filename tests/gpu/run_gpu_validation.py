@@ -345,6 +345,20 @@ def framework_cap_scenario(args: argparse.Namespace) -> int:
     return 0 if ok else 1
 
 
+def process_cost(pid: int) -> dict[str, float] | str:
+    """The enforcer's own cost on this host after the run, from /proc (a host process with the real
+    NVML, not a pod's cgroup): resident and proportional memory, CPU seconds, threads."""
+    try:
+        rollup = pathlib.Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines()
+        fields = {line.split(":")[0]: int(line.split()[1]) for line in rollup[1:] if line.endswith("kB")}
+        stat = pathlib.Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, ValueError, IndexError) as exc:
+        return f"unreadable: {exc}"
+    ticks = os.sysconf("SC_CLK_TCK")
+    return {"rss_mib": round(fields.get("Rss", 0) / 1024, 1), "pss_mib": round(fields.get("Pss", 0) / 1024, 1),
+            "cpu_seconds": round((int(stat[11]) + int(stat[12])) / ticks, 2), "threads": int(stat[17])}
+
+
 def print_nvml_facts(when: str) -> None:
     """What the driver offers (versions, R615 limit calls, PIDs, per-process memory, utilisation,
     call costs): tests/gpu/nvml_facts.py, in its own process so that its NVML session is its own."""
@@ -503,6 +517,7 @@ def main(argv: list[str] | None = None) -> int:
             summary["enforcer_errors"] = [
                 r for _, r in log.records if r.get("event") in ("poll_error", "nvml_unavailable", "throttle_error")
             ]
+            summary["enforcer_process"] = process_cost(enforcer.pid)
         finally:
             stop(a)
             stop(b)

@@ -134,6 +134,30 @@ def test_utilization_is_newest_since_previous_sample(client: NvmlClient, sim: Wr
     assert dict(client.sample().devices[0].sm_util_by_pid) == {100: 20}
 
 
+def test_utilisation_is_reused_when_not_asked_for_and_never_read_for_a_device_without_processes(
+    client: NvmlClient, sim: Writer
+) -> None:
+    # Device a lists a process, device b none; the utilisation call fails on both devices, so
+    # every call made shows up as an error event.
+    failing = {"nvmlDeviceGetProcessUtilization": "NOT_SUPPORTED"}
+    sim(two_devices(a=(SimProcess(100, GiB, sm_util=40),), failures=failing))
+    client.open()
+    not_supported = NvmlErrorEvent("nvmlDeviceGetProcessUtilization", "NOT_SUPPORTED", 0)
+    assert client.sample(utilisation=True).errors == (not_supported,)
+    assert client.sample(utilisation=False).errors == ()
+    # Without failures: a fresh reading, then the same reading again while the driver's moved on.
+    sim(two_devices(a=(SimProcess(100, GiB, sm_util=40),)))
+    wait_for_next_window()
+    assert dict(client.sample(utilisation=True).devices[0].sm_util_by_pid) == {100: 40}
+    sim(two_devices(a=(SimProcess(100, GiB, sm_util=90),)))
+    wait_for_next_window()
+    assert dict(client.sample(utilisation=False).devices[0].sm_util_by_pid) == {100: 40}
+    assert dict(client.sample(utilisation=True).devices[0].sm_util_by_pid) == {100: 90}
+    # The process is gone: its old reading goes with it.
+    sim(two_devices())
+    assert dict(client.sample(utilisation=False).devices[0].sm_util_by_pid) == {}
+
+
 def test_processes_appear_and_vanish_between_samples(client: NvmlClient, sim: Writer) -> None:
     sim(two_devices(a=(SimProcess(100, GiB), SimProcess(101, GiB))))
     client.open()
@@ -177,7 +201,7 @@ def test_256_processes_and_buffer_growth(client: NvmlClient, sim: Writer) -> Non
 
 def test_utilization_not_supported_is_an_event(client: NvmlClient, sim: Writer) -> None:
     failures = {"nvmlDeviceGetProcessUtilization": "NOT_SUPPORTED"}
-    sim(two_devices(a=(SimProcess(100, GiB, sm_util=50),), failures=failures))
+    sim(two_devices(a=(SimProcess(100, GiB, sm_util=50),), b=(SimProcess(200, GiB, sm_util=5),), failures=failures))
     client.open()
     sample = client.sample()
     assert all(dict(d.sm_util_by_pid) == {} for d in sample.devices)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from gpufence.contract import ContainerShare, EnforcerConfig, MemoryShare
 from gpufence.enforcer.attribution import Attribution, PodProcess
-from gpufence.enforcer.machine import Core, Transition
+from gpufence.enforcer.machine import UTILISATION_REFRESH_SECONDS, Core, Transition
 
 GiB = 1 << 30
 CONFIG = EnforcerConfig(
@@ -90,3 +90,12 @@ def test_polling_speeds_up_near_a_limit_or_on_fast_growth_and_settles_back() -> 
     for i in range(25):  # steady, well under: back to the configured interval after the hold
         core.step(1.0 + i, poll(proc(1, "train", GiB)), TOTALS)
     assert core.poll_interval(0.5) == 0.5
+
+
+def test_utilisation_is_read_every_poll_only_where_a_compute_share_needs_it() -> None:
+    # A compute share: the controller needs each poll's reading.
+    assert all(Core(CONFIG).wants_utilisation(t / 2) for t in range(20))
+    # Memory shares only: the reading feeds the gauge, refreshed every UTILISATION_REFRESH_SECONDS.
+    core = Core(EnforcerConfig(containers={"a": ContainerShare(memory=MemoryShare(bytes=GiB))}))
+    reads = [t / 2 for t in range(24) if core.wants_utilisation(100 + t / 2)]
+    assert reads == [0.0, UTILISATION_REFRESH_SECONDS, 2 * UTILISATION_REFRESH_SECONDS]
