@@ -121,7 +121,7 @@ def injected_pod(*, native: bool = True) -> dict[str, Any]:
     """A GPU pod as the webhook leaves it (the fields the policy reads, and a few it must ignore)."""
     sidecar: dict[str, Any] = {
         "name": SIDECAR_NAME, "image": DEFAULT_SIDECAR_IMAGE, "command": ["gpufence-enforcer"],
-        "resources": {"limits": {"cpu": "250m", "memory": "256Mi"}, "requests": {"cpu": "10m", "memory": "64Mi"}},
+        "resources": {"limits": {"cpu": "500m", "memory": "256Mi"}, "requests": {"cpu": "10m", "memory": "64Mi"}},
         "volumeMounts": [{"name": "gpufence-state", "mountPath": "/var/run/gpufence"}],
         "env": [{"name": "NVIDIA_VISIBLE_DEVICES", "value": "all"}],
     }
