@@ -43,18 +43,7 @@ REPO = pathlib.Path(__file__).resolve().parents[2]
 CGROUP_ROOT = pathlib.Path("/sys/fs/cgroup")
 CPU_MAX = "25000 100000"  # the sidecar's default limit, 250m
 MiB = 1 << 20
-HOLDER = r"""
-import sys
-backend, mib = sys.argv[1], int(sys.argv[2])
-if backend == "torch":
-    import torch
-    block = torch.ones(mib << 20, dtype=torch.uint8, device="cuda"); torch.cuda.synchronize()
-else:
-    import cupy
-    block = cupy.ones(mib << 20, dtype=cupy.uint8); cupy.cuda.Device().synchronize()
-print("READY", flush=True)
-sys.stdin.read()
-"""
+HOLDER = pathlib.Path(__file__).with_name("cuda_holder.py")
 
 
 # argv: none. Prints one JSON line: per step of opening NVML as the enforcer does, the wall and CPU
@@ -282,10 +271,10 @@ def main(argv: list[str]) -> int:
     if groups:
         result["started_seconds_by_cpu_limit"] = startup_at_limits(["250m", "500m", "1000m"], 3)
     result["runs"].append(run("no_gpu_process", {"a": share}, seconds, groups))
-    holder = subprocess.Popen([sys.executable, "-c", HOLDER, backend, str(mib)], stdin=subprocess.PIPE,
+    holder = subprocess.Popen([sys.executable, str(HOLDER), backend, str(mib)], stdin=subprocess.PIPE,
                               stdout=subprocess.PIPE, text=True, env={**os.environ, "GPUFENCE_CONTAINER": "a"})
     assert holder.stdout is not None and holder.stdin is not None
-    if holder.stdout.readline().strip() != "READY":
+    if holder.stdout.readline().split()[:1] != ["READY"]:
         print(f"error: the CUDA holder did not get ready (exit {holder.wait()})")
         return 2
     try:

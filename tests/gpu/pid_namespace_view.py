@@ -31,19 +31,7 @@ from typing import Any
 HERE = Path(__file__).resolve().parent
 UNSHARE = ["unshare", "--pid", "--fork", "--mount-proc"]
 
-# argv: backend, MiB. Prints "READY <pid as this process sees it>", holds the memory until stdin closes.
-HOLDER = r"""
-import os, sys
-backend, mib = sys.argv[1], int(sys.argv[2])
-if backend == "torch":
-    import torch
-    block = torch.ones(mib << 20, dtype=torch.uint8, device="cuda"); torch.cuda.synchronize()
-else:
-    import cupy
-    block = cupy.ones(mib << 20, dtype=cupy.uint8); cupy.cuda.Device().synchronize()
-print(f"READY {os.getpid()}", flush=True)
-sys.stdin.read()
-"""
+HOLDER = HERE / "cuda_holder.py"
 
 
 def backend() -> str | None:
@@ -65,7 +53,7 @@ def facts(prefix: list[str]) -> dict[str, Any]:
 
 
 def start_holder(prefix: list[str], kind: str, mib: int) -> tuple[subprocess.Popen[str], int]:
-    holder = subprocess.Popen([*prefix, sys.executable, "-c", HOLDER, kind, str(mib)], stdin=subprocess.PIPE,
+    holder = subprocess.Popen([*prefix, sys.executable, str(HOLDER), kind, str(mib)], stdin=subprocess.PIPE,
                               stdout=subprocess.PIPE, text=True)
     assert holder.stdout is not None
     line = holder.stdout.readline().split()
