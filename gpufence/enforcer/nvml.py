@@ -236,7 +236,8 @@ class NvmlClient:
                 (device.compute, self._fn_compute, self._proc_names[0]),
                 (device.graphics, self._fn_graphics, self._proc_names[1]),
             ]
-            # MPS clients appear only in this list (with MPS the compute list shows the MPS server).
+            # MPS clients are in this list; some drivers list them in the compute list too (580 on an
+            # H200 did, with the same memory: merged below), others only here, next to the server.
             # Drivers without the call have no MPS clients to report: not an error.
             if self._fn_mps is not None:
                 lists.append((device.mps, self._fn_mps, self._proc_names[2]))
