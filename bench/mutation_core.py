@@ -6,6 +6,8 @@ Each repeat times a loop of calls lasting about ``--budget`` seconds (the loop c
 pod after a calibration run); the table shows the median over repeats and the spread. "review"
 is ``review()`` alone; "+codec" adds decoding the request body and encoding the answer with
 ``webhook.patch``'s encoding (orjson), what the server does around it. Target: < 200 µs for the typical pod.
+The decision log's cost is the server's own ``_answer`` for the typical pod with the
+``webhook.decisions`` logger at ``warning`` (no line) and at ``info`` (one JSON line to /dev/null).
 """
 
 from __future__ import annotations
@@ -62,7 +64,43 @@ def measure(repeats: int = 7, budget: float = 0.3) -> list[dict[str, Any]]:
     return rows
 
 
-def render(rows: list[dict[str, Any]], repeats: int) -> str:
+def measure_decision_log(repeats: int = 7, budget: float = 0.3) -> dict[str, float]:
+    """µs per ``_answer`` of the typical pod without and with its decision line (median of repeats)."""
+    import logging
+    import os
+
+    from gpufence.logs import JsonFormatter
+    from gpufence.webhook.server import _answer
+    from gpufence.webhook.settings import AllNamespacesOptedIn, InjectionSettings
+
+    body = json.dumps(admission_review(typical_pod())).encode()
+    settings, namespaces = InjectionSettings(), AllNamespacesOptedIn()
+    logger = logging.getLogger("webhook.decisions")
+    with open(os.devnull, "w") as sink:
+        handler = logging.StreamHandler(sink)
+        handler.setFormatter(JsonFormatter())
+        logger.addHandler(handler)
+        old, propagate = logger.level, logger.propagate
+        logger.propagate = False
+        try:
+            def call() -> Any:
+                return _answer(body, settings, namespaces)
+
+            n = max(3, int(budget / max(_time_loop(call, 3), 1e-7)))
+            # Alternating, so that a machine that speeds up or slows down meanwhile moves both alike.
+            times: dict[str, list[float]] = {"without_us": [], "with_us": []}
+            for _ in range(repeats):
+                for name, level in (("without_us", logging.WARNING), ("with_us", logging.INFO)):
+                    logger.setLevel(level)
+                    times[name].append(_time_loop(call, n) * 1e6)
+            return {name: median(values) for name, values in times.items()}
+        finally:
+            logger.removeHandler(handler)
+            logger.setLevel(old)
+            logger.propagate = propagate
+
+
+def render(rows: list[dict[str, Any]], repeats: int, log_cost: dict[str, float] | None = None) -> str:
     typical = rows[1]["review_us"]
     verdict = "met" if typical < TARGET_TYPICAL_US else "MISSED"
     body = table(
@@ -71,8 +109,13 @@ def render(rows: list[dict[str, Any]], repeats: int) -> str:
         [[r["pod"], r["request_bytes"], r["response_bytes"], r["outcome"], f"{r['review_us']:.1f}",
           f"{r['review_min_us']:.1f}-{r['review_max_us']:.1f}", f"{r['codec_us']:.1f}"] for r in rows],
     )
-    return (f"{body}\n\nMedian of {repeats} repeats, each a loop of `calls_per_repeat` calls. "
+    text = (f"{body}\n\nMedian of {repeats} repeats, each a loop of `calls_per_repeat` calls. "
             f"Target < {TARGET_TYPICAL_US:.0f} µs for the typical pod: **{verdict}** ({typical:.1f} µs).\n")
+    if log_cost:
+        text += (f"\nDecision log: the server's `_answer` of the typical pod took {log_cost['without_us']:.1f} µs "
+                 f"without its line (level `warning`) and {log_cost['with_us']:.1f} µs with it (`info`, a JSON "
+                 f"line to /dev/null).\n")
+    return text
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -82,7 +125,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-write", action="store_true", help="do not update docs/PERFORMANCE.md")
     args = parser.parse_args(argv)
     rows = measure(args.repeats, args.budget)
-    text = render(rows, args.repeats)
+    text = render(rows, args.repeats, measure_decision_log(args.repeats, args.budget))
     print(text)
     if not args.no_write:
         write_section("mutation_core", "Mutation core: review() in process", text)

@@ -9,7 +9,6 @@ import logging
 import re
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -175,23 +174,3 @@ def test_log_event_builds_nothing_when_the_level_is_off() -> None:
 
     log_event(logger, "quiet", logging.INFO, value=Exploding())
 
-
-def test_decision_log_cost_per_review(decisions: io.StringIO) -> None:
-    """The info line per mutation stays a small part of a review (bench figures: docs/PERFORMANCE.md)."""
-    body = json.dumps(pod_review()).encode()
-    settings, namespaces = InjectionSettings(), AllNamespacesOptedIn()
-    logger = logging.getLogger("webhook.decisions")
-
-    def per_review(level: int) -> float:
-        logger.setLevel(level)
-        best = float("inf")
-        for _ in range(5):
-            started = time.perf_counter()
-            for _ in range(200):
-                _answer(body, settings, namespaces)
-            best = min(best, (time.perf_counter() - started) / 200)
-        return best
-
-    quiet, logged = per_review(logging.WARNING), per_review(logging.INFO)
-    print(f"review without decision log {quiet * 1e6:.0f} us, with {logged * 1e6:.0f} us")
-    assert logged < quiet * 1.5 + 50e-6

@@ -1,0 +1,199 @@
+#!/usr/bin/env python3
+"""Whether the enforcer's compute share gives a neighbour its GPU time back: real driver, real CUDA.
+
+Without MPS or MIG, processes on one GPU time-slice it; the enforcer holds a container to its
+compute share by stopping and continuing its processes (SIGSTOP/SIGCONT duty cycle) on measured SM
+utilisation. This run measures what that is worth, in matrix products per second (PyTorch, bf16
+``--size`` cubed, each process counting its own):
+
+1. ``a`` alone, then ``c`` alone: each one's solo rate;
+2. both together, no enforcer: how they share the GPU;
+3. the enforcer (``python -m gpufence.enforcer``, poll ``--poll-interval``) with ``a`` at
+   ``--share`` percent and ``c`` without a compute share: after ``throttle_start`` for ``a``,
+   ``--seconds`` of both rates.
+
+Prints ``compute_share: {...}``: the rates, each as a fraction of its solo rate, and the
+enforcer's throttle records. Pass: ``a`` keeps running, ``a``'s fraction while throttled is at
+most its share plus ``--tolerance``, and ``c`` gets more than it did beside an unthrottled ``a``.
+``skipped:`` (exit 0) without NVML or PyTorch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import importlib.util
+import json
+import os
+import pathlib
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from typing import IO, Any
+
+REPO = pathlib.Path(__file__).resolve().parents[2]
+
+# argv: matrix size. Prints "RATE <monotonic time> <products per second>" about every 0.25 s.
+WORKLOAD = r"""
+import sys, time, torch
+n = int(sys.argv[1])
+m = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+torch.cuda.synchronize()
+count, since = 0, time.monotonic()
+while True:
+    for _ in range(4):
+        m @ m
+    torch.cuda.synchronize()
+    count += 4
+    now = time.monotonic()
+    if now - since >= 0.25:
+        print(f"RATE {now:.6f} {count / (now - since):.2f}", flush=True)
+        count, since = 0, now
+"""
+
+
+class Rates:
+    """A workload's RATE lines, collected on a thread."""
+
+    def __init__(self, name: str, process: subprocess.Popen[str]) -> None:
+        self.name, self.process = name, process
+        self.samples: list[tuple[float, float]] = []
+        self._first = threading.Event()
+        assert process.stdout is not None
+        threading.Thread(target=self._pump, args=(process.stdout,), daemon=True).start()
+
+    def _pump(self, pipe: IO[str]) -> None:
+        for line in pipe:
+            parts = line.split()
+            if len(parts) == 3 and parts[0] == "RATE":
+                self.samples.append((float(parts[1]), float(parts[2])))
+                self._first.set()
+
+    def ready(self, timeout: float) -> bool:
+        return self._first.wait(timeout)
+
+    def median(self, start: float, end: float) -> float | None:
+        window = [rate for t, rate in self.samples if start <= t <= end]
+        return round(statistics.median(window), 2) if window else None
+
+
+def start(name: str, size: int, env: dict[str, str]) -> Rates:
+    process = subprocess.Popen([sys.executable, "-c", WORKLOAD, str(size)], stdout=subprocess.PIPE, text=True,
+                               env={**env, "GPUFENCE_CONTAINER": name})
+    return Rates(name, process)
+
+
+def stop(rates: Rates | None) -> None:
+    if rates is None or rates.process.poll() is not None:
+        return
+    with contextlib.suppress(ProcessLookupError):
+        rates.process.send_signal(signal.SIGCONT)  # never leave a stopped process behind
+        rates.process.kill()
+    rates.process.wait(timeout=30)
+
+
+def measure(seconds: float, *workloads: Rates) -> dict[str, float | None]:
+    begin = time.monotonic()
+    time.sleep(seconds)  # rates accumulate on their own threads; nothing to await
+    end = time.monotonic()
+    return {w.name: w.median(begin, end) for w in workloads}
+
+
+def solo(name: str, size: int, env: dict[str, str], seconds: float) -> float | None:
+    rates = start(name, size, env)
+    try:
+        if not rates.ready(120):
+            return None
+        return measure(seconds, rates)[name]
+    finally:
+        stop(rates)
+
+
+def fraction(value: float | None, base: float | None) -> float | None:
+    return round(value / base, 3) if value is not None and base else None
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--size", type=int, default=8192, help="matrix size (default 8192)")
+    parser.add_argument("--share", type=float, default=30, help="a's compute share, percent (default 30)")
+    parser.add_argument("--seconds", type=float, default=8, help="each measuring window (default 8)")
+    parser.add_argument("--poll-interval", type=float, default=0.5, help="enforcer poll (default 0.5)")
+    parser.add_argument("--tolerance", type=float, default=0.15, help="slack over the share (default 0.15)")
+    args = parser.parse_args(argv)
+    if importlib.util.find_spec("torch") is None or importlib.util.find_spec("pynvml") is None:
+        print("skipped: needs PyTorch and pynvml")
+        return 0
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+    env.pop("GPUFENCE_CONTAINER", None)
+    result: dict[str, Any] = {"size": args.size, "share_percent": args.share, "poll_interval": args.poll_interval}
+    result["solo"] = {name: solo(name, args.size, env, args.seconds / 2) for name in ("a", "c")}
+    a = c = enforcer = None
+    records: list[dict[str, Any]] = []
+    throttled = threading.Event()
+    try:
+        a, c = start("a", args.size, env), start("c", args.size, env)
+        if not (a.ready(120) and c.ready(120)):
+            print("error: the workloads did not start (CUDA?)")
+            return 2
+        result["together"] = measure(args.seconds, a, c)
+        with tempfile.TemporaryDirectory(prefix="gpufence-compute-") as tmp:
+            config = pathlib.Path(tmp, "config.json")
+            config.write_text(json.dumps({"version": 1, "mode": "enforce", "pollIntervalSeconds": args.poll_interval,
+                                          "containers": {"a": {"computePercent": args.share},
+                                                         "c": {"memoryBytes": 64 << 30}}}))
+            pathlib.Path(tmp, "state").mkdir()
+            enforcer = subprocess.Popen(
+                [sys.executable, "-m", "gpufence.enforcer", "--config", str(config), "--metrics-port", "0",
+                 "--state-dir", f"{tmp}/state"],
+                stdout=subprocess.PIPE, text=True, cwd=REPO,
+                env={**env, "GPUFENCE_POD_NAME": "compute-share", "GPUFENCE_POD_NAMESPACE": "local"})
+
+            def pump(pipe: IO[str]) -> None:
+                for line in pipe:
+                    with contextlib.suppress(ValueError):
+                        record = json.loads(line)
+                        if record.get("event", "").startswith("throttle"):
+                            records.append(record)
+                            if record["event"] == "throttle_start" and record.get("container") == "a":
+                                throttled.set()
+
+            assert enforcer.stdout is not None
+            threading.Thread(target=pump, args=(enforcer.stdout,), daemon=True).start()
+            t0 = time.monotonic()
+            if not throttled.wait(60):
+                result["error"] = "no throttle_start for a within 60 s"
+            else:
+                result["throttle_start_after_s"] = round(time.monotonic() - t0, 3)
+                time.sleep(2 * args.poll_interval + 1)  # let the controller settle on its first duty cycle
+                result["throttled"] = measure(args.seconds, a, c)
+            result["a_alive"] = a.process.poll() is None
+    finally:
+        if enforcer is not None:
+            enforcer.terminate()
+            try:
+                enforcer.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                enforcer.kill()
+        stop(a)
+        stop(c)
+    solo_rates = result["solo"]
+    for phase in ("together", "throttled"):
+        if phase in result:
+            result[f"{phase}_fraction_of_solo"] = {k: fraction(v, solo_rates[k]) for k, v in result[phase].items()}
+    result["throttle_records"] = records[:6]
+    frac = result.get("throttled_fraction_of_solo", {})
+    before = result.get("together_fraction_of_solo", {})
+    ok = (result.get("a_alive") and frac.get("a") is not None and frac["a"] <= args.share / 100 + args.tolerance
+          and frac.get("c") is not None and before.get("c") is not None and frac["c"] > before["c"])
+    result["result"] = "pass" if ok else "fail"
+    print("compute_share: " + json.dumps(result, sort_keys=True))
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
