@@ -113,6 +113,34 @@ def solo(name: str, size: int, env: dict[str, str], seconds: float) -> float | N
         stop(rates)
 
 
+def raw_samples(seconds: float, names: dict[int, str]) -> list[list[Any]] | str:
+    """NVML's per-process utilisation samples as the driver gives them, read every 0.5 s for
+    ``seconds``: [pid's name, timestamp (us), smUtil] for the given PIDs. Shows the sampling period
+    and what a throttled process's samples look like while it is stopped."""
+    import pynvml
+
+    try:
+        pynvml.nvmlInit()
+        handle = pynvml.nvmlDeviceGetHandleByIndex(0)
+        out: list[list[Any]] = []
+        last = 0
+        end = time.monotonic() + seconds
+        while time.monotonic() < end:
+            time.sleep(0.5)  # the enforcer's default interval: what one of its reads would get
+            with contextlib.suppress(pynvml.NVMLError_NotFound):
+                for sample in pynvml.nvmlDeviceGetProcessUtilization(handle, last):
+                    if sample.pid in names and sample.timeStamp > last:
+                        out.append([names[sample.pid], sample.timeStamp, sample.smUtil])
+            if out:
+                last = max(last, max(row[1] for row in out))
+        return sorted(out, key=lambda row: row[1])
+    except pynvml.NVMLError as exc:
+        return f"error: {exc}"
+    finally:
+        with contextlib.suppress(pynvml.NVMLError):
+            pynvml.nvmlShutdown()
+
+
 def fraction(value: float | None, base: float | None) -> float | None:
     return round(value / base, 3) if value is not None and base else None
 
@@ -124,6 +152,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seconds", type=float, default=8, help="each measuring window (default 8)")
     parser.add_argument("--poll-interval", type=float, default=0.5, help="enforcer poll (default 0.5)")
     parser.add_argument("--tolerance", type=float, default=0.15, help="slack over the share (default 0.15)")
+    parser.add_argument("--throttle-timeout", type=float, default=60, help="wait for throttle_start (default 60)")
     args = parser.parse_args(argv)
     if importlib.util.find_spec("torch") is None or importlib.util.find_spec("pynvml") is None:
         print("skipped: needs PyTorch and pynvml")
@@ -141,6 +170,7 @@ def main(argv: list[str] | None = None) -> int:
             print("error: the workloads did not start (CUDA?)")
             return 2
         result["together"] = measure(args.seconds, a, c)
+        result["raw_samples_together"] = raw_samples(2, {a.process.pid: "a", c.process.pid: "c"})
         with tempfile.TemporaryDirectory(prefix="gpufence-compute-") as tmp:
             config = pathlib.Path(tmp, "config.json")
             config.write_text(json.dumps({"version": 1, "mode": "enforce", "pollIntervalSeconds": args.poll_interval,
@@ -165,12 +195,13 @@ def main(argv: list[str] | None = None) -> int:
             assert enforcer.stdout is not None
             threading.Thread(target=pump, args=(enforcer.stdout,), daemon=True).start()
             t0 = time.monotonic()
-            if not throttled.wait(60):
-                result["error"] = "no throttle_start for a within 60 s"
+            if not throttled.wait(args.throttle_timeout):
+                result["error"] = f"no throttle_start for a within {args.throttle_timeout:g} s"
             else:
                 result["throttle_start_after_s"] = round(time.monotonic() - t0, 3)
                 time.sleep(2 * args.poll_interval + 1)  # let the controller settle on its first duty cycle
                 result["throttled"] = measure(args.seconds, a, c)
+                result["raw_samples_throttled"] = raw_samples(3, {a.process.pid: "a", c.process.pid: "c"})
             result["a_alive"] = a.process.poll() is None
     finally:
         if enforcer is not None:
