@@ -173,4 +173,3 @@ def test_log_event_builds_nothing_when_the_level_is_off() -> None:
             raise AssertionError("formatted although the level is off")
 
     log_event(logger, "quiet", logging.INFO, value=Exploding())
-
