@@ -36,7 +36,6 @@ which the kubelet restarts under every restart policy but ``Never`` (docs/enforc
 from __future__ import annotations
 
 import argparse
-import asyncio
 import atexit
 import os
 import sys
@@ -344,6 +343,6 @@ def _run(
             reason="no --state-dir: if the enforcer is killed while throttling, stopped processes stay stopped",
         )
     try:
-        return asyncio.run(serve(args, enforcer, metrics, health, log, port, pod, device_prefix, throttle))
+        return serve(args, enforcer, metrics, health, log, port, pod, device_prefix, throttle)
     finally:
         enforcer.close()

@@ -7,7 +7,7 @@ people and Prometheus over HTTP (``/metrics``, ``/healthz``, ``/readyz``: gpufen
   (stuck), or once the poll thread died (until the process, which then exits non-zero, is gone).
   NVML merely unavailable (an error, not a hang) stays live: the poll loop retries by itself and a
   restart loop would not help.
-* the heartbeat (``write_heartbeats``) — about once a second the event loop writes that decision,
+* the heartbeat (``write_heartbeats``) — about once a second a thread of its own writes that decision,
   with its detail, into ``heartbeat`` in the state directory; the sidecar's exec probe
   (``enforcer.probe``) passes only on a fresh one from a running enforcer of its own container. A
   stopped or frozen process writes nothing, so its heartbeat goes stale and the kubelet restarts it.
@@ -27,7 +27,6 @@ the poll loop updates), so they never wait on NVML.
 
 from __future__ import annotations
 
-import asyncio
 import os
 import threading
 import time
@@ -46,7 +45,7 @@ READY_STALENESS_INTERVALS = 3
 # The poll loop is stuck when no tick completed for this many intervals plus the NVML deadline
 # (a tick may legitimately wait that long for NVML).
 LIVE_STALENESS_INTERVALS = 5
-# The event loop rewrites the heartbeat this often. The probe fails a heartbeat older than three
+# The heartbeat thread rewrites the heartbeat this often. The probe fails a heartbeat older than three
 # periods plus a margin for a CPU-throttled sidecar (at a 250-500m limit: a few 100 ms CFS periods) and for the
 # probe's own start: a stopped enforcer is seen within 5 s, a live one never missed. The poll
 # interval enters through the liveness the heartbeat carries (a poll loop stuck for five
@@ -166,8 +165,9 @@ class _Log(Protocol):
     def info(self, event: str, **fields: object) -> None: ...
 
 
-async def write_heartbeats(health: Health, state_dir: str, log: _Log, clock=probe_clock) -> None:
-    """Rewrite ``<state_dir>/heartbeat`` every ``HEARTBEAT_PERIOD_SECONDS`` until cancelled.
+def write_heartbeats(health: Health, state_dir: str, log: _Log, stop: threading.Event, clock=probe_clock) -> None:
+    """Rewrite ``<state_dir>/heartbeat`` every ``HEARTBEAT_PERIOD_SECONDS`` until ``stop`` is set
+    (a thread of its own).
 
     A write that fails (the state volume full...) is logged once and retried: the probe then sees a
     stale heartbeat and the kubelet restarts the sidecar, as it should for an enforcer that cannot
@@ -190,7 +190,8 @@ async def write_heartbeats(health: Health, state_dir: str, log: _Log, clock=prob
             if failing:
                 log.info("heartbeat_resumed", path=str(path))
             failing = False
-        await asyncio.sleep(HEARTBEAT_PERIOD_SECONDS)
+        if stop.wait(HEARTBEAT_PERIOD_SECONDS):
+            return
 
 
 _TEXT = "text/plain; charset=utf-8"

@@ -6,7 +6,7 @@ enforcer's port while the sidecar restarts (the enforcer then cannot bind it) or
 probe inside the sidecar container instead, and it asks the enforcer itself:
 
 * the enforcer writes ``heartbeat`` into its state directory (``--state-dir``, the sidecar's own
-  ``gpufence-state`` volume) about once a second, from its event loop: whether it is live by the
+  ``gpufence-state`` volume) about once a second, from a thread of its own: whether it is live by the
   one health rule (``Health.liveness``: the poll loop ticks, no NVML call is hung), the detail,
   when it wrote (``CLOCK_BOOTTIME``, one clock for every process of the node) and how stale a
   heartbeat may get before the enforcer counts as stopped or stuck (derived from its poll

@@ -1,16 +1,15 @@
 """The enforcer process's life once it is wired (``cli._run``): HTTP, heartbeat, poll thread, signals.
 
-In order: serve ``/metrics``, ``/healthz``, ``/readyz`` (optional: a taken port only costs the
-endpoint), open NVML, log ``started``, then write the heartbeat the kubelet's probes read (so the
-startup probe, which lets the workload containers start, passes only after ``started``), start the
-throttle and the poll thread, and wait for a signal or the poll thread's death.
+In order: serve ``/metrics``, ``/healthz``, ``/readyz`` on a thread of their own (optional: a taken
+port only costs the endpoint), open NVML, log ``started``, then write the heartbeat the kubelet's
+probes read (so the postStart hook, which lets the workload containers start, returns only after
+``started``), start the throttle and the poll thread, and wait for a signal or the poll thread's
+death. No event loop: threads and ``signal.signal``, which keeps asyncio out of the start-up.
 """
 
 from __future__ import annotations
 
 import argparse
-import asyncio
-import contextlib
 import os
 import signal
 import threading
@@ -33,29 +32,29 @@ def _seconds_since_process_start() -> float | None:
     return round(time.clock_gettime(time.CLOCK_BOOTTIME) - ticks / os.sysconf("SC_CLK_TCK"), 3)
 
 
-async def serve(
+def serve(
     args: argparse.Namespace, enforcer, metrics, health, log: DecisionLog, port: int, pod,
     device_prefix: str, throttle,
 ) -> int:
+    """Runs on the main thread (signal handlers need it) until a signal or the poll thread's death."""
     from gpufence.enforcer.health import make_app, write_heartbeats
     from gpufence.enforcer.http_server import start_server
     from gpufence.enforcer.procfs import own_privileges, privilege_limits
 
     privileges = own_privileges()
-    loop = asyncio.get_running_loop()
-    stop = asyncio.Event()
+    stop = threading.Event()
     received: list[str] = []
 
-    def on_signal(sig: signal.Signals) -> None:
-        received.append(sig.name)
+    def on_signal(signum: int, _frame: object) -> None:
+        received.append(signal.Signals(signum).name)
         stop.set()
 
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT):
-        loop.add_signal_handler(sig, on_signal, sig)
+        signal.signal(sig, on_signal)
 
-    runner, bound_port = None, None
+    server, bound_port = None, None
     try:
-        runner, bound_port = await start_server(make_app(metrics, health), args.bind_address, port)
+        server, bound_port = start_server(make_app(metrics, health), args.bind_address, port)
     except OSError as exc:
         # Any container of the pod can hold the port (the network namespace is shared): that must
         # not end enforcement. Once, here; the heartbeat's detail repeats it.
@@ -63,7 +62,7 @@ async def serve(
         health.serving_failed(detail)
         log.error("http_failed", error=detail,
                   reason="enforcing without /metrics, /healthz and /readyz; the sidecar's probes read the heartbeat")
-    await asyncio.to_thread(enforcer.open_nvml)
+    enforcer.open_nvml()  # the HTTP server answers meanwhile, on its own thread
     log.info(
         "started", version=__version__, startup_seconds=_seconds_since_process_start(),
         startup_cpu_seconds=round(time.process_time(), 3),
@@ -74,15 +73,17 @@ async def serve(
     )
     for limit in privilege_limits(privileges):
         log.warning("privilege_limit", limit=limit)
-    # The first heartbeat only now: the startup probe passes on it, and the kubelet then starts the
-    # workload containers, so they start after the `started` record, never before NVML was tried.
+    # The first heartbeat only now: the postStart hook returns on it, and the kubelet then starts
+    # the workload containers, so they start after the `started` record, never before NVML was tried.
+    thread_stop = threading.Event()
     heartbeats = None
     if args.state_dir:
-        heartbeats = asyncio.create_task(write_heartbeats(health, args.state_dir, log))
+        heartbeats = threading.Thread(target=write_heartbeats, args=(health, args.state_dir, log, thread_stop),
+                                      name="gpufence-heartbeat", daemon=True)
+        heartbeats.start()
     else:
         log.warning("heartbeat_disabled", reason="no --state-dir: the sidecar's probe (--probe) cannot pass")
     throttle.start()
-    thread_stop = threading.Event()
 
     died: list[str] = []
 
@@ -105,23 +106,23 @@ async def serve(
             "poll_thread_died", error=error, traceback=trace, exit_status=EXIT_POLL_THREAD_DIED,
             reason="nothing is enforced without the poll thread: exiting for the kubelet to restart the sidecar",
         )
-        with contextlib.suppress(RuntimeError):  # the event loop is already closing
-            loop.call_soon_threadsafe(stop.set)
+        stop.set()
 
     poller = threading.Thread(target=poll, name="gpufence-poll", daemon=True)
     poller.start()
     try:
-        await stop.wait()
+        while not stop.wait(1.0):  # a bounded wait: the signal handlers run between its rounds at worst
+            pass
     finally:
         thread_stop.set()
         # Continue everything first: the poll thread may be stuck in an NVML call for a while
         # (a later throttle update is ignored once the executor is closed).
         throttle.close("shutdown")
-        await asyncio.to_thread(poller.join, 10)
+        poller.join(10)
         if heartbeats is not None:
-            heartbeats.cancel()
-        if runner is not None:
-            await runner.cleanup()
+            heartbeats.join(2)
+        if server is not None:
+            server.close()
         status = EXIT_POLL_THREAD_DIED if died else 0
         log.info("shutdown", signal=received[0] if received else None, exit_status=status)
     return status

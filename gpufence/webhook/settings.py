@@ -93,7 +93,7 @@ class InjectionSettings:
     # Limits by default, so that a namespace whose ResourceQuota covers limits.cpu / limits.memory
     # admits the mutated pod; None: no CPU limit.
     # The limit sets how fast the enforcer starts, and the workload waits for it (the postStart
-    # hook): against a real H200's driver it was up 0.89-0.94 s after exec at 500m, 1.45-1.81 s at
+    # hook): against a real H200's driver it was up 0.53-0.61 s after exec at 500m, 1.07-1.25 s at
     # 250m (docs/gpu-validation.md). At rest it used 0.23-0.64 % of a core there (the most with a
     # compute share); the request is what the scheduler reserves.
     sidecar_cpu_request: str = "10m"

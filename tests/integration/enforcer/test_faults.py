@@ -341,8 +341,6 @@ def test_a_dead_poll_thread_exits_non_zero_and_leaves_nothing_stopped(gpu, make_
 def test_healthz_fails_from_the_moment_the_poll_thread_died():
     """Between the poll thread's death and the exit (continuing what it held stopped, closing the
     server) the liveness probe must not pass."""
-    import asyncio
-
     from gpufence.enforcer.health import Health, make_app
     from gpufence.enforcer.http_server import start_server
     from gpufence.enforcer.metrics import EnforcerMetrics
@@ -350,17 +348,12 @@ def test_healthz_fails_from_the_moment_the_poll_thread_died():
 
     health = Health(INTERVAL)
     health.tick_completed()
-
-    async def probe_around_the_death() -> tuple[tuple[int, str], tuple[int, str]]:
-        runner, port = await start_server(make_app(EnforcerMetrics("ns", "p"), health), "127.0.0.1", 0)
-        try:
-            before = await asyncio.to_thread(enforcer_http, port, "/healthz")
-            health.poll_thread_died("InjectedFault: injected into the poll thread")
-            after = await asyncio.to_thread(enforcer_http, port, "/healthz")
-        finally:
-            await runner.cleanup()
-        return before, after
-
-    before, after = asyncio.run(probe_around_the_death())
+    server, port = start_server(make_app(EnforcerMetrics("ns", "p"), health), "127.0.0.1", 0)
+    try:
+        before = enforcer_http(port, "/healthz")
+        health.poll_thread_died("InjectedFault: injected into the poll thread")
+        after = enforcer_http(port, "/healthz")
+    finally:
+        server.close()
     assert before == (200, "ok\n")
     assert after[0] == 503 and "the poll thread died (InjectedFault: injected into the poll thread)" in after[1]

@@ -3,11 +3,10 @@ Prometheus and curl send is answered; what a neighbour container could send to h
 
 from __future__ import annotations
 
-import asyncio
 import http.client
 import socket
 import time
-from collections.abc import AsyncIterator
+from collections.abc import Iterator
 
 import pytest
 
@@ -18,16 +17,16 @@ from gpufence.enforcer.metrics import EnforcerMetrics
 
 
 @pytest.fixture
-async def port() -> AsyncIterator[int]:
+def port() -> Iterator[int]:
     health = Health(0.5)
     health.tick_completed()
     metrics = EnforcerMetrics("ns", "pod")
     metrics.declare_containers(["trainer"])
-    server, bound = await start_server(make_app(metrics, health), "127.0.0.1", 0)
+    server, bound = start_server(make_app(metrics, health), "127.0.0.1", 0)
     try:
         yield bound
     finally:
-        await server.cleanup()
+        server.close()
 
 
 def _get(port: int, path: str, method: str = "GET") -> tuple[int, dict[str, str], bytes]:
@@ -52,40 +51,40 @@ def _raw(port: int, data: bytes, *, timeout: float = 10) -> bytes:
         return b"".join(chunks)
 
 
-async def test_the_three_routes_answer_like_the_framework_did(port: int) -> None:
-    status, headers, body = await asyncio.to_thread(_get, port, "/healthz")
+def test_the_three_routes_answer_like_the_framework_did(port: int) -> None:
+    status, headers, body = _get(port, "/healthz")
     assert (status, body) == (200, b"ok\n") and headers["connection"] == "close"
-    status, _, body = await asyncio.to_thread(_get, port, "/readyz")
+    status, _, body = _get(port, "/readyz")
     assert status == 503 and body == b"NVML is not available\n"
-    status, headers, body = await asyncio.to_thread(_get, port, "/metrics?name[]=x")
+    status, headers, body = _get(port, "/metrics?name[]=x")
     assert status == 200 and headers["content-type"].startswith("text/plain; version=")
     assert b"\ngpufence_nvml_up 0.0\n" in body
     assert int(headers["content-length"]) == len(body)
 
 
-async def test_head_unknown_paths_and_other_methods(port: int) -> None:
-    status, headers, body = await asyncio.to_thread(_get, port, "/healthz", "HEAD")
+def test_head_unknown_paths_and_other_methods(port: int) -> None:
+    status, headers, body = _get(port, "/healthz", "HEAD")
     assert status == 200 and body == b"" and headers["content-length"] == "3"
-    assert (await asyncio.to_thread(_get, port, "/"))[0] == 404
-    status, headers, _ = await asyncio.to_thread(_get, port, "/metrics", "POST")
+    assert (_get(port, "/"))[0] == 404
+    status, headers, _ = _get(port, "/metrics", "POST")
     assert status == 405 and headers["allow"] == "GET, HEAD"
-    assert (await asyncio.to_thread(_raw, port, b"nonsense\r\n\r\n")).startswith(b"HTTP/1.1 400 ")
+    assert (_raw(port, b"nonsense\r\n\r\n")).startswith(b"HTTP/1.1 400 ")
 
 
-async def test_an_oversized_head_is_refused_and_a_silent_client_is_dropped(port: int, monkeypatch) -> None:
+def test_an_oversized_head_is_refused_and_a_silent_client_is_dropped(port: int, monkeypatch) -> None:
     big = b"GET /healthz HTTP/1.1\r\nX-Pad: " + b"a" * (2 * http_server.MAX_HEAD_BYTES) + b"\r\n\r\n"
-    assert (await asyncio.to_thread(_raw, port, big)).startswith(b"HTTP/1.1 431 ")
+    assert (_raw(port, big)).startswith(b"HTTP/1.1 431 ")
     monkeypatch.setattr(http_server, "HEAD_TIMEOUT_SECONDS", 0.3)
     started = time.monotonic()
-    answer_ = await asyncio.to_thread(_raw, port, b"GET /healthz HTTP/1.1\r\n")  # never ends its head
+    answer_ = _raw(port, b"GET /healthz HTTP/1.1\r\n")  # never ends its head
     assert answer_.startswith(b"HTTP/1.1 408 ") and time.monotonic() - started < 5
 
 
-async def test_idle_connections_cannot_keep_a_request_out(port: int) -> None:
+def test_idle_connections_cannot_keep_a_request_out(port: int) -> None:
     """More connections waiting for their head than the cap: the longest-waiting are closed, and a
     client that sends its request is answered."""
 
-    def crowd_then_ask() -> tuple[int, bytes]:  # off the event loop, which serves all of them
+    def crowd_then_ask() -> tuple[int, bytes]:
         idle = []
         try:
             for _ in range(2 * http_server.MAX_WAITING):
@@ -98,7 +97,7 @@ async def test_idle_connections_cannot_keep_a_request_out(port: int) -> None:
             for sock in idle:
                 sock.close()
 
-    status, first = await asyncio.to_thread(crowd_then_ask)
+    status, first = crowd_then_ask()
     assert status == 200
     assert first == b"", "the longest-waiting connection was not closed"
 
