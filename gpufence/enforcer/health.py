@@ -45,11 +45,11 @@ READY_STALENESS_INTERVALS = 3
 # The poll loop is stuck when no tick completed for this many intervals plus the NVML deadline
 # (a tick may legitimately wait that long for NVML).
 LIVE_STALENESS_INTERVALS = 5
-# The heartbeat thread rewrites the heartbeat this often. The probe fails a heartbeat older than three
-# periods plus a margin for a CPU-throttled sidecar (at a 250-500m limit: a few 100 ms CFS periods) and for the
-# probe's own start: a stopped enforcer is seen within 5 s, a live one never missed. The poll
-# interval enters through the liveness the heartbeat carries (a poll loop stuck for five
-# intervals plus the NVML deadline makes it say "not live"), not through a second bound here.
+# The heartbeat thread rewrites the heartbeat this often. The probe fails a heartbeat older than
+# three periods plus a margin for a CPU-throttled sidecar (at a 250-500m limit: a few 100 ms CFS
+# periods) and for the probe's own start: a stopped enforcer is seen within 5 s, a live one never
+# missed. The poll interval enters through the liveness the heartbeat carries (a poll loop stuck
+# for five intervals plus the NVML deadline makes it say "not live"), not through a second bound.
 HEARTBEAT_PERIOD_SECONDS = 1.0
 HEARTBEAT_STALE_AFTER_SECONDS = 3 * HEARTBEAT_PERIOD_SECONDS + 2.0
 

@@ -6,8 +6,8 @@ more than that: importing aiohttp was over half of the enforcer's start-up CPU a
 of its resident memory, which a CPU-limited sidecar pays before its startup probe can pass. So
 this is HTTP/1.1 reduced to what those clients send: one request per connection (``Connection:
 close``), GET or HEAD, no body, the path without its query. It runs on a thread of its own with
-the standard library's ``selectors``: asyncio alone was about a sixth of the enforcer's start-up
-CPU, paid before the workload may start.
+the standard library's ``selectors``: leaving asyncio out cut the enforcer's start-up CPU, paid
+before the workload may start, by about a quarter (docs/PERFORMANCE.md).
 
 Any container of the pod can reach the port (the network namespace is shared), so the server
 bounds what a client can hold: the request head must arrive within ``HEAD_TIMEOUT_SECONDS`` and
@@ -157,9 +157,8 @@ class HttpServer:
         self._respond(sock, connection, response)
 
     def _respond(self, sock: socket.socket, connection: _Connection, response: bytes) -> None:
-        # The answer leaves the waiting line; a client that does not read it gets as long again.
-        self._connections.pop(sock)
-        self._connections[sock] = connection
+        # With its answer set it no longer counts as waiting (_accept); a client that does not read
+        # the answer gets as long again.
         connection.out, connection.deadline = response, time.monotonic() + HEAD_TIMEOUT_SECONDS
         self._selector.modify(sock, selectors.EVENT_WRITE)
         self._send(sock, connection)

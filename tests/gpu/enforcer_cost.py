@@ -94,7 +94,7 @@ def controllers_enabled() -> str | None:
     return None
 
 
-def new_group(name: str) -> pathlib.Path | None:
+def new_group(name: str, cpu_max: str) -> pathlib.Path | None:
     """A fresh group per run, so that its peak and its file pages are that run's alone. The page
     cache is dropped first: otherwise the driver library's pages stay charged to an earlier group."""
     with contextlib.suppress(OSError):
@@ -102,7 +102,7 @@ def new_group(name: str) -> pathlib.Path | None:
     group = CGROUP_ROOT / f"gpufence-enforcer-cost-{os.getpid()}-{name}"
     try:
         group.mkdir()
-        (group / "cpu.max").write_text(CPU_MAX)
+        (group / "cpu.max").write_text(cpu_max)
     except OSError:
         return None
     return group
@@ -156,8 +156,9 @@ def poll_mean_ms(port: int) -> float | None:
     return round(1000 * values["gpufence_poll_duration_seconds_sum"] / count, 3) if count else None
 
 
-def run(name: str, containers: dict[str, Any], seconds: float, groups: bool) -> dict[str, Any]:
-    group = new_group(name) if groups else None
+def run(name: str, containers: dict[str, Any], seconds: float, cpu_max: str | None) -> dict[str, Any]:
+    """One enforcer, in a group of its own with ``cpu_max`` as its CPU limit (None: no group)."""
+    group = new_group(name, cpu_max) if cpu_max is not None else None
     try:
         return measure(name, containers, seconds, group)
     finally:
@@ -231,20 +232,16 @@ def init_breakdown() -> list[dict[str, Any]] | str:
 
 def startup_at_limits(limits: list[str], repeats: int) -> dict[str, list[float]] | str:
     """Exec to ``started`` under each CPU limit (millicores), ``repeats`` times, no GPU process."""
-    global CPU_MAX
-    saved, out = CPU_MAX, {}
-    try:
-        for limit in limits:
-            CPU_MAX = f"{int(limit.removesuffix('m')) * 100} 100000"
-            times = []
-            for i in range(repeats):
-                measured = run(f"start-{limit}-{i}", {"a": {"memoryBytes": 4 << 30}}, 0.0, True)
-                if "error" in measured:
-                    return str(measured["error"])
-                times.append(measured["started_seconds_from_exec"])
-            out[limit] = times
-    finally:
-        CPU_MAX = saved
+    out = {}
+    for limit in limits:
+        cpu_max = f"{int(limit.removesuffix('m')) * 100} 100000"
+        times = []
+        for i in range(repeats):
+            measured = run(f"start-{limit}-{i}", {"a": {"memoryBytes": 4 << 30}}, 0.0, cpu_max)
+            if "error" in measured:
+                return str(measured["error"])
+            times.append(measured["started_seconds_from_exec"])
+        out[limit] = times
     return out
 
 
@@ -264,13 +261,14 @@ def main(argv: list[str]) -> int:
         return 0
     why_not = controllers_enabled()
     groups = why_not is None
+    cpu_max = CPU_MAX if groups else None
     where = f"own cgroup v2 group per run, cpu.max {CPU_MAX}" if groups else f"plain process ({why_not})"
     result: dict[str, Any] = {"driver_version": driver, "where": where, "seconds_at_rest": seconds, "runs": []}
     share = {"memoryBytes": 4 << 30}
     result["nvml_init_breakdown"] = init_breakdown()
     if groups:
         result["started_seconds_by_cpu_limit"] = startup_at_limits(["250m", "500m", "1000m"], 3)
-    result["runs"].append(run("no_gpu_process", {"a": share}, seconds, groups))
+    result["runs"].append(run("no_gpu_process", {"a": share}, seconds, cpu_max))
     holder = subprocess.Popen([sys.executable, str(HOLDER), backend, str(mib)], stdin=subprocess.PIPE,
                               stdout=subprocess.PIPE, text=True, env={**os.environ, "GPUFENCE_CONTAINER": "a"})
     assert holder.stdout is not None and holder.stdin is not None
@@ -278,8 +276,8 @@ def main(argv: list[str]) -> int:
         print(f"error: the CUDA holder did not get ready (exit {holder.wait()})")
         return 2
     try:
-        result["runs"].append(run("memory_share", {"a": share}, seconds, groups))
-        result["runs"].append(run("compute_share", {"a": {**share, "computePercent": 30}}, seconds, groups))
+        result["runs"].append(run("memory_share", {"a": share}, seconds, cpu_max))
+        result["runs"].append(run("compute_share", {"a": {**share, "computePercent": 30}}, seconds, cpu_max))
     finally:
         holder.stdin.close()
         holder.wait(timeout=30)
