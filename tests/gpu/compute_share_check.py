@@ -27,7 +27,6 @@ import json
 import os
 import pathlib
 import signal
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -37,27 +36,34 @@ from typing import IO, Any
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 
-# argv: matrix size. Prints "RATE <monotonic time> <products per second>" about every 0.25 s.
+# argv: matrix size, busy fraction (1: as fast as it can; below 1 it sleeps after each batch so that
+# its GPU work takes about that fraction of the time). Prints "COUNT <monotonic time> <products so
+# far>" about every 0.1 s: cumulative, so a window's throughput counts the time the process was
+# stopped (a median of per-interval rates would not: it measures the rate while running).
 WORKLOAD = r"""
 import sys, time, torch
-n = int(sys.argv[1])
+n, busy = int(sys.argv[1]), float(sys.argv[2])
 m = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
 torch.cuda.synchronize()
-count, since = 0, time.monotonic()
+count, printed = 0, 0.0
 while True:
+    t = time.monotonic()
     for _ in range(4):
         m @ m
     torch.cuda.synchronize()
     count += 4
     now = time.monotonic()
-    if now - since >= 0.25:
-        print(f"RATE {now:.6f} {count / (now - since):.2f}", flush=True)
-        count, since = 0, now
+    if busy < 1:
+        time.sleep((now - t) * (1 - busy) / busy)
+        now = time.monotonic()
+    if now - printed >= 0.1:
+        print(f"COUNT {now:.6f} {count}", flush=True)
+        printed = now
 """
 
 
 class Rates:
-    """A workload's RATE lines, collected on a thread."""
+    """A workload's COUNT lines, collected on a thread."""
 
     def __init__(self, name: str, process: subprocess.Popen[str]) -> None:
         self.name, self.process = name, process
@@ -69,21 +75,24 @@ class Rates:
     def _pump(self, pipe: IO[str]) -> None:
         for line in pipe:
             parts = line.split()
-            if len(parts) == 3 and parts[0] == "RATE":
+            if len(parts) == 3 and parts[0] == "COUNT":
                 self.samples.append((float(parts[1]), float(parts[2])))
                 self._first.set()
 
     def ready(self, timeout: float) -> bool:
         return self._first.wait(timeout)
 
-    def median(self, start: float, end: float) -> float | None:
-        window = [rate for t, rate in self.samples if start <= t <= end]
-        return round(statistics.median(window), 2) if window else None
+    def throughput(self, start: float, end: float) -> float | None:
+        """Products per second between the first and the last count inside [start, end]."""
+        window = [(t, count) for t, count in self.samples if start <= t <= end]
+        if len(window) < 2 or window[-1][0] <= window[0][0]:
+            return None
+        return round((window[-1][1] - window[0][1]) / (window[-1][0] - window[0][0]), 2)
 
 
-def start(name: str, size: int, env: dict[str, str]) -> Rates:
-    process = subprocess.Popen([sys.executable, "-c", WORKLOAD, str(size)], stdout=subprocess.PIPE, text=True,
-                               env={**env, "GPUFENCE_CONTAINER": name})
+def start(name: str, size: int, env: dict[str, str], busy: float = 1.0) -> Rates:
+    process = subprocess.Popen([sys.executable, "-c", WORKLOAD, str(size), str(busy)], stdout=subprocess.PIPE,
+                               text=True, env={**env, "GPUFENCE_CONTAINER": name})
     return Rates(name, process)
 
 
@@ -100,7 +109,7 @@ def measure(seconds: float, *workloads: Rates) -> dict[str, float | None]:
     begin = time.monotonic()
     time.sleep(seconds)  # rates accumulate on their own threads; nothing to await
     end = time.monotonic()
-    return {w.name: w.median(begin, end) for w in workloads}
+    return {w.name: w.throughput(begin, end) for w in workloads}
 
 
 def solo(name: str, size: int, env: dict[str, str], seconds: float) -> float | None:

@@ -5,13 +5,13 @@ The real node test bed measures the sidecar in its own cgroup against the simula
 ``libnvidia-ml.so.1``; the real library is far larger and its calls far slower, so this run
 measures the same things against the real one. The enforcer (``python -m gpufence.enforcer``, the
 sidecar's command) runs in a cgroup v2 group of its own with the sidecar's default CPU limit
-(``cpu.max`` 250m) where the machine lets us create one (root, cgroup v2), else as a plain process
+(``cpu.max`` 500m) where the machine lets us create one (root, cgroup v2), else as a plain process
 (then the output says so). Three runs of ``--seconds`` each, at the default poll interval:
 
 * ``no_gpu_process``: nothing on the GPU, a memory share configured;
 * ``memory_share``: a CUDA process of container ``a`` holds ``--mib`` MiB, a memory share only
   (utilisation is then read for the gauge only, every few seconds);
-* ``compute_share``: the same process, ``a`` also has a compute share (utilisation every poll).
+* ``compute_share``: the same process, ``a`` also has a compute share (utilisation once per duty-cycle period, 1 s).
 
 Per run: ``started``'s own start-up figures, the time from exec to ``started`` seen from outside,
 the CPU used at rest after ``started`` (the cgroup's ``cpu.stat``, else ``/proc``), the mean poll
@@ -41,7 +41,7 @@ from typing import Any
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 CGROUP_ROOT = pathlib.Path("/sys/fs/cgroup")
-CPU_MAX = "25000 100000"  # the sidecar's default limit, 250m
+CPU_MAX = "50000 100000"  # the sidecar's default limit, 500m
 MiB = 1 << 20
 HOLDER = pathlib.Path(__file__).with_name("cuda_holder.py")
 

@@ -142,7 +142,8 @@ def test_utilization_not_supported(gpu, make_config):
     assert enforcer.events("throttle_start") == []
     assert busy.state() != "T"
     assert len(enforcer.events("nvml_error")) == 1  # rate-limited, but counted every time
-    assert enforcer.metric("gpufence_nvml_errors_total", function="nvmlDeviceGetProcessUtilization") >= 8
+    # One read per compute period (0.3 s) over eight polls: at least two calls, each counted.
+    assert enforcer.metric("gpufence_nvml_errors_total", function="nvmlDeviceGetProcessUtilization") >= 2
     enforcer.wait_ready()
 
     gpu.write(

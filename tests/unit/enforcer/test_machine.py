@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 from gpufence.contract import ContainerShare, EnforcerConfig, MemoryShare
 from gpufence.enforcer.attribution import Attribution, PodProcess
 from gpufence.enforcer.machine import UTILISATION_REFRESH_SECONDS, Core, Transition
@@ -92,9 +94,17 @@ def test_polling_speeds_up_near_a_limit_or_on_fast_growth_and_settles_back() -> 
     assert core.poll_interval(0.5) == 0.5
 
 
-def test_utilisation_is_read_every_poll_only_where_a_compute_share_needs_it() -> None:
-    # A compute share: the controller needs each poll's reading.
-    assert all(Core(CONFIG).wants_utilisation(t / 2) for t in range(20))
+def test_utilisation_is_read_once_per_duty_cycle_period_with_a_compute_share() -> None:
+    # A compute share: once per period (1 s), whether the polls come every 0.5 s, 0.2 s or, near a
+    # memory limit, every 0.05 s; a poll interval longer than the period reads at every poll.
+    for interval, expected in ((0.5, 4), (0.2, 4), (0.05, 5), (2.0, 2)):
+        core = Core(CONFIG)
+        polls = [round(i * interval, 3) for i in range(int(3.9 / interval) + 1)]
+        reads = [t for t in polls if core.wants_utilisation(t)]
+        assert len(reads) == expected, (interval, reads)
+        assert all(b - a >= 0.9 for a, b in itertools.pairwise(reads))
+    core = Core(CONFIG, compute_period_seconds=2.0)
+    assert [t / 2 for t in range(10) if core.wants_utilisation(t / 2)] == [0.0, 2.0, 4.0]
     # Memory shares only: the reading feeds the gauge, refreshed every UTILISATION_REFRESH_SECONDS.
     core = Core(EnforcerConfig(containers={"a": ContainerShare(memory=MemoryShare(bytes=GiB))}))
     reads = [t / 2 for t in range(24) if core.wants_utilisation(100 + t / 2)]
