@@ -15,6 +15,8 @@ utilisation. This run measures what that is worth, in matrix products per second
 Prints ``compute_share: {...}``: the rates, each as a fraction of its solo rate, and the
 enforcer's throttle records. Pass: ``a`` keeps running, ``a``'s fraction while throttled is at
 most its share plus ``--tolerance``, and ``c`` gets more than it did beside an unthrottled ``a``.
+``--neighbours N`` runs N busy neighbours (``c``, ``d``, ...), as on a GPU time-sliced N+1 ways;
+each must then gain.
 ``skipped:`` (exit 0) without NVML or PyTorch.
 """
 
@@ -162,6 +164,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--poll-interval", type=float, default=0.5, help="enforcer poll (default 0.5)")
     parser.add_argument("--tolerance", type=float, default=0.15, help="slack over the share (default 0.15)")
     parser.add_argument("--throttle-timeout", type=float, default=60, help="wait for throttle_start (default 60)")
+    parser.add_argument("--neighbours", type=int, default=1, choices=range(1, 8), metavar="1-7",
+                        help="busy neighbours without a compute share, named c, d, ... (default 1)")
     args = parser.parse_args(argv)
     if importlib.util.find_spec("torch") is None or importlib.util.find_spec("pynvml") is None:
         print("skipped: needs PyTorch and pynvml")
@@ -169,22 +173,29 @@ def main(argv: list[str] | None = None) -> int:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
     env.pop("GPUFENCE_CONTAINER", None)
     result: dict[str, Any] = {"size": args.size, "share_percent": args.share, "poll_interval": args.poll_interval}
-    result["solo"] = {name: solo(name, args.size, env, args.seconds / 2) for name in ("a", "c")}
-    a = c = enforcer = None
+    names = ["a"] + [chr(ord("c") + i) for i in range(args.neighbours)]
+    result["neighbours"] = args.neighbours
+    # The workloads are identical: a's and c's solo rates are measured, and c's stands for the rest.
+    result["solo"] = {name: solo(name, args.size, env, args.seconds / 2) for name in names[:2]}
+    result["solo"].update({name: result["solo"]["c"] for name in names[2:]})
+    a = enforcer = None
+    others: list[Rates] = []
     records: list[dict[str, Any]] = []
     throttled = threading.Event()
     try:
-        a, c = start("a", args.size, env), start("c", args.size, env)
-        if not (a.ready(120) and c.ready(120)):
+        a = start("a", args.size, env)
+        others = [start(name, args.size, env) for name in names[1:]]
+        if not all(w.ready(120) for w in [a, *others]):
             print("error: the workloads did not start (CUDA?)")
             return 2
-        result["together"] = measure(args.seconds, a, c)
-        result["raw_samples_together"] = raw_samples(2, {a.process.pid: "a", c.process.pid: "c"})
+        pids = {w.process.pid: w.name for w in [a, *others]}
+        result["together"] = measure(args.seconds, a, *others)
+        result["raw_samples_together"] = raw_samples(2, pids)
         with tempfile.TemporaryDirectory(prefix="gpufence-compute-") as tmp:
             config = pathlib.Path(tmp, "config.json")
             config.write_text(json.dumps({"version": 1, "mode": "enforce", "pollIntervalSeconds": args.poll_interval,
                                           "containers": {"a": {"computePercent": args.share},
-                                                         "c": {"memoryBytes": 64 << 30}}}))
+                                                         **{n: {"memoryBytes": 64 << 30} for n in names[1:]}}}))
             pathlib.Path(tmp, "state").mkdir()
             enforcer = subprocess.Popen(
                 [sys.executable, "-m", "gpufence.enforcer", "--config", str(config), "--metrics-port", "0",
@@ -209,8 +220,8 @@ def main(argv: list[str] | None = None) -> int:
             else:
                 result["throttle_start_after_s"] = round(time.monotonic() - t0, 3)
                 time.sleep(2 * args.poll_interval + 1)  # let the controller settle on its first duty cycle
-                result["throttled"] = measure(args.seconds, a, c)
-                result["raw_samples_throttled"] = raw_samples(3, {a.process.pid: "a", c.process.pid: "c"})
+                result["throttled"] = measure(args.seconds, a, *others)
+                result["raw_samples_throttled"] = raw_samples(3, pids)
             result["a_alive"] = a.process.poll() is None
     finally:
         if enforcer is not None:
@@ -219,8 +230,8 @@ def main(argv: list[str] | None = None) -> int:
                 enforcer.wait(timeout=15)
             except subprocess.TimeoutExpired:
                 enforcer.kill()
-        stop(a)
-        stop(c)
+        for workload in [a, *others]:
+            stop(workload)
     solo_rates = result["solo"]
     for phase in ("together", "throttled"):
         if phase in result:
@@ -229,7 +240,7 @@ def main(argv: list[str] | None = None) -> int:
     frac = result.get("throttled_fraction_of_solo", {})
     before = result.get("together_fraction_of_solo", {})
     ok = (result.get("a_alive") and frac.get("a") is not None and frac["a"] <= args.share / 100 + args.tolerance
-          and frac.get("c") is not None and before.get("c") is not None and frac["c"] > before["c"])
+          and all(frac.get(n) is not None and before.get(n) is not None and frac[n] > before[n] for n in names[1:]))
     result["result"] = "pass" if ok else "fail"
     print("compute_share: " + json.dumps(result, sort_keys=True))
     return 0 if ok else 1
