@@ -204,7 +204,7 @@ class Core:
         The driver's reading is each process's mean since the previous read (a process absent from
         it did not run), so reading less often loses nothing, it averages over longer; the controller
         plans once per period and polls in between reuse the reading. On a real GPU the call costs
-        1.4-2.5 ms, more than the rest of a quiet poll, and fast polling near a memory limit would
+        1.4-2.6 ms, more than the rest of a quiet poll, and fast polling near a memory limit would
         otherwise repeat it 20 times a second.
         """
         limited = any(share.compute_percent is not None for share in self.config.containers.values())

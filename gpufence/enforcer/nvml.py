@@ -373,7 +373,9 @@ class NvmlClient:
         ]
 
     def _util(self, device: _Device, errors: list[NvmlErrorEvent]) -> Mapping[int, int]:
-        """Newest SM% per pid since the previous call; {} (with an event unless NOT_FOUND) otherwise."""
+        """SM% per pid since the previous call (on a real driver one record per process, its mean
+        over the driver's samples since then; the newest where a driver gives several); {} (with
+        an event unless NOT_FOUND) otherwise."""
         fn = self._fn_util
         if fn is None:
             return _EMPTY

@@ -38,7 +38,9 @@ class DeviceSample:
     uuid: str
     total_memory_bytes: int | None
     processes: tuple[GpuProcess, ...]  # compute + graphics, merged by pid (a pid in both lists once)
-    sm_util_by_pid: Mapping[int, int]  # newest SM% per pid since the previous sample; {} if unsupported/no samples
+    # SM% per pid since the previous read (a real driver gives each process's mean over its samples
+    # since then, one record each); {} if unsupported or nothing ran
+    sm_util_by_pid: Mapping[int, int]
     lost: bool = False  # device fell off the bus this round: skip it, keep going
     mig: bool = False  # MIG mode enabled: isolation is MIG's (hardware); the enforcer leaves it alone
 
