@@ -21,6 +21,7 @@ FULL = [
     ["bench.webhook_tls"],
     ["bench.cpu_per_request"],
     ["bench.enforcer_tick"],
+    ["bench.compute_sampling"],
     ["bench.fuzz_webhook"],
     ["bench.soak"],
 ]
@@ -29,6 +30,7 @@ QUICK = [
     ["bench.webhook_tls", "--duration", "2", "--warmup", "0.5", "--repeats", "1"],
     ["bench.cpu_per_request", "--repeats", "2", "--duration", "1"],
     ["bench.enforcer_tick", "--counts", "1,16,64", "--ticks", "10", "--cpu-seconds", "5", "--trials", "5"],
+    ["bench.compute_sampling", "--seconds", "30", "--seeds", "2"],
     ["bench.fuzz_webhook", "--count", "2000", "--hypothesis", "200", "--https", "100"],
     ["bench.soak", "--duration", "10"],
 ]

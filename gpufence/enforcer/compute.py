@@ -14,9 +14,16 @@ the use measured over the last period, whatever the lag between stopping and the
   fraction is share / mean use (what an instant plant would need), the integral starts there;
 * each plan: ``f = KP * e + I``, ``I += KI * e * dt``, ``e = share - use``; the integral is kept
   within the output's range [min, 1] (anti-windup), so a long stop or a burst cannot wind it up;
-* end: ``f`` reaches 1, i.e. the container runs all the time at or under its share. A container at
-  its share is therefore not throttled; one over it converges to it (tests/unit/enforcer/test_compute.py holds
+* end: ``f`` reaches 1, i.e. the container runs all the time at or under its share, and stays there
+  for a whole window (meanwhile it runs ``HOLD_RUN_FRACTION`` of the time); at once where it had no
+  GPU process in the last period (they exited). A container at its share is
+  therefore not throttled; one over it converges to it (tests/unit/enforcer/test_compute.py holds
   it within a stated tolerance with a lagged plant, and the simulated driver models the lag).
+  The hold is for real drivers' readings: between time-sliced processes NVML attributes each of its
+  samples to one of them, so a reading of one second is noisy and the output touches 1 now and
+  then while the container is still over its share. Ending there and starting again a window
+  later made a throttle stop and start every 15-30 s (a log line, an Event and a metric each) and
+  let the container run unthrottled in between; ``bench/compute_sampling.py`` shows it.
 
 In audit mode nothing is stopped, so there is no loop to close: the plan says what enforcement
 would start with (share / mean use).
@@ -42,6 +49,9 @@ from gpufence.contract import EnforcerConfig, Mode
 from gpufence.enforcer.attribution import Attribution
 
 START_MARGIN = 0.10
+# While the output has reached 1 for less than a window: the run fraction held (the container is
+# stopped for a hundredth of each period), so that one noisy reading does not end the throttle.
+HOLD_RUN_FRACTION = 0.99
 # Gains, in run fraction per unit of utilisation error (KP) and per error-second (KI). With a
 # container using up to a whole GPU the loop gain is at most 1·KP; KI brings a 0.1 error back in
 # about a second, several times slower than a typical queued-kernel lag (0.1-0.5 s), so the loop
@@ -57,6 +67,7 @@ UNATTRIBUTED = ""
 class _Observation:
     time: float
     utilization: float  # container SM use in [0, 1]: per-device sum of its processes, max over devices
+    present: bool = True  # it had a GPU process then
 
 
 @dataclass
@@ -65,6 +76,7 @@ class _Loop:
     fraction: float | None = None  # None: not throttled
     integral: float = 1.0
     last_plan: float | None = None
+    full_since: float | None = None  # since when the output has been at 1 (None: it is not)
 
 
 class ComputeTracker:
@@ -102,7 +114,7 @@ class ComputeTracker:
             if share.compute_percent is None:
                 continue
             loop = self._loops.setdefault(container, _Loop())
-            loop.history.append(_Observation(now, use.get(container, 0.0)))
+            loop.history.append(_Observation(now, use.get(container, 0.0), container in use))
             self._expire(loop.history, now)
         pod_use = unattributed_sm_utilization(attribution)
         pod_loop = self._loops.get(UNATTRIBUTED)
@@ -111,7 +123,7 @@ class ComputeTracker:
                 del self._loops[UNATTRIBUTED]  # no unattributed process left, none throttled: done
             else:
                 loop = self._loops.setdefault(UNATTRIBUTED, _Loop())
-                loop.history.append(_Observation(now, pod_use or 0.0))
+                loop.history.append(_Observation(now, pod_use or 0.0, pod_use is not None))
                 self._expire(loop.history, now)
         self._forget_unlimited(config)
 
@@ -149,16 +161,25 @@ class ComputeTracker:
         dt = min(max(now - (loop.last_plan if loop.last_plan is not None else now), 0.0), self.window_seconds)
         loop.last_plan = now
         # The use over the last period: one duty cycle, whatever phase each poll landed in.
-        recent = [o.utilization for o in history if o.time > now - self.period_seconds]
-        error = share - (sum(recent) / len(recent) if recent else history[-1].utilization)
+        recent = [o for o in history if o.time > now - self.period_seconds] or [history[-1]]
+        error = share - sum(o.utilization for o in recent) / len(recent)
         # Anti-windup by bounding the integral to the output's range: however long the output sat
         # at the minimum (a burst, a long lag), it recovers as soon as the error changes sign.
         loop.integral = min(max(loop.integral + self.ki * error * dt, self.min_run_fraction), 1.0)
         output = self.kp * error + loop.integral
-        if output >= 1:
-            loop.fraction, loop.integral = None, 1.0  # runs all the time within its share: done
+        if output < 1:
+            loop.fraction, loop.full_since = max(self.min_run_fraction, output), None
+            return
+        # Runs all the time within its share: done once that held for a window, or at once where it
+        # has had no GPU process for a period. Not on a reading of 0 alone: on a GPU time-sliced
+        # many ways a small share's process often gets none of the driver's samples in a second.
+        loop.integral = 1.0
+        if loop.full_since is None:
+            loop.full_since = now
+        if now - loop.full_since >= self.window_seconds or not any(o.present for o in recent):
+            loop.fraction, loop.full_since = None, None
         else:
-            loop.fraction = max(self.min_run_fraction, output)
+            loop.fraction = HOLD_RUN_FRACTION
 
     def _expire(self, history: deque[_Observation], now: float) -> None:
         while history and history[0].time <= now - self.window_seconds:

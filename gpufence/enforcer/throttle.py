@@ -6,6 +6,13 @@ container for ``f * period`` seconds, then stops it for ``(1 - f) * period``, an
 container starts with a run phase. The thread sleeps on a condition variable until the next phase
 switch (or an update), so it keeps time independently of NVML calls in the poll loop.
 
+Each cycle's length is drawn anew within ``PERIOD_JITTER`` of the period (the mean stays the
+period). A real driver samples per-process utilisation on a fixed clock (every 0.2 s on an H200,
+driver 580) and a 1 s cycle kept to the period would hold its run phase at the same instants of
+that clock: the controller would see the run fraction in steps of a fifth, not as it is. In a
+simulation of that sampling (``bench/compute_sampling.py``) the container ended 14-19 % under its
+share with a fixed period and within 4 % of it with the jitter.
+
 Invariants (a stopped process is never left behind):
 
 * every SIGSTOP is preceded by a record in the stopped-state file, every SIGCONT followed by the
@@ -38,6 +45,7 @@ check: a SIGSTOP delivered late (a loaded node) or our own phase switch cannot a
 
 from __future__ import annotations
 
+import random
 import signal
 import threading
 import time
@@ -49,6 +57,8 @@ from gpufence.enforcer.rules import Evasion
 from gpufence.enforcer.signals import Outcome, SafeSignaller, SignalTarget
 from gpufence.enforcer.stopped_state import StoppedState
 
+# Each cycle lasts the period times a factor drawn from [1 - PERIOD_JITTER, 1 + PERIOD_JITTER].
+PERIOD_JITTER = 0.1
 # How often a failed SIGCONT is retried.
 RETRY_SECONDS = 0.2
 # Throttle evasion: how often a stopped phase is checked, how long after its SIGSTOP a process is
@@ -58,6 +68,11 @@ EVASION_SETTLE_SECONDS = 0.02
 EVASION_PHASES = 2
 # States that say nothing about evasion: stopped (T, t), signal not yet acted on (D), gone (Z, X).
 _NOT_RUNNING = frozenset("TtDZX")
+
+
+def cycle_length(period: float, jitter: float, rng: random.Random) -> float:
+    """One duty cycle's length: ``period`` times a factor drawn evenly from [1 - jitter, 1 + jitter]."""
+    return period * (1 + jitter * (2 * rng.random() - 1))
 
 
 @dataclass(frozen=True)
@@ -70,6 +85,7 @@ class ThrottlePlan:
 class _Cycle:
     fraction: float
     targets: dict[tuple[int, int], SignalTarget]
+    period: float  # this cycle's length: the executor's period with its jitter
     running: bool = True
     phase_start: float = 0.0
     stopped: dict[tuple[int, int], SignalTarget] = field(default_factory=dict)
@@ -88,14 +104,20 @@ class ThrottleExecutor:
         *,
         period_seconds: float = 1.0,
         clock: Callable[[], float] = time.monotonic,
+        jitter: float = PERIOD_JITTER,
+        rng: random.Random | None = None,
     ) -> None:
         if period_seconds <= 0:
             raise ValueError("period_seconds must be positive")
+        if not 0 <= jitter < 1:
+            raise ValueError(f"jitter must be in [0, 1), got {jitter!r}")
         self._signaller = signaller
         self._state = state
         self._log = log
         self._period = period_seconds
         self._clock = clock
+        self._jitter = jitter
+        self._rng = rng or random.Random()
         self._cond = threading.Condition()
         self._cycles: dict[str, _Cycle] = {}
         self._exempt: set[tuple[int, int]] = set()
@@ -142,7 +164,7 @@ class ThrottleExecutor:
                 targets = {t.key: t for t in plan.targets if t.key not in self._exempt}
                 cycle = self._cycles.get(name)
                 if cycle is None:
-                    self._cycles[name] = _Cycle(fraction, targets, running=True, phase_start=now)
+                    self._cycles[name] = _Cycle(fraction, targets, self._cycle_length(), running=True, phase_start=now)
                     continue
                 cycle.fraction = fraction
                 cycle.targets = targets
@@ -278,6 +300,9 @@ class ThrottleExecutor:
 
     # -- the thread ----------------------------------------------------------------------------
 
+    def _cycle_length(self) -> float:
+        return cycle_length(self._period, self._jitter, self._rng)
+
     def _run(self) -> None:
         with self._cond:
             while not self._closing:
@@ -303,8 +328,8 @@ class ThrottleExecutor:
         if self._lease_until is not None:
             next_switch = self._lease_until if next_switch is None else min(next_switch, self._lease_until)
         for cycle in self._cycles.values():
-            run = cycle.fraction * self._period
-            pause = self._period - run
+            run = cycle.fraction * cycle.period
+            pause = cycle.period - run
             due = cycle.phase_start + (run if cycle.running else pause)
             if not cycle.running:
                 self._check_evasion_locked(cycle, now)
@@ -318,10 +343,13 @@ class ThrottleExecutor:
                     self._end_stopped_phase_locked(cycle)
                     self._continue_locked(cycle, list(cycle.stopped.values()), "duty_cycle")
                     cycle.running = True
+                    cycle.period = self._cycle_length()
+                    run = cycle.fraction * cycle.period
+                    pause = cycle.period - run
                 cycle.phase_start = start
                 due = start + (run if cycle.running else pause)
                 if cycle.running and pause <= 0:
-                    due = start + self._period
+                    due = start + cycle.period
             if not cycle.running and cycle.stopped:
                 due = min(due, now + EVASION_CHECK_SECONDS)  # the next look at the stopped processes
             next_switch = due if next_switch is None else min(next_switch, due)

@@ -6,7 +6,9 @@ from __future__ import annotations
 import io
 import json
 import os
+import random
 import signal
+import statistics
 import subprocess
 import sys
 import time
@@ -17,7 +19,7 @@ from gpufence.enforcer.decision_log import DecisionLog
 from gpufence.enforcer.procfs import read_stat
 from gpufence.enforcer.signals import Outcome, SafeSignaller, SignalTarget
 from gpufence.enforcer.stopped_state import StoppedState, recover
-from gpufence.enforcer.throttle import ThrottleExecutor, ThrottlePlan
+from gpufence.enforcer.throttle import PERIOD_JITTER, ThrottleExecutor, ThrottlePlan
 from tests.support.enforcer_harness import WORKLOAD, LineReader, proc_state, wait_state
 from tests.support.prerequisites import needs
 
@@ -227,6 +229,48 @@ def test_throttle_executor_cycles_and_releases(child, log, tmp_path):
     assert proc_state(a.pid) != "T"
     assert json.loads((tmp_path / "stopped.json").read_text())["stopped"] == []
     assert executor.throttled() == set()
+
+
+def _cycle_lengths(child, log, tmp_path, **executor_args) -> list[tuple[float, float]]:
+    """Drive the executor's phase switches on a clock of our own (no thread) for 40 s of duty cycles
+    at run fraction 0.3; each cycle's (length, run time) from the switches it made to the real child."""
+    c = child()
+    door = SafeSignaller(log)
+    door.authorize([c.target()])
+    now = [0.0]
+    executor = ThrottleExecutor(door, StoppedState(tmp_path, log), log, period_seconds=1.0,
+                                clock=lambda: now[0], **executor_args)
+    switches: list[tuple[float, bool]] = []
+    try:
+        executor.update({"c": ThrottlePlan(0.3, (c.target(),))})
+        while now[0] < 40:
+            with executor._cond:
+                executor._step_locked()
+                running = executor._cycles["c"].running
+            if not switches or switches[-1][1] != running:
+                switches.append((now[0], running))
+            now[0] = round(now[0] + 0.001, 3)
+    finally:
+        executor.close()
+    assert proc_state(c.pid) not in ("T", None)
+    starts = [t for t, running in switches if running]
+    stops = [t for t, running in switches if not running]
+    return [(round(b - a, 3), round(stop - a, 3)) for a, b, stop in zip(starts, starts[1:], stops, strict=False)]
+
+
+def test_duty_cycles_vary_in_length_around_the_period_with_the_run_fraction_kept(child, log, tmp_path):
+    """A cycle kept to the period would hold its run phase at the same instants of the driver's
+    fixed sampling clock; each cycle's length is drawn within PERIOD_JITTER of the period instead,
+    its run phase the plan's fraction of that length, the mean the period."""
+    cycles = _cycle_lengths(child, log, tmp_path, rng=random.Random(7))
+    assert len(cycles) >= 35
+    lengths = [length for length, _ in cycles]
+    assert all(1 - PERIOD_JITTER - 0.002 <= length <= 1 + PERIOD_JITTER + 0.002 for length in lengths)
+    assert len(set(lengths)) > len(lengths) // 2  # drawn anew, not one length repeated
+    assert statistics.mean(lengths) == pytest.approx(1.0, abs=0.03)
+    assert all(run == pytest.approx(0.3 * length, abs=0.003) for length, run in cycles)
+    # Without jitter every cycle is the period exactly.
+    assert {length for length, _ in _cycle_lengths(child, log, tmp_path, jitter=0.0)} == {1.0}
 
 
 @needs(os.geteuid() == 0, reason="needs root to take CAP_KILL away and give it back")

@@ -14,7 +14,7 @@ import pytest
 
 from gpufence.contract import ContainerShare, EnforcerConfig, MemoryShare, Mode
 from gpufence.enforcer.attribution import Attribution, PodProcess
-from gpufence.enforcer.compute import START_MARGIN, ComputeTracker
+from gpufence.enforcer.compute import HOLD_RUN_FRACTION, START_MARGIN, ComputeTracker
 
 HALF = EnforcerConfig(containers={"train": ContainerShare(compute_percent=50)})
 TOLERANCE = 0.05  # measured use within ±5 points of the share once settled
@@ -82,6 +82,30 @@ def test_the_throttle_ends_when_demand_falls_under_the_share_and_does_not_restar
     assert plant.run(0.52, 60) == {"train": pytest.approx(0.5 / 0.52, abs=0.05)}
     assert plant.run(0.45, 30) == {}  # under the share: the fraction reaches 1, the throttle ends
     assert plant.run(0.52, 30) == {}  # the band does not start it again
+
+
+def test_a_second_of_zero_readings_while_throttled_does_not_end_the_throttle() -> None:
+    """On a time-sliced GPU a throttled process often gets none of the driver's samples in a second:
+    the output touches 1, the run fraction is held, and the throttle goes on when the readings come
+    back, with no stop and start in between. Under the share for a whole window, it ends."""
+    plant = Plant(ComputeTracker(window_seconds=5.0), HALF, lag=0.3)
+    assert plant.run(0.6, 40)
+    tracker = plant.tracker
+    held = []
+    for _ in range(2):  # one second of readings of 0, its process still there
+        tracker.observe(plant.now, at(0), HALF)
+        held.append(dict(tracker.plan(plant.now, HALF)))
+        plant.now += 0.5
+    assert held[-1] == {"train": HOLD_RUN_FRACTION}
+    assert all("train" in plan for plan in held)
+    plant.plan = held[-1]
+    plant.run(0.6, 10)
+    assert "train" in plant.plan and plant.plan["train"] < HOLD_RUN_FRACTION
+    assert plant.run(0.6, 40)  # never released on the way
+    # Under its share for good: held for a window (5 s, 10 polls), then released.
+    plans = [dict(plant.run(0.3, 1)) for _ in range(14)]
+    assert "train" in plans[0] and plans[-1] == {}
+    assert sum("train" in plan for plan in plans) <= 12
 
 
 def test_a_burst_while_stopped_does_not_wind_the_integral_up() -> None:
