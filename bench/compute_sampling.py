@@ -8,7 +8,8 @@ follows what an H200 (driver 580) showed (docs/gpu-validation.md, "Compute share
 GPU"): the driver takes a sample on a fixed clock (every 0.2 s); each sample goes to one of the
 processes running at that instant; a read of ``nvmlDeviceGetProcessUtilization`` gives each
 process its share of the samples since the previous read. The enforcer's parts are the real ones:
-``ComputeTracker`` plans from those readings (once per duty-cycle period, polls every 0.5 s), and
+``ComputeTracker`` plans from those readings (taken when ``Core.wants_utilisation`` says, about
+once per duty-cycle period; polls every 0.5 s), and
 the duty cycle takes each cycle's length from the throttle executor's own ``cycle_length`` (its
 period with ``PERIOD_JITTER``), run for the plan's fraction of it. The container and its
 neighbours are always busy; while the container runs, the GPU is split evenly among the running
@@ -30,6 +31,7 @@ from bench.common import table, write_section
 from gpufence.contract import ContainerShare, EnforcerConfig
 from gpufence.enforcer.attribution import Attribution, PodProcess
 from gpufence.enforcer.compute import ComputeTracker
+from gpufence.enforcer.machine import Core
 from gpufence.enforcer.throttle import PERIOD_JITTER, cycle_length
 
 SAMPLE_SECONDS = 0.2  # the driver's sampling clock on the H200
@@ -50,10 +52,10 @@ def simulate(share_percent: int, neighbours: int, *, seconds: float, seed: int, 
     cycle_rng = random.Random(seed + 1)
     config = EnforcerConfig(containers={"a": ContainerShare(compute_percent=share_percent)})
     tracker = ComputeTracker(period_seconds=PERIOD_SECONDS)
+    core = Core(config, compute_period_seconds=PERIOD_SECONDS)  # only for its utilisation cadence
     plan: dict[str, float] = {}
     hits = samples = 0  # the container's samples and all samples since the last read
     reading = 0
-    read_at = -PERIOD_SECONDS
     cycle_start = cycle_end = 0.0
     gpu_time = 0.0
     changes = 0
@@ -75,8 +77,7 @@ def simulate(share_percent: int, neighbours: int, *, seconds: float, seed: int, 
             hits += running and rng.random() < 1 / sharing
         if now >= next_poll:
             next_poll += POLL_SECONDS
-            if now - read_at >= 0.9 * PERIOD_SECONDS:  # Core.wants_utilisation's cadence
-                read_at = now
+            if core.wants_utilisation(now):
                 reading = round(99 * hits / samples) if samples else 0
                 hits = samples = 0
             process = PodProcess(1, 1, 1, "a", 0, "GPU-0", 0, reading or None)
