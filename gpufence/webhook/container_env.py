@@ -50,6 +50,7 @@ ENV_NVIDIA_VISIBLE_DEVICES = "NVIDIA_VISIBLE_DEVICES"
 # only says the share to a person reading the container's environment.
 OWNED_VARIABLES = (ENV_MEMORY_LIMIT, ENV_DRIVER_MEMORY_LIMIT, ENV_DRIVER_MEMORY_REQUEST, ENV_MPS_MEMORY_LIMIT,
                    ENV_MPS_THREADS, ENV_PRELOAD_MEMORY_LIMIT, ENV_HAMI_SM)
+_OWNED = frozenset(OWNED_VARIABLES)
 
 
 def add_share_env(
@@ -159,8 +160,11 @@ def gpu_container(
     env = list(container.get("env") or ())
     # The author's entries of gpufence's variables, all of them (duplicates included): every one that
     # is not exactly what gpufence writes is reported once the share's values are known.
-    authored = {var: [e for e in env if e.get("name") == var] for var in OWNED_VARIABLES}
-    authored = {var: entries for var, entries in authored.items() if entries}
+    found: dict[str, list[dict[str, Any]]] = {}
+    for entry in env:  # one pass: a container can carry hundreds of variables
+        if entry.get("name") in _OWNED:
+            found.setdefault(entry["name"], []).append(entry)
+    authored = {var: found[var] for var in OWNED_VARIABLES if var in found}
     if any(len(entries) > 1 for entries in authored.values()):
         # One entry per variable, at the place of the last (the effective one).
         last = {entry["name"]: i for i, entry in enumerate(env) if entry.get("name") in authored}

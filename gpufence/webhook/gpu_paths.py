@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import functools
 import re
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -86,9 +86,11 @@ def advised_resource(settings: InjectionSettings) -> str:
     return next((n for n in settings.gpu_resource_names if not n.endswith("*")), "nvidia.com/gpu")
 
 
-def _amounts(container: Any) -> Iterator[tuple[str, Any]]:
-    """Each resource of the container with a positive amount (the limit where one is set, else the
-    request: the API server requires them equal for extended resources). Tolerant of garbage."""
+def _amounts(container: Any, wanted: Callable[[str], bool]) -> Iterator[tuple[str, Any]]:
+    """Each resource of the container that ``wanted`` names and has a positive amount (the limit
+    where one is set, else the request: the API server requires them equal for extended resources).
+    Tolerant of garbage. The name is checked first: a pod's cpu and memory are never GPUs, and
+    parsing their quantities was most of what deciding a typical pod's GPU paths cost."""
     resources = container.get("resources") if isinstance(container, dict) else None
     if not isinstance(resources, dict):
         return
@@ -97,14 +99,14 @@ def _amounts(container: Any) -> Iterator[tuple[str, Any]]:
     for amounts, skip in ((limits, {}), (requests, limits)):
         if isinstance(amounts, dict):
             for name, value in amounts.items():
-                if isinstance(name, str) and name not in skip and is_positive_quantity(value):
+                if isinstance(name, str) and name not in skip and wanted(name) and is_positive_quantity(value):
                     yield name, value
 
 
 def shared_gpu_resource(container: Any, settings: InjectionSettings) -> str | None:
     """The first resource of the container that is a shared GPU (for the GPU's memory), or None."""
     gpu, exclusive = patterns(settings.gpu_resource_names), patterns(settings.exclusive_gpu_resource_names)
-    return next((n for n, _ in _amounts(container) if gpu.matches(n) and not exclusive.matches(n)), None)
+    return next((n for n, _ in _amounts(container, lambda n: gpu.matches(n) and not exclusive.matches(n))), None)
 
 
 def _claims(container: Any) -> list[Any]:
@@ -142,6 +144,10 @@ class PodGpuPaths:
             self.pod_claims.append(claim["name"])
             if claim.get("resourceClaimName") in listed or claim.get("resourceClaimTemplateName") in listed:
                 self.non_gpu_claims.add(claim["name"])
+        # _gpu_by_resource per container, by identity: a review asks it of each container several
+        # times (GPU names, counts, the sidecar's claims, the void). The container is kept with its
+        # answer, so its id cannot be reused by another object while this instance lives.
+        self._by_resource: dict[int, tuple[Any, bool]] = {}
         self._containers = [c for key in ("initContainers", "containers")
                             for c in (self.spec.get(key) if isinstance(self.spec.get(key), list) else ())]
         # The sidecar holds the GPU claims of the pod it enforces: they make it a GPU container only
@@ -153,8 +159,21 @@ class PodGpuPaths:
         return self.kai_container is not None and isinstance(container, dict) and \
             container.get("name") == self.kai_container
 
+    def _shared(self, name: str) -> bool:
+        """A shared GPU resource: matches gpu-resource-name, not exclusive-gpu-resource-name."""
+        return self.gpu.matches(name) and not self.exclusive.matches(name)
+
+    def _any_gpu(self, name: str) -> bool:
+        """A GPU resource, shared or exclusive."""
+        return self.gpu.matches(name) or self.exclusive.matches(name)
+
     def _gpu_by_resource(self, container: Any) -> bool:
-        return any(self.gpu.matches(n) and not self.exclusive.matches(n) for n, _ in _amounts(container))
+        known = self._by_resource.get(id(container))
+        if known is not None and known[0] is container:
+            return known[1]
+        answer = next(_amounts(container, self._shared), None) is not None
+        self._by_resource[id(container)] = (container, answer)
+        return answer
 
     def _gpu_claims(self, container: Any) -> list[Any]:
         return [n for n in _claims(container) if n not in self.non_gpu_claims]
@@ -169,8 +188,8 @@ class PodGpuPaths:
 
     def gets_device(self, container: Any) -> bool:
         """Gets a device by any path, so ``NVIDIA_VISIBLE_DEVICES=void`` would take it away."""
-        return bool(_claims(container)) or self._by_kai(container) or any(
-            self.gpu.matches(n) or self.exclusive.matches(n) for n, _ in _amounts(container))
+        return bool(_claims(container)) or self._by_kai(container) or \
+            next(_amounts(container, self._any_gpu), None) is not None
 
     def gpu_count(self, container: Any) -> int | None:
         """The devices the container requested through resources (the enforcer's ``gpus``), or None
@@ -180,8 +199,7 @@ class PodGpuPaths:
         both is held to its resources' count, because an API server with DRA off drops the claims
         after the webhook and before the guard, which then sees only the resources."""
         kai = self.kai_devices if self._by_kai(container) else 0
-        return kai + sum(_count(v) for n, v in _amounts(container)
-                         if self.gpu.matches(n) or self.exclusive.matches(n)) or None
+        return kai + sum(_count(v) for _, v in _amounts(container, self._any_gpu)) or None
 
     def gpu_container_names(self) -> list[Any]:
         """The names of the GPU containers, in pod order (init containers first)."""
