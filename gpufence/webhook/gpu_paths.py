@@ -144,8 +144,9 @@ class PodGpuPaths:
             self.pod_claims.append(claim["name"])
             if claim.get("resourceClaimName") in listed or claim.get("resourceClaimTemplateName") in listed:
                 self.non_gpu_claims.add(claim["name"])
-        # _gpu_by_resource per container, by identity: a review asks it of each container several
-        # times (GPU names, counts, the sidecar's claims, the void). The container is kept with its
+        # _gpu_by_resource per ``resources`` object, by identity: a review asks it of each container
+        # several times (GPU names, counts, the sidecar's claims, the void), and the webhook's
+        # copy-on-write copies of a container share its resources. The object is kept with its
         # answer, so its id cannot be reused by another object while this instance lives.
         self._by_resource: dict[int, tuple[Any, bool]] = {}
         self._containers = [c for key in ("initContainers", "containers")
@@ -168,11 +169,14 @@ class PodGpuPaths:
         return self.gpu.matches(name) or self.exclusive.matches(name)
 
     def _gpu_by_resource(self, container: Any) -> bool:
-        known = self._by_resource.get(id(container))
-        if known is not None and known[0] is container:
+        resources = container.get("resources") if isinstance(container, dict) else None
+        if not isinstance(resources, dict):
+            return False
+        known = self._by_resource.get(id(resources))
+        if known is not None and known[0] is resources:
             return known[1]
         answer = next(_amounts(container, self._shared), None) is not None
-        self._by_resource[id(container)] = (container, answer)
+        self._by_resource[id(resources)] = (resources, answer)
         return answer
 
     def _gpu_claims(self, container: Any) -> list[Any]:
