@@ -106,7 +106,10 @@ def _amounts(container: Any, wanted: Callable[[str], bool]) -> Iterator[tuple[st
 def shared_gpu_resource(container: Any, settings: InjectionSettings) -> str | None:
     """The first resource of the container that is a shared GPU (for the GPU's memory), or None."""
     gpu, exclusive = patterns(settings.gpu_resource_names), patterns(settings.exclusive_gpu_resource_names)
-    return next((n for n, _ in _amounts(container, lambda n: gpu.matches(n) and not exclusive.matches(n))), None)
+    def shared(name: str) -> bool:
+        return gpu.matches(name) and not exclusive.matches(name)
+
+    return next((name for name, _ in _amounts(container, shared)), None)
 
 
 def _claims(container: Any) -> list[Any]:
