@@ -103,12 +103,14 @@ def _amounts(container: Any, wanted: Callable[[str], bool]) -> Iterator[tuple[st
                     yield name, value
 
 
+def _shared_gpu(gpu: ResourcePatterns, exclusive: ResourcePatterns) -> Callable[[str], bool]:
+    """Whether a resource name is a shared GPU: matches gpu-resource-name, not exclusive-gpu-resource-name."""
+    return lambda name: gpu.matches(name) and not exclusive.matches(name)
+
+
 def shared_gpu_resource(container: Any, settings: InjectionSettings) -> str | None:
     """The first resource of the container that is a shared GPU (for the GPU's memory), or None."""
-    gpu, exclusive = patterns(settings.gpu_resource_names), patterns(settings.exclusive_gpu_resource_names)
-    def shared(name: str) -> bool:
-        return gpu.matches(name) and not exclusive.matches(name)
-
+    shared = _shared_gpu(patterns(settings.gpu_resource_names), patterns(settings.exclusive_gpu_resource_names))
     return next((name for name, _ in _amounts(container, shared)), None)
 
 
@@ -137,6 +139,7 @@ class PodGpuPaths:
         self.kai_container, self.kai_devices = (kai.container, kai.devices) if kai is not None else (None, 0)
         self.gpu = patterns(settings.gpu_resource_names)
         self.exclusive = patterns(settings.exclusive_gpu_resource_names)
+        self._shared = _shared_gpu(self.gpu, self.exclusive)
         listed = frozenset(settings.non_gpu_resource_claims)
         pod_claims = self.spec.get("resourceClaims")
         self.pod_claims: list[str] = []  # in pod order
@@ -162,10 +165,6 @@ class PodGpuPaths:
     def _by_kai(self, container: Any) -> bool:
         return self.kai_container is not None and isinstance(container, dict) and \
             container.get("name") == self.kai_container
-
-    def _shared(self, name: str) -> bool:
-        """A shared GPU resource: matches gpu-resource-name, not exclusive-gpu-resource-name."""
-        return self.gpu.matches(name) and not self.exclusive.matches(name)
 
     def _any_gpu(self, name: str) -> bool:
         """A GPU resource, shared or exclusive."""
