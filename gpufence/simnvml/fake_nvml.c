@@ -720,6 +720,9 @@ EXPORT nvmlReturn_t nvmlDeviceGetMemoryInfo_v2(nvmlDevice_t device, nvmlMemory_v
 /* ---- processes ---------------------------------------------------------------------------- */
 
 /* version: 1 -> nvmlProcessInfo_v1_t, 2/3 -> nvmlProcessInfo_v2_t. */
+static void lag_tick(const struct sim_proc *p, unsigned long long now);
+static unsigned long long now_us(void);
+
 static nvmlReturn_t do_running(const char *fn, int graphics, int version, nvmlDevice_t device, unsigned int *count,
                                void *infos) {
     struct sim_dev *d;
@@ -740,6 +743,7 @@ static nvmlReturn_t do_running(const char *fn, int graphics, int version, nvmlDe
         const struct sim_proc *p = &d->procs[i];
         unsigned int pid;
         if (p->graphics != graphics || !(pid = visible_pid(p, ns))) continue;
+        lag_tick(p, now_us()); /* a process list is read every poll: the lag's clock between reads */
         if (version == 1) {
             nvmlProcessInfo_v1_t *o = (nvmlProcessInfo_v1_t *)infos + k;
             o->pid = pid;
@@ -779,14 +783,19 @@ static unsigned long long now_us(void) {
 
 /* Utilisation that follows the process's run state with a lag. A GPU keeps executing the kernels a
  * process queued after the process is stopped, so its utilisation falls only gradually (and rises
- * gradually after SIGCONT): each process's reported SM use is its state-file value times an
- * exponential average (time constant util_lag_ms) of "running" (not stopped, read from /proc at
- * each call). Kept across state reloads, keyed by host PID. */
+ * gradually after SIGCONT): each process's SM use is its state-file value times an exponential
+ * average (time constant util_lag_ms) of "running" (not stopped, read from /proc at each process
+ * list and utilisation call). A utilisation read reports, as a real driver does, each process's
+ * mean since the previous read (an H200 with driver 580: one record per process, its mean over the
+ * samples since lastSeenTimeStamp), integrated over those calls. Kept across state reloads, keyed
+ * by host PID. */
 #define MAX_LAGGED 4096
 static struct {
     unsigned int pid;
     double running;
     unsigned long long t_us;
+    double sum;               /* SM% x microseconds since the previous utilisation read */
+    unsigned long long since; /* that read's time */
 } g_lagged[MAX_LAGGED];
 static size_t g_nlagged;
 
@@ -811,24 +820,43 @@ static int proc_running(unsigned int pid) {
     return state && *state != 'T' && *state != 't';
 }
 
-static unsigned int lagged_util(const struct sim_proc *p, unsigned long long now) {
-    if (g_state->util_lag_ms == 0) return p->sm_util;
+/* The process's slot, advanced to now (created running at its first call); MAX_LAGGED when full. */
+static size_t lag_advance(const struct sim_proc *p, unsigned long long now) {
     size_t i;
     for (i = 0; i < g_nlagged && g_lagged[i].pid != p->host_pid; i++) {
     }
     if (i == g_nlagged) {
-        if (g_nlagged == MAX_LAGGED) return p->sm_util;
+        if (g_nlagged == MAX_LAGGED) return MAX_LAGGED;
         g_nlagged++;
         g_lagged[i].pid = p->host_pid;
         g_lagged[i].running = 1.0;
-        g_lagged[i].t_us = now;
+        g_lagged[i].t_us = g_lagged[i].since = now;
+        g_lagged[i].sum = 0.0;
     }
-    double dt = (double)(now - g_lagged[i].t_us) / 1000.0;
+    if (now <= g_lagged[i].t_us) return i;
+    double dt_us = (double)(now - g_lagged[i].t_us);
     double tau = (double)g_state->util_lag_ms;
-    double alpha = dt / (tau + dt);
-    g_lagged[i].running += alpha * ((double)proc_running(p->host_pid) - g_lagged[i].running);
+    double alpha = dt_us / 1000.0 / (tau + dt_us / 1000.0);
+    double before = g_lagged[i].running;
+    g_lagged[i].running += alpha * ((double)proc_running(p->host_pid) - before);
+    g_lagged[i].sum += p->sm_util * (before + g_lagged[i].running) / 2.0 * dt_us; /* trapezoid */
     g_lagged[i].t_us = now;
-    return (unsigned int)(p->sm_util * g_lagged[i].running + 0.5);
+    return i;
+}
+
+static void lag_tick(const struct sim_proc *p, unsigned long long now) {
+    if (g_state->util_lag_ms != 0) lag_advance(p, now);
+}
+
+static unsigned int lagged_util(const struct sim_proc *p, unsigned long long now) {
+    if (g_state->util_lag_ms == 0) return p->sm_util;
+    size_t i = lag_advance(p, now);
+    if (i == MAX_LAGGED) return p->sm_util;
+    double elapsed = (double)(now - g_lagged[i].since);
+    double mean = elapsed > 0 ? g_lagged[i].sum / elapsed : p->sm_util * g_lagged[i].running;
+    g_lagged[i].sum = 0.0;
+    g_lagged[i].since = now;
+    return (unsigned int)(mean + 0.5);
 }
 
 static nvmlReturn_t do_process_utilization(nvmlDevice_t device, nvmlProcessUtilizationSample_t *utilization,
