@@ -380,28 +380,25 @@ _WRITTEN_DEFAULTS: dict[str, Any] = {
 # --- the gpufence.io/status annotation ---------------------------------------------------------
 
 # What the webhook did, as one compact key-sorted JSON object: the GPU containers, the mode, the
-# version, and when there are any the framework caps per container and the share-aware warnings
-# (which the enforcer, reading the annotation through ENV_POD_STATUS, posts as Events). The guard
-# reads the containers field as the mark of an injection. No sidecar name: it is always
-# gpufence-enforcer, and every GPU pod would carry it in its metadata for nothing.
+# version, and when there are any the share-aware warnings (which the enforcer, reading the
+# annotation through ENV_POD_STATUS, posts as Events). The guard reads the containers field as the
+# mark of an injection. Nothing the pod shows elsewhere: no sidecar name (always gpufence-enforcer)
+# and no framework caps (each GPU container's env carries them), which every GPU pod would carry
+# twice in its metadata for nothing.
 STATUS_CONTAINERS = "containers"
 STATUS_MODE = "mode"
 STATUS_VERSION = "version"
-STATUS_CAPS = "caps"
 STATUS_WARNINGS = "warnings"
-STATUS_FIELDS = (STATUS_CONTAINERS, STATUS_MODE, STATUS_VERSION, STATUS_CAPS, STATUS_WARNINGS)
+STATUS_FIELDS = (STATUS_CONTAINERS, STATUS_MODE, STATUS_VERSION, STATUS_WARNINGS)
 # The webhook records at most this many warnings; the enforcer reads no more.
 MAX_STATUS_WARNINGS = 8
 
 
 def status_document(containers: Sequence[str], mode: Mode, version: str,
-                    caps: Mapping[str, Mapping[str, str]] | None = None,
                     warnings: Sequence[str] = ()) -> dict[str, Any]:
-    """The status annotation's object (the webhook encodes it compact and key-sorted); ``caps`` and
-    ``warnings`` appear only when not empty."""
+    """The status annotation's object (the webhook encodes it compact and key-sorted); ``warnings``
+    appear only when not empty."""
     status: dict[str, Any] = {STATUS_CONTAINERS: list(containers), STATUS_MODE: mode.value, STATUS_VERSION: version}
-    if caps:
-        status[STATUS_CAPS] = caps
     if warnings:
         status[STATUS_WARNINGS] = list(warnings)
     return status

@@ -128,10 +128,9 @@ def _percent_part_left(name: str, limiter: str, share: str) -> str:
 
 @dataclass
 class FrameworkRecord:
-    """What the framework rules decided, across the pod's GPU containers, for the status annotation
-    (and, through it, the enforcer's Event)."""
+    """What the framework rules warned about, across the pod's GPU containers, for the status
+    annotation (and, through it, the enforcer's Event)."""
 
-    caps: dict[str, dict[str, str]] = field(default_factory=dict)  # container -> variable -> cap
     warnings: list[str] = field(default_factory=list)
 
 
@@ -179,8 +178,6 @@ def gpu_container(
     warnings.extend(found)
     if record is not None:
         record.warnings.extend(found)
-        if frameworks.caps:
-            record.caps[name] = frameworks.caps
     for var, value in frameworks.replace_env:  # the user's alloc conf, with gpufence's key appended
         env[index[var]] = {**env[index[var]], "value": value}
         changed = True

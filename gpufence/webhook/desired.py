@@ -172,7 +172,7 @@ def desired_pod(pod: dict[str, Any], plan: SharePlan, settings: InjectionSetting
         elif present != volume:
             raise MutationError(f"volume name {quote(volume['name'])} is reserved by gpufence; rename the pod's volume")
     spec["volumes"] = volumes
-    annotations[ANNOTATION_STATUS] = status_annotation(plan, record.caps, recorded)
+    annotations[ANNOTATION_STATUS] = status_annotation(plan, recorded)
     return new_pod, [*container_warnings, *warnings, *replaced]
 
 

@@ -87,7 +87,6 @@ class FrameworkResult:
 
     set_env: list[tuple[str, str]]  # variables to add (absent from the container)
     replace_env: list[tuple[str, str]]  # variables whose value gpufence extends (an alloc conf)
-    caps: dict[str, str]  # for the status annotation: variable -> gpufence's cap in force
     warnings: list[str]
 
 
@@ -185,7 +184,7 @@ def framework_env(name: str, memory: MemoryShare | None, env: Mapping[str, Mappi
     result depends only on the inputs, so the webhook's own output gives the same result
     (reinvocation).
     """
-    result = FrameworkResult(set_env=[], replace_env=[], caps={}, warnings=[])
+    result = FrameworkResult(set_env=[], replace_env=[], warnings=[])
     if ENV_TORCH_NO_CACHING in env:
         value = env[ENV_TORCH_NO_CACHING].get("value", "")
         result.warnings.append(
@@ -230,21 +229,15 @@ def framework_env(name: str, memory: MemoryShare | None, env: Mapping[str, Mappi
     user_xla = [var for var in (ENV_XLA_FRACTION, ENV_XLA_FRACTION_NEW) if var in env]
     if not user_xla:
         result.set_env.append((ENV_XLA_FRACTION, cap.text))
-        result.caps[ENV_XLA_FRACTION] = cap.text
     else:
         for var in user_xla:
-            if env[var].get("value") == cap.text and "valueFrom" not in env[var]:
-                result.caps[var] = cap.text  # ours, seen again on reinvocation
-            else:
+            if env[var].get("value") != cap.text or "valueFrom" in env[var]:  # not ours, seen again
                 above(var, env[var].get("value"))
 
     # Text Generation Inference.
     if ENV_TGI_FRACTION not in env:
         result.set_env.append((ENV_TGI_FRACTION, cap.text))
-        result.caps[ENV_TGI_FRACTION] = cap.text
-    elif env[ENV_TGI_FRACTION].get("value") == cap.text and "valueFrom" not in env[ENV_TGI_FRACTION]:
-        result.caps[ENV_TGI_FRACTION] = cap.text
-    else:
+    elif env[ENV_TGI_FRACTION].get("value") != cap.text or "valueFrom" in env[ENV_TGI_FRACTION]:
         above(ENV_TGI_FRACTION, env[ENV_TGI_FRACTION].get("value"))
 
     if pytorch:
@@ -261,7 +254,6 @@ def _pytorch(name: str, cap: Cap, env: Mapping[str, Mapping[str, Any]], result: 
     entry = env.get(entry_name)
     if entry is None:
         result.set_env.append((entry_name, setting))
-        result.caps[entry_name] = setting
         return
     if "valueFrom" in entry:
         result.warnings.append(
@@ -273,10 +265,7 @@ def _pytorch(name: str, cap: Cap, env: Mapping[str, Mapping[str, Any]], result: 
     current = alloc_conf_value(conf, TORCH_FRACTION_KEY)
     if current is None:
         result.replace_env.append((entry_name, f"{conf},{setting}" if conf else setting))
-        result.caps[entry_name] = setting
-    elif current == cap.text:
-        result.caps[entry_name] = setting
-    else:
+    elif current != cap.text:
         above(entry_name, current, f"{entry_name} {TORCH_FRACTION_KEY}")
 
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 import functools
 import json
 import posixpath
-from collections.abc import Container, Mapping, Sequence
+from collections.abc import Container, Sequence
 from types import MappingProxyType
 from typing import Any
 
@@ -103,14 +103,13 @@ def enforcer_config(plan: SharePlan, settings: InjectionSettings) -> EnforcerCon
 _encode_sorted = json.JSONEncoder(separators=(",", ":"), sort_keys=True).encode
 
 
-def status_annotation(plan: SharePlan, caps: Mapping[str, Mapping[str, str]] | None = None,
-                      warnings: Sequence[str] = ()) -> str:
-    """What gpufence did, as one JSON object: the GPU containers, the mode, the sidecar, the version,
-    and, when there are any, the framework caps in force per container (``caps``: variable -> value)
-    and the share-aware warnings (``warnings``, which the enforcer can turn into an Event)."""
+def status_annotation(plan: SharePlan, warnings: Sequence[str] = ()) -> str:
+    """What gpufence did, as one JSON object: the GPU containers, the mode, the version and, when
+    there are any, the share-aware warnings (``warnings``, which the enforcer can turn into an
+    Event)."""
     names = tuple(name for name, _ in plan.containers)
-    if caps or warnings:
-        return _encode_sorted(status_document(names, plan.mode, GPUFENCE_VERSION, caps, warnings))
+    if warnings:
+        return _encode_sorted(status_document(names, plan.mode, GPUFENCE_VERSION, warnings))
     # Cached on the names, the mode and the version (read at call time: tests replace it).
     if sum(map(len, names)) <= _MAX_CACHED_NAMES:
         return _status_annotation(names, plan.mode, GPUFENCE_VERSION)

@@ -279,12 +279,11 @@ def test_the_guard_finds_the_sidecar_in_every_status_annotation_the_webhook_writ
     searches = re.findall(r"injectionStatus\.contains\('([^']*)'\)", VARIABLES["hasEnforcer"])
     assert searches, "the guard's status annotation check was not found"
     share = ContainerShare(memory=MemoryShare(percent=25))
-    for plan, caps, warnings in [
-        (SharePlan(containers=(("train", share),), mode=Mode.ENFORCE, grace_period_seconds=10), None, ()),
-        (SharePlan(containers=(("a", share), ("b", share)), mode=Mode.AUDIT, grace_period_seconds=0),
-         {"a": {"XLA_PYTHON_CLIENT_MEM_FRACTION": "0.25"}}, ["a warning"]),
+    for plan, warnings in [
+        (SharePlan(containers=(("train", share),), mode=Mode.ENFORCE, grace_period_seconds=10), ()),
+        (SharePlan(containers=(("a", share), ("b", share)), mode=Mode.AUDIT, grace_period_seconds=0), ["a warning"]),
     ]:
-        text = status_annotation(plan, caps, warnings)
+        text = status_annotation(plan, warnings)
         assert set(json.loads(text)) <= set(STATUS_FIELDS)
         for search in searches:
             assert search in text
