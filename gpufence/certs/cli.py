@@ -24,6 +24,7 @@ from typing import Any
 from gpufence import version_line
 from gpufence.certs import bootstrap as bs
 from gpufence.certs import files, inspect_cert, pki
+from gpufence.certs.renewal import decode_secret_data, public_bytes
 from gpufence.logs import JsonFormatter
 
 log = logging.getLogger("gpufence.certs")
@@ -139,7 +140,7 @@ def _load_existing_ca(cert_path: Path, key_path: Path) -> tuple[pki.KeyPair, byt
         key = pki.load_key(key_pem)
     except (ValueError, TypeError) as exc:
         raise ValueError(f"{key_path}: not an unencrypted EC private key ({exc})") from None
-    if bs._public_bytes(cert.public_key()) != bs._public_bytes(key.public_key()):
+    if public_bytes(cert.public_key()) != public_bytes(key.public_key()):
         raise ValueError(f"{key_path} does not match {cert_path}")
     try:
         is_ca = cert.extensions.get_extension_for_class(pki.x509.BasicConstraints).value.ca
@@ -262,7 +263,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         if secret is None:
             _error(f"Secret {args.secret!r} not found in namespace {args.namespace}")
             return inspect_cert.EXIT_UNREADABLE
-        data = bs.decode_secret_data(secret)
+        data = decode_secret_data(secret)
         if not data.get(files.TLS_CERT):
             _error(f"Secret {args.namespace}/{args.secret} has no {files.TLS_CERT}")
             return inspect_cert.EXIT_UNREADABLE

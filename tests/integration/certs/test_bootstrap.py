@@ -12,8 +12,8 @@ from typing import Any
 import pytest
 from cryptography.x509 import verification
 
-from gpufence.certs import bootstrap as bs
 from gpufence.certs import cli, pki
+from gpufence.certs import renewal as rn
 from tests.support.fake_kube_api import FakeKubeApi
 
 NS = "gpufence"
@@ -52,7 +52,7 @@ def bootstrap(kubeconfig: str, *extra: str) -> int:
 
 
 def stored(api: FakeKubeApi) -> dict[str, bytes]:
-    return bs.decode_secret_data(api.secrets[(NS, SECRET)])
+    return rn.decode_secret_data(api.secrets[(NS, SECRET)])
 
 
 def bundles(api: FakeKubeApi) -> list[bytes]:
@@ -69,7 +69,7 @@ def aged_secret(serving_days: int, issued_days_ago: int, ca: pki.KeyPair | None 
     now = dt.datetime.now(dt.UTC)
     ca = ca or pki.make_ca(now=now - dt.timedelta(days=issued_days_ago))
     serving = pki.make_serving_cert(ca, names, days=serving_days, now=now - dt.timedelta(days=issued_days_ago))
-    return bs.secret_data(ca.cert_pem, ca.key_pem, serving), ca
+    return rn.secret_data(ca.cert_pem, ca.key_pem, serving), ca
 
 
 def test_first_run_creates_secret_and_patches_every_ca_bundle(api: FakeKubeApi, kubeconfig: str,
@@ -122,11 +122,11 @@ def test_expiring_serving_cert_is_renewed_with_same_ca_and_bundle_kept(api: Fake
     put = api.requests[1]
     assert put.body["metadata"]["resourceVersion"] == rv
     assert put.body["metadata"]["ownerReferences"][0]["name"] == "x"
-    assert "tls.crt expires at" in put.body["metadata"]["annotations"][bs.RENEW_REASON_ANNOTATION]
+    assert "tls.crt expires at" in put.body["metadata"]["annotations"][rn.RENEW_REASON_ANNOTATION]
     new = stored(api)
     assert new["ca.crt"] == data["ca.crt"] and new["ca.key"] == data["ca.key"]
     assert new["tls.crt"] != data["tls.crt"]
-    assert bs.assess_secret(new, NAMES, dt.datetime.now(dt.UTC), dt.timedelta(days=30)).action is bs.Action.KEEP
+    assert rn.assess_secret(new, NAMES, dt.datetime.now(dt.UTC), dt.timedelta(days=30)).action is rn.Action.KEEP
     assert bundles(api) == [data["ca.crt"]] * 2
 
 
@@ -161,7 +161,7 @@ def test_invalid_secret_is_replaced(case: str, api: FakeKubeApi, kubeconfig: str
     assert [c[0] for c in api.calls()] == ["GET", "PUT", "GET"]  # same CA: caBundle already right
     new = stored(api)
     assert new["ca.crt"] == ca.cert_pem
-    assert bs.assess_secret(new, NAMES, dt.datetime.now(dt.UTC), dt.timedelta(days=30)).action is bs.Action.KEEP
+    assert rn.assess_secret(new, NAMES, dt.datetime.now(dt.UTC), dt.timedelta(days=30)).action is rn.Action.KEEP
     api.clear_requests()
     assert bootstrap(kubeconfig) == 0
     assert not api.writes()
@@ -234,9 +234,9 @@ def test_custom_names_and_unusable_windows(api: FakeKubeApi, kubeconfig: str) ->
     api.put_webhook_configuration({**webhook_configuration(), "metadata": {"name": "hooks"}})
     assert bootstrap(kubeconfig, "--namespace", "sys", "--secret", "tls", "--service", "svc",
                      "--webhook-configuration", "hooks", "--dns-name", "svc.example.com", "--days", "90") == 0
-    data = bs.decode_secret_data(api.secrets[("sys", "tls")])
+    data = rn.decode_secret_data(api.secrets[("sys", "tls")])
     leaf = pki.load_cert(data["tls.crt"])
-    assert bs._uncovered_names(leaf, ["svc", "svc.sys.svc.cluster.local", "svc.example.com"]) == []
+    assert rn._uncovered_names(leaf, ["svc", "svc.sys.svc.cluster.local", "svc.example.com"]) == []
     api.clear_requests()
     assert bootstrap(kubeconfig, "--days", "20") == 2
     assert api.requests == []

@@ -1,4 +1,4 @@
-"""Pure parts of ``certs.bootstrap``: ``assess_secret``, Secret manifests, the caBundle patch."""
+"""``certs.renewal`` (pure): ``assess_secret``, Secret manifests, the caBundle patch."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import pytest
 
 from gpufence.certs import bootstrap as bs
 from gpufence.certs import pki
+from gpufence.certs import renewal as rn
 
 NOW = dt.datetime(2030, 6, 1, 12, 0, tzinfo=dt.UTC)
 WINDOW = dt.timedelta(days=30)
@@ -25,20 +26,20 @@ def ca() -> pki.KeyPair:
 @pytest.fixture(scope="module")
 def good(ca: pki.KeyPair) -> dict[str, bytes]:
     serving = pki.make_serving_cert(ca, NAMES, days=365, now=NOW - dt.timedelta(days=10))
-    return bs.secret_data(ca.cert_pem, ca.key_pem, serving)
+    return rn.secret_data(ca.cert_pem, ca.key_pem, serving)
 
 
 def test_valid_secret_is_kept(good: dict[str, bytes], ca: pki.KeyPair) -> None:
-    verdict = bs.assess_secret(good, NAMES, NOW, WINDOW)
-    assert verdict.action is bs.Action.KEEP and not verdict.needs_renewal
+    verdict = rn.assess_secret(good, NAMES, NOW, WINDOW)
+    assert verdict.action is rn.Action.KEEP and not verdict.needs_renewal
     assert verdict.ca is not None and verdict.ca.cert == ca.cert
     assert verdict.not_after == pki.load_cert(good["tls.crt"]).not_valid_after_utc
     assert "valid until" in verdict.reason
 
 
 def test_missing_secret_replaces_everything() -> None:
-    verdict = bs.assess_secret(None, NAMES, NOW, WINDOW)
-    assert verdict.action is bs.Action.REPLACE_CA and verdict.reason == "secret does not exist"
+    verdict = rn.assess_secret(None, NAMES, NOW, WINDOW)
+    assert verdict.action is rn.Action.REPLACE_CA and verdict.reason == "secret does not exist"
 
 
 Mutation = Callable[[dict[str, bytes], pki.KeyPair], None]
@@ -95,8 +96,8 @@ def test_bad_serving_cert_is_reissued_from_same_ca(case: str, good: dict[str, by
     mutate, reason = REISSUE_CASES[case]
     data = dict(good)
     mutate(data, ca)
-    verdict = bs.assess_secret(data, NAMES, NOW, WINDOW)
-    assert verdict.action is bs.Action.REISSUE, verdict
+    verdict = rn.assess_secret(data, NAMES, NOW, WINDOW)
+    assert verdict.action is rn.Action.REISSUE, verdict
     assert reason in verdict.reason
     assert verdict.ca is not None and verdict.ca.cert == ca.cert
 
@@ -119,8 +120,8 @@ def test_bad_ca_replaces_everything(case: str, good: dict[str, bytes], ca: pki.K
     mutate, reason = REPLACE_CASES[case]
     data = dict(good)
     mutate(data, ca)
-    verdict = bs.assess_secret(data, NAMES, NOW, WINDOW)
-    assert verdict.action is bs.Action.REPLACE_CA, verdict
+    verdict = rn.assess_secret(data, NAMES, NOW, WINDOW)
+    assert verdict.action is rn.Action.REPLACE_CA, verdict
     assert reason in verdict.reason
     assert verdict.ca is None
 
@@ -128,39 +129,39 @@ def test_bad_ca_replaces_everything(case: str, good: dict[str, bytes], ca: pki.K
 def test_extra_names_and_ip_sans(ca: pki.KeyPair) -> None:
     names = [*NAMES, "10.1.2.3", "Webhook.Example.com"]
     s = pki.make_serving_cert(ca, [*NAMES, "10.1.2.3", "webhook.example.com"], now=NOW - dt.timedelta(days=1))
-    data = bs.secret_data(ca.cert_pem, ca.key_pem, s)
-    assert bs.assess_secret(data, names, NOW, WINDOW).action is bs.Action.KEEP
-    verdict = bs.assess_secret(data, [*names, "10.1.2.4"], NOW, WINDOW)
-    assert verdict.action is bs.Action.REISSUE and verdict.reason.endswith("does not cover 10.1.2.4")
+    data = rn.secret_data(ca.cert_pem, ca.key_pem, s)
+    assert rn.assess_secret(data, names, NOW, WINDOW).action is rn.Action.KEEP
+    verdict = rn.assess_secret(data, [*names, "10.1.2.4"], NOW, WINDOW)
+    assert verdict.action is rn.Action.REISSUE and verdict.reason.endswith("does not cover 10.1.2.4")
     # A superset of the required names is fine.
-    assert bs.assess_secret(data, NAMES[:2], NOW, WINDOW).action is bs.Action.KEEP
+    assert rn.assess_secret(data, NAMES[:2], NOW, WINDOW).action is rn.Action.KEEP
 
 
 def test_window_boundary(ca: pki.KeyPair) -> None:
     s = pki.make_serving_cert(ca, NAMES, days=60, now=NOW)
-    data = bs.secret_data(ca.cert_pem, ca.key_pem, s)
-    assert bs.assess_secret(data, NAMES, NOW, dt.timedelta(days=59)).action is bs.Action.KEEP
-    assert bs.assess_secret(data, NAMES, NOW, dt.timedelta(days=60)).action is bs.Action.REISSUE
+    data = rn.secret_data(ca.cert_pem, ca.key_pem, s)
+    assert rn.assess_secret(data, NAMES, NOW, dt.timedelta(days=59)).action is rn.Action.KEEP
+    assert rn.assess_secret(data, NAMES, NOW, dt.timedelta(days=60)).action is rn.Action.REISSUE
 
 
 def test_decode_secret_data_tolerates_bad_base64() -> None:
-    data = bs.decode_secret_data({"data": {"tls.crt": "!!notbase64", "ca.crt": base64.b64encode(b"x").decode()}})
+    data = rn.decode_secret_data({"data": {"tls.crt": "!!notbase64", "ca.crt": base64.b64encode(b"x").decode()}})
     assert data == {"tls.crt": b"", "ca.crt": b"x"}
-    verdict = bs.assess_secret({**data, "ca.key": b"y"}, NAMES, NOW, WINDOW)
-    assert verdict.action is bs.Action.REPLACE_CA
+    verdict = rn.assess_secret({**data, "ca.key": b"y"}, NAMES, NOW, WINDOW)
+    assert verdict.action is rn.Action.REPLACE_CA
 
 
 def test_secret_manifest_keeps_foreign_metadata(good: dict[str, bytes]) -> None:
     existing = {"name": "s", "namespace": "ns", "resourceVersion": "7", "uid": "u",
                 "labels": {"team": "gpu"}, "ownerReferences": [{"kind": "Deployment", "name": "x"}],
                 "managedFields": [{"manager": "kubectl"}]}
-    body = bs.secret_manifest("s", "ns", good, reason="r", now=NOW, resource_version="7", base_metadata=existing)
+    body = rn.secret_manifest("s", "ns", good, reason="r", now=NOW, resource_version="7", base_metadata=existing)
     assert body["type"] == "kubernetes.io/tls"
     assert body["metadata"]["resourceVersion"] == "7"
     assert body["metadata"]["ownerReferences"] == existing["ownerReferences"]
     assert body["metadata"]["labels"]["team"] == "gpu"
     assert body["metadata"]["labels"]["app.kubernetes.io/managed-by"] == "gpufence-certs"
-    assert body["metadata"]["annotations"][bs.RENEWED_AT_ANNOTATION] == "2030-06-01T12:00:00Z"
+    assert body["metadata"]["annotations"][rn.RENEWED_AT_ANNOTATION] == "2030-06-01T12:00:00Z"
     assert "managedFields" not in body["metadata"]
     assert {k: base64.b64decode(v) for k, v in body["data"].items()} == good
 
@@ -173,13 +174,13 @@ def test_ca_bundle_patch_only_touches_entries_that_differ() -> None:
         {"name": "b.gpufence.io", "clientConfig": {"service": {"name": "s"}}},
         {"name": "c.gpufence.io", "clientConfig": {"service": {"name": "s"}, "caBundle": "b2xk"}},
     ]}
-    ops = bs.ca_bundle_patch(config, pem)
-    assert bs.changed_webhooks(ops, config) == ["b.gpufence.io", "c.gpufence.io"]
+    ops = rn.ca_bundle_patch(config, pem)
+    assert rn.changed_webhooks(ops, config) == ["b.gpufence.io", "c.gpufence.io"]
     patched = jsonpatch.apply_patch(config, ops)
     assert all(w["clientConfig"]["caBundle"] == wanted for w in patched["webhooks"])
     assert patched["webhooks"][1]["clientConfig"]["service"] == {"name": "s"}
-    assert bs.ca_bundle_patch(patched, pem) == []
-    assert bs.ca_bundle_patch({"webhooks": []}, pem) == []
+    assert rn.ca_bundle_patch(patched, pem) == []
+    assert rn.ca_bundle_patch({"webhooks": []}, pem) == []
     # The name guard makes a stale patch fail instead of writing into the wrong entry.
     reordered = {"webhooks": list(reversed(config["webhooks"]))}
     with pytest.raises(jsonpatch.JsonPatchTestFailed):
@@ -218,7 +219,7 @@ def test_path_validation_rejects_a_client_only_certificate(ca: pki.KeyPair) -> N
         .add_extension(x509.AuthorityKeyIdentifier.from_issuer_public_key(ca.key.public_key()), critical=False)
         .sign(ca.key, hashes.SHA256())
     )
-    data = bs.secret_data(ca.cert_pem, ca.key_pem, pki.KeyPair(cert, key))
-    verdict = bs.assess_secret(data, NAMES, NOW, WINDOW)
-    assert verdict.action is bs.Action.REISSUE
+    data = rn.secret_data(ca.cert_pem, ca.key_pem, pki.KeyPair(cert, key))
+    verdict = rn.assess_secret(data, NAMES, NOW, WINDOW)
+    assert verdict.action is rn.Action.REISSUE
     assert "fails X.509 path validation" in verdict.reason
