@@ -46,7 +46,6 @@ SECRETS_ROLE = "Role gpufence-certs"
 WEBHOOK_ROLE = "ClusterRole gpufence-certs"
 
 
-
 def log_event(event: str, level: int = logging.INFO, **fields: Any) -> None:
     _log_event(log, event, level, **fields)
 
