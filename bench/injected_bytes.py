@@ -63,6 +63,112 @@ def parts(golden: Path = GOLDEN) -> dict[str, dict[str, int]]:
     return found
 
 
+# Why each piece the injection adds is there (the rows of the per-field table); a piece with no
+# entry here is printed with "?" so that a new field cannot arrive without a reason.
+PURPOSE = {
+    "sidecar name": "the guard and the enforcer find the sidecar by it",
+    "sidecar image": "the enforcer's image (the guard admits only the configured one)",
+    "sidecar command": "runs the enforcer (the image has no entrypoint of its own)",
+    "sidecar restartPolicy": "a native sidecar: up before the workload, restarted on exit",
+    "sidecar env GPUFENCE_CONFIG": "each GPU container's share, the mode, the grace period",
+    "sidecar env NVIDIA_VISIBLE_DEVICES": "every GPU of the node visible to NVML, without taking a device",
+    "sidecar env NVIDIA_DRIVER_CAPABILITIES": "NVML only (utility), no CUDA libraries in the sidecar",
+    "sidecar env GPUFENCE_POD_STATUS": "the warnings in the status annotation, for the enforcer's Events",
+    "sidecar ports": "the metrics port, declared so a workload cannot declare it and for scrapers",
+    "sidecar resources": "the sidecar's CPU and memory (request and limit, from the policy)",
+    "sidecar livenessProbe": "restarts a stopped or hung enforcer (exec: a workload can take a port)",
+    "sidecar lifecycle": "postStart: holds the workload back until the enforcer is up",
+    "sidecar securityContext": "root with three capabilities to read and signal the workloads; no escalation",
+    "sidecar volumeMounts": "the state directory (stopped processes, pending SIGKILLs, heartbeat)",
+    "sidecar resources.claims": "the pod's GPU claims, so NVML sees a DRA GPU",
+    "status annotation": "what gpufence did (GPU containers, mode, version, warnings); the guard's mark",
+    "sidecar env (key)": "the list that holds the sidecar's variables",
+    "sidecar env GPUFENCE_HOST_PROC": "where the host's /proc is mounted (flag, legacy drivers)",
+    "sidecar env GPUFENCE_METRICS_PORT": "a metrics port other than the default (policy)",
+    "container env GPUFENCE_CONTAINER": "names the container's cgroup for attribution",
+    "container env GPUFENCE_MEMORY_LIMIT": "the share, readable by the workload itself",
+    "container env TF_FORCE_GPU_ALLOW_GROWTH": "TensorFlow does not take the whole GPU at start",
+    "container env XLA_PYTHON_CLIENT_PREALLOCATE": "JAX does not take 75 % of the GPU at start",
+    "container env XLA_PYTHON_CLIENT_MEM_FRACTION": "JAX's allocator capped at the share",
+    "container env CUDA_MEMORY_FRACTION": "TGI's allocator capped at the share",
+    "container env PYTORCH_CUDA_ALLOC_CONF": "PyTorch's allocator capped at the share",
+    "container env PYTORCH_ALLOC_CONF": "PyTorch's allocator capped at the share (its newer name)",
+    "container env NVIDIA_VISIBLE_DEVICES": "void in a container without a GPU: no image ENV or envFrom hands it one",
+    "container env NVIDIA_GPU_MEMORY_LIMIT": "the driver's per-container limit (R615, the toolkit's hook)",
+    "container env NVIDIA_GPU_MEMORY_REQUEST": "the driver's per-container limit (R615, the toolkit's hook)",
+    "container env CUDA_MPS_PINNED_DEVICE_MEM_LIMIT": "MPS's memory limit per client (flag)",
+    "container env CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": "MPS's compute limit per client (flag)",
+    "container env CUDA_DEVICE_MEMORY_LIMIT": "the LD_PRELOAD limiter's memory limit (flag)",
+    "container env CUDA_DEVICE_SM_LIMIT": "the LD_PRELOAD limiter's compute limit (flag)",
+    "container env LD_PRELOAD": "loads the LD_PRELOAD limiter (flag)",
+    "container volumeMounts gpufence-preload": "the LD_PRELOAD limiter's library, read-only (flag)",
+    "volume gpufence-preload": "the LD_PRELOAD limiter's library on the node (flag)",
+    "volume gpufence-host-proc": "the host's /proc for drivers that report host PIDs (flag)",
+    "state volume": "the state directory: a tmpfs of 16Mi",
+    "shareProcessNamespace": "the enforcer sees and signals the workloads' processes",
+}
+
+
+def fields(golden: Path = GOLDEN) -> dict[str, list[tuple[str, int]]]:
+    """Piece -> (golden, its bytes) for each time a golden has it: each sidecar field (the env per
+    variable), each variable the workload containers gain (once per container), the status
+    annotation, the pod's new volumes and shareProcessNamespace; each with its key and one
+    separator."""
+    found: dict[str, list[tuple[str, int]]] = {}
+
+    for case in bytes_added(golden):
+
+        def add(name: str, size: int, case: str = case) -> None:
+            found.setdefault(name, []).append((case, size))
+
+        out = yaml.safe_load((golden / f"{case}.out.yaml").read_text())["pod"]
+        before = yaml.safe_load((golden / f"{case}.in.yaml").read_text())["pod"]
+        sidecar = _containers(out).get(SIDECAR_NAME)
+        for key, value in (sidecar or {}).items():
+            if key == "env":
+                for entry in value:
+                    add(f"sidecar env {entry['name']}", compact_size(entry) + 1)
+                add("sidecar env (key)", len('"env":[],'))
+            elif key == "resources" and "claims" in value:
+                add("sidecar resources.claims", compact_size({"claims": value["claims"]}))
+                add("sidecar resources", compact_size({key: {k: v for k, v in value.items() if k != "claims"}}))
+            else:
+                add(f"sidecar {key}", compact_size({key: value}) - 1)
+        for name, container in _containers(out).items():
+            old = _containers(before).get(name)
+            if old is None or name == SIDECAR_NAME:
+                continue
+            had = {e["name"] for e in old.get("env") or ()}
+            for entry in container.get("env") or ():
+                if entry["name"] not in had:
+                    add(f"container env {entry['name']}", compact_size(entry) + 1)
+            had_mounts = {m["name"] for m in old.get("volumeMounts") or ()}
+            for mount in container.get("volumeMounts") or ():
+                if mount["name"] not in had_mounts:
+                    add(f"container volumeMounts {mount['name']}", compact_size(mount) + 1)
+        status = (out["metadata"].get("annotations") or {}).get(ANNOTATION_STATUS)
+        if status:
+            add("status annotation", compact_size({ANNOTATION_STATUS: status}) - 1)
+        had_volumes = {v["name"] for v in before["spec"].get("volumes") or ()}
+        for volume in out["spec"].get("volumes") or ():
+            if volume["name"] not in had_volumes:
+                add("state volume" if volume["name"] == "gpufence-state" else f"volume {volume['name']}",
+                    compact_size(volume) + 1)
+        if out["spec"].get("shareProcessNamespace") and not before["spec"].get("shareProcessNamespace"):
+            add("shareProcessNamespace", len('"shareProcessNamespace":true,'))
+    return found
+
+
+def render_fields(found: dict[str, list[tuple[str, int]]], goldens: int) -> str:
+    def cases(item: tuple[str, list[tuple[str, int]]]) -> int:
+        return len({case for case, _ in item[1]})
+
+    rows = sorted(found.items(), key=lambda item: (-cases(item), -median([n for _, n in item[1]])))
+    return table(["piece", "median bytes", "goldens with it", "what it is for"],
+                 [[name, f"{median([n for _, n in sizes]):.0f}", f"{cases((name, sizes))} of {goldens}",
+                   PURPOSE.get(name, "?")] for name, sizes in rows])
+
+
 def _golden_at(ref: str, into: Path) -> Path:
     """tests/golden as of git revision ``ref``, extracted under ``into``."""
     archive = subprocess.run(["git", "archive", ref, "tests/golden"], cwd=REPO_ROOT, check=True,
@@ -125,6 +231,10 @@ def render(rows: dict[str, dict[str, int]], before: dict[str, dict[str, int]] | 
         text += ("\nThe probe's start-up, measured as host processes (not in a pod) on the machine named above, "
                  "with PYTHON an interpreter that has gpufence installed from a wheel as in the image "
                  "(`python3 -m venv v && v/bin/pip install .`); the check finds no heartbeat and fails at once.\n")
+    text += ("\nWhat each piece costs, over the mutated goldens (median of its sizes: a variable a workload "
+             "container gains counts once per container; a piece in few goldens is there only for their "
+             "settings or flags):\n\n"
+             + render_fields(fields(), len(rows)) + "\n")
     text += "\n<details><summary>per golden</summary>\n\n" + table(
         ["golden", "bytes added", "sidecar", "status"],
         [[case, r["total"], r["sidecar"], r["status"]] for case, r in sorted(rows.items())]) + "\n\n</details>\n"

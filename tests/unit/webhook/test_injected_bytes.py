@@ -33,3 +33,12 @@ def test_the_injection_does_not_grow() -> None:
                    "port) and the GPU containers' variables, each an enforcement point (docs/PERFORMANCE.md)")
 def test_the_median_injection_is_within_the_target() -> None:
     assert _median() <= TARGET_MEDIAN_BYTES
+
+
+def test_every_piece_the_injection_adds_says_what_it_is_for() -> None:
+    """The bench's per-piece table explains each byte; a new field must bring its reason."""
+    from bench.injected_bytes import PURPOSE, fields
+
+    found = fields()
+    assert "sidecar securityContext" in found and "status annotation" in found
+    assert sorted(set(found) - set(PURPOSE)) == []
