@@ -1,7 +1,7 @@
 """Compiling ``fake_nvml.c`` into ``libnvidia-ml.so.1`` with the system C compiler.
 
-``fake_nvml.c`` includes ``fake_nvml_limits.c`` (NVML R615's per-cgroup memory limits); both are
-hashed. ``build_library(memory_limits=False)`` builds the "old driver": the same library without
+``fake_nvml.c`` includes ``fake_nvml_state.c``, ``fake_nvml_processes.c`` and
+``fake_nvml_limits.c`` (NVML R615's per-cgroup memory limits); all four are hashed. ``build_library(memory_limits=False)`` builds the "old driver": the same library without
 ``nvmlDeviceSetMemoryLimits_v1``/``nvmlDeviceGetMemoryLimits_v1``, so pynvml raises
 ``NVMLError_FunctionNotFound`` for them. Each build has its own directory (``LD_LIBRARY_PATH`` names
 a directory).
@@ -19,7 +19,8 @@ import tempfile
 
 LIBRARY_NAME = "libnvidia-ml.so.1"
 SOURCE = pathlib.Path(__file__).with_name("fake_nvml.c")
-SOURCES = (SOURCE, SOURCE.with_name("fake_nvml_limits.c"))  # the second is #included by the first
+# The others are #included by the first (one translation unit).
+SOURCES = (SOURCE, *(SOURCE.with_name(f"fake_nvml_{part}.c") for part in ("state", "processes", "limits")))
 OLD_DRIVER_FLAGS = ("-DSIMNVML_NO_MEMORY_LIMITS",)
 ENV_CACHE_DIR = "GPUFENCE_CACHE_DIR"
 CFLAGS = ("-O2", "-Wall", "-shared", "-fPIC", f"-Wl,-soname,{LIBRARY_NAME}")
