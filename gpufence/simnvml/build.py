@@ -1,7 +1,8 @@
 """Compiling ``fake_nvml.c`` into ``libnvidia-ml.so.1`` with the system C compiler.
 
 ``fake_nvml.c`` includes ``fake_nvml_state.c``, ``fake_nvml_processes.c`` and
-``fake_nvml_limits.c`` (NVML R615's per-cgroup memory limits); all four are hashed. ``build_library(memory_limits=False)`` builds the "old driver": the same library without
+``fake_nvml_limits.c`` (NVML R615's per-cgroup memory limits); all four are hashed.
+``build_library(memory_limits=False)`` builds the "old driver": the same library without
 ``nvmlDeviceSetMemoryLimits_v1``/``nvmlDeviceGetMemoryLimits_v1``, so pynvml raises
 ``NVMLError_FunctionNotFound`` for them. Each build has its own directory (``LD_LIBRARY_PATH`` names
 a directory).

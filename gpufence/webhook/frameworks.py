@@ -231,7 +231,8 @@ def framework_env(name: str, memory: MemoryShare | None, env: Mapping[str, Mappi
         result.set_env.append((ENV_XLA_FRACTION, cap.text))
     else:
         for var in user_xla:
-            if env[var].get("value") != cap.text or "valueFrom" in env[var]:  # not ours, seen again
+            # Our own cap, seen again on reinvocation, is not reported.
+            if env[var].get("value") != cap.text or "valueFrom" in env[var]:
                 above(var, env[var].get("value"))
 
     # Text Generation Inference.
