@@ -159,11 +159,11 @@ def gpu_container(
     env = list(container.get("env") or ())
     # The author's entries of gpufence's variables, all of them (duplicates included): every one that
     # is not exactly what gpufence writes is reported once the share's values are known.
-    found: dict[str, list[dict[str, Any]]] = {}
+    by_name: dict[str, list[dict[str, Any]]] = {}
     for entry in env:  # one pass: a container can carry hundreds of variables
         if entry.get("name") in _OWNED:
-            found.setdefault(entry["name"], []).append(entry)
-    authored = {var: found[var] for var in OWNED_VARIABLES if var in found}
+            by_name.setdefault(entry["name"], []).append(entry)
+    authored = {var: by_name[var] for var in OWNED_VARIABLES if var in by_name}
     if any(len(entries) > 1 for entries in authored.values()):
         # One entry per variable, at the place of the last (the effective one).
         last = {entry["name"]: i for i, entry in enumerate(env) if entry.get("name") in authored}
