@@ -19,6 +19,7 @@ import resource
 import subprocess
 import sys
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -38,26 +39,39 @@ def _containers(pod: dict[str, Any]) -> dict[str, dict[str, Any]]:
     return {c["name"]: c for key in ("initContainers", "containers") for c in spec.get(key) or ()}
 
 
+def _pods(golden: Path, case: str) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The golden's output pod and input pod."""
+    out = yaml.safe_load((golden / f"{case}.out.yaml").read_text())["pod"]
+    return out, yaml.safe_load((golden / f"{case}.in.yaml").read_text())["pod"]
+
+
+def _gained(out: dict[str, Any], before: dict[str, Any], key: str) -> Iterator[dict[str, Any]]:
+    """The entries of list ``key`` (``env``, ``volumeMounts``) the workload containers (not the
+    sidecar) gained, by name: each entry once per container."""
+    for name, container in _containers(out).items():
+        old = _containers(before).get(name)
+        if old is None or name == SIDECAR_NAME:
+            continue
+        had = {e["name"] for e in old.get(key) or ()}
+        yield from (e for e in container.get(key) or () if e["name"] not in had)
+
+
+def _new_volumes(out: dict[str, Any], before: dict[str, Any]) -> list[dict[str, Any]]:
+    had = {v["name"] for v in before["spec"].get("volumes") or ()}
+    return [v for v in out["spec"].get("volumes") or () if v["name"] not in had]
+
+
 def parts(golden: Path = GOLDEN) -> dict[str, dict[str, int]]:
     """Case -> bytes per part of what the injection adds (the parts' JSON, keys and separators)."""
     found: dict[str, dict[str, int]] = {}
     for case, total in bytes_added(golden).items():
-        out = yaml.safe_load((golden / f"{case}.out.yaml").read_text())["pod"]
-        before = yaml.safe_load((golden / f"{case}.in.yaml").read_text())["pod"]
+        out, before = _pods(golden, case)
         sidecar = _containers(out).get(SIDECAR_NAME)
         status = (out["metadata"].get("annotations") or {}).get(ANNOTATION_STATUS)
-        env = 0
-        for name, container in _containers(out).items():
-            old = _containers(before).get(name)
-            if old is None or name == SIDECAR_NAME:
-                continue
-            had = {e["name"] for e in old.get("env") or ()}
-            env += sum(compact_size(e) + 1 for e in container.get("env") or () if e["name"] not in had)
-        had_volumes = {v["name"] for v in before["spec"].get("volumes") or ()}
-        volumes = sum(compact_size(v) + 1 for v in out["spec"].get("volumes") or () if v["name"] not in had_volumes)
         row = {"sidecar": compact_size(sidecar) + 1 if sidecar else 0,
                "status": compact_size({ANNOTATION_STATUS: status}) - 1 if status else 0,
-               ENV_PART: env, "volumes": volumes}
+               ENV_PART: sum(compact_size(e) + 1 for e in _gained(out, before, "env")),
+               "volumes": sum(compact_size(v) + 1 for v in _new_volumes(out, before))}
         row["rest"] = total - sum(row.values())
         found[case] = {"total": total, **row}
     return found
@@ -121,8 +135,7 @@ def fields(golden: Path = GOLDEN) -> dict[str, list[tuple[str, int]]]:
         def add(name: str, size: int, case: str = case) -> None:
             found.setdefault(name, []).append((case, size))
 
-        out = yaml.safe_load((golden / f"{case}.out.yaml").read_text())["pod"]
-        before = yaml.safe_load((golden / f"{case}.in.yaml").read_text())["pod"]
+        out, before = _pods(golden, case)
         sidecar = _containers(out).get(SIDECAR_NAME)
         for key, value in (sidecar or {}).items():
             if key == "env":
@@ -134,26 +147,15 @@ def fields(golden: Path = GOLDEN) -> dict[str, list[tuple[str, int]]]:
                 add("sidecar resources", compact_size({key: {k: v for k, v in value.items() if k != "claims"}}))
             else:
                 add(f"sidecar {key}", compact_size({key: value}) - 1)
-        for name, container in _containers(out).items():
-            old = _containers(before).get(name)
-            if old is None or name == SIDECAR_NAME:
-                continue
-            had = {e["name"] for e in old.get("env") or ()}
-            for entry in container.get("env") or ():
-                if entry["name"] not in had:
-                    add(f"container env {entry['name']}", compact_size(entry) + 1)
-            had_mounts = {m["name"] for m in old.get("volumeMounts") or ()}
-            for mount in container.get("volumeMounts") or ():
-                if mount["name"] not in had_mounts:
-                    add(f"container volumeMounts {mount['name']}", compact_size(mount) + 1)
+        for key in ("env", "volumeMounts"):
+            for entry in _gained(out, before, key):
+                add(f"container {key} {entry['name']}", compact_size(entry) + 1)
         status = (out["metadata"].get("annotations") or {}).get(ANNOTATION_STATUS)
         if status:
             add("status annotation", compact_size({ANNOTATION_STATUS: status}) - 1)
-        had_volumes = {v["name"] for v in before["spec"].get("volumes") or ()}
-        for volume in out["spec"].get("volumes") or ():
-            if volume["name"] not in had_volumes:
-                add("state volume" if volume["name"] == "gpufence-state" else f"volume {volume['name']}",
-                    compact_size(volume) + 1)
+        for volume in _new_volumes(out, before):
+            add("state volume" if volume["name"] == "gpufence-state" else f"volume {volume['name']}",
+                compact_size(volume) + 1)
         if out["spec"].get("shareProcessNamespace") and not before["spec"].get("shareProcessNamespace"):
             add("shareProcessNamespace", len('"shareProcessNamespace":true,'))
     return found
