@@ -94,6 +94,14 @@ class _Cycle:
     streak: dict[tuple[int, int], int] = field(default_factory=dict)  # stopped phases in a row seen running
     reported: set[tuple[int, int]] = field(default_factory=set)
 
+    def pause_seconds(self) -> float:
+        """How long this cycle's processes stay stopped (0 at a run fraction of 1)."""
+        return self.period - self.fraction * self.period
+
+    def phase_seconds(self) -> float:
+        """The length of the phase the cycle is in: its run phase, or its stopped phase."""
+        return self.fraction * self.period if self.running else self.pause_seconds()
+
 
 class ThrottleExecutor:
     def __init__(
@@ -328,15 +336,13 @@ class ThrottleExecutor:
         if self._lease_until is not None:
             next_switch = self._lease_until if next_switch is None else min(next_switch, self._lease_until)
         for cycle in self._cycles.values():
-            run = cycle.fraction * cycle.period
-            pause = cycle.period - run
-            due = cycle.phase_start + (run if cycle.running else pause)
+            due = cycle.phase_start + cycle.phase_seconds()
             if not cycle.running:
                 self._check_evasion_locked(cycle, now)
             if now >= due:
                 # Keep the cadence (next phase starts at the scheduled time) unless far behind.
                 start = due if now - due < self._period else now
-                if cycle.running and pause > 0:
+                if cycle.running and cycle.pause_seconds() > 0:
                     self._stop_locked(cycle, list(cycle.targets.values()))
                     cycle.running = False
                 else:
@@ -344,11 +350,9 @@ class ThrottleExecutor:
                     self._continue_locked(cycle, list(cycle.stopped.values()), "duty_cycle")
                     cycle.running = True
                     cycle.period = self._cycle_length()
-                    run = cycle.fraction * cycle.period
-                    pause = cycle.period - run
                 cycle.phase_start = start
-                due = start + (run if cycle.running else pause)
-                if cycle.running and pause <= 0:
+                due = start + cycle.phase_seconds()
+                if cycle.running and cycle.pause_seconds() <= 0:
                     due = start + cycle.period
             if not cycle.running and cycle.stopped:
                 due = min(due, now + EVASION_CHECK_SECONDS)  # the next look at the stopped processes
