@@ -1,8 +1,7 @@
-"""The contract between the webhook, the guard and the enforcer, in one place.
+"""The contract between the webhook and the enforcer, in one place.
 
-The webhook writes it, the enforcer reads it, the guard (k8s/base/guard-policy.yaml, which cannot
-import Python) checks a pod against it and tests/unit/test_contract.py checks the guard against this
-module. Neither gpufence.webhook nor gpufence.enforcer imports the other: both import this module,
+The webhook writes it (and checks the final pod against it on ``/validate``), the enforcer reads
+it. Neither gpufence.webhook nor gpufence.enforcer imports the other: both import this module,
 which imports the standard library only (the sidecar loads it at start).
 
 It holds the enforcer config (the JSON document the webhook writes into ``GPUFENCE_CONFIG``: its
@@ -25,7 +24,7 @@ Config wire format (version 1), keys in camelCase as in Kubernetes objects::
 
 The webhook writes a top-level field only where it differs from its default (the values above:
 version 1, enforce, 10 s, 0.5 s), so a typical pod carries ``{"containers":{...}}`` alone; the
-reader takes the default for an absent field, and so does the guard.
+reader takes the default for an absent field.
 
 A container appears when it asks for a GPU. ``memoryBytes`` or ``memoryPercent`` is its memory
 share; both present means the smaller of the two on each device (a pod's share and a namespace
@@ -96,7 +95,7 @@ POST_START_COMMAND = ("python3", "-Ic", "from gpufence.enforcer.probe import wai
 # Environment variables the webhook sets and the enforcer reads.
 ENV_CONFIG = "GPUFENCE_CONFIG"
 # The pod's identity for an enforcer run outside a pod (the demo, tests, a host); in a pod the
-# enforcer reads it from its service-account token and the guard refuses these on the sidecar.
+# enforcer reads it from its service-account token, and the webhook never sets these on the sidecar.
 ENV_POD_NAME = "GPUFENCE_POD_NAME"
 ENV_POD_NAMESPACE = "GPUFENCE_POD_NAMESPACE"
 ENV_POD_UID = "GPUFENCE_POD_UID"
@@ -109,7 +108,7 @@ ENV_HOST_PROC = "GPUFENCE_HOST_PROC"
 # Never set by the webhook, which mounts the state volume at DEFAULT_STATE_DIR, the enforcer's and
 # the probe's default; a variable for running the enforcer elsewhere (tests, the demo).
 ENV_STATE_DIR = "GPUFENCE_STATE_DIR"
-# Every GPUFENCE_* variable the webhook may put on the sidecar; the guard refuses a sidecar with any other.
+# Every GPUFENCE_* variable the webhook may put on the sidecar.
 SIDECAR_ENV = (ENV_CONFIG, ENV_POD_STATUS, ENV_METRICS_PORT, ENV_HOST_PROC)
 # Set on each GPU container: its name (the enforcer reads it from /proc/<pid>/environ) and its memory share.
 ENV_CONTAINER = "GPUFENCE_CONTAINER"
@@ -381,9 +380,9 @@ _WRITTEN_DEFAULTS: dict[str, Any] = {
 
 # What the webhook did, as one compact key-sorted JSON object: the GPU containers, the mode, the
 # version, and when there are any the share-aware warnings (which the enforcer, reading the
-# annotation through ENV_POD_STATUS, posts as Events). The guard reads the containers field as the
-# mark of an injection. Nothing the pod shows elsewhere: no sidecar name (always gpufence-enforcer)
-# and no framework caps (each GPU container's env carries them), which every GPU pod would carry
+# annotation through ENV_POD_STATUS, posts as Events). Nothing the pod shows elsewhere: no
+# sidecar name (always gpufence-enforcer) and no framework caps (each GPU container's env
+# carries them), which every GPU pod would carry
 # twice in its metadata for nothing.
 STATUS_CONTAINERS = "containers"
 STATUS_MODE = "mode"

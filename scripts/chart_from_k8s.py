@@ -1,12 +1,12 @@
 """Write the Helm chart's copies of k8s/ content: ``python -m scripts.chart_from_k8s [--check]``.
 
-The chart (charts/gpufence) has its own templates, but four pieces of the kustomize install are
-content rather than structure, and are kept in one place, k8s/: the guard and protect policies' CEL
-(k8s/base/guard-policy.yaml, k8s/base/protect-policy.yaml), the alert rules' PromQL
+The chart (charts/gpufence) has its own templates, but three pieces of the kustomize install are
+content rather than structure, and are kept in one place, k8s/: the protect policy's CEL
+(k8s/base/protect-policy.yaml), the alert rules' PromQL
 (k8s/components/monitoring/prometheusrule.yaml) and the Grafana dashboard
 (k8s/components/monitoring/dashboards/gpufence.json). Helm cannot read files outside the chart, and
 kustomize cannot read files outside its kustomization, so this script copies them into the chart:
-the three YAML files become templates, changed only where Helm needs it
+the two YAML files become templates, changed only where Helm needs it
 (their labels come from the chart's gpufence.labels helper; a ``{{ ... }}`` of Prometheus'
 templates is escaped so Helm writes it as is; the monitoring objects render only with
 monitoring.enabled), and the dashboard is copied byte for byte.
@@ -48,7 +48,6 @@ class Copy:
 
 
 COPIES: tuple[Copy, ...] = (
-    Copy(Path("k8s/base/guard-policy.yaml"), CHART / "templates/guard/guard-policy.yaml", template=True),
     Copy(Path("k8s/base/protect-policy.yaml"), CHART / "templates/protect/protect-policy.yaml", template=True),
     Copy(Path("k8s/components/monitoring/prometheusrule.yaml"), CHART / "templates/monitoring/prometheusrule.yaml",
          template=True, condition=".Values.monitoring.enabled", extra_labels="$.Values.monitoring.labels"),
@@ -77,7 +76,7 @@ def _labels_include(source: Path, document: str, extra_labels: str) -> str:
         raise ChartSourceError(
             f"{where}: its metadata.labels are {found!r}; the chart's copy takes exactly "
             f"{' and '.join(LABEL_KEYS)} (the chart adds part-of, version and Helm's labels), e.g.\n"
-            "  labels:\n    app.kubernetes.io/name: gpufence-guard\n    app.kubernetes.io/component: guard")
+            "  labels:\n    app.kubernetes.io/name: gpufence-protect\n    app.kubernetes.io/component: protect")
     call = (f'(dict "context" $ "name" "{values[LABEL_KEYS[0]]}" "component" "{values[LABEL_KEYS[1]]}"'
             + (f' "extra" {extra_labels}' if extra_labels else "") + ")")
     include = f'    {{{{- include "gpufence.labels" {call} | nindent 4 }}}}\n'

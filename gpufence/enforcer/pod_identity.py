@@ -14,7 +14,8 @@ Without a token (``automountServiceAccountToken: false``) the namespace comes fr
 service-account directory's ``namespace`` file when present and the name from the hostname, which
 the kubelet sets to the pod's name unless the pod sets ``hostname``; Events are then off anyway.
 The ``GPUFENCE_POD_*`` variables win over all of this: the enforcer run outside a pod (the demo,
-tests, a host) names itself with them. The guard keeps them off a sidecar in a pod.
+tests, a host) names itself with them. The webhook never puts them on a sidecar in a pod (one
+that has them is rebuilt, or refused at validation).
 """
 
 from __future__ import annotations

@@ -21,7 +21,7 @@ from gpufence.webhook.ephemeral import ephemeral_patch
 from gpufence.webhook.gpu_paths import PodGpuPaths, advised_resource
 from gpufence.webhook.kai import kai_fraction, kai_memory
 from gpufence.webhook.namespace_policy import namespace_policy, opt_out_allowed, opt_out_denial
-from gpufence.webhook.patch import diff, dumps
+from gpufence.webhook.patch import diff, dumps, loads
 from gpufence.webhook.podshape import MutationError, check_shape, nvidia_side_door, sidecar_resource_use
 from gpufence.webhook.settings import InjectionSettings, NamespaceLookup
 from gpufence.webhook.shares import ShareError, SharePlan, quote, resolve_shares, with_gpu_counts
@@ -68,6 +68,51 @@ def review(payload: Any, settings: InjectionSettings, namespaces: NamespaceLooku
     except RecursionError:
         return _result(uid, OUTCOME_DENIED, warnings, denied="the pod is nested too deeply to be reviewed")
     return _result(uid, outcome, warnings, patch=patch)
+
+
+OUTCOME_VERIFIED = "verified"
+OUTCOME_REFUSED = "refused"
+
+
+def verify(payload: Any, settings: InjectionSettings, namespaces: NamespaceLookup,
+           claims: DraObjects | None = None) -> ReviewResult:
+    """The validating side of the same rules: is the pod the API server is about to store one that
+    ``review`` leaves as it is?
+
+    Validating admission runs after every mutating step, reinvocations included, so a pod that
+    passes here is exactly what gpufence would have made of it, whatever another mutating webhook
+    did after gpufence's. One implementation of the rules: this re-reviews the final pod and refuses
+    it where the review would change it (naming what) or deny it. Warnings are not repeated: the
+    mutating call already returned them.
+    """
+    request = _request(payload)
+    uid = request["uid"]
+    result = review(payload, settings, namespaces, claims)
+    response = result.review["response"]
+    if result.outcome == OUTCOME_DENIED:
+        return _result(uid, OUTCOME_REFUSED, [], denied=response["status"]["message"])
+    if result.outcome != OUTCOME_MUTATED:
+        return _result(uid, OUTCOME_VERIFIED if result.outcome == OUTCOME_UNCHANGED else OUTCOME_SKIPPED, [])
+    changed = sorted({op["path"] for op in loads(base64.b64decode(response["patch"]))})
+    shown = ", ".join(changed[:8]) + (f" and {len(changed) - 8} more" if len(changed) > 8 else "")
+    return _result(uid, OUTCOME_REFUSED, [], denied=(
+        "gpufence: the pod differs from what gpufence admits at "
+        f"{shown}: a mutating admission step after gpufence's webhook changed it (or the webhook's "
+        "policy changed meanwhile). Create the pod again; if this repeats, the cluster admin must "
+        "order the other mutating webhook before gpufence's or stop it changing GPU pods "
+        "(docs/runbook.md, \"Pods refused by verify.gpufence.io\")"))
+
+
+def request_namespace(payload: Any) -> str | None:
+    """The namespace an AdmissionReview request is for, where it names one (no validation)."""
+    request = payload.get("request") if isinstance(payload, dict) else None
+    namespace = request.get("namespace") if isinstance(request, dict) else None
+    return namespace if isinstance(namespace, str) and namespace else None
+
+
+def denial(payload: Any, message: str) -> ReviewResult:
+    """A denial of ``payload``'s request decided at the edge (e.g. the namespace could not be read)."""
+    return _result(_request(payload)["uid"], OUTCOME_DENIED, [], denied=message)
 
 
 def _request(payload: Any) -> dict[str, Any]:
@@ -124,7 +169,7 @@ NODE_USER_PREFIX = "system:node:"
 
 def _by_a_node(request: dict[str, Any]) -> bool:
     """Whether a node sent the request: only then is a pod's mirror annotation a static pod's.
-    Anyone may write the annotation; the guard's matchCondition draws the same line."""
+    Anyone may write the annotation; the webhook configurations' matchConditions draw the same line."""
     username = _dict(request.get("userInfo")).get("username")
     return isinstance(username, str) and username.startswith(NODE_USER_PREFIX)
 
@@ -194,14 +239,14 @@ def _decide(
     claim_notes: list[str] = []
     if claims is not None and isinstance(namespace, str) and namespace:
         # What the claims hold, said where it differs from what the pod gets: the pod gets what the
-        # guard, which cannot read claims, can check (docs/gpu-paths.md, "DRA").
+        # admin's list decides, not a cache that may lag (docs/gpu-paths.md, "DRA").
         claim_notes = claim_warnings(namespace, pod.get("spec"), claims, settings.dra_gpu_drivers,
                                      settings.non_gpu_resource_claims)
         warnings.extend(claim_notes)
     side_door = nvidia_side_door(pod.get("spec"), SIDECAR_NAME if gpu_names else None, advised_resource(settings),
                                  kai.container if kai is not None else None)
     if side_door is not None:
-        raise _Denied(side_door)  # GPU pod or not, opted out or not: the guard denies it too
+        raise _Denied(side_door)  # GPU pod or not, opted out or not
     opted_out = labels.get(POD_OPT_OUT_LABEL) == "false"
     if not gpu_names:
         if not settings.void_non_gpu_containers or (opted_out and opt_out_allowed(namespace_annotations, settings)):
@@ -213,7 +258,7 @@ def _decide(
         patch = plain_pod_patch(pod, settings)
         return (OUTCOME_MUTATED if patch else OUTCOME_UNCHANGED), patch
     if opted_out:
-        # The namespace's admin decides whether a pod may opt out, not the pod (the guard agrees).
+        # The namespace's admin decides whether a pod may opt out, not the pod.
         if opt_out_allowed(namespace_annotations, settings):
             return OUTCOME_SKIPPED, None
         raise _Denied(opt_out_denial(namespace or ""))

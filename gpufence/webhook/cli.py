@@ -113,7 +113,7 @@ SERVER_FLAGS: tuple[Flag, ...] = (
          "after SIGTERM, keep serving this long with /readyz failing so endpoints drop the replica first"),
     Flag("policy-configmap", namespaced_name, None,
          "read the policy flags below from this ConfigMap (NAMESPACE/NAME, keys the flag names without "
-         "\"--\"), which the guard policy reads too, and apply its changes without a restart; refuses to start "
+         "\"--\"), the one source of the policy, and apply its changes without a restart; refuses to start "
          "with any policy flag given as well (default none: the policy flags apply)"),
 )
 
@@ -280,11 +280,13 @@ def parse_args(argv: Sequence[str] | None = None, environ: dict[str, str] | None
         if flag in POLICY_FLAGS:
             policy_given.append((source, f'{flag.name}: "{",".join(texts)}"'))
     if values["policy_configmap"] is not None and policy_given:
-        # The guard reads only the ConfigMap: a flag on top would make the webhook and the guard disagree.
+        # One source of each setting: a flag on top of the ConfigMap would be a second, which the
+        # replicas, the protect policy (admin-groups) and the next reader of the ConfigMap do not see.
         where = "/".join(values["policy_configmap"])
-        parser.error(f"--policy-configmap {where} takes the policy from that ConfigMap, which the guard policy "
-                     f"reads too, so {', '.join(s for s, _ in policy_given)} would make the webhook and the guard "
-                     f"disagree: set each in the ConfigMap's data instead ({'; '.join(k for _, k in policy_given)}), "
+        parser.error(f"--policy-configmap {where} takes the policy from that ConfigMap, the one source of "
+                     f"the policy, so {', '.join(s for s, _ in policy_given)} would be a second one that the "
+                     f"ConfigMap does not show: set each in the ConfigMap's data instead "
+                     f"({'; '.join(k for _, k in policy_given)}), "
                      f"or leave out --policy-configmap to run on flags alone")
     args = argparse.Namespace(**values, deprecated=deprecated)
     for required in ("tls_cert_file", "tls_private_key_file"):

@@ -1,11 +1,11 @@
-"""The cluster policy from ConfigMap ``gpufence/gpufence-policy``: one source for the webhook and the guard.
+"""The cluster policy from ConfigMap ``gpufence/gpufence-policy``: the one source of every policy setting.
 
 The ConfigMap's ``data`` keys are the webhook's policy flags without ``--`` (``max-memory``,
 ``allow-opt-out``, ...), its values what the flag takes; a repeatable flag's values are
 comma-separated, and an absent or empty key means the flag's default, as an empty
 ``GPUFENCE_WEBHOOK_*`` variable does. ``parse_policy`` converts them with the flags' own converters
-(webhook.cli's table), so each rule has one implementation; the guard policy reads the same
-ConfigMap as its ``params`` (k8s/base/guard-policy.yaml).
+(webhook.cli's table), so each rule has one implementation; the protect policy reads the same
+ConfigMap as its ``params`` (k8s/base/protect-policy.yaml, for ``admin-groups``).
 
 ``ClusterPolicy`` holds the InjectionSettings that new admissions use and swaps them whole when a
 valid new version arrives; an invalid or missing version keeps the last valid one. ``PolicyWatch``

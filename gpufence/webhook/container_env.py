@@ -7,8 +7,8 @@ limiter's, GPUFENCE_MEMORY_LIMIT) are gpufence's: a value the author set is repl
 (a ``valueFrom`` entry becomes a plain value), or removed where gpufence writes none for that
 variable, with a warning naming the container, the variable and the value dropped. Replaced rather
 than denied: the pod still runs, under the admin's policy, and a Deployment whose template carries
-an old value does not get stuck; the guard, which cannot mutate, refuses such a pod while the
-webhook is down. ``envFrom`` needs nothing: an explicit ``env`` entry wins over it.
+an old value does not get stuck; the validating webhook (``/validate``) refuses such a pod where
+a later mutating step put the value back. ``envFrom`` needs nothing: an explicit ``env`` entry wins over it.
 
 Copy-on-write: a container is copied only when something is added, and its untouched fields stay
 shared with the input, so ``webhook.patch.diff`` skips them by identity.
@@ -46,8 +46,8 @@ ENV_MPS_THREADS = "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"
 ENV_HAMI_SM = "CUDA_DEVICE_SM_LIMIT"
 ENV_NVIDIA_VISIBLE_DEVICES = "NVIDIA_VISIBLE_DEVICES"
 # The variables that carry a GPU container's hard limits: gpufence's alone (the module's docstring).
-# The guard (k8s/base/guard-policy.yaml, limitEnvProblems) checks all but GPUFENCE_MEMORY_LIMIT, which
-# only says the share to a person reading the container's environment.
+# GPUFENCE_MEMORY_LIMIT only says the share to a person (or program) reading the container's
+# environment; the others are limits some layer enforces.
 OWNED_VARIABLES = (ENV_MEMORY_LIMIT, ENV_DRIVER_MEMORY_LIMIT, ENV_DRIVER_MEMORY_REQUEST, ENV_MPS_MEMORY_LIMIT,
                    ENV_MPS_THREADS, ENV_PRELOAD_MEMORY_LIMIT, ENV_HAMI_SM)
 _OWNED = frozenset(OWNED_VARIABLES)

@@ -27,6 +27,9 @@ _EVENTS = {
     "denied": ("pod_denied", logging.INFO),
     "unchanged": ("pod_unchanged", logging.DEBUG),
     "skipped": ("pod_skipped", logging.DEBUG),
+    "verified": ("pod_verified", logging.DEBUG),
+    # The final pod differs from what gpufence admits: another mutating step interfered.
+    "refused": ("pod_refused", logging.WARNING),
 }
 
 

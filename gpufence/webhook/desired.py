@@ -77,7 +77,7 @@ def desired_pod(pod: dict[str, Any], plan: SharePlan, settings: InjectionSetting
     spec["shareProcessNamespace"] = True
 
     # The driver's memory limit, where it applies to this pod, needs each share in bytes: the plan
-    # (and through it the enforcer config the guard reads) gets percentages resolved first.
+    # (and through it the enforcer config) gets percentages resolved first.
     by_name = {c["name"]: c for key in ("initContainers", "containers") for c in spec.get(key) or ()}
     limits = plan_driver_limits(plan, pod["spec"], settings,
                                 lambda name: device_memory(pod["spec"], by_name.get(name, {}), settings))
@@ -195,7 +195,7 @@ def is_service_account_token_volume(volume: Any) -> bool:
     """Whether ``volume`` holds the pod's own service-account token: projected, with a
     ``serviceAccountToken`` source at path ``token`` for the API server's audience, as the
     ServiceAccount plugin makes it. The enforcer names its pod by that token's claims
-    (gpufence/enforcer/pod_identity.py); the guard checks the same of the sidecar's mount."""
+    (gpufence/enforcer/pod_identity.py)."""
     projected = volume.get("projected") if isinstance(volume, dict) else None
     sources = projected.get("sources") if isinstance(projected, dict) else None
     return isinstance(sources, list) and any(

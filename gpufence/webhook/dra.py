@@ -15,9 +15,9 @@ A claim is a GPU claim when any class it may use may hold a GPU, not a GPU claim
 class provably selects devices of other drivers, and unresolved when an object is missing from the
 cache (template or claim not created yet, class unknown, cache not synced, API not served).
 
-What the webhook does with the answer is in webhook.admission and docs/gpu-paths.md: the guard
-cannot read these objects, so the answer informs (warnings) and never makes a pod sidecar-free that
-the guard would take for a GPU pod.
+What the webhook does with the answer is in webhook.admission and docs/gpu-paths.md: the caches can
+lag behind a claim just created, so the answer informs (warnings) and never makes a pod
+sidecar-free that the admin's list (``non-gpu-resource-claims``) takes for a GPU pod.
 """
 
 from __future__ import annotations
@@ -323,7 +323,7 @@ def claim_warnings(namespace: str, spec: Any, objects: DraObjects, gpu_drivers: 
                    listed: Iterable[str]) -> list[str]:
     """What the resolution tells the pod's author where it differs from what the pod gets.
 
-    The pod gets what the guard can check (webhook.gpu_paths: a claim not listed in
+    The pod gets what the admin's list decides (webhook.gpu_paths: a claim not listed in
     ``non-gpu-resource-claims`` is a GPU claim), so these say: a claim that could not be resolved
     (taken for a GPU); a claim that holds no GPU but is not listed (it still gets the enforcer, and
     the admin can list it); a listed claim whose class selects GPUs (it runs without the enforcer
@@ -344,6 +344,6 @@ def claim_warnings(namespace: str, spec: Any, objects: DraObjects, gpu_drivers: 
             warnings.append(f"{claim} is taken for a GPU (share and enforcer): it could not be resolved: {r.detail}")
         elif r.verdict == "not-gpu":
             # Within the API server's 256 characters for names of usual length: what, then why, then the fix.
-            warnings.append(f"{claim} holds no GPU ({r.detail}) but gets the enforcer, as the guard cannot read "
-                            f"claims; an admin can list {_q(r.object_name)} in non-gpu-resource-claims")
+            warnings.append(f"{claim} holds no GPU ({r.detail}) but gets the enforcer: only the policy's list "
+                            f"exempts a claim; an admin can list {_q(r.object_name)} in non-gpu-resource-claims")
     return warnings

@@ -19,7 +19,7 @@ bytes, floored to MiB (request = limit). A percentage share becomes bytes throug
 where the webhook knows it (``frameworks.device_memory``: the pod's ``nvidia.com/gpu.memory`` node
 selector, ``--gpu-memory``); the resolved bytes go into the enforcer config next to the percentage
 (``memoryBytes`` + ``memoryPercent``: the enforcer applies the smaller on each device), so that the
-guard, which reads the config, checks the variables without knowing GPU sizes. The hook sets the
+config and the variables say the same bytes. The hook sets the
 same limit on every GPU of the container, which matches the share: it holds per device.
 """
 

@@ -1,7 +1,6 @@
 """Which containers of a pod get a GPU, and by which path (pure): the one definition the webhook
-uses for the share, the sidecar, the enforcer's GPU count and ``NVIDIA_VISIBLE_DEVICES=void``. The
-guard's CEL (k8s/base/guard-policy.yaml, ``gpuContainerNames`` and its neighbours) computes the
-same sets from the same policy keys; tests/unit/guard/test_gpu_paths.py checks the two agree.
+uses for the share, the sidecar, the enforcer's GPU count and ``NVIDIA_VISIBLE_DEVICES=void``, on
+the way in (``/mutate``) and on the final pod (``/validate``).
 
 Paths, from the pod alone:
 
@@ -17,8 +16,8 @@ Paths, from the pod alone:
   ``non-gpu-resource-claims``. The pod does not show what the claim holds (that is in the
   ResourceClaim and its DeviceClass), so an unlisted claim is taken for a GPU: the safe side. A
   container with any claim, listed or not, is never voided. The webhook also resolves claims
-  through their DeviceClasses (webhook.dra), but only to warn: the guard cannot read claims, so
-  these sets, which it can check, are what the pod gets.
+  through their DeviceClasses (webhook.dra), but only to warn: a watch cache can lag behind a
+  claim just created, so the admin's list, not the cache, decides what the pod gets.
 
 * KAI-Scheduler's fraction (``webhook.kai``): the one container that KAI hands a GPU fraction
   through pod annotations and a ConfigMap, not a resource: a shared GPU, with KAI's
@@ -203,7 +202,7 @@ class PodGpuPaths:
         never span more than N GPUs. A DRA claim adds nothing: its device count is in the
         ResourceClaim, not the pod, so a claim-only container gets no count check. A container with
         both is held to its resources' count, because an API server with DRA off drops the claims
-        after the webhook and before the guard, which then sees only the resources."""
+        after the mutating webhook and before validation, which then sees only the resources."""
         kai = self.kai_devices if self._by_kai(container) else 0
         return kai + sum(_count(v) for _, v in _amounts(container, self._any_gpu)) or None
 

@@ -23,8 +23,7 @@ So that container is a GPU container (a share, the sidecar, never ``void``), its
 ``NVIDIA_VISIBLE_DEVICES`` from a ConfigMap is not a side door (``podshape.nvidia_side_door``),
 and its memory share is KAI's request: ``gpu-fraction`` as a percentage, ``gpu-memory`` as bytes.
 The fraction says nothing of compute (KAI time-slices), so the compute share comes from gpufence's
-own annotations and defaults. The guard mirrors this (``kaiContainerNames`` and its neighbours in
-k8s/base/guard-policy.yaml; tests/unit/guard/test_gpu_paths.py checks the two agree).
+own annotations and defaults.
 """
 
 from __future__ import annotations

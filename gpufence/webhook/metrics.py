@@ -11,7 +11,9 @@ from prometheus_client.registry import Collector
 from gpufence.webhook.cluster_policy import ClusterPolicy
 from gpufence.webhook.tls import CertReloader
 
-OUTCOMES = ("mutated", "unchanged", "denied", "skipped", "invalid", "error")
+# /mutate answers mutated, unchanged, denied or skipped; /validate (verify.gpufence.io) verified,
+# refused or skipped; either may be invalid or an error.
+OUTCOMES = ("mutated", "unchanged", "denied", "skipped", "verified", "refused", "invalid", "error")
 # Admission reviews take well under a millisecond to tens of milliseconds; the API server's
 # timeout is at most 30 s.
 DURATION_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
@@ -68,13 +70,13 @@ class WebhookMetrics:
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         self.registry = registry if registry is not None else CollectorRegistry()
         self.requests = Counter(
-            "gpufence_webhook_requests", "Admission requests to /mutate, by outcome.",
+            "gpufence_webhook_requests", "Admission requests to /mutate and /validate, by outcome.",
             ["outcome"], registry=self.registry,
         )
         # Export zeros so rate() works from the first scrape; the children are looked up once.
         self._by_outcome = {outcome: self.requests.labels(outcome) for outcome in OUTCOMES}
         self.duration = Histogram(
-            "gpufence_webhook_request_duration_seconds", "Time to answer a /mutate request.",
+            "gpufence_webhook_request_duration_seconds", "Time to answer a /mutate or /validate request.",
             buckets=DURATION_BUCKETS, registry=self.registry,
         )
 

@@ -14,7 +14,8 @@ before the container starts, so a process that finds them missing would wait for
 never comes; a crash-looping pod with that line in its log is the louder signal; it is what an
 unloadable ``--kubeconfig`` and ``--policy-configmap`` without a cluster already do; and a process
 that does not run cannot mutate a pod through any path, while a not-ready one still answers
-whoever reaches it. Both are safe for admissions: the webhook fails open, the guard closed.
+whoever reaches it. Both are safe for admissions: the API server refuses what the webhook did not
+judge (failurePolicy Fail).
 """
 
 from __future__ import annotations
@@ -33,6 +34,9 @@ __all__ = ["BackgroundLookup", "ClusterConfigurationError", "NamespaceCache", "W
            "load_namespace_lookup"]
 
 log = logging.getLogger(__name__)
+
+# The API server waits 5 s for the webhook (its configuration's timeoutSeconds).
+FRESH_READ_TIMEOUT_SECONDS = 2.0
 
 
 def namespace_info(obj: Mapping[str, Any]) -> NamespaceInfo:
@@ -55,10 +59,29 @@ class NamespaceCache(ListWatch):
         super().__init__(api.list_namespace, watch_timeout_seconds=watch_timeout_seconds,
                          request_timeout=request_timeout, min_backoff=min_backoff, max_backoff=max_backoff)
         self._items: dict[str, NamespaceInfo] = {}
+        self._api = api
 
     # --- NamespaceLookup -------------------------------------------------------------------
     def get(self, name: str) -> NamespaceInfo | None:
         return self._items.get(name)
+
+    def read_fresh(self, name: str) -> NamespaceInfo | None:
+        """The namespace read now (webhook.settings.FreshReader), kept until the watch says otherwise.
+
+        Bounded well inside the API server's webhook timeout, so a slow read ends as this webhook's
+        own denial rather than the API server's timeout."""
+        from kubernetes.client.exceptions import ApiException
+
+        try:
+            obj = self._api.read_namespace(name, _request_timeout=FRESH_READ_TIMEOUT_SECONDS)
+        except ApiException as exc:
+            if exc.status == 404:
+                return None
+            raise
+        info = namespace_info(self._api.api_client.sanitize_for_serialization(obj))
+        self._items[info.name] = info
+        log_event(log, "namespace_read_fresh", namespace=name, opted_in=info.opted_in)
+        return info
 
     # --- ListWatch -------------------------------------------------------------------------
     def _replace(self, items: list[Mapping[str, Any]]) -> None:

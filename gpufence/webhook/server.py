@@ -15,7 +15,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -26,19 +26,22 @@ from aiohttp.web_protocol import RequestPayloadError
 
 from gpufence import __version__
 from gpufence.logs import log_event
-from gpufence.webhook.admission import InvalidReview, review
+from gpufence.webhook.admission import InvalidReview, ReviewResult, denial, request_namespace, review, verify
 from gpufence.webhook.cluster_policy import ClusterPolicy
 from gpufence.webhook.decisions import log_decision, log_review_failed
 from gpufence.webhook.dra import DraObjects
 from gpufence.webhook.metrics import WebhookMetrics
 from gpufence.webhook.patch import dumps, loads
-from gpufence.webhook.settings import AllNamespacesOptedIn, InjectionSettings, NamespaceLookup
+from gpufence.webhook.settings import AllNamespacesOptedIn, FreshReader, InjectionSettings, NamespaceLookup
 from gpufence.webhook.tls import DEFAULT_RELOAD_INTERVAL_SECONDS, CertReloader
 from gpufence.webhook.watch import BackgroundLookup
 
 log = logging.getLogger(__name__)
 
 MUTATE_PATH = "/mutate"
+# The validating webhook (verify.gpufence.io): the final pod re-reviewed after all mutating admission.
+VALIDATE_PATH = "/validate"
+REVIEW_PATHS = frozenset((MUTATE_PATH, VALIDATE_PATH))
 MAX_BODY_BYTES = 6 * 1024 * 1024
 # Requests at least this large are decoded and reviewed off the event loop (see ``mutate``).
 OFFLOAD_BODY_BYTES = 256 * 1024
@@ -166,7 +169,7 @@ async def error_middleware(request: web.Request, handler: Any) -> web.StreamResp
         log_event(log, "request_failed", logging.ERROR, path=request.path, method=request.method, exc_info=True)
         return error_response(500, "internal server error")
     finally:
-        if request.path == MUTATE_PATH:
+        if request.path in REVIEW_PATHS:
             request.app[METRICS].observe(outcome, time.perf_counter() - started)
 
 
@@ -205,12 +208,14 @@ def _decode(body: bytes) -> Any:
         raise Rejected(400, f"malformed JSON: {exc}") from None
 
 
-def _answer(body: bytes, settings: InjectionSettings, namespaces: NamespaceLookup,
+Judge = Callable[[Any, InjectionSettings, NamespaceLookup, "DraObjects | None"], ReviewResult]
+
+
+def _answer(payload: Any, judge: Judge, settings: InjectionSettings, namespaces: NamespaceLookup,
             claims: DraObjects | None = None) -> tuple[str, bytes]:
-    """Decodes, reviews and encodes one request: (outcome, JSON answer)."""
-    payload = _decode(body)
+    """Reviews (``judge``: admission.review or admission.verify) and encodes one decoded request."""
     try:
-        result = review(payload, settings, namespaces, claims)
+        result = judge(payload, settings, namespaces, claims)
     except InvalidReview as exc:
         raise Rejected(400, str(exc)) from None
     except Exception as exc:
@@ -220,24 +225,76 @@ def _answer(body: bytes, settings: InjectionSettings, namespaces: NamespaceLooku
     return result.outcome, dumps(result.review)
 
 
-async def mutate(request: web.Request) -> web.Response:
+async def _fresh_namespaces(payload: Any, namespaces: NamespaceLookup) -> NamespaceLookup | ReviewResult:
+    """The namespaces to review ``payload`` with: the watch cache, or, where the cache does not show the
+    request's namespace as opted in, the namespace read now from the API server.
+
+    The API server sends a pod here only for a namespace its own informer shows as opted in (the
+    webhook configurations' namespaceSelector); a cache that lags behind it (a namespace created, or
+    labelled, a moment ago) must not decide that the pod needs nothing, nor review it without the
+    namespace's ceilings. A read that fails is a denial naming why, never a pod admitted unjudged.
+    """
+    if not isinstance(namespaces, FreshReader):
+        return namespaces
+    name = request_namespace(payload)
+    if name is None:
+        return namespaces
+    cached = namespaces.get(name)
+    if cached is not None and cached.opted_in:
+        return namespaces
+    try:
+        await asyncio.to_thread(namespaces.read_fresh, name)
+    except Exception as exc:  # the API server's error, or none in time: say which and refuse
+        log_event(log, "namespace_read_failed", logging.WARNING, namespace=name, error=str(exc))
+        return denial(payload, f"gpufence could not read namespace {name!r} from the API server to judge "
+                               f"this pod ({_short(exc)}); nothing was admitted unjudged: create the pod again")
+    return namespaces
+
+
+def _short(exc: Exception) -> str:
+    status = getattr(exc, "status", None)
+    reason = getattr(exc, "reason", None)
+    if status is not None:
+        return f"HTTP {status} {reason or ''}".strip()
+    return f"{type(exc).__name__}: {exc}"[:200]
+
+
+async def _judge(request: web.Request, judge: Judge) -> web.Response:
     app = request.app
     _check_content_type(request)
     body = await _read_body(request, app[LIMITS])
     # Read once: the policy watch may swap in a new policy meanwhile; this review keeps the one it began with.
     settings = app[POLICY].current
-    if settings is None:  # /readyz fails meanwhile; the API server ignores the error (failurePolicy Ignore)
+    if settings is None:  # /readyz fails meanwhile; the API server refuses the pod (failurePolicy Fail)
         raise web.HTTPServiceUnavailable(text=app[POLICY].not_ready_reason() or "no cluster policy")
-    if len(body) >= OFFLOAD_BODY_BYTES:
-        # A body this large takes milliseconds to decode and review (about 70 ms at the 6 MiB
-        # limit); on the event loop that would stall every other request of this replica. In a
-        # worker thread the GIL still serialises the Python work, but its switch interval lets
-        # the loop keep answering small reviews meanwhile.
-        outcome, answer = await asyncio.to_thread(_answer, body, settings, app[NAMESPACES], app[CLAIMS])
+    large = len(body) >= OFFLOAD_BODY_BYTES
+    payload = await asyncio.to_thread(_decode, body) if large else _decode(body)
+    try:
+        namespaces = await _fresh_namespaces(payload, app[NAMESPACES])
+    except InvalidReview as exc:
+        raise Rejected(400, str(exc)) from None
+    if isinstance(namespaces, ReviewResult):
+        log_decision(payload, namespaces)
+        request[OUTCOME] = namespaces.outcome
+        return web.Response(body=dumps(namespaces.review), content_type="application/json")
+    if large:
+        # A body this large takes milliseconds to decode and review (tens at the 6 MiB limit); on the event
+        # loop that would stall every other request of this replica. In a worker thread the GIL
+        # still serialises the Python work, but its switch interval lets the loop keep answering
+        # small reviews meanwhile.
+        outcome, answer = await asyncio.to_thread(_answer, payload, judge, settings, namespaces, app[CLAIMS])
     else:
-        outcome, answer = _answer(body, settings, app[NAMESPACES], app[CLAIMS])
+        outcome, answer = _answer(payload, judge, settings, namespaces, app[CLAIMS])
     request[OUTCOME] = outcome
     return web.Response(body=answer, content_type="application/json")
+
+
+async def mutate(request: web.Request) -> web.Response:
+    return await _judge(request, review)
+
+
+async def validate(request: web.Request) -> web.Response:
+    return await _judge(request, verify)
 
 
 async def healthz(request: web.Request) -> web.Response:
@@ -314,6 +371,7 @@ def create_app(settings: InjectionSettings | ClusterPolicy, namespaces: Namespac
     app.cleanup_ctx.append(_reload_certificates)
     app.cleanup_ctx.append(_run_watches)
     app.router.add_post(MUTATE_PATH, mutate)
+    app.router.add_post(VALIDATE_PATH, validate)
     app.router.add_get("/healthz", healthz)
     app.router.add_get("/readyz", readyz)
     app.router.add_get("/metrics", metrics_endpoint)

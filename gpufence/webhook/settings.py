@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 from gpufence import IMAGE
 from gpufence.contract import (
@@ -55,6 +55,20 @@ class NamespaceLookup(Protocol):
 
     def get(self, name: str) -> NamespaceInfo | None:
         """The namespace, or None when it is not (yet) known."""
+        ...
+
+
+@runtime_checkable
+class FreshReader(Protocol):
+    """A ``NamespaceLookup`` that can also read one namespace from the API server now (and keep it).
+
+    For the rare admission whose namespace the cache does not show as opted in although the API
+    server sent it (webhook.server): never on the common path."""
+
+    def get(self, name: str) -> NamespaceInfo | None: ...
+
+    def read_fresh(self, name: str) -> NamespaceInfo | None:
+        """The namespace as the API server has it now (None: it does not exist); raises on failure."""
         ...
 
 

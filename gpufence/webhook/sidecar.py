@@ -5,8 +5,8 @@ The sidecar leaves out what the API server's defaulting fills in (probe timings 
 defaults, ``protocol: TCP``, ``fieldRef.apiVersion``, ``terminationMessagePath``, an
 ``imagePullPolicy`` that is the image's default) and the variables whose values are the enforcer's
 own defaults: every GPU pod carries the sidecar, and bytes in a pod cost the API server, etcd and
-every watcher. ``api_defaulted`` writes those defaults back, as the API server does before the
-guard sees the pod and before a reinvocation: on a reinvocation the stored sidecar is kept when it
+every watcher. ``api_defaulted`` writes those defaults back, as the API server does before
+validation sees the pod and before a reinvocation: on a reinvocation the stored sidecar is kept when it
 is ours after defaulting (desired.py), so the webhook does not patch its own output again.
 """
 
@@ -230,7 +230,7 @@ def default_pull_policy(image: str) -> str:
 
 def api_defaulted(container: dict[str, Any]) -> dict[str, Any]:
     """``container`` (one ``build_sidecar`` made) with the fields the API server's defaulting fills
-    where the sidecar leaves them out: what the stored pod, and so a reinvocation and the guard,
+    where the sidecar leaves them out: what the stored pod, and so a reinvocation and ``/validate``,
     show. Only those fields: everything else the sidecar spells out itself."""
     defaulted = {"terminationMessagePath": "/dev/termination-log", "terminationMessagePolicy": "File",
                  "imagePullPolicy": default_pull_policy(container.get("image", "")), **container}

@@ -1,6 +1,6 @@
 {{- /*
 Names, labels and the values that need more than a lookup. Every object goes to the namespace
-`gpufence`, written out in each template: the webhook configuration's and the guard's namespace
+`gpufence`, written out in each template: the webhook configurations' and the protect policy's namespace
 exclusions, the webhook's Service reference, the certificate's DNS names and the certificate Job's
 arguments all name it, as in the kustomize install (k8s/base/kustomization.yaml).
 */ -}}
@@ -122,7 +122,7 @@ on a flag the chart sets itself.
 {{- range $flag := keys $flags | sortAlpha -}}
   {{- $value := get $flags $flag -}}
   {{- if has $flag $policy -}}
-    {{- fail (printf "webhook.flags.%s: %v: a policy setting, which the webhook reads from the ConfigMap gpufence-policy (and the guard too); set policy.%s instead, e.g. policy.%s: %s" $flag $value $flag $flag (toJson $value)) -}}
+    {{- fail (printf "webhook.flags.%s: %v: a policy setting, which the webhook reads from the ConfigMap gpufence-policy; set policy.%s instead, e.g. policy.%s: %s" $flag $value $flag $flag (toJson $value)) -}}
   {{- else if eq $flag "port" -}}
     {{- fail (printf "webhook.flags.port: %v: the chart sets --port from webhook.port (the container port follows it); set webhook.port instead, e.g. webhook.port: 9443" $value) -}}
   {{- else if not (has $flag $server) -}}

@@ -224,7 +224,7 @@ def test_sidecar_resources_are_written_as_the_api_server_stores_them(flag: str, 
     assert getattr(settings, field) == stored
 
 
-# --- --policy-configmap: the policy from the ConfigMap the guard reads, never also from flags ------------
+# --- --policy-configmap: the policy from the ConfigMap, never also from flags ---------------------------
 
 
 POLICY = ["--policy-configmap", "gpufence/gpufence-policy"]
@@ -246,13 +246,13 @@ def test_policy_configmap_alone_is_accepted() -> None:
 ])
 def test_policy_configmap_with_a_policy_flag_refuses_to_start(argv: list[str], environ: dict[str, str], named: str,
                                                                key: str, capsys: pytest.CaptureFixture[str]) -> None:
-    """The guard reads only the ConfigMap: a flag on top would make the webhook and the guard disagree."""
+    """One source of each setting: a flag on top of the ConfigMap would be a second one."""
     with pytest.raises(SystemExit) as exited:
         parse_args(TLS + POLICY + argv, environ=environ)
     assert exited.value.code == 2
     err = " ".join(capsys.readouterr().err.split())
     assert "--policy-configmap gpufence/gpufence-policy" in err and named in err and key in err
-    assert "the webhook and the guard disagree" in err and "leave out --policy-configmap" in err
+    assert "the one source of the policy" in err and "leave out --policy-configmap" in err
 
 
 def test_an_empty_policy_env_var_is_not_a_flag() -> None:

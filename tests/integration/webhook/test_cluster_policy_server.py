@@ -69,7 +69,7 @@ async def test_not_ready_until_a_valid_policy_then_each_change_applies_without_a
             assert resp.status == 503
             assert "no valid cluster policy yet" in (await resp.json())["reasons"][0]
         status, answer = await decision(session, url, "4Gi")
-        # failurePolicy Ignore: the API server admits unmutated and the guard decides.
+        # failurePolicy Fail: the API server refuses the pod, naming the webhook.
         assert status == 503 and "gpufence/gpufence-policy" in answer["error"]
 
         policy.offer(configmap({"max-memory": "8Gi"}, rv=2))

@@ -5,7 +5,7 @@ the gpufence.io/status annotation, a new ephemeral container must carry the webh
 NVIDIA_VISIBLE_DEVICES=void and leave the enforcer alone, and exec/attach may not name the sidecar;
 members of admin-groups pass. The real kube-apiserver (1.30 and 1.37) evaluates the same policy in
 tests/e2e/test_running_pod_attacks.py; this is the fast loop over the cases, with the policy's CEL
-in the subset cel-python supports (tests/unit/guard/test_policy.py says which).
+in the subset cel-python supports (tests/support/k8s_cel.py stands in for Kubernetes' CEL libraries).
 """
 
 from __future__ import annotations
@@ -31,7 +31,6 @@ from tests.support.k8s_cel import FUNCTIONS as K8S_FUNCTIONS
 ROOT = Path(__file__).resolve().parents[3]
 POLICY_FILE = ROOT / "k8s" / "base" / "protect-policy.yaml"
 WEBHOOK_CONFIG_FILE = ROOT / "k8s" / "base" / "mutatingwebhookconfiguration.yaml"
-GUARD_FILE = ROOT / "k8s" / "base" / "guard-policy.yaml"
 POLICY_CONFIGMAP_FILE = ROOT / "k8s" / "base" / "policy-configmap.yaml"
 
 _ENV = celpy.Environment()
@@ -353,7 +352,8 @@ def rules_of(policy: dict[str, Any]) -> set[tuple[str, str]]:
 
 def test_scope_is_the_webhooks_namespaces_and_covers_its_update_rules() -> None:
     (config,) = [d for d in _docs(WEBHOOK_CONFIG_FILE) if d["kind"] == "MutatingWebhookConfiguration"]
-    (webhook,) = config["webhooks"]
+    webhook = next(w for w in config["webhooks"] if w["name"] == "debug.gpufence.io")
+    assert all(w["namespaceSelector"] == webhook["namespaceSelector"] for w in config["webhooks"])
     for policy in POLICIES.values():
         constraints = policy["spec"]["matchConstraints"]
         assert constraints["namespaceSelector"] == webhook["namespaceSelector"]
@@ -361,7 +361,7 @@ def test_scope_is_the_webhooks_namespaces_and_covers_its_update_rules() -> None:
     assert INJECTION_LABEL in str(webhook["namespaceSelector"]) and INJECTION_ENABLED in str(
         webhook["namespaceSelector"])
     for rule in webhook["rules"]:
-        if rule["operations"] != ["CREATE"]:  # creation is the guard's
+        if rule["operations"] != ["CREATE"]:  # creation is the webhook's alone (failurePolicy Fail)
             assert {(op, r) for op in rule["operations"] for r in rule["resources"]} <= rules_of(POLICY)
     assert rules_of(POLICY) == {("UPDATE", "pods"), ("UPDATE", "pods/ephemeralcontainers"),
                                 ("UPDATE", "pods/resize")}
@@ -375,12 +375,13 @@ def test_scope_is_the_webhooks_namespaces_and_covers_its_update_rules() -> None:
 
 @pytest.mark.parametrize("name", ["gpufence-protect", "gpufence-protect-exec"])
 def test_the_bindings_fail_closed_on_the_shared_policy_configmap(name: str) -> None:
-    (guard_binding,) = [d for d in _docs(GUARD_FILE) if d["kind"] == "ValidatingAdmissionPolicyBinding"]
+    (configmap,) = _docs(POLICY_CONFIGMAP_FILE)
     policy, binding = POLICIES[name], BINDINGS[name]
     assert policy["spec"]["failurePolicy"] == "Fail"
     assert policy["spec"]["paramKind"] == {"apiVersion": "v1", "kind": "ConfigMap"}
     assert binding["spec"]["policyName"] == name
-    assert binding["spec"]["paramRef"] == guard_binding["spec"]["paramRef"]
+    assert binding["spec"]["paramRef"]["name"] == configmap["metadata"]["name"]
+    assert binding["spec"]["paramRef"]["namespace"] == "gpufence"
     assert binding["spec"]["paramRef"]["parameterNotFoundAction"] == "Deny"
     assert binding["spec"]["validationActions"] == ["Deny"]
 

@@ -31,7 +31,7 @@ import yaml
 
 from gpufence.contract import INJECTION_ENABLED, INJECTION_LABEL
 from gpufence.webhook import sidecar
-from gpufence.webhook.admission import review
+from gpufence.webhook.admission import review, verify
 from gpufence.webhook.client import decode_patch, pod_admission_review
 from gpufence.webhook.settings import InjectionSettings, NamespaceInfo
 
@@ -154,6 +154,30 @@ def test_golden_output_is_a_fixed_point(case: str) -> None:
     result = review(admission_review(expected["pod"], operation, **request_extras(case)), settings, lookup)
     assert result.outcome == "unchanged"
     assert "patch" not in result.review["response"]
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_golden_verify_admits_the_output_and_refuses_the_input_it_would_change(case: str) -> None:
+    """verify.gpufence.io (the validating webhook) on the same rules: what the mutating webhook made
+    of a pod passes; a pod it would have changed or denied, reaching validation as it was (another
+    mutating step undid gpufence's work), is refused, with the mutating webhook's own reason where
+    it would deny."""
+    pod, settings, lookup, operation = load_case(case)
+    if operation != "CREATE" or request_extras(case)["sub_resource"]:
+        return  # the validating webhook judges pod creations only
+    expected = yaml.safe_load((GOLDEN / f"{case}.out.yaml").read_text())
+    if "pod" in expected:
+        kept = verify(admission_review(expected["pod"], **request_extras(case)), settings, lookup)
+        assert kept.review["response"]["allowed"] is True, kept.review["response"]
+        assert kept.outcome in ("verified", "skipped") and "warnings" not in kept.review["response"]
+    as_sent = verify(admission_review(pod, **request_extras(case)), settings, lookup).review["response"]
+    if expected["outcome"] == "denied":
+        assert as_sent["allowed"] is False and as_sent["status"]["message"] == expected["message"]
+    elif expected["outcome"] == "mutated":
+        assert as_sent["allowed"] is False, as_sent
+        assert as_sent["status"]["message"].startswith("gpufence: the pod differs from what gpufence admits at /")
+    else:
+        assert as_sent["allowed"] is True, as_sent
 
 
 def test_every_golden_file_has_a_partner() -> None:
