@@ -382,8 +382,7 @@ _WRITTEN_DEFAULTS: dict[str, Any] = {
 # version, and when there are any the share-aware warnings (which the enforcer, reading the
 # annotation through ENV_POD_STATUS, posts as Events). Nothing the pod shows elsewhere: no
 # sidecar name (always gpufence-enforcer) and no framework caps (each GPU container's env
-# carries them), which every GPU pod would carry
-# twice in its metadata for nothing.
+# carries them), which every GPU pod would carry twice in its metadata for nothing.
 STATUS_CONTAINERS = "containers"
 STATUS_MODE = "mode"
 STATUS_VERSION = "version"
