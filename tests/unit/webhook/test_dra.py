@@ -202,8 +202,8 @@ def reviewed(pod: dict[str, Any], result: ReviewResult) -> tuple[dict[str, Any],
     ([("gpu", C, "shared-gpu")], (), []),
     ([("nic", T, "nic-t")], ("nic-t",), []),
     ([("nic", T, "nic-t")], (), ['claim "nic" (ResourceClaimTemplate "nic-t") holds no GPU (DeviceClass "nic" '
-                                 '(nic.example.com)) but gets the enforcer, as the guard cannot read claims; an admin '
-                                 'can list "nic-t" in non-gpu-resource-claims']),
+                                 '(nic.example.com)) but gets the enforcer: only the policy\'s list exempts a claim; an '
+                                 'admin can list "nic-t" in non-gpu-resource-claims']),
     ([("gpu", T, "absent")], (), ['claim "gpu" (ResourceClaimTemplate "absent") is taken for a GPU (share and '
                                   'enforcer): it could not be resolved: the webhook does not know '
                                   'ResourceClaimTemplate "absent" in namespace "team"']),
@@ -212,7 +212,7 @@ def reviewed(pod: dict[str, Any], result: ReviewResult) -> tuple[dict[str, Any],
                                                    'non-gpu-resource-claims, so it runs without the enforcer, but '
                                                    'DeviceClass "gpu" selects devices of driver "gpu.nvidia.com"']),
 ])
-def test_the_review_says_what_the_claims_hold_and_gives_the_pod_what_the_guard_checks(
+def test_the_review_says_what_the_claims_hold_and_gives_the_pod_what_the_admins_list_decides(
     pod_claims: list[tuple[str, str, str]], listed: tuple[str, ...], warned: list[str],
 ) -> None:
     settings_ = InjectionSettings(non_gpu_resource_claims=listed)
@@ -222,8 +222,8 @@ def test_the_review_says_what_the_claims_hold_and_gives_the_pod_what_the_guard_c
     before = without.review["response"].get("warnings", [])
     assert [w.removeprefix("gpufence: ") for w in result.review["response"].get("warnings", [])
             if w not in before] == warned
-    # The same pod either way (the enforcer's Events aside): the guard, which cannot read claims,
-    # must admit what the webhook makes.
+    # The same pod either way (the enforcer's Events aside): a cache that lags behind a claim just
+    # created must not change what the pod gets, nor make /validate refuse what /mutate made.
     assert result.outcome == without.outcome
     (pod_with, recorded), (pod_without, recorded_before) = reviewed(pod, result), reviewed(pod, without)
     assert pod_with == pod_without

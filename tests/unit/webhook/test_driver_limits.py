@@ -43,8 +43,7 @@ LABEL_IN_TRUE = {"key": DRIVER_LIMITS_NODE_LABEL, "operator": "In", "values": ["
 OTHER = {"key": "nvidia.com/gpu.product", "operator": "In", "values": ["H100"]}
 
 
-# (pod spec, pinned to nodes labelled gpufence.io/driver-memory-limits=true); the guard's copy of
-# the rule is held to the same cases (tests/unit/guard/test_limit_env.py).
+# (pod spec, pinned to nodes labelled gpufence.io/driver-memory-limits=true).
 PIN_CASES: list[tuple[dict[str, Any], bool]] = [
     ({}, False),
     (PINNED, True),
