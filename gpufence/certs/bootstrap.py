@@ -1,9 +1,14 @@
-"""In-cluster bootstrap of the webhook's TLS Secret and the caBundle of its webhook configuration.
+"""In-cluster bootstrap of the webhook's TLS Secret and the caBundle of its webhook configurations.
+
+The webhook serves two configurations of the same name, both with this one CA: the
+MutatingWebhookConfiguration (inject/debug) and the ValidatingWebhookConfiguration (verify).
 
 What the Secret and the caBundle should hold, and when to renew, is decided in
 ``certs.renewal`` (pure); ``KubeApi`` is the thin adapter over the ``kubernetes`` client and
-``run_bootstrap`` the orchestration (GET Secret → POST/PUT Secret if needed → GET webhook
-configuration → PATCH if needed; a second run makes only the two GETs).
+``run_bootstrap`` the orchestration (GET Secret → POST/PUT Secret if needed → for each of the
+two configurations, GET → PATCH if needed; a second run makes only the three GETs). A missing
+MutatingWebhookConfiguration is an error (gpufence is not installed yet: the Job retries); a
+missing ValidatingWebhookConfiguration is only a warning (an install from before it existed).
 """
 
 from __future__ import annotations
@@ -97,6 +102,26 @@ def load_api_client(kubeconfig: str | None = None, context: str | None = None) -
         return config.new_client_from_config(context=context, persist_config=False)
 
 
+@dataclass(frozen=True)
+class WebhookConfigurationKind:
+    """One of the two admissionregistration.k8s.io/v1 kinds whose caBundle bootstrap sets."""
+
+    kind: str  # as in a manifest
+    resource: str  # as in RBAC rules and URLs
+    method_suffix: str  # AdmissionregistrationV1Api.read_<suffix> / patch_<suffix>
+    required: bool  # missing: an error (True) or a warning (False)
+
+
+MUTATING = WebhookConfigurationKind(
+    "MutatingWebhookConfiguration", "mutatingwebhookconfigurations", "mutating_webhook_configuration", True
+)
+# Optional: an install from before the verify webhook has none, and its bootstrap must still work.
+VALIDATING = WebhookConfigurationKind(
+    "ValidatingWebhookConfiguration", "validatingwebhookconfigurations", "validating_webhook_configuration", False
+)
+WEBHOOK_CONFIGURATION_KINDS = (MUTATING, VALIDATING)
+
+
 # The generated client sends POST/PUT bodies without a Content-Type (the API server then assumes
 # JSON); say it explicitly.
 JSON_BODY = {"Content-Type": "application/json"}
@@ -173,16 +198,16 @@ class KubeApi:
             self._core.replace_namespaced_secret, name, namespace, dict(body), _headers=JSON_BODY,
         )
 
-    def get_mutating_webhook_configuration(self, name: str) -> dict[str, Any]:
-        return self._call(
-            "get", "mutatingwebhookconfigurations", name, None, WEBHOOK_ROLE,
-            self._admission.read_mutating_webhook_configuration, name,
-        )
+    def get_webhook_configuration(self, kind: WebhookConfigurationKind, name: str) -> dict[str, Any]:
+        read = getattr(self._admission, f"read_{kind.method_suffix}")
+        return self._call("get", kind.resource, name, None, WEBHOOK_ROLE, read, name)
 
-    def patch_mutating_webhook_configuration(self, name: str, ops: list[dict[str, Any]]) -> dict[str, Any]:
+    def patch_webhook_configuration(
+        self, kind: WebhookConfigurationKind, name: str, ops: list[dict[str, Any]]
+    ) -> dict[str, Any]:
+        patch = getattr(self._admission, f"patch_{kind.method_suffix}")
         return self._call(
-            "patch", "mutatingwebhookconfigurations", name, None, WEBHOOK_ROLE,
-            self._admission.patch_mutating_webhook_configuration, name, ops,
+            "patch", kind.resource, name, None, WEBHOOK_ROLE, patch, name, ops,
             _content_type="application/json-patch+json",
         )
 
@@ -220,14 +245,19 @@ class BootstrapOptions:
 class BootstrapResult:
     action: Action
     reason: str
-    patched_webhooks: tuple[str, ...]
+    patched_webhooks: tuple[str, ...]  # names of the webhook entries patched, in both configurations
+    # Optional configurations not found (kind and name), e.g. "ValidatingWebhookConfiguration gpufence".
+    missing_configurations: tuple[str, ...] = ()
 
 
 MAX_ATTEMPTS = 3
 
 
 def run_bootstrap(api: KubeApi, opts: BootstrapOptions, now: dt.datetime | None = None) -> BootstrapResult:
-    """Make the Secret valid and the caBundle match it. Raises ``KubeError`` subclasses."""
+    """Make the Secret valid and the caBundle of both webhook configurations match it.
+
+    Raises ``KubeError`` subclasses (``NotFound`` only for the MutatingWebhookConfiguration).
+    """
     opts.validate()
     for attempt in range(1, MAX_ATTEMPTS + 1):
         try:
@@ -283,15 +313,40 @@ def _reconcile(api: KubeApi, opts: BootstrapOptions, now: dt.datetime) -> Bootst
             api.replace_secret(ns, body)
             log_event("secret_replaced", **fields)
 
-    config = api.get_mutating_webhook_configuration(opts.webhook_configuration)
-    ops = ca_bundle_patch(config, ca_pem)
     patched: list[str] = []
+    missing: list[str] = []
+    for kind in WEBHOOK_CONFIGURATION_KINDS:
+        found = _set_ca_bundle(api, kind, opts.webhook_configuration, ca_pem)
+        if found is None:
+            missing.append(f"{kind.kind} {opts.webhook_configuration}")
+        else:
+            patched += found
+    return BootstrapResult(verdict.action, verdict.reason, tuple(patched), tuple(missing))
+
+
+def _set_ca_bundle(api: KubeApi, kind: WebhookConfigurationKind, name: str, ca_pem: bytes) -> list[str] | None:
+    """Patch the caBundle of every webhook of ``kind`` ``name`` that differs from ``ca_pem``.
+
+    Returns the names of the patched webhooks, or None when an optional kind does not exist.
+    """
+    try:
+        config = api.get_webhook_configuration(kind, name)
+    except NotFound as exc:
+        if kind.required:
+            raise
+        log_event(
+            "webhook_configuration_missing", logging.WARNING, kind=kind.kind, name=name,
+            message=f"{kind.kind} {name!r} not found, its caBundle is not set ({exc}); "
+            "expected only on an install from before it existed",
+        )
+        return None
+    ops = ca_bundle_patch(config, ca_pem)
     if not config.get("webhooks"):
-        log_event("webhook_configuration_empty", logging.WARNING, name=opts.webhook_configuration)
-    if ops:
-        patched = changed_webhooks(ops, config)
-        api.patch_mutating_webhook_configuration(opts.webhook_configuration, ops)
-        log_event("ca_bundle_patched", name=opts.webhook_configuration, webhooks=patched)
-    else:
-        log_event("ca_bundle_unchanged", name=opts.webhook_configuration)
-    return BootstrapResult(verdict.action, verdict.reason, tuple(patched))
+        log_event("webhook_configuration_empty", logging.WARNING, kind=kind.kind, name=name)
+    if not ops:
+        log_event("ca_bundle_unchanged", kind=kind.kind, name=name)
+        return []
+    patched = changed_webhooks(ops, config)
+    api.patch_webhook_configuration(kind, name, ops)
+    log_event("ca_bundle_patched", kind=kind.kind, name=name, webhooks=patched)
+    return patched

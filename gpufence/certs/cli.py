@@ -98,7 +98,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--ca-key", type=Path, help="private key of --ca-cert (not copied to --out-dir)")
     gen.add_argument("--force", action="store_true", help="replace existing files")
 
-    boot = sub.add_parser("bootstrap", help="create/renew the TLS Secret and set the webhook caBundle",
+    boot = sub.add_parser("bootstrap", help="create/renew the TLS Secret and set the webhooks' caBundle",
                           formatter_class=fmt)
     boot.add_argument("--kubeconfig", help="kubeconfig file (default: in-cluster config, else ~/.kube/config)")
     boot.add_argument("--context", help="kubeconfig context (default: the current context)")
@@ -106,7 +106,8 @@ def build_parser() -> argparse.ArgumentParser:
     boot.add_argument("--secret", default=bs.DEFAULT_SECRET, help="the kubernetes.io/tls Secret to create or renew")
     boot.add_argument("--service", default=bs.DEFAULT_SERVICE, help=service_help)
     boot.add_argument("--webhook-configuration", default=bs.DEFAULT_WEBHOOK_CONFIGURATION,
-                      help="MutatingWebhookConfiguration whose caBundle is set to the CA")
+                      help="name of the MutatingWebhookConfiguration and of the ValidatingWebhookConfiguration "
+                      "whose caBundle is set to the CA (a missing ValidatingWebhookConfiguration is only a warning)")
     boot.add_argument("--dns-name", action="append", default=[], help=dns_help)
     boot.add_argument("--renew-before-days", type=_non_negative_float, default=bs.DEFAULT_RENEW_BEFORE_DAYS,
                       help="renew the serving certificate when it expires within this many days")
@@ -234,6 +235,7 @@ def cmd_bootstrap(args: argparse.Namespace) -> int:
     print(
         f"secret {opts.namespace}/{opts.secret}: {result.action} ({result.reason}); "
         f"caBundle {'patched in ' + ', '.join(result.patched_webhooks) if result.patched_webhooks else 'unchanged'}"
+        + "".join(f"; {missing} not found" for missing in result.missing_configurations)
     )
     return EXIT_OK
 

@@ -1,4 +1,4 @@
-"""What the webhook's TLS Secret and the caBundle of its webhook configuration should hold (pure).
+"""What the webhook's TLS Secret and the caBundle of its webhook configurations should hold (pure).
 
 Layout of the Secret (``type: kubernetes.io/tls``)::
 

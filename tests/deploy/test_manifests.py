@@ -441,7 +441,7 @@ def test_rbac_is_least_privilege(directory: str) -> None:
         if "secrets" in rule["resources"]:
             assert role["kind"] == "Role", "no cluster-wide access to Secrets"
             assert rule.get("resourceNames") == [TLS_SECRET] or rule["verbs"] == ["create"]
-        if "mutatingwebhookconfigurations" in rule["resources"]:
+        if {"mutatingwebhookconfigurations", "validatingwebhookconfigurations"} & set(rule["resources"]):
             assert rule.get("resourceNames") == [WEBHOOK_CONFIGURATION]
             assert set(rule["verbs"]) <= {"get", "patch"}
     webhook_role = one(objects, "ClusterRole", "gpufence-webhook")

@@ -4,6 +4,7 @@ Only the surface ``bootstrap`` and ``inspect --secret`` use:
 
 * ``GET/POST  /api/v1/namespaces/{ns}/secrets``, ``GET/PUT/PATCH .../secrets/{name}``
 * ``GET/PATCH /apis/admissionregistration.k8s.io/v1/mutatingwebhookconfigurations/{name}``
+* ``GET/PATCH /apis/admissionregistration.k8s.io/v1/validatingwebhookconfigurations/{name}``
 
 Objects live in memory; every request is recorded (method, path, query, content type, parsed
 body). ``fail(method, path_regex, status)`` makes matching requests answer a ``Status`` error
@@ -28,7 +29,14 @@ import jsonpatch
 
 SECRET_ITEM = re.compile(r"^/api/v1/namespaces/(?P<ns>[^/]+)/secrets/(?P<name>[^/]+)$")
 SECRET_LIST = re.compile(r"^/api/v1/namespaces/(?P<ns>[^/]+)/secrets$")
-MWC_ITEM = re.compile(r"^/apis/admissionregistration\.k8s\.io/v1/mutatingwebhookconfigurations/(?P<name>[^/]+)$")
+WEBHOOK_CONFIGURATION_ITEM = re.compile(
+    r"^/apis/admissionregistration\.k8s\.io/v1/(?P<resource>mutating|validating)webhookconfigurations/(?P<name>[^/]+)$"
+)
+# Plural resource of each kind, as in URLs and error messages.
+WEBHOOK_CONFIGURATION_RESOURCES = {
+    "MutatingWebhookConfiguration": "mutatingwebhookconfigurations",
+    "ValidatingWebhookConfiguration": "validatingwebhookconfigurations",
+}
 
 REASONS = {400: "BadRequest", 401: "Unauthorized", 403: "Forbidden", 404: "NotFound", 405: "MethodNotAllowed",
            409: "Conflict", 415: "UnsupportedMediaType", 422: "Invalid", 500: "InternalError"}
@@ -73,7 +81,8 @@ def merge_patch(target: Any, patch: Any) -> Any:
 class FakeKubeApi:
     token: str = field(default_factory=lambda: uuid.uuid4().hex)
     secrets: dict[tuple[str, str], dict[str, Any]] = field(default_factory=dict)
-    webhook_configurations: dict[str, dict[str, Any]] = field(default_factory=dict)
+    webhook_configurations: dict[str, dict[str, Any]] = field(default_factory=dict)  # mutating, by name
+    validating_webhook_configurations: dict[str, dict[str, Any]] = field(default_factory=dict)
     requests: list[Request] = field(default_factory=list)
     _failures: list[_Failure] = field(default_factory=list)
     _lock: threading.Lock = field(default_factory=threading.Lock)
@@ -112,14 +121,24 @@ class FakeKubeApi:
         obj.setdefault("kind", "Secret")
         self.secrets[(namespace, meta["name"])] = obj
 
-    def put_webhook_configuration(self, obj: dict[str, Any]) -> None:
+    def configurations_of(self, kind: str) -> dict[str, dict[str, Any]]:
+        """The stored webhook configurations of ``kind`` (Mutating- or ValidatingWebhookConfiguration)."""
+        if kind == "MutatingWebhookConfiguration":
+            return self.webhook_configurations
+        if kind == "ValidatingWebhookConfiguration":
+            return self.validating_webhook_configurations
+        raise ValueError(f"not a webhook configuration kind: {kind!r}")
+
+    def put_webhook_configuration(self, obj: dict[str, Any], kind: str | None = None) -> None:
+        """Store ``obj`` as a ``kind`` (default: its own ``kind``, else MutatingWebhookConfiguration)."""
         obj = copy.deepcopy(obj)
+        kind = kind or obj.get("kind") or "MutatingWebhookConfiguration"
         meta = obj.setdefault("metadata", {})
         meta.setdefault("uid", str(uuid.uuid4()))
         meta["resourceVersion"] = self._next_rv()
         obj.setdefault("apiVersion", "admissionregistration.k8s.io/v1")
-        obj.setdefault("kind", "MutatingWebhookConfiguration")
-        self.webhook_configurations[meta["name"]] = obj
+        obj["kind"] = kind
+        self.configurations_of(kind)[meta["name"]] = obj
 
     # ---- lifecycle ----------------------------------------------------------------------
 
@@ -215,7 +234,8 @@ class FakeKubeApi:
                     if f.times <= 0:
                         continue
                     f.times -= 1
-                resource = "mutatingwebhookconfigurations" if "mutatingwebhook" in req.path else "secrets"
+                m = WEBHOOK_CONFIGURATION_ITEM.match(req.path)
+                resource = f"{m['resource']}webhookconfigurations" if m else "secrets"
                 name = req.path.rstrip("/").rsplit("/", 1)[-1]
                 verb = {"GET": "get", "POST": "create", "PUT": "update", "PATCH": "patch", "DELETE": "delete"}
                 message = f.message or (
@@ -231,8 +251,9 @@ class FakeKubeApi:
             return self._secret_item(req, m["ns"], m["name"])
         if m := SECRET_LIST.match(req.path):
             return self._secret_list(req, m["ns"])
-        if m := MWC_ITEM.match(req.path):
-            return self._mwc_item(req, m["name"])
+        if m := WEBHOOK_CONFIGURATION_ITEM.match(req.path):
+            kind = "MutatingWebhookConfiguration" if m["resource"] == "mutating" else "ValidatingWebhookConfiguration"
+            return self._webhook_configuration_item(req, kind, m["name"])
         return self._status(404, f"the server could not find the requested resource ({req.path})")
 
     def _apply_patch(self, obj: dict, req: Request) -> dict | tuple[int, dict]:
@@ -291,19 +312,18 @@ class FakeKubeApi:
             return 200, {"kind": "SecretList", "apiVersion": "v1", "metadata": {}, "items": items}
         return self._status(405, f"method {req.method} not allowed")
 
-    def _mwc_item(self, req: Request, name: str) -> tuple[int, dict]:
-        current = self.webhook_configurations.get(name)
+    def _webhook_configuration_item(self, req: Request, kind: str, name: str) -> tuple[int, dict]:
+        store = self.configurations_of(kind)
+        resource = WEBHOOK_CONFIGURATION_RESOURCES[kind]
+        current = store.get(name)
         if current is None:
-            return self._status(
-                404, f'mutatingwebhookconfigurations.admissionregistration.k8s.io "{name}" not found',
-                name, "mutatingwebhookconfigurations",
-            )
+            return self._status(404, f'{resource}.admissionregistration.k8s.io "{name}" not found', name, resource)
         if req.method == "GET":
             return 200, copy.deepcopy(current)
         if req.method == "PATCH":
             result = self._apply_patch(copy.deepcopy(current), req)
             if isinstance(result, tuple):
                 return result
-            self.put_webhook_configuration(result)
-            return 200, copy.deepcopy(self.webhook_configurations[name])
+            self.put_webhook_configuration(result, kind)
+            return 200, copy.deepcopy(store[name])
         return self._status(405, f"method {req.method} not allowed")

@@ -2,8 +2,9 @@
 gpufence.certsPodTemplate: the pod of the certificate Job and CronJob, which runs
 `gpufence-certs bootstrap`: it creates (or renews) the CA and serving certificate in Secret
 gpufence-webhook-tls (tls.crt, tls.key, ca.crt) and writes the CA into the caBundle of the
-`gpufence` MutatingWebhookConfiguration. Idempotent; the Job retries (backoffLimit) while the
-webhook configuration does not exist yet.
+`gpufence` MutatingWebhookConfiguration and of the `gpufence` ValidatingWebhookConfiguration.
+Idempotent; the Job retries (backoffLimit) while the MutatingWebhookConfiguration does not exist
+yet; a missing ValidatingWebhookConfiguration is only logged, and the next run sets it.
 */ -}}
 {{- define "gpufence.certsPodTemplate" -}}
 metadata:
