@@ -7,8 +7,9 @@ What the Secret and the caBundle should hold, and when to renew, is decided in
 ``certs.renewal`` (pure); ``KubeApi`` is the thin adapter over the ``kubernetes`` client and
 ``run_bootstrap`` the orchestration (GET Secret → POST/PUT Secret if needed → for each of the
 two configurations, GET → PATCH if needed; a second run makes only the three GETs). A missing
-MutatingWebhookConfiguration is an error (gpufence is not installed yet: the Job retries); a
-missing ValidatingWebhookConfiguration is only a warning (an install from before it existed).
+configuration of either kind is an error (gpufence is not installed yet, or only half applied: the
+Job retries). Not a warning: both fail closed, so a configuration left without its caBundle would
+refuse every new pod of the opted-in namespaces until the next run.
 """
 
 from __future__ import annotations
@@ -109,15 +110,13 @@ class WebhookConfigurationKind:
     kind: str  # as in a manifest
     resource: str  # as in RBAC rules and URLs
     method_suffix: str  # AdmissionregistrationV1Api.read_<suffix> / patch_<suffix>
-    required: bool  # missing: an error (True) or a warning (False)
 
 
 MUTATING = WebhookConfigurationKind(
-    "MutatingWebhookConfiguration", "mutatingwebhookconfigurations", "mutating_webhook_configuration", True
+    "MutatingWebhookConfiguration", "mutatingwebhookconfigurations", "mutating_webhook_configuration"
 )
-# Optional: an install from before the verify webhook has none, and its bootstrap must still work.
 VALIDATING = WebhookConfigurationKind(
-    "ValidatingWebhookConfiguration", "validatingwebhookconfigurations", "validating_webhook_configuration", False
+    "ValidatingWebhookConfiguration", "validatingwebhookconfigurations", "validating_webhook_configuration"
 )
 WEBHOOK_CONFIGURATION_KINDS = (MUTATING, VALIDATING)
 
@@ -247,7 +246,6 @@ class BootstrapResult:
     reason: str
     patched_webhooks: tuple[str, ...]  # names of the webhook entries patched, in both configurations
     # Optional configurations not found (kind and name), e.g. "ValidatingWebhookConfiguration gpufence".
-    missing_configurations: tuple[str, ...] = ()
 
 
 MAX_ATTEMPTS = 3
@@ -314,32 +312,15 @@ def _reconcile(api: KubeApi, opts: BootstrapOptions, now: dt.datetime) -> Bootst
             log_event("secret_replaced", **fields)
 
     patched: list[str] = []
-    missing: list[str] = []
     for kind in WEBHOOK_CONFIGURATION_KINDS:
-        found = _set_ca_bundle(api, kind, opts.webhook_configuration, ca_pem)
-        if found is None:
-            missing.append(f"{kind.kind} {opts.webhook_configuration}")
-        else:
-            patched += found
-    return BootstrapResult(verdict.action, verdict.reason, tuple(patched), tuple(missing))
+        patched += _set_ca_bundle(api, kind, opts.webhook_configuration, ca_pem)
+    return BootstrapResult(verdict.action, verdict.reason, tuple(patched))
 
 
-def _set_ca_bundle(api: KubeApi, kind: WebhookConfigurationKind, name: str, ca_pem: bytes) -> list[str] | None:
-    """Patch the caBundle of every webhook of ``kind`` ``name`` that differs from ``ca_pem``.
-
-    Returns the names of the patched webhooks, or None when an optional kind does not exist.
-    """
-    try:
-        config = api.get_webhook_configuration(kind, name)
-    except NotFound as exc:
-        if kind.required:
-            raise
-        log_event(
-            "webhook_configuration_missing", logging.WARNING, kind=kind.kind, name=name,
-            message=f"{kind.kind} {name!r} not found, its caBundle is not set ({exc}); "
-            "expected only on an install from before it existed",
-        )
-        return None
+def _set_ca_bundle(api: KubeApi, kind: WebhookConfigurationKind, name: str, ca_pem: bytes) -> list[str]:
+    """Patch the caBundle of every webhook of ``kind`` ``name`` that differs from ``ca_pem``; returns
+    the names of the patched webhooks. Raises ``NotFound`` where the configuration does not exist."""
+    config = api.get_webhook_configuration(kind, name)
     ops = ca_bundle_patch(config, ca_pem)
     if not config.get("webhooks"):
         log_event("webhook_configuration_empty", logging.WARNING, kind=kind.kind, name=name)

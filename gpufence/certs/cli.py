@@ -107,7 +107,7 @@ def build_parser() -> argparse.ArgumentParser:
     boot.add_argument("--service", default=bs.DEFAULT_SERVICE, help=service_help)
     boot.add_argument("--webhook-configuration", default=bs.DEFAULT_WEBHOOK_CONFIGURATION,
                       help="name of the MutatingWebhookConfiguration and of the ValidatingWebhookConfiguration "
-                      "whose caBundle is set to the CA (a missing ValidatingWebhookConfiguration is only a warning)")
+                      "whose caBundle is set to the CA")
     boot.add_argument("--dns-name", action="append", default=[], help=dns_help)
     boot.add_argument("--renew-before-days", type=_non_negative_float, default=bs.DEFAULT_RENEW_BEFORE_DAYS,
                       help="renew the serving certificate when it expires within this many days")
@@ -235,7 +235,6 @@ def cmd_bootstrap(args: argparse.Namespace) -> int:
     print(
         f"secret {opts.namespace}/{opts.secret}: {result.action} ({result.reason}); "
         f"caBundle {'patched in ' + ', '.join(result.patched_webhooks) if result.patched_webhooks else 'unchanged'}"
-        + "".join(f"; {missing} not found" for missing in result.missing_configurations)
     )
     return EXIT_OK
 

@@ -271,23 +271,18 @@ def test_missing_webhook_configuration(api: FakeKubeApi, kubeconfig: str, capsys
     assert VWC_PATH not in [path for _, path in api.calls()]
 
 
-def test_missing_validating_configuration_is_a_warning(api: FakeKubeApi, kubeconfig: str,
-                                                       capsys: pytest.CaptureFixture[str]) -> None:
-    """An install from before the verify webhook: the mutating configuration still gets its caBundle."""
+def test_missing_validating_configuration_is_an_error_after_the_mutating_one_is_set(
+        api: FakeKubeApi, kubeconfig: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """Half an install (or the Job between two objects of a fresh one): the Job fails and retries,
+    because verify.gpufence.io fails closed and would refuse every pod without its caBundle."""
     del api.validating_webhook_configurations["gpufence"]
-    assert bootstrap(kubeconfig) == 0
+    assert bootstrap(kubeconfig) == 1
     assert api.calls() == [("GET", SECRET_PATH), ("POST", SECRETS_PATH), ("GET", MWC_PATH), ("PATCH", MWC_PATH),
                            ("GET", VWC_PATH)]
     assert bundles(api, MUTATING) == [stored(api)["ca.crt"]] * 2
-    captured = capsys.readouterr()
-    assert "caBundle patched in inject.gpufence.io, debug.gpufence.io; " \
-           "ValidatingWebhookConfiguration gpufence not found" in captured.out
-    (warning,) = [e for e in events(captured.err) if e["event"] == "webhook_configuration_missing"]
-    assert warning["level"] == "warning"
-    assert (warning["kind"], warning["name"]) == (VALIDATING, "gpufence")
-    assert "ValidatingWebhookConfiguration 'gpufence' not found" in warning["message"]
-    assert "error" not in [e["event"] for e in events(captured.err)]
-    # Once the install has it, the next run (the CronJob's) sets its caBundle.
+    err = capsys.readouterr().err
+    assert "validatingwebhookconfigurations 'gpufence' not found" in err
+    # Once the install has it, the retry sets its caBundle.
     api.put_webhook_configuration(webhook_configuration(kind=VALIDATING))
     api.clear_requests()
     assert bootstrap(kubeconfig) == 0

@@ -9,7 +9,6 @@ from __future__ import annotations
 import base64
 import copy
 import datetime as dt
-import logging
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -96,7 +95,6 @@ def test_the_two_kinds_are_the_admission_apis() -> None:
 
     assert [k.kind for k in bs.WEBHOOK_CONFIGURATION_KINDS] == ["MutatingWebhookConfiguration",
                                                                 "ValidatingWebhookConfiguration"]
-    assert [k.required for k in bs.WEBHOOK_CONFIGURATION_KINDS] == [True, False]
     for kind in bs.WEBHOOK_CONFIGURATION_KINDS:
         assert kind.resource == kind.kind.lower() + "s"
         for verb in ("read", "patch"):
@@ -107,7 +105,6 @@ def test_both_configurations_get_the_ca() -> None:
     api = MemoryApi()
     result = run(api)
     assert result.patched_webhooks == ("inject.gpufence.io", "debug.gpufence.io", "verify.gpufence.io")
-    assert result.missing_configurations == ()
     assert api.bundles(M) == [api.ca()] * 2 and api.bundles(V) == [api.ca()]
     assert api.calls[-4:] == [("get", M), ("patch", M), ("get", V), ("patch", V)]
     api.calls.clear()
@@ -128,16 +125,12 @@ def test_a_new_ca_reaches_both_configurations() -> None:
     assert len(result.patched_webhooks) == 3
 
 
-def test_missing_validating_configuration_warns(caplog: pytest.LogCaptureFixture) -> None:
+def test_missing_validating_configuration_is_an_error() -> None:
     api = MemoryApi()
     del api.configurations[V][NAME]
-    with caplog.at_level(logging.WARNING, logger="gpufence.certs"):
-        result = run(api)
-    assert result.patched_webhooks == ("inject.gpufence.io", "debug.gpufence.io")
-    assert result.missing_configurations == (f"ValidatingWebhookConfiguration {NAME}",)
-    assert api.bundles(M) == [api.ca()] * 2
-    (record,) = [r for r in caplog.records if r.levelno == logging.WARNING]
-    assert f"ValidatingWebhookConfiguration {NAME!r} not found" in record.getMessage()
+    with pytest.raises(bs.NotFound, match="validatingwebhookconfigurations"):
+        run(api)
+    assert api.bundles(M) == [api.ca()] * 2  # set before: a retry has only the validating one to do
 
 
 def test_missing_mutating_configuration_is_an_error() -> None:
