@@ -10,7 +10,7 @@ objects (kind, namespace, name) with the same content. Two differences are allow
   release name). They are checked for those values, then removed;
 * blank lines inside strings (``blank_lines_collapsed``).
 
-The guard policy, the alert rules and the dashboard are not rewritten in the chart: they are copies
+The protect policy, the alert rules and the dashboard are not rewritten in the chart: they are copies
 that scripts/chart_from_k8s.py writes from k8s/, checked here to be current.
 """
 
@@ -97,13 +97,13 @@ def test_template_equals_kustomize(helm: Path, tmp_path: Path, directory: str) -
     assert_same(*both(helm, tmp_path, directory))
 
 
-GUARD = """\
+POLICY = """\
 apiVersion: admissionregistration.k8s.io/v1
 kind: ValidatingAdmissionPolicy
 metadata:
-  name: gpufence-guard
+  name: gpufence-protect
   labels:
-    app.kubernetes.io/name: gpufence-guard
+    app.kubernetes.io/name: gpufence-protect
 {extra}spec:
   variables:
     - name: x
@@ -112,21 +112,21 @@ metadata:
 
 
 def test_the_copy_replaces_only_the_labels() -> None:
-    guard = chart_from_k8s.COPIES[0]
-    text = GUARD.format(extra="    app.kubernetes.io/component: guard\n", expression="1 + 1")
-    include = ('{{- include "gpufence.labels" (dict "context" $ "name" "gpufence-guard" "component" "guard")'
+    protect = chart_from_k8s.COPIES[0]
+    text = POLICY.format(extra="    app.kubernetes.io/component: protect\n", expression="1 + 1")
+    include = ('{{- include "gpufence.labels" (dict "context" $ "name" "gpufence-protect" "component" "protect")'
                " | nindent 4 }}")
-    assert chart_from_k8s.template_of(text, guard).split("*/ -}}\n", 1)[1] == text.replace(
-        "    app.kubernetes.io/name: gpufence-guard\n    app.kubernetes.io/component: guard\n", f"    {include}\n")
+    assert chart_from_k8s.template_of(text, protect).split("*/ -}}\n", 1)[1] == text.replace(
+        "    app.kubernetes.io/name: gpufence-protect\n    app.kubernetes.io/component: protect\n", f"    {include}\n")
 
 
 @pytest.mark.parametrize(("extra", "expression", "message"), [
-    ("    app.kubernetes.io/component: guard\n    team: a\n", "1",
-     "object gpufence-guard: its metadata.labels are 'app.kubernetes.io/name: gpufence-guard"),
-    ("    app.kubernetes.io/component: guard\n", "{{ 1",
+    ("    app.kubernetes.io/component: protect\n    team: a\n", "1",
+     "object gpufence-protect: its metadata.labels are 'app.kubernetes.io/name: gpufence-protect"),
+    ("    app.kubernetes.io/component: protect\n", "{{ 1",
      "a '{{' the chart cannot copy: each must close with '}}' on the same line"),
 ], ids=["other-label", "unclosed-template"])
 def test_the_copy_refuses_what_helm_would_change(extra: str, expression: str, message: str) -> None:
     with pytest.raises(chart_from_k8s.ChartSourceError, match=re.escape(message)) as raised:
-        chart_from_k8s.template_of(GUARD.format(extra=extra, expression=expression), chart_from_k8s.COPIES[0])
-    assert "e.g." in str(raised.value) and "k8s/base/guard-policy.yaml" in str(raised.value)
+        chart_from_k8s.template_of(POLICY.format(extra=extra, expression=expression), chart_from_k8s.COPIES[0])
+    assert "e.g." in str(raised.value) and "k8s/base/protect-policy.yaml" in str(raised.value)

@@ -3,8 +3,8 @@
 The chart has its own templates (tests/deploy/test_chart_drift.py checks they render what kustomize
 renders). Here: every rendered object, with the defaults and with every value changed, passes the
 validation the kustomize output gets (tests/deploy/test_manifests.py ``validate``); the policy ConfigMap
-the values produce is read by the webhook's own argument parser, and the guard reads the same
-ConfigMap; bad values fail the render with a message naming them.
+the values produce is read by the webhook's own argument parser, and the protect policy reads the
+same ConfigMap; bad values fail the render with a message naming them.
 
 helm is built from its Go module (tests/support/helm_binary.py); without Go these tests skip. A cold build
 takes minutes: run ``python -m tests.support.helm_binary`` before pytest to keep it out of a test's time.
@@ -42,8 +42,8 @@ POLICY = ("ConfigMap", "gpufence", "gpufence-policy")
 WEBHOOK = ("Deployment", "gpufence", "gpufence-webhook")
 # The flags the chart sets on the webhook itself, which webhook.flags may not.
 CHART_SET_FLAGS = {"port", "tls-cert-file", "tls-private-key-file", "policy-configmap"}
-# The policy the guard used to hold copies of (one variable each), now read from the ConfigMap.
-GUARD_POLICY_KEYS = {
+# The keys the chart always writes into the policy ConfigMap (the common settings an admin edits).
+WRITTEN_POLICY_KEYS = {
     "gpu-resource-name", "exclusive-gpu-resource-name", "non-gpu-resource-claims", "kai-scheduler-name",
     "sidecar-image",
     "default-mode", "allow-audit", "allow-opt-out", "max-memory",
@@ -245,7 +245,7 @@ def test_default_policy_is_the_webhooks_default(helm: Path, tmp_path: Path) -> N
     data = objects[POLICY]["data"]
     assert data["sidecar-image"] == webhook_container(objects)["image"] == f"ghcr.io/gpufence/gpufence:{__version__}"
     assert policy_settings(data) == InjectionSettings()
-    assert set(data) >= GUARD_POLICY_KEYS, "every key the guard reads is in the ConfigMap"
+    assert set(data) >= WRITTEN_POLICY_KEYS
     injection = set(helper_words("gpufence.policyKeys"))
     flags = {arg.removeprefix("--").split("=")[0] for arg in webhook_container(objects)["args"]}
     assert not flags & injection, f"policy flags on the webhook: {sorted(flags & injection)}"
@@ -259,32 +259,34 @@ def test_default_webhook_args_parse(helm: Path, tmp_path: Path) -> None:
     assert parsed.port == 8443 and parsed.tls_cert_file == "/etc/gpufence/tls/tls.crt"
 
 
-def test_guard_reads_the_policy_configmap(helm: Path, tmp_path: Path) -> None:
-    """The guard judges a sidecar by the policy the webhook injects with: both read ConfigMap
-    gpufence-policy, and every key the guard reads is one the chart writes."""
-    guards = []
+def test_protect_reads_the_policy_configmap(helm: Path, tmp_path: Path) -> None:
+    """The protect policy reads admin-groups from ConfigMap gpufence-policy, never a copy of a value."""
+    policies = []
     for values in ({}, CUSTOM):
         objects = {key(o): o for o in template(helm, tmp_path, values)}
-        guard = objects["ValidatingAdmissionPolicy", None, "gpufence-guard"]
-        guards.append(guard)
-        assert guard["spec"]["paramKind"] == {"apiVersion": "v1", "kind": "ConfigMap"}
-        binding = objects["ValidatingAdmissionPolicyBinding", None, "gpufence-guard"]
-        assert binding["spec"]["paramRef"] == {
-            "name": "gpufence-policy", "namespace": "gpufence", "parameterNotFoundAction": "Deny"}
-        variables = {v["name"]: v["expression"] for v in guard["spec"]["variables"]}
-        assert "params.data" in variables["clusterPolicy"]
-        cel = "\n".join(strings_in(guard["spec"]))
-        read = set(re.findall(r"""variables\.clusterPolicy\[\s*'([a-z0-9-]+)'\s*\]""", cel))
-        assert read >= GUARD_POLICY_KEYS, f"the guard does not read {sorted(GUARD_POLICY_KEYS - read)}"
-        # A key the guard reads is one the chart's ConfigMap holds, or a policy flag the chart
-        # leaves to its default (where it is absent, the guard falls back to the webhook's default;
-        # tests/unit/guard/test_cluster_policy.py checks those).
-        written = set(objects[POLICY]["data"])
-        assert written >= GUARD_POLICY_KEYS, f"not in the ConfigMap: {sorted(GUARD_POLICY_KEYS - written)}"
-        flags = {f.name for f in POLICY_FLAGS}
-        assert read <= flags, f"not a policy flag: {sorted(read - flags)}"
-    # The values reach the guard only through the ConfigMap: the policy object is the same for any values.
-    assert guards[0] == guards[1], "a policy value was copied into the guard"
+        for name in ("gpufence-protect", "gpufence-protect-exec"):
+            policy = objects["ValidatingAdmissionPolicy", None, name]
+            policies.append(policy)
+            assert policy["spec"]["paramKind"] == {"apiVersion": "v1", "kind": "ConfigMap"}
+            binding = objects["ValidatingAdmissionPolicyBinding", None, name]
+            assert binding["spec"]["paramRef"] == {
+                "name": "gpufence-policy", "namespace": "gpufence", "parameterNotFoundAction": "Deny"}
+            cel = "\n".join(strings_in(policy["spec"]))
+            read = set(re.findall(r"""variables\.clusterPolicy\[\s*'([a-z0-9-]+)'\s*\]""", cel))
+            assert read == {"admin-groups"}, read
+    # The values reach the policies only through the ConfigMap: the objects are the same for any values.
+    assert policies[:2] == policies[2:], "a policy value was copied into the protect policy"
+
+
+def test_the_webhook_configurations_fail_closed_for_pods(helm: Path, tmp_path: Path) -> None:
+    objects = {key(o): o for o in template(helm, tmp_path, CUSTOM)}
+    hooks = {w["name"]: w for kind in ("MutatingWebhookConfiguration", "ValidatingWebhookConfiguration")
+             for w in objects[kind, None, "gpufence"]["webhooks"]}
+    assert {n: w["failurePolicy"] for n, w in hooks.items()} == {
+        "inject.gpufence.io": "Fail", "debug.gpufence.io": "Ignore", "verify.gpufence.io": "Fail"}
+    for kind in ("MutatingWebhookConfiguration", "ValidatingWebhookConfiguration"):
+        assert objects[kind, None, "gpufence"]["metadata"]["annotations"] == {
+            "cert-manager.io/inject-ca-from": "gpufence/gpufence-webhook"}
 
 
 @pytest.mark.parametrize(("values", "message"), [
@@ -299,7 +301,7 @@ def test_guard_reads_the_policy_configmap(helm: Path, tmp_path: Path) -> None:
      "give one, e.g. policy.max-memory: 8Gi"),
     ({"webhook": {"flags": {"default-memory": "25%"}}},
      "webhook.flags.default-memory: 25%: a policy setting, which the webhook reads from the ConfigMap "
-     "gpufence-policy (and the guard too); set policy.default-memory instead"),
+     "gpufence-policy; set policy.default-memory instead"),
     ({"webhook": {"flags": {"port": 9443}}}, "webhook.flags.port: 9443: the chart sets --port from webhook.port"),
     ({"webhook": {"flags": {"tls-cert-file": "/x"}}},
      "webhook.flags.tls-cert-file: /x: not a flag webhook.flags can set"),

@@ -47,6 +47,6 @@ def test_image_kustomization_example_renders_the_new_image_everywhere(tmp_path: 
     wanted = f"registry.example.com/platform/gpufence:{__version__}"
     images = set(re.findall(r"image: (\S+)", result.stdout))
     assert images == {wanted}
-    # The sidecar image the webhook injects and the guard accepts: both read the policy ConfigMap.
+    # The sidecar image the webhook injects comes from the policy ConfigMap.
     (policy,) = [o for o in objects if o["kind"] == "ConfigMap" and o["metadata"]["name"] == "gpufence-policy"]
     assert policy["data"]["sidecar-image"] == wanted

@@ -58,7 +58,7 @@ BUILDS = {
 BASE_KINDS = {
     "Namespace", "ServiceAccount", "ClusterRole", "ClusterRoleBinding", "Role", "RoleBinding", "Deployment",
     "PodDisruptionBudget", "Service", "Job", "CronJob", "MutatingWebhookConfiguration",
-    "ValidatingAdmissionPolicy", "ValidatingAdmissionPolicyBinding", "PriorityClass",
+    "ValidatingWebhookConfiguration", "ValidatingAdmissionPolicy", "ValidatingAdmissionPolicyBinding", "PriorityClass",
 }  # fmt: skip
 
 
@@ -346,7 +346,7 @@ def test_build_contents(directory: str) -> None:
     for obj in objects:
         assert obj["metadata"]["labels"]["app.kubernetes.io/part-of"] == "gpufence"
         if obj["kind"] not in {"Namespace", "ClusterRole", "ClusterRoleBinding", "MutatingWebhookConfiguration",
-                               "ValidatingAdmissionPolicy", "ValidatingAdmissionPolicyBinding",
+                               "ValidatingWebhookConfiguration", "ValidatingAdmissionPolicy", "ValidatingAdmissionPolicyBinding",
                                "PriorityClass"}:  # fmt: skip
             assert obj["metadata"].get("namespace") == NAMESPACE, obj["metadata"]["name"]
 
@@ -355,29 +355,49 @@ def test_build_contents(directory: str) -> None:
 # Admission webhook configuration
 
 
-def _webhook(objects) -> dict[str, Any]:
-    config = one(objects, "MutatingWebhookConfiguration", WEBHOOK_CONFIGURATION)
-    (webhook,) = config["webhooks"]
-    return webhook
+def _webhooks(objects) -> dict[str, dict[str, Any]]:
+    """Every webhook gpufence registers, by name (both configurations are named gpufence)."""
+    mutating = one(objects, "MutatingWebhookConfiguration", WEBHOOK_CONFIGURATION)
+    validating = one(objects, "ValidatingWebhookConfiguration", WEBHOOK_CONFIGURATION)
+    return {w["name"]: w for w in mutating["webhooks"] + validating["webhooks"]}
+
+
+POD_CREATE = {"operations": ["CREATE"], "apiGroups": [""], "apiVersions": ["v1"], "resources": ["pods"],
+              "scope": "Namespaced"}
+NOT_A_NODES_MIRROR = ("!has(object.metadata.annotations) || "
+                      "!('kubernetes.io/config.mirror' in object.metadata.annotations) || "
+                      "!request.userInfo.username.startsWith('system:node:')")
 
 
 @pytest.mark.parametrize("directory", BUILDS)
 def test_webhook_configuration_is_safe(directory: str) -> None:
+    """Pod creation fails closed on both webhooks (the API server refuses what gpufence could not
+    judge); kubectl debug fails open (the protect policy refuses an ephemeral container without the
+    void meanwhile)."""
     objects = objects_of(directory)
-    webhook = _webhook(objects)
-    assert webhook["failurePolicy"] == "Ignore"
+    webhooks = _webhooks(objects)
+    assert set(webhooks) == {"inject.gpufence.io", "debug.gpufence.io", "verify.gpufence.io"}
+    inject, debug, verify = (webhooks[n] for n in ("inject.gpufence.io", "debug.gpufence.io", "verify.gpufence.io"))
+    assert inject["failurePolicy"] == verify["failurePolicy"] == "Fail"
+    assert debug["failurePolicy"] == "Ignore"
+    assert inject["reinvocationPolicy"] == "IfNeeded"
+    assert inject["rules"] == verify["rules"] == [POD_CREATE]
+    assert debug["rules"] == [{"operations": ["UPDATE"], "apiGroups": [""], "apiVersions": ["v1"],
+                               "resources": ["pods/ephemeralcontainers"], "scope": "Namespaced"}]
+    # A static pod's mirror from its node is never sent (the kubelet runs the manifest, not the mirror).
+    for hook in (inject, verify):
+        (condition,) = hook["matchConditions"]
+        assert " ".join(condition["expression"].split()) == NOT_A_NODES_MIRROR
+    assert "matchConditions" not in debug
+    for name, webhook in webhooks.items():
+        _check_webhook(objects, name, webhook)
+
+
+def _check_webhook(objects: list[dict[str, Any]], name: str, webhook: dict[str, Any]) -> None:
     assert webhook["sideEffects"] == "None"
     assert webhook["timeoutSeconds"] <= 10
-    assert webhook["reinvocationPolicy"] == "IfNeeded"
     assert webhook["matchPolicy"] == "Equivalent"
     assert webhook["admissionReviewVersions"] == ["v1"]
-    assert webhook["rules"] == [
-        {"operations": ["CREATE"], "apiGroups": [""], "apiVersions": ["v1"], "resources": ["pods"],
-         "scope": "Namespaced"},
-        # kubectl debug: new ephemeral containers get NVIDIA_VISIBLE_DEVICES=void.
-        {"operations": ["UPDATE"], "apiGroups": [""], "apiVersions": ["v1"],
-         "resources": ["pods/ephemeralcontainers"], "scope": "Namespaced"},
-    ]  # fmt: skip
     expressions = webhook["namespaceSelector"]["matchExpressions"]
     assert {"key": INJECTION_LABEL, "operator": "In", "values": [INJECTION_ENABLED]} in expressions
     (exclusion,) = [e for e in expressions if e["key"] == "kubernetes.io/metadata.name"]
@@ -387,7 +407,8 @@ def test_webhook_configuration_is_safe(directory: str) -> None:
     # label only where the namespace allows opt-out.
     assert "objectSelector" not in webhook
     service = webhook["clientConfig"]["service"]
-    assert service == {"namespace": NAMESPACE, "name": SERVICE, "path": "/mutate", "port": 443}
+    path = "/validate" if name == "verify.gpufence.io" else "/mutate"
+    assert service == {"namespace": NAMESPACE, "name": SERVICE, "path": path, "port": 443}
     assert "url" not in webhook["clientConfig"]
     # The Service exists and maps 443 to the webhook container's 8443.
     svc = one(objects, "Service", SERVICE)
@@ -400,10 +421,11 @@ def test_webhook_configuration_is_safe(directory: str) -> None:
     assert svc["spec"]["selector"].items() <= deployment["spec"]["template"]["metadata"]["labels"].items()
 
 
-def test_ca_bundle_source() -> None:
-    base = one(objects_of("k8s"), "MutatingWebhookConfiguration", WEBHOOK_CONFIGURATION)
-    assert "caBundle" not in base["webhooks"][0]["clientConfig"], "set by gpufence-certs, not by kubectl apply"
-    cm = one(objects_of("k8s/overlays/cert-manager"), "MutatingWebhookConfiguration", WEBHOOK_CONFIGURATION)
+@pytest.mark.parametrize("kind", ["MutatingWebhookConfiguration", "ValidatingWebhookConfiguration"])
+def test_ca_bundle_source(kind: str) -> None:
+    base = one(objects_of("k8s"), kind, WEBHOOK_CONFIGURATION)
+    assert all("caBundle" not in w["clientConfig"] for w in base["webhooks"]), "set by gpufence-certs, not kubectl"
+    cm = one(objects_of("k8s/overlays/cert-manager"), kind, WEBHOOK_CONFIGURATION)
     assert cm["metadata"]["annotations"]["cert-manager.io/inject-ca-from"] == f"{NAMESPACE}/gpufence-webhook"
 
 
@@ -517,7 +539,7 @@ def test_webhook_deployment() -> None:
     args = container["args"]
     assert "--port=8443" in args
     assert container["image"] == DEFAULT_SIDECAR_IMAGE, "webhook and sidecar images are the same release"
-    # The policy comes from the ConfigMap the guard reads too; the webhook refuses policy flags with it.
+    # The policy comes from the ConfigMap, its one source; the webhook refuses policy flags with it.
     assert f"--policy-configmap={NAMESPACE}/{POLICY_CONFIGMAP}" in args
     settings_args = parse_args(args, environ={})
     assert settings_args.policy_configmap == (NAMESPACE, POLICY_CONFIGMAP)
@@ -561,9 +583,9 @@ def test_the_policy_configmap_is_valid_and_names_this_release() -> None:
     assert configmap["metadata"]["namespace"] == NAMESPACE
     assert parse_policy(configmap["data"]) == InjectionSettings()
     assert configmap["data"]["sidecar-image"] == DEFAULT_SIDECAR_IMAGE
-    guard = one(objects_of("k8s"), "ValidatingAdmissionPolicyBinding", "gpufence-guard")
-    assert guard["spec"]["paramRef"]["name"] == POLICY_CONFIGMAP
-    assert guard["spec"]["paramRef"]["namespace"] == NAMESPACE
+    protect = one(objects_of("k8s"), "ValidatingAdmissionPolicyBinding", "gpufence-protect")
+    assert protect["spec"]["paramRef"]["name"] == POLICY_CONFIGMAP
+    assert protect["spec"]["paramRef"]["namespace"] == NAMESPACE
 
 
 def test_certificate_jobs() -> None:
@@ -801,7 +823,8 @@ def test_podmonitor_port_name_is_the_one_the_webhook_injects() -> None:
 
 
 def test_webhook_has_a_priority_class_above_workloads_and_a_disruption_budget() -> None:
-    """The guard blocks GPU pods while the webhook is down: it must not be evicted first or drained all at once."""
+    """The API server refuses new pods of opted-in namespaces while the webhook is down: it must not be
+    evicted first or drained all at once."""
     objects = objects_of("k8s")
     deployment = one(objects, "Deployment", "gpufence-webhook")
     name = deployment["spec"]["template"]["spec"]["priorityClassName"]
