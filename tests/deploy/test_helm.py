@@ -23,7 +23,7 @@ import pytest
 import yaml
 
 from gpufence import __version__
-from gpufence.webhook.cli import FLAGS, POLICY_FLAGS, parse_args, settings_from_args
+from gpufence.webhook.cli import FLAGS, parse_args, settings_from_args
 from gpufence.webhook.settings import InjectionSettings
 from tests.deploy.test_alerts import PROMTOOL_MISSING, write_rules
 from tests.deploy.test_manifests import K8S_VERSION, validate

@@ -346,8 +346,8 @@ def test_build_contents(directory: str) -> None:
     for obj in objects:
         assert obj["metadata"]["labels"]["app.kubernetes.io/part-of"] == "gpufence"
         if obj["kind"] not in {"Namespace", "ClusterRole", "ClusterRoleBinding", "MutatingWebhookConfiguration",
-                               "ValidatingWebhookConfiguration", "ValidatingAdmissionPolicy", "ValidatingAdmissionPolicyBinding",
-                               "PriorityClass"}:  # fmt: skip
+                               "ValidatingWebhookConfiguration", "ValidatingAdmissionPolicy",
+                               "ValidatingAdmissionPolicyBinding", "PriorityClass"}:  # fmt: skip
             assert obj["metadata"].get("namespace") == NAMESPACE, obj["metadata"]["name"]
 
 

@@ -202,8 +202,8 @@ def reviewed(pod: dict[str, Any], result: ReviewResult) -> tuple[dict[str, Any],
     ([("gpu", C, "shared-gpu")], (), []),
     ([("nic", T, "nic-t")], ("nic-t",), []),
     ([("nic", T, "nic-t")], (), ['claim "nic" (ResourceClaimTemplate "nic-t") holds no GPU (DeviceClass "nic" '
-                                 '(nic.example.com)) but gets the enforcer: only the policy\'s list exempts a claim; an '
-                                 'admin can list "nic-t" in non-gpu-resource-claims']),
+                                 '(nic.example.com)) but gets the enforcer: only the policy\'s list exempts a claim; '
+                                 'an admin can list "nic-t" in non-gpu-resource-claims']),
     ([("gpu", T, "absent")], (), ['claim "gpu" (ResourceClaimTemplate "absent") is taken for a GPU (share and '
                                   'enforcer): it could not be resolved: the webhook does not know '
                                   'ResourceClaimTemplate "absent" in namespace "team"']),
