@@ -97,9 +97,10 @@ def verify(payload: Any, settings: InjectionSettings, namespaces: NamespaceLooku
     shown = ", ".join(changed[:8]) + (f" and {len(changed) - 8} more" if len(changed) > 8 else "")
     return _result(uid, OUTCOME_REFUSED, [], denied=(
         "gpufence: the pod differs from what gpufence admits at "
-        f"{shown}: a mutating admission step after gpufence's webhook changed it (or the webhook's "
-        "policy changed meanwhile). Create the pod again; if this repeats, the cluster admin must "
-        "order the other mutating webhook before gpufence's or stop it changing GPU pods "
+        f"{shown}: something after gpufence's webhook changed it (another mutating webhook, or the API "
+        "server dropping fields of a feature it has off, such as DRA's resourceClaims), or the "
+        "webhook's policy changed meanwhile. Create the pod again; if this repeats, the cluster admin "
+        "must order the other mutating webhook before gpufence's or stop it changing GPU pods "
         "(docs/runbook.md, \"Pods refused by verify.gpufence.io\")"))
 
 

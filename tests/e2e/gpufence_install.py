@@ -5,9 +5,10 @@ local process (there is no node to run its Deployment) with the serving pair the
 ``gpufence-certs generate`` wrote, laid out like a mounted Secret, with a ServiceAccount token of
 the install's ``gpufence-webhook`` account (TokenRequest) for its namespace and policy watches, and
 with the Deployment's own ``--policy-configmap`` (so it reads the shipped ConfigMap gpufence-policy,
-as the guard does). The one change to the shipped objects: the MutatingWebhookConfiguration's
-``clientConfig`` points at that process by ``url:`` with the ``caBundle`` the cert tooling produced,
-which is exactly what the certs Job would patch in, plus the address.
+as shipped). The one change to the shipped objects: each webhook's ``clientConfig`` (the
+Mutating- and ValidatingWebhookConfiguration gpufence) points at that process by ``url:`` with the
+``caBundle`` the cert tooling produced, which is exactly what the certs Job would patch in, plus
+the address.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import time
 import urllib.error
 import urllib.request
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -175,14 +177,21 @@ def generate_webhook_certs(out_dir: Path) -> tuple[Path, Path, Path]:
     return out_dir / "ca.crt", out_dir / "tls.crt", out_dir / "tls.key"
 
 
+WEBHOOK_KINDS = ("MutatingWebhookConfiguration", "ValidatingWebhookConfiguration")
+
+
+def _is_gpufence_webhooks(obj: dict[str, Any]) -> bool:
+    return obj["kind"] in WEBHOOK_KINDS and obj["metadata"]["name"] == WEBHOOK_CONFIGURATION
+
+
 def rendered(cp: ControlPlane, kustomization: Path, webhook_url: str) -> list[dict[str, Any]]:
-    """``kubectl kustomize`` output with the webhook configuration's Service reference replaced by
-    ``webhook_url`` (there is no node to run the Deployment behind the Service); all else as shipped."""
+    """``kubectl kustomize`` output with each webhook's Service reference replaced by ``webhook_url``
+    and the same path (there is no node to run the Deployment behind the Service); all else as shipped."""
     objects = [o for o in yaml.safe_load_all(cp.kubectl("kustomize", str(kustomization)).stdout) if o]
     for obj in objects:
-        if obj["kind"] == "MutatingWebhookConfiguration" and obj["metadata"]["name"] == WEBHOOK_CONFIGURATION:
+        if _is_gpufence_webhooks(obj):
             for hook in obj["webhooks"]:
-                hook["clientConfig"] = {"url": f"{webhook_url}/mutate"}
+                hook["clientConfig"] = {"url": f"{webhook_url}{hook['clientConfig']['service']['path']}"}
     return objects
 
 
@@ -190,22 +199,26 @@ def apply_objects(cp: ControlPlane, objects: list[dict[str, Any]], *args: str) -
     return cp.kubectl("apply", "--server-side", *args, "-f", "-", input=yaml.safe_dump_all(objects))
 
 
+def _patch_webhooks(cp: ControlPlane, op: Callable[[int, dict[str, Any]], dict[str, Any]]) -> None:
+    for kind in WEBHOOK_KINDS:
+        resource = kind.lower()
+        config = json.loads(cp.kubectl("get", resource, WEBHOOK_CONFIGURATION, "-o", "json").stdout)
+        ops = [op(i, hook) for i, hook in enumerate(config["webhooks"])]
+        cp.kubectl("patch", resource, WEBHOOK_CONFIGURATION, "--type=json", "-p", json.dumps(ops))
+
+
 def set_ca_bundle(cp: ControlPlane, ca_pem: bytes) -> None:
-    """What the certs Job does: patch only each webhook's caBundle."""
-    config = json.loads(cp.kubectl("get", "mutatingwebhookconfiguration", WEBHOOK_CONFIGURATION,
-                                   "-o", "json").stdout)
-    ops = [{"op": "add", "path": f"/webhooks/{i}/clientConfig/caBundle", "value": base64.b64encode(ca_pem).decode()}
-           for i, _ in enumerate(config["webhooks"])]
-    cp.kubectl("patch", "mutatingwebhookconfiguration", WEBHOOK_CONFIGURATION, "--type=json", "-p", json.dumps(ops))
+    """What the certs Job does: patch only each webhook's caBundle, in both configurations."""
+    bundle = base64.b64encode(ca_pem).decode()
+    _patch_webhooks(cp, lambda i, _: {"op": "add", "path": f"/webhooks/{i}/clientConfig/caBundle", "value": bundle})
 
 
 def point_webhook_at(cp: ControlPlane, webhook_url: str) -> None:
-    """Send the API server's calls to another address (e.g. the benchmark's reference webhook)."""
-    config = json.loads(cp.kubectl("get", "mutatingwebhookconfiguration", WEBHOOK_CONFIGURATION,
-                                   "-o", "json").stdout)
-    ops = [{"op": "replace", "path": f"/webhooks/{i}/clientConfig/url", "value": f"{webhook_url}/mutate"}
-           for i, _ in enumerate(config["webhooks"])]
-    cp.kubectl("patch", "mutatingwebhookconfiguration", WEBHOOK_CONFIGURATION, "--type=json", "-p", json.dumps(ops))
+    """Send the API server's calls to another address (e.g. the benchmark's reference webhook), each
+    webhook to the same path there."""
+    _patch_webhooks(cp, lambda i, hook: {
+        "op": "replace", "path": f"/webhooks/{i}/clientConfig/url",
+        "value": webhook_url + "/" + hook["clientConfig"]["url"].split("/", 3)[3]})
 
 
 def install(cp: ControlPlane, webhook_url: str) -> subprocess.CompletedProcess[str]:

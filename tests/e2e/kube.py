@@ -138,24 +138,59 @@ def enforcer_config(pod: dict[str, Any]) -> dict[str, Any]:
     return json.loads(env_of(container(pod, SIDECAR_NAME))[ENV_CONFIG])
 
 
-Forgery = tuple[Callable[[dict[str, Any]], None], str]
+WEBHOOK_DOWN = "failed calling webhook"
 
 
-def forgeries_not_refused(api: client.ApiClient, namespace: str, template: dict[str, Any],
-                          forgeries: dict[str, Forgery]) -> dict[str, str]:
-    """Each forgery applied to a copy of ``template`` and created: the names of those the guard did not
-    refuse with its expected message, with what happened instead (empty when all were refused)."""
+def outage_problem(result: Created, webhook: str = "inject.gpufence.io") -> str | None:
+    """What is wrong with ``result`` as the API server's answer to a create in an opted-in namespace
+    while gpufence's webhook is down (None: refused, naming the webhook, as failurePolicy Fail says)."""
+    if result.admitted:
+        return "admitted"
+    if result.status != 500 or WEBHOOK_DOWN not in result.message or f'"{webhook}"' not in result.message:
+        return f"{result.status}: {result.message}"
+    return None
+
+
+def denied_by(result: Created, webhook: str = "inject.gpufence.io") -> bool:
+    """Whether the webhook itself judged the pod and denied it (its message follows this prefix)."""
+    return (not result.admitted and result.status == 400
+            and f'admission webhook "{webhook}" denied the request: ' in result.message)
+
+
+def forgeries_misjudged(api: client.ApiClient, namespace: str, template: dict[str, Any],
+                        forgeries: dict[str, Callable[[dict[str, Any]], None]], *,
+                        webhook_up: bool) -> dict[str, str]:
+    """Each forgery applied to a copy of ``template`` (a pod as the webhook injected and the API server
+    stored it) and created: the names of those gpufence did not stop, with what happened instead.
+
+    Webhook down: each is refused by the API server, naming the webhook (failurePolicy Fail). Webhook
+    up: each is denied by the webhook, or stored with the enforcer the untouched template has (the
+    webhook rebuilt it): the same sidecar, config and shared PID namespace."""
     wrong: dict[str, str] = {}
-    for name, (forge, expected) in forgeries.items():
+    expected_sidecar = container(template, SIDECAR_NAME)
+    for name, forge in forgeries.items():
         forged = copy.deepcopy(template)
         forged["metadata"]["name"] = unique("forged")
         forge(forged)
         result = create_pod(api, namespace, forged)
-        if result.admitted:
-            wrong[name] = "admitted"
-        elif not (result.status == 403 and "gpufence-guard" in result.message and expected in result.message):
+        if not webhook_up:
+            problem = outage_problem(result)
+            if problem is not None:
+                wrong[name] = problem
+        elif result.admitted:
+            assert result.obj is not None
+            stored = container(result.obj, SIDECAR_NAME)
+            if (stored != expected_sidecar and _without_config(stored) != _without_config(expected_sidecar)) or \
+                    enforcer_config(result.obj)["containers"].get("trainer") != \
+                    enforcer_config(template)["containers"]["trainer"] or not is_mutated(result.obj):
+                wrong[name] = "admitted with an enforcer weaker than the template's"
+        elif not denied_by(result):
             wrong[name] = f"{result.status}: {result.message}"
     return wrong
+
+
+def _without_config(sidecar: dict[str, Any]) -> dict[str, Any]:
+    return {**sidecar, "env": [e for e in sidecar.get("env", []) if e["name"] != ENV_CONFIG]}
 
 
 def without_server_fields(pod: dict[str, Any]) -> dict[str, Any]:

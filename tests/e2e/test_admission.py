@@ -1,7 +1,7 @@
 """Pods created through the real API server: what is stored is exactly the contract's mutation, or none.
 
 The API server defaults and canonicalises the pod before calling the webhook, applies its JSON
-Patch, validates the result, runs the guard policy and stores it; these tests read back what was
+Patch, validates the result, calls verify.gpufence.io and stores it; these tests read back what was
 stored. Each stored GPU pod is then sent back to the running webhook as the API server would on a
 reinvocation: the answer must be "no patch" (otherwise a webhook fights the API server's own
 canonical forms).

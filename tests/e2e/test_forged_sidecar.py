@@ -1,12 +1,11 @@
-"""A sidecar of the pod author's own making while the webhook is down, judged by the API server's CEL.
+"""A sidecar of the pod author's own making, judged through the real API server.
 
-The forgeries (tests/unit/guard/test_forged_sidecar.py's FORGERIES, all of them) start from a pod
-the webhook really mutated for the tenant (right image, command, status annotation), as the API
-server stored it after its defaulting; each weakens one thing. They are sent by the tenant (an
-``edit`` ServiceAccount, tests/e2e/tenant.py) with the webhook killed (failurePolicy Ignore), so
-the guard alone stands between them and the cluster: the real kube-apiserver evaluates it, with
-Kubernetes' own strings, regex and quantity libraries and its runtime cost budget, and must refuse
-every forgery with what is wrong, and admit the untouched copy.
+The forgeries (tests/support/forgeries.py's FORGERIES, all of them) start from a pod the webhook
+really mutated for the tenant (right image, command, status annotation), as the API server stored
+it after its defaulting; each weakens one thing. They are sent by the tenant (an ``edit``
+ServiceAccount, tests/e2e/tenant.py). With the webhook up, the webhook rebuilds what is gpufence's
+or denies the pod; with it killed, the API server refuses every one (failurePolicy Fail), the
+untouched copy included: nothing is stored that gpufence did not judge.
 """
 
 from __future__ import annotations
@@ -21,42 +20,38 @@ from tests.e2e import kube
 from tests.e2e.controlplane import ControlPlane
 from tests.e2e.gpufence_install import WebhookProcess
 from tests.e2e.tenant import Tenant, make_tenant
-from tests.unit.guard.test_forged_sidecar import CEILINGS, FORGERIES, sidecar_of
+from tests.support.forgeries import CEILINGS, FORGERIES
 
 SHARES = {"gpufence.io/memory": "4Gi", "gpufence.io/compute": "50"}
 
 
-def _has_config(pod: dict[str, Any]) -> bool:
-    """Mutated, with a config: the webhook saw the namespace (else it denies or skips)."""
-    return kube.is_mutated(pod) and any(e["name"] == "GPUFENCE_CONFIG" for e in sidecar_of(pod)["env"])
-
-
 def _injected_template(tenant: Tenant) -> dict[str, Any]:
     """What the webhook makes of the tenant's GPU pod, as stored (dry run), without server fields."""
-    # The webhook learns of the new namespace from a watch: wait until it mutates there.
-    real = kube.wait_for(lambda: (c := kube.create_pod(tenant.api, tenant.namespace, kube.gpu_pod(
-        annotations=SHARES), dry_run=True)).admitted and _has_config(c.obj) and c,
-        "the webhook to see the new namespace")
+    real = kube.create_pod(tenant.api, tenant.namespace, kube.gpu_pod(annotations=SHARES), dry_run=True)
+    assert real.admitted and kube.is_mutated(real.obj), real.message
     template = kube.without_server_fields(real.obj)
     template["metadata"].pop("name")
     template["spec"].pop("nodeName", None)
     return template
 
 
-def test_with_the_webhook_down_a_forged_sidecar_is_refused_by_the_api_server(
+def test_a_forged_sidecar_is_rebuilt_or_denied_and_with_the_webhook_down_refused(
     cluster: ControlPlane, admin: client.ApiClient, webhook: WebhookProcess, tmp_path: Path,
 ):
     tenant = make_tenant(cluster, admin, tmp_path, annotations=CEILINGS)
     template = _injected_template(tenant)
-
-    webhook.stop("KILL")  # failurePolicy Ignore: only the guard stands between the pod and the cluster
     copied = copy.deepcopy(template)
     copied["metadata"]["name"] = kube.unique("copy")
     untouched = kube.create_pod(tenant.api, tenant.namespace, copied)
     assert untouched.admitted, untouched.message  # a true copy of an injection is what the webhook makes
-
-    wrong = kube.forgeries_not_refused(tenant.api, tenant.namespace, template, FORGERIES)
+    wrong = kube.forgeries_misjudged(tenant.api, tenant.namespace, template, FORGERIES, webhook_up=True)
     assert not wrong, wrong
+
+    webhook.stop("KILL")
+    wrong = kube.forgeries_misjudged(tenant.api, tenant.namespace, template, FORGERIES, webhook_up=False)
+    assert not wrong, wrong
+    copied["metadata"]["name"] = kube.unique("copy")
+    assert kube.outage_problem(kube.create_pod(tenant.api, tenant.namespace, copied)) is None
 
 
 def test_with_the_webhook_up_a_workload_may_not_use_the_enforcers_volume_or_port(

@@ -1,7 +1,7 @@
 """Every way a pod gets a GPU, through the real API server as a tenant (``edit``) submits it.
 
-The webhook and the guard both take these for GPU pods (gpufence/webhook/gpu_paths.py and the
-guard's ``gpuContainerNames``): renamed time-sliced GPUs (``nvidia.com/gpu.shared``), MIG slices
+The webhook takes these for GPU pods (gpufence/webhook/gpu_paths.py, on /mutate and on /validate):
+renamed time-sliced GPUs (``nvidia.com/gpu.shared``), MIG slices
 (``nvidia.com/mig-1g.10gb``) and DRA claims. A container that gets a device never gets
 ``NVIDIA_VISIBLE_DEVICES=void``: the kubelet appends the container's own env after the device
 plugin's, so ``void`` would take the device away.
@@ -40,8 +40,7 @@ def served(api: client.ApiClient, group_version: str) -> bool:
 def device_pod(resources: dict[str, Any], *, claims: list[dict[str, str]] | None = None,
                voided: bool = False) -> dict[str, Any]:
     """A tenant's training pod whose container gets its device through ``resources``, beside a log
-    shipper that gets none (``voided``: with the ``NVIDIA_VISIBLE_DEVICES=void`` that the guard asks
-    of it while the webhook is down)."""
+    shipper that gets none (``voided``: with the ``NVIDIA_VISIBLE_DEVICES=void`` the webhook gives it)."""
     pod = kube.gpu_pod(annotations=dict(SHARE))
     trainer = pod["spec"]["containers"][0]
     trainer["resources"] = {"requests": {"cpu": "500m"}, **resources}
@@ -67,13 +66,12 @@ def test_renamed_and_mig_gpus_are_injected_and_keep_their_device(
     assert enforcer_config(stored)["containers"] == {
         "trainer": {"computePercent": 20, "gpus": 1, "memoryBytes": 4 << 30}}
 
-    webhook.stop("KILL")  # failurePolicy Ignore: only the guard stands
-    refused = kube.create_pod(tenant.api, tenant.namespace, device_pod({"limits": {resource: "1"}}))
-    assert not refused.admitted
-    assert "gpufence-guard" in refused.message and "has no gpufence-enforcer sidecar" in refused.message
+    webhook.stop("KILL")  # failurePolicy Fail: the API server refuses what gpufence cannot judge
+    down = kube.create_pod(tenant.api, tenant.namespace, device_pod({"limits": {resource: "1"}}))
+    assert kube.outage_problem(down) is None, down.message
 
 
-def test_a_dra_claim_from_a_template_is_injected_and_guarded(
+def test_a_dra_claim_from_a_template_is_injected_and_refused_while_the_webhook_is_down(
     cluster: ControlPlane, admin: client.ApiClient, tenant: Tenant, webhook: WebhookProcess,
 ):
     if not served(admin, "resource.k8s.io/v1"):
@@ -105,17 +103,15 @@ def test_a_dra_claim_from_a_template_is_injected_and_guarded(
     assert enforcer_config(stored)["containers"] == {"trainer": {"computePercent": 20, "memoryBytes": 4 << 30}}
 
     webhook.stop("KILL")
-    refused = kube.create_pod(tenant.api, tenant.namespace, claim_pod())
-    assert not refused.admitted
-    assert "gpufence-guard" in refused.message and "has no gpufence-enforcer sidecar" in refused.message
+    assert kube.outage_problem(kube.create_pod(tenant.api, tenant.namespace, claim_pod())) is None
 
 
 def test_claims_beside_a_gpu_resource_break_nothing_with_or_without_dra(
     admin: client.ApiClient, tenant: Tenant, webhook: WebhookProcess,
 ):
     """On every version: where DRA is off (1.30's default) the API server drops the claims after the
-    webhook and before the guard, so the two must agree on the pod with and without them; where
-    DRA is served the sidecar holds the claim too."""
+    mutating webhook and before validation, so /validate judges the pod without them; where DRA is
+    served the sidecar holds the claim too."""
     dra = served(admin, "resource.k8s.io/v1")
     pod = device_pod({"limits": {"nvidia.com/gpu": "1"}, "claims": [{"name": "gpu"}]},
                      claims=[{"name": "gpu", "resourceClaimTemplateName": "absent-template"}])
@@ -126,24 +122,29 @@ def test_claims_beside_a_gpu_resource_break_nothing_with_or_without_dra(
     assert "NVIDIA_VISIBLE_DEVICES" not in kube.env_of(container(stored, "trainer"))
     assert ("resourceClaims" in stored["spec"]) is dra
     assert container(stored, SIDECAR_NAME)["resources"].get("claims") == ([{"name": "gpu"}] if dra else None)
-    # Held to its device plugin count, which the guard sees whether or not the claims survive.
+    # Held to its device plugin count, which /validate sees whether or not the claims survive.
     assert enforcer_config(stored)["containers"]["trainer"]["gpus"] == 1
 
-    # A claim alone: the webhook injects; where the claims are dropped before validation, the guard
-    # takes the GPU containers the webhook's status names.
+    # A claim alone: the webhook injects. Where the claims are dropped before validation, the
+    # trainer would be left with no device and no void (a CUDA image's own NVIDIA_VISIBLE_DEVICES=all
+    # would then reach the node's GPUs): /validate refuses it, saying why.
     claim_only = device_pod({"claims": [{"name": "gpu"}]},
                             claims=[{"name": "gpu", "resourceClaimTemplateName": "absent-template"}])
     created = kube.create_pod(tenant.api, tenant.namespace, claim_only)
-    assert created.admitted, created.message
-    assert kube.is_mutated(created.obj)
-    assert "gpus" not in enforcer_config(created.obj)["containers"]["trainer"]
+    if dra:
+        assert created.admitted, created.message
+        assert kube.is_mutated(created.obj)
+        assert "gpus" not in enforcer_config(created.obj)["containers"]["trainer"]
+    else:
+        assert kube.denied_by(created, "verify.gpufence.io"), created.message
+        assert "dropping fields of a feature it has off" in created.message, created.message
 
 
 def test_an_exclusive_mig_profile_gets_no_sidecar_and_keeps_its_device(
     tenant: Tenant, webhook: WebhookProcess, set_policy: Callable[[dict[str, str]], None],
 ):
-    """The admin declares a MIG profile never time-sliced: webhook and guard both let its pods run
-    without the enforcer, the slice's container keeps its device, and other MIG profiles stay shared."""
+    """The admin declares a MIG profile never time-sliced: the webhook lets its pods run without the
+    enforcer, the slice's container keeps its device, and other MIG profiles stay shared."""
     exclusive = {"limits": {"nvidia.com/mig-3g.40gb": "1"}}
     set_policy({"exclusive-gpu-resource-name": "nvidia.com/mig-3g.40gb"})
     created = kube.wait_for(lambda: (c := kube.create_pod(tenant.api, tenant.namespace, device_pod(exclusive)))
@@ -152,11 +153,5 @@ def test_an_exclusive_mig_profile_gets_no_sidecar_and_keeps_its_device(
     assert "NVIDIA_VISIBLE_DEVICES" not in kube.env_of(container(stored, "trainer"))
     assert kube.env_of(container(stored, "logs"))["NVIDIA_VISIBLE_DEVICES"] == "void"
 
-    webhook.stop("KILL")
-    alone = kube.wait_for(lambda: (c := kube.create_pod(tenant.api, tenant.namespace,
-                                                        device_pod(exclusive, voided=True))).admitted and c,
-                          "the guard to read the new policy")
-    assert not kube.is_mutated(alone.obj)
-    shared = kube.create_pod(tenant.api, tenant.namespace,
-                             device_pod({"limits": {"nvidia.com/mig-1g.10gb": "1"}}, voided=True))
-    assert not shared.admitted and "has no gpufence-enforcer sidecar" in shared.message
+    shared = kube.create_pod(tenant.api, tenant.namespace, device_pod({"limits": {"nvidia.com/mig-1g.10gb": "1"}}))
+    assert shared.admitted and kube.is_mutated(shared.obj), shared.message

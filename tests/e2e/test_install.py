@@ -28,25 +28,28 @@ def test_server_side_apply_is_accepted_and_repeatable(cluster: ControlPlane, gpu
         items = json.loads(cluster.kubectl("get", kind, "-A", "-l", "app.kubernetes.io/part-of=gpufence",
                                            "-o", "json").stdout)["items"]
         assert items, f"the install created no {kind}"
-    for kind, name in (("mutatingwebhookconfiguration", "gpufence"), ("validatingadmissionpolicy", "gpufence-guard"),
-                       ("validatingadmissionpolicybinding", "gpufence-guard"), ("clusterrole", "gpufence-webhook"),
+    for kind, name in (("mutatingwebhookconfiguration", "gpufence"), ("validatingwebhookconfiguration", "gpufence"),
+                       ("validatingadmissionpolicy", "gpufence-protect"),
+                       ("validatingadmissionpolicybinding", "gpufence-protect"), ("clusterrole", "gpufence-webhook"),
                        ("clusterrole", "gpufence-enforcer-events"), ("namespace", "gpufence")):
         cluster.kubectl("get", kind, name)
 
 
-def _ca_bundle(cluster: ControlPlane) -> str:
-    config = json.loads(cluster.kubectl("get", "mutatingwebhookconfiguration", WEBHOOK_CONFIGURATION,
-                                        "-o", "json").stdout)
-    return config["webhooks"][0]["clientConfig"]["caBundle"]
+def _ca_bundle(cluster: ControlPlane) -> list[str]:
+    return [hook["clientConfig"]["caBundle"]
+            for kind in ("mutatingwebhookconfiguration", "validatingwebhookconfiguration")
+            for hook in json.loads(cluster.kubectl("get", kind, WEBHOOK_CONFIGURATION, "-o", "json").stdout)[
+                "webhooks"]]
 
 
 def test_shipped_webhook_configuration_passes_a_server_dry_run(cluster: ControlPlane, gpufence: WebhookProcess):
-    """The installed copy points at a URL; validate the shipped Service form under another name."""
-    shipped = next(o for o in yaml.safe_load_all(cluster.kubectl("kustomize", str(REPO / "k8s")).stdout)
-                   if o and o["kind"] == "MutatingWebhookConfiguration")
-    shipped["metadata"]["name"] = "gpufence-dry-run"
-    result = cluster.kubectl("create", "--dry-run=server", "-f", "-", input=yaml.safe_dump(shipped))
-    assert "created (server dry run)" in result.stdout, result.stdout
+    """The installed copies point at a URL; validate the shipped Service forms under another name."""
+    for kind in ("MutatingWebhookConfiguration", "ValidatingWebhookConfiguration"):
+        shipped = next(o for o in yaml.safe_load_all(cluster.kubectl("kustomize", str(REPO / "k8s")).stdout)
+                       if o and o["kind"] == kind)
+        shipped["metadata"]["name"] = "gpufence-dry-run"
+        result = cluster.kubectl("create", "--dry-run=server", "-f", "-", input=yaml.safe_dump(shipped))
+        assert "created (server dry run)" in result.stdout, result.stdout
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS)

@@ -2,9 +2,9 @@
 
 A pod of KAI's scheduler with its ``gpu-fraction`` or ``gpu-memory`` annotation gets its GPU from
 KAI (``NVIDIA_VISIBLE_DEVICES`` from a ConfigMap that KAI's admission webhook names and its binder
-fills), not from a resource: the webhook (gpufence/webhook/kai.py) and the guard
-(``kaiContainerNames``) take that container for a GPU container whose memory share is KAI's
-request, within the namespace's ceilings, and never strip or refuse KAI's variable.
+fills), not from a resource: the webhook (gpufence/webhook/kai.py) takes that container for a GPU
+container whose memory share is KAI's request, within the namespace's ceilings, and never strips or
+refuses KAI's variable.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ def kai_pod(annotations: dict[str, str], *, scheduler: str | None = "kai-schedul
             after_kai: bool = True, voided: bool = False) -> dict[str, Any]:
     """A training pod that asks KAI-Scheduler for a fraction, beside a log shipper. ``after_kai``:
     as KAI's admission webhook leaves it (its ConfigMap variables in the trainer); ``voided``: the
-    log shipper with the NVIDIA_VISIBLE_DEVICES=void the guard asks of it while the webhook is down."""
+    log shipper with the NVIDIA_VISIBLE_DEVICES=void the webhook gives it."""
     pod = kube.gpu_pod(annotations=dict(annotations))
     trainer = pod["spec"]["containers"][0]
     del trainer["resources"]["limits"]
@@ -98,24 +98,25 @@ def test_a_kai_fraction_gets_its_share_and_keeps_kai_s_device(tenant: Tenant, we
     assert enforcer_config(created.obj)["containers"]["trainer"]["memoryPercent"] == 25
 
 
-def test_with_the_webhook_down_the_guard_holds_kai_fractions(tenant: Tenant, webhook: WebhookProcess):
+def test_a_kai_fraction_is_held_to_its_request_and_refused_while_the_webhook_is_down(
+        tenant: Tenant, webhook: WebhookProcess):
     created = kube.create_pod(tenant.api, tenant.namespace, kai_pod({"gpu-memory": "4000"}))
     assert created.admitted, created.message
     injected = created.obj
-
-    webhook.stop("KILL")  # failurePolicy Ignore: only the guard stands
-    refused = kube.create_pod(tenant.api, tenant.namespace, kai_pod({"gpu-memory": "4000"}, voided=True))
-    assert not refused.admitted
-    assert "gpufence-guard" in refused.message and "has no gpufence-enforcer sidecar" in refused.message
-    # What the webhook made passes the guard alone; the same with more memory than KAI's request does not.
+    # What the webhook made is what it makes again; a config with more memory than KAI's request
+    # is rebuilt to the request.
     again = kube.create_pod(tenant.api, tenant.namespace, resubmitted(injected))
-    assert again.admitted, again.message
+    assert again.admitted and enforcer_config(again.obj) == enforcer_config(injected), again.message
     forged = with_config(resubmitted(injected), f'"memoryBytes":{4000 << 20}', f'"memoryBytes":{6000 << 20}')
-    refused = kube.create_pod(tenant.api, tenant.namespace, forged)
-    assert not refused.admitted and "within its KAI-Scheduler request" in refused.message
+    rebuilt = kube.create_pod(tenant.api, tenant.namespace, forged)
+    assert rebuilt.admitted and enforcer_config(rebuilt.obj) == enforcer_config(injected), rebuilt.message
     # KAI's annotation without KAI's scheduler is a plain pod: admitted with void, no sidecar.
-    plain = kai_pod({"gpu-fraction": "0.5"}, scheduler=None, after_kai=False, voided=True)
-    container(plain, "trainer")["env"].append({"name": "NVIDIA_VISIBLE_DEVICES", "value": "void"})
+    plain = kai_pod({"gpu-fraction": "0.5"}, scheduler=None, after_kai=False)
     admitted = kube.create_pod(tenant.api, tenant.namespace, plain)
-    assert admitted.admitted, admitted.message
-    assert not kube.is_mutated(admitted.obj)
+    assert admitted.admitted and not kube.is_mutated(admitted.obj), admitted.message
+    assert kube.env_of(container(admitted.obj, "trainer"))["NVIDIA_VISIBLE_DEVICES"] == "void"
+
+    webhook.stop("KILL")  # failurePolicy Fail: the API server refuses what gpufence cannot judge
+    for pod in (kai_pod({"gpu-memory": "4000"}, voided=True), resubmitted(injected)):
+        down = kube.create_pod(tenant.api, tenant.namespace, pod)
+        assert kube.outage_problem(down) is None, down.message

@@ -56,6 +56,8 @@ def can_i(cp: ControlPlane, user: str, verb: str, resource: str, namespace: str 
     (CERTS_SA, "get", "secrets", "kube-system", False),
     (CERTS_SA, "patch", f"mutatingwebhookconfigurations/{WEBHOOK_CONFIGURATION}", None, True),
     (CERTS_SA, "patch", "mutatingwebhookconfigurations/someone-elses", None, False),
+    (CERTS_SA, "patch", f"validatingwebhookconfigurations/{WEBHOOK_CONFIGURATION}", None, True),
+    (CERTS_SA, "patch", "validatingwebhookconfigurations/someone-elses", None, False),
     (CERTS_SA, "delete", f"mutatingwebhookconfigurations/{WEBHOOK_CONFIGURATION}", None, False),
     (CERTS_SA, "create", "pods", NAMESPACE, False),
 ])
@@ -181,9 +183,12 @@ def test_cert_bootstrap_with_its_service_account_creates_and_rotates(
         webhook.ca_file, webhook.ca_key_file = ca_file, ca_key_file
 
     def ca_bundle() -> bytes:
-        config = json.loads(cluster.kubectl("get", "mutatingwebhookconfiguration", WEBHOOK_CONFIGURATION,
-                                            "-o", "json").stdout)
-        return base64.b64decode(config["webhooks"][0]["clientConfig"]["caBundle"])
+        """The CA every gpufence webhook trusts (one, in both configurations)."""
+        (bundle,) = {hook["clientConfig"]["caBundle"]
+                     for kind in ("mutatingwebhookconfiguration", "validatingwebhookconfiguration")
+                     for hook in json.loads(cluster.kubectl("get", kind, WEBHOOK_CONFIGURATION,
+                                                            "-o", "json").stdout)["webhooks"]}
+        return base64.b64decode(bundle)
 
     bootstrap("--days", "2", "--renew-before-days", "1")
     first = secret()

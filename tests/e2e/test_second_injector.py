@@ -52,7 +52,8 @@ def peer_patch(pod: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 class PeerInjector:
-    def __init__(self, cert: Path, key: Path) -> None:
+    def __init__(self, cert: Path, key: Path, patch: Any = None) -> None:
+        self.patch = patch or peer_patch
         self.port = free_port()
         self.calls: list[list[str]] = []  # container names of each pod it was asked about
         self._ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
@@ -66,7 +67,7 @@ class PeerInjector:
         pod = review["request"]["object"]
         self.calls.append(kube.container_names(pod))
         response: dict[str, Any] = {"uid": review["request"]["uid"], "allowed": True}
-        ops = peer_patch(pod)
+        ops = self.patch(pod)
         if ops:
             response |= {"patchType": "JSONPatch", "patch": base64.b64encode(json.dumps(ops).encode()).decode()}
         return web.json_response({"apiVersion": "admission.k8s.io/v1", "kind": "AdmissionReview",
@@ -147,3 +148,47 @@ def assert_contract_mutation_with_peer(pod: dict[str, Any]) -> None:
     inits = pod["spec"]["initContainers"]
     without_peer = {**pod, "spec": {**pod["spec"], "initContainers": [c for c in inits if c["name"] != PEER_NAME]}}
     assert_contract_mutation(without_peer, {"trainer"})
+
+
+def weakening_patch(pod: dict[str, Any]) -> list[dict[str, Any]]:
+    """A mutating webhook that takes the enforcer's liveness probe away whenever it sees one: every
+    time it is called, so gpufence's reinvocation and its own ping-pong to the last word."""
+    for i, c in enumerate(pod["spec"].get("initContainers") or []):
+        if c["name"] == SIDECAR_NAME and "livenessProbe" in c:
+            return [{"op": "remove", "path": f"/spec/initContainers/{i}/livenessProbe"}]
+    return []
+
+
+def test_a_later_webhook_that_weakens_the_enforcer_gets_the_pod_refused(
+    cluster: ControlPlane, admin: client.ApiClient, webhook: WebhookProcess, tmp_path: Path,
+):
+    """Ordered after gpufence's (its configuration name sorts after "gpufence") and reinvoked after
+    gpufence's reinvocation, the weakener has the last mutating word; verify.gpufence.io, which runs
+    after every mutating step, refuses the pod and says where it differs."""
+    ca = pki.make_ca("weakener-ca")
+    serving = pki.make_serving_cert(ca, ["127.0.0.1"])
+    (tmp_path / "weak.crt").write_bytes(serving.cert_pem)
+    (tmp_path / "weak.key").write_bytes(serving.key_pem)
+    namespace = kube.create_namespace(admin, "weak", {**kube.OPT_IN, "weaken": "yes"})
+    with PeerInjector(tmp_path / "weak.crt", tmp_path / "weak.key", weakening_patch) as weakener:
+        config = {
+            "apiVersion": "admissionregistration.k8s.io/v1", "kind": "MutatingWebhookConfiguration",
+            "metadata": {"name": "zz-weakener"},
+            "webhooks": [{
+                "name": "weaken.example", "admissionReviewVersions": ["v1"], "sideEffects": "None",
+                "reinvocationPolicy": "IfNeeded", "failurePolicy": "Fail", "timeoutSeconds": 10,
+                "clientConfig": {"url": f"https://127.0.0.1:{weakener.port}/inject",
+                                 "caBundle": base64.b64encode(ca.cert_pem).decode()},
+                "rules": [{"operations": ["CREATE"], "apiGroups": [""], "apiVersions": ["v1"], "resources": ["pods"]}],
+                "namespaceSelector": {"matchLabels": {"weaken": "yes"}},
+            }],
+        }
+        cluster.kubectl("apply", "-f", "-", input=json.dumps(config))
+        try:
+            refused = kube.wait_for(lambda: (c := kube.create_pod(admin, namespace, kube.gpu_pod())).status != 201
+                                    and weakener.calls and c, "the weakener's configuration to take effect")
+            assert kube.denied_by(refused, "verify.gpufence.io"), refused.message
+            assert "livenessProbe" in refused.message and "after gpufence's webhook" in refused.message
+            assert len(weakener.calls) >= 2, "the weakener was not reinvoked after gpufence's reinvocation"
+        finally:
+            cluster.kubectl("delete", "mutatingwebhookconfiguration", "zz-weakener")
