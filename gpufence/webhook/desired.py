@@ -225,18 +225,19 @@ def with_service_account_token(built: dict[str, Any], previous: dict[str, Any] |
     sidecar's name survives: a tenant must not add arguments or mount files over the enforcer's code,
     and a read-only mount at the token path can do neither.
     """
-    token = _token_mount(previous) if previous is not None else None
-    if token is None:
-        for key in ("initContainers", "containers"):
-            for container in spec.get(key) or ():
-                if isinstance(container, dict) and container.get("name") != SIDECAR_NAME:
-                    token = token or _token_mount(container)
     ours = {m.get("name") for m in built.get("volumeMounts") or ()}
-    if token is None or token.get("readOnly") is not True or token.get("name") in ours:
-        return built
     volumes = {v.get("name"): v for v in spec.get("volumes") or () if isinstance(v, dict)}
-    if not is_service_account_token_volume(volumes.get(token["name"])):
-        return built  # a file of the author's at the token's path would name another pod
+    # The previous sidecar's mount first (a reinvocation keeps it as it was), then the other
+    # containers': the first that is the pod's own token, read-only. A previous mount of anything
+    # else (a file of the author's at the token's path would name another pod) is passed over, not
+    # the end of the search, so that the webhook's output is its own fixed point.
+    candidates = [_token_mount(previous) if previous is not None else None, *(
+        _token_mount(container) for key in ("initContainers", "containers") for container in spec.get(key) or ()
+        if isinstance(container, dict) and container.get("name") != SIDECAR_NAME)]
+    token = next((t for t in candidates if t is not None and t.get("readOnly") is True
+                  and is_service_account_token_volume(volumes.get(t.get("name")))), None)
+    if token is None or token.get("name") in ours:
+        return built
     mount = {"name": token["name"], "readOnly": True, "mountPath": SERVICE_ACCOUNT_MOUNT_PATH}
     return {**built, "volumeMounts": [*(built.get("volumeMounts") or ()), mount]}
 

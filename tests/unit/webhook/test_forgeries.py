@@ -28,6 +28,8 @@ from tests.support.forgeries import (
     FORGERIES,
     LIMIT_FORGERIES,
     SHARES,
+    TOKEN_PATH,
+    TOKEN_VOLUME,
     config_of,
     gpu_pod,
     injected,
@@ -63,7 +65,14 @@ def _without_config(sidecar: dict[str, Any]) -> dict[str, Any]:
 
 @pytest.fixture(scope="module")
 def untouched() -> dict[str, Any]:
-    return injected(gpu_pod(dict(SHARES)), CEILINGS)
+    """The webhook's output as the API server stores it: its ServiceAccount plugin mounts the pod's
+    token into every container (the forgeries of the token start from there)."""
+    pod = injected(gpu_pod(dict(SHARES)), CEILINGS)
+    pod["spec"].setdefault("volumes", []).append(copy.deepcopy(TOKEN_VOLUME))
+    for container in pod["spec"]["initContainers"] + pod["spec"]["containers"]:
+        container.setdefault("volumeMounts", []).append(
+            {"name": TOKEN_VOLUME["name"], "mountPath": TOKEN_PATH, "readOnly": True})
+    return pod
 
 
 @pytest.mark.parametrize("name", list(FORGERIES))
