@@ -175,7 +175,7 @@ def test_a_later_webhook_that_weakens_the_enforcer_gets_the_pod_refused(
             "apiVersion": "admissionregistration.k8s.io/v1", "kind": "MutatingWebhookConfiguration",
             "metadata": {"name": "zz-weakener"},
             "webhooks": [{
-                "name": "weaken.example", "admissionReviewVersions": ["v1"], "sideEffects": "None",
+                "name": "weaken.gpufence-tests.example", "admissionReviewVersions": ["v1"], "sideEffects": "None",
                 "reinvocationPolicy": "IfNeeded", "failurePolicy": "Fail", "timeoutSeconds": 10,
                 "clientConfig": {"url": f"https://127.0.0.1:{weakener.port}/inject",
                                  "caBundle": base64.b64encode(ca.cert_pem).decode()},
