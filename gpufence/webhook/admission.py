@@ -70,6 +70,9 @@ def review(payload: Any, settings: InjectionSettings, namespaces: NamespaceLooku
     return _result(uid, outcome, warnings, patch=patch)
 
 
+# Where /validate denies for the mutating rules' own reason: the pod it judged is the final one, as
+# every mutating step (gpufence's, others', the API server's own dropping of disabled fields) left it.
+VERIFY_PREFIX = "gpufence re-checked the pod after every mutating admission step: "
 OUTCOME_VERIFIED = "verified"
 OUTCOME_REFUSED = "refused"
 
@@ -90,7 +93,7 @@ def verify(payload: Any, settings: InjectionSettings, namespaces: NamespaceLooku
     result = review(payload, settings, namespaces, claims)
     response = result.review["response"]
     if result.outcome == OUTCOME_DENIED:
-        return _result(uid, OUTCOME_REFUSED, [], denied=response["status"]["message"])
+        return _result(uid, OUTCOME_REFUSED, [], denied=VERIFY_PREFIX + response["status"]["message"])
     if result.outcome != OUTCOME_MUTATED:
         return _result(uid, OUTCOME_VERIFIED if result.outcome == OUTCOME_UNCHANGED else OUTCOME_SKIPPED, [])
     changed = sorted({op["path"] for op in loads(base64.b64decode(response["patch"]))})

@@ -137,7 +137,7 @@ def test_claims_beside_a_gpu_resource_break_nothing_with_or_without_dra(
         assert "gpus" not in enforcer_config(created.obj)["containers"]["trainer"]
     else:
         assert kube.denied_by(created, "verify.gpufence.io"), created.message
-        assert "dropping fields of a feature it has off" in created.message, created.message
+        assert "re-checked the pod after every mutating admission step" in created.message, created.message
 
 
 def test_an_exclusive_mig_profile_gets_no_sidecar_and_keeps_its_device(
