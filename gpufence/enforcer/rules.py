@@ -81,7 +81,7 @@ class TerminateOrder:
 @dataclass(frozen=True)
 class Evasion:
     """A process the throttle executor saw running during its stopped phase, in ``phases`` stopped
-    phases in a row (something else sends it SIGCONT)."""
+    phases within its window (something else sends it SIGCONT)."""
 
     container: str | None  # None: an unattributed process (throttled against the pod's budget)
     pid: int

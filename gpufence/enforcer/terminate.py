@@ -124,8 +124,8 @@ class Terminator:
             self._log.warning(
                 "throttle_evaded", container=order.container, evaded_pids=list(order.evaded_pids),
                 phases=order.evaded_phases, victims=victims,
-                reason="seen running while the throttle held it stopped, in consecutive duty cycles: something "
-                "else sends it SIGCONT; terminated with its container (an unattributed process on its own)",
+                reason="seen running while the throttle held it stopped, in several duty cycles within a minute: "
+                "something else sends it SIGCONT; terminated with its container (an unattributed process on its own)",
                 **common,
             )
             self._metrics.action(order.container or UNATTRIBUTED, "throttle_evaded", "compute")

@@ -75,7 +75,7 @@ class Why:
 
     def evasion(self) -> str:
         return (f"pids {list(self.evaded_pids)} ran during their stopped phase in {self.evaded_phases} duty cycles "
-                "in a row (something else sends them SIGCONT)")
+                "within a minute (something else sends them SIGCONT)")
 
     def unattributed(self, pid: int, process_used: int | None, grace: float) -> str:
         """The Event message for an unattributed victim."""
