@@ -6,6 +6,7 @@ Usage::
                       [--state-dir DIR] [--nvidia-device-prefix PREFIX] [--log-level LEVEL]
                       [--simulate STATE_FILE | --nvml-library PATH]
                       [--compute-window SECONDS] [--compute-period SECONDS]
+                      [--throttle-ineffective-after SECONDS]
 
 The config comes from ``--config FILE`` (re-read when the file changes) or the ``GPUFENCE_CONFIG``
 environment variable; a missing or invalid config is reported on stderr and exits with status 2
@@ -55,6 +56,7 @@ from gpufence.contract import (
     ConfigError,
     EnforcerConfig,
 )
+from gpufence.enforcer.compute import INEFFECTIVE_SECONDS
 from gpufence.enforcer.decision_log import LEVELS, DecisionLog, forward_stdlib_logging
 from gpufence.enforcer.probe import probe
 from gpufence.enforcer.procfs import ENV_NVIDIA_DEVICE_PREFIX
@@ -158,6 +160,11 @@ def build_parser() -> argparse.ArgumentParser:
     source.add_argument("--nvml-library", metavar="PATH", help="load libnvidia-ml from this path")
     p.add_argument("--compute-window", type=_positive, default=5.0, help="SM utilisation window, seconds (default 5)")
     p.add_argument("--compute-period", type=_positive, default=1.0, help="duty-cycle period, seconds (default 1)")
+    p.add_argument(
+        "--throttle-ineffective-after", type=_positive, default=INEFFECTIVE_SECONDS, metavar="SECONDS",
+        help="terminate a throttled container whose SM use stays over its share while it is held at the "
+        f"minimum run fraction for this long (default {INEFFECTIVE_SECONDS:g})",
+    )
     p.add_argument(
         "--termination-log", metavar="FILE", default=TERMINATION_LOG,
         help=f"where to write why the enforcer exited, when that file exists (default {TERMINATION_LOG}, "
@@ -331,6 +338,7 @@ def _run(
         config_source=_FileWatcher(args.config, log) if args.config else None,
         compute_window_seconds=args.compute_window,
         compute_period_seconds=args.compute_period,
+        compute_ineffective_seconds=args.throttle_ineffective_after,
         nvml_timeout_seconds=args.nvml_timeout,
     )
     # 1. Continue whatever a previous incarnation left stopped, before anything else; then take

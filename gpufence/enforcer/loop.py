@@ -37,7 +37,7 @@ from functools import partial
 
 from gpufence.contract import EnforcerConfig, Mode
 from gpufence.enforcer.attribution import Attribution, Attributor, PidMode
-from gpufence.enforcer.compute import UNATTRIBUTED
+from gpufence.enforcer.compute import INEFFECTIVE_SECONDS, UNATTRIBUTED
 from gpufence.enforcer.decision_log import DecisionLog
 from gpufence.enforcer.driver_limits import DriverLimits
 from gpufence.enforcer.events import EventRecorder
@@ -77,6 +77,7 @@ class Enforcer:
         config_source: Callable[[], EnforcerConfig | None] | None = None,
         compute_window_seconds: float = 5.0,
         compute_period_seconds: float = 1.0,
+        compute_ineffective_seconds: float = INEFFECTIVE_SECONDS,
         nvml_timeout_seconds: float = 5.0,
         clock: Callable[[], float] = time.monotonic,
         wall_clock: Callable[[], float] = time.time,
@@ -97,7 +98,8 @@ class Enforcer:
         self._clock = clock
         self._wall = wall_clock
         self._core = Core(
-            config, compute_window_seconds=compute_window_seconds, compute_period_seconds=compute_period_seconds
+            config, compute_window_seconds=compute_window_seconds, compute_period_seconds=compute_period_seconds,
+            compute_ineffective_seconds=compute_ineffective_seconds,
         )
         self._backoff = config.poll_interval_seconds
         self._next_open = 0.0

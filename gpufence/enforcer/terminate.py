@@ -129,6 +129,18 @@ class Terminator:
                 **common,
             )
             self._metrics.action(order.container or UNATTRIBUTED, "throttle_evaded", "compute")
+        elif order.ineffective_use is not None:
+            victims = [v.pid for v in order.victims]
+            self._log.warning(
+                "throttle_ineffective", container=order.container, unattributed=order.container is None,
+                sm_utilization=round(order.ineffective_use, 3), compute_share=order.compute_share,
+                held_seconds=round(order.held_seconds, 1), victims=victims,
+                reason="SM use stayed over the compute share while the throttle held the processes stopped at its "
+                "minimum run fraction: the GPU work runs while they are stopped (long or persistent kernels), so "
+                "SIGSTOP cannot hold it; terminated with its container (unattributed processes on their own)",
+                **common,
+            )
+            self._metrics.action(order.container or UNATTRIBUTED, "throttle_ineffective", "compute")
         elif order.container is None and order.gpus_requested is not None:
             self._log.warning(
                 "gpus_over_request", container=None, unattributed=True, gpus_requested=order.gpus_requested,
@@ -187,6 +199,8 @@ class Terminator:
         if sent:
             if why.evaded_pids:
                 what = f"container {container}: {why.evasion()}"
+            elif why.ineffective_use is not None:
+                what = f"container {container}: {why.ineffective()}"
             elif why.gpus_requested is not None:
                 what = (f"container {container} runs on GPUs {list(why.devices_used)}, more than the "
                         f"{why.gpus_requested} it requested")

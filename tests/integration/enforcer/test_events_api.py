@@ -443,3 +443,53 @@ def test_a_driver_limit_asked_for_and_absent_is_an_event_once(api: HttpsEventsAp
     assert "container train" in message and "older than R615" in message, message
     assert api.seen[0].body["type"] == "Warning"
     assert [r["mechanism"] for r in _records(stream) if r["event"] == "memory_enforcement"] == ["polling"]
+
+
+def test_an_ineffective_throttle_is_an_event(api: HttpsEventsApi, sa: ServiceAccountDir, tmp_path: Path):
+    """Issue 32 row 6: SM use that stays over the share while the throttle holds the process at its
+    minimum run fraction ends in termination, and the Event says why (the real recorder and
+    terminator, a real process)."""
+    from gpufence.contract import ContainerShare, EnforcerConfig, Mode
+    from gpufence.enforcer.attribution import Attribution, PodProcess
+    from gpufence.enforcer.machine import Core
+    from gpufence.enforcer.metrics import EnforcerMetrics
+    from gpufence.enforcer.procfs import read_start_time
+    from gpufence.enforcer.signals import SafeSignaller, SignalTarget
+    from gpufence.enforcer.stopped_state import StoppedState
+    from gpufence.enforcer.terminate import Terminator
+    from gpufence.enforcer.throttle import ThrottleExecutor
+    from tests.support.enforcer_harness import WORKLOAD
+
+    plain = tmp_path / "device"
+    plain.touch()
+    child = subprocess.Popen([sys.executable, str(WORKLOAD), str(plain)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout is not None and child.stdout.readline().startswith("ready")
+        train = PodProcess(child.pid, child.pid, read_start_time(child.pid) or 0, "train", 0, "GPU-0", 1 << 30, 100)
+        recorder, _ = _direct(api, sa)
+        log = DecisionLog(stream=io.StringIO())
+        metrics = EnforcerMetrics("team", "train-0")
+        door = SafeSignaller(log)
+        throttle = ThrottleExecutor(door, StoppedState(tmp_path, log), log)
+        terminator = Terminator(door, throttle, log, metrics, recorder)
+        core = Core(EnforcerConfig(containers={"train": ContainerShare(compute_percent=20)}),
+                    compute_window_seconds=1.0, compute_period_seconds=0.5, compute_ineffective_seconds=2.0)
+        attribution = Attribution((train,), ())
+        door.authorize(SignalTarget.of(p) for p in attribution.processes)
+        now = 0.0
+        while not (decisions := core.step(now, attribution, {0: 80 << 30})).orders:
+            now += 0.1
+            assert now < 10, "never judged ineffective"
+        terminator.enforce(decisions, attribution, Mode.ENFORCE, 5.0)
+        assert child.wait(5) == 0  # its SIGTERM handler exits 0
+        assert recorder.flush(10)
+        recorder.close()
+    finally:
+        if child.poll() is None:
+            child.kill()
+        child.wait(5)
+    [seen] = api.seen
+    assert seen.body["reason"] == "GPUThrottleIneffective" and seen.body["type"] == "Warning"
+    message = seen.body["message"]
+    assert "container train" in message and "100% over its compute share of 20%" in message, message
+    assert f"SIGTERM to pids [{child.pid}]" in message

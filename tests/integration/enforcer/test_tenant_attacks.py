@@ -272,6 +272,37 @@ def test_a_helper_continuing_every_other_stopped_phase_gets_the_container_termin
     assert enforcer.stop() == 0
 
 
+def test_gpu_work_that_runs_while_its_process_is_stopped_gets_the_container_terminated(gpu, make_config):
+    """Issue 32 row 6: the simulated driver reports 100 % SM use whether the process runs or not
+    (long or persistent kernels keep running while it is stopped): held at the minimum run fraction,
+    still over its 20 % share, the container is terminated (``throttle_ineffective``) after the stated
+    time, instead of being reported throttled for ever. The neighbour within its share stays."""
+    busy = gpu.workload("train")
+    calm = gpu.workload("calm")
+    gpu.write(gpu.device_with(gpu.proc(busy, GIB, sm=100), gpu.proc(calm, GIB, sm=5)))
+    config = make_config({"train": {"computePercent": 20}, "calm": {"computePercent": 50}}, grace=0.5,
+                         interval=INTERVAL)
+    enforcer = gpu.enforcer(config, *FAST, "--throttle-ineffective-after", "2")
+    started = enforcer.wait_event("throttle_start", 10, container="train")
+    began = time.monotonic()
+    held = enforcer.wait_event("throttle_ineffective", 15, container="train")
+    took = time.monotonic() - began
+    assert held["sm_utilization"] == 1.0 and held["compute_share"] == 0.2 and held["held_seconds"] >= 2.0
+    assert held["victims"] == [busy.pid] and held["action"] == "sigterm"
+    busy.wait_line("got SIGTERM", 5)
+    assert busy.proc.wait(5) == 0
+    assert [t["reason"] for t in enforcer.events("sigterm", pid=busy.pid, outcome="sent")] == ["throttle_ineffective"]
+    assert enforcer.metric("gpufence_enforcement_actions_total", container="train", action="throttle_ineffective",
+                           resource="compute") == 1
+    assert enforcer.metric("gpufence_enforcement_actions_total", container="train", action="sigterm",
+                           resource="compute") == 1
+    print(f"\nthrottle started at run fraction {started.get('run_fraction')}; "
+          f"judged ineffective {took:.2f}s later (bound 2 s pinned at the minimum)")
+    assert calm.alive() and not calm.said("got SIGTERM")
+    assert _stopped_file(gpu) == []
+    assert enforcer.stop() == 0
+
+
 def test_the_helper_goes_with_the_container_it_shares(cgroups, gpu, make_config, attackers):
     """In a pod the helper is a process of the container (its cgroup): it is terminated with it."""
     train_cg = cgroups.make("train")
