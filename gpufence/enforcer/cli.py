@@ -59,7 +59,7 @@ from gpufence.contract import (
 from gpufence.enforcer.compute import INEFFECTIVE_SECONDS
 from gpufence.enforcer.decision_log import LEVELS, DecisionLog, forward_stdlib_logging
 from gpufence.enforcer.probe import probe
-from gpufence.enforcer.procfs import ENV_NVIDIA_DEVICE_PREFIX
+from gpufence.enforcer.procfs import ENV_NVIDIA_DEVICE_PREFIX, ENV_NVIDIA_DEVICES
 
 if TYPE_CHECKING:
     from gpufence.enforcer.pod_identity import PodIdentity
@@ -147,7 +147,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--nvidia-device-prefix", default=env.get(ENV_NVIDIA_DEVICE_PREFIX) or None,
-        help=f"path prefix of NVIDIA device files (default: ${ENV_NVIDIA_DEVICE_PREFIX} or /dev/nvidia)",
+        help=f"path prefix of NVIDIA device files (default: ${ENV_NVIDIA_DEVICE_PREFIX} or /dev/nvidia); what is "
+        "under it at start is NVIDIA's device by its identity, whatever name a process opens it by",
+    )
+    p.add_argument(
+        "--nvidia-devices", default=env.get(ENV_NVIDIA_DEVICES) or None, metavar="MAJOR[:MINOR],...",
+        help="character devices to count as NVIDIA's besides the nvidia* majors of /proc/devices "
+        f"(default: ${ENV_NVIDIA_DEVICES})",
     )
     p.add_argument(
         "--log-level", choices=sorted(LEVELS, key=LEVELS.__getitem__),
@@ -310,9 +316,16 @@ def _run(
         return 1
     device_prefix = args.nvidia_device_prefix or NVIDIA_DEVICE_PREFIX_DEFAULT
     pid_mode = choose_mode(args.host_proc)
-    attributor = Attributor(
-        pid_mode, proc_root="/proc", host_proc_root=args.host_proc, device_prefix=device_prefix, own_pid=own_pid,
-    )
+    try:
+        attributor = Attributor(
+            pid_mode, proc_root="/proc", host_proc_root=args.host_proc, device_prefix=device_prefix, own_pid=own_pid,
+            devices=args.nvidia_devices,
+        )
+    except ValueError as exc:
+        print(f"gpufence-enforcer: --nvidia-devices: {exc}", file=sys.stderr)
+        return 2
+    log.info("nvidia_devices", **attributor.device.summary(),
+             reason="a process holding or mapping one of these devices, by any name, is a GPU process")
     metrics = EnforcerMetrics(identity.namespace or "", identity.name or "")
     # The containers are fixed by the pod spec, so the initial config names all of them; "" is the
     # label of what is done to unattributed processes (the pod's budgets), at zero like the rest.
