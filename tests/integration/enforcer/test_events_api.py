@@ -197,10 +197,18 @@ def test_event_posted_with_the_body_and_headers(api: HttpsEventsApi, sa: Service
         "reason": "GPUMemoryOverShare", "message": "container train over its share: SIGTERM to pid 42",
         "type": "Warning", "action": "Terminate",
         "source": {"component": COMPONENT, "host": host},
-        "reportingComponent": COMPONENT, "reportingInstance": host, "count": 1,
+        "reportingComponent": COMPONENT, "reportingInstance": recorder.instance, "count": 1,
     }
     enabled = _records(stream)[0]
     assert (enabled["event"], enabled["api"]) == ("events_enabled", f"https://127.0.0.1:{api.port}")
+    # Issue 32 row 9: the instance is this incarnation's (the pod's UID and a token drawn at start),
+    # and its log line names it: an Event posted by anyone else carries none of the enforcer's tokens.
+    assert enabled["reporting_instance"] == recorder.instance
+    uid, _, token = recorder.instance.partition(".")
+    assert uid == "uid-1" and len(token) == 16 and int(token, 16) >= 0
+    again, _ = _recorder(sa)
+    assert again.instance != recorder.instance  # per start
+    again.close()
 
 
 @pytest.mark.usefixtures("in_cluster")
