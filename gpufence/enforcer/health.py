@@ -168,7 +168,8 @@ class _Log(Protocol):
     def info(self, event: str, **fields: object) -> None: ...
 
 
-def write_heartbeats(health: Health, state_dir: str, log: _Log, stop: threading.Event, clock=probe_clock) -> None:
+def write_heartbeats(health: Health, state_dir: str, log: _Log, stop: threading.Event, clock=probe_clock,
+                     on_pause: Callable[[float], None] | None = None) -> None:
     """Rewrite ``<state_dir>/heartbeat`` every ``HEARTBEAT_PERIOD_SECONDS`` until ``stop`` is set
     (a thread of its own).
 
@@ -178,7 +179,8 @@ def write_heartbeats(health: Health, state_dir: str, log: _Log, stop: threading.
 
     A gap between two heartbeats longer than the period by ``HEARTBEAT_PAUSE_SECONDS`` means the
     enforcer was held from outside (SIGSTOP by a workload, a freezer): it cannot see that while it
-    is held, but says so as soon as it runs again (``enforcer_was_paused``, with the seconds lost).
+    is held, but says so as soon as it runs again (``enforcer_was_paused``, with the seconds lost,
+    and ``on_pause(seconds)``: the loop's Event and metric).
     """
     path = Path(state_dir) / HEARTBEAT_FILE
     pid, started = os.getpid(), own_start_time()
@@ -188,9 +190,12 @@ def write_heartbeats(health: Health, state_dir: str, log: _Log, stop: threading.
         live, detail = health.heartbeat()
         now = clock()
         if last is not None and now - last > HEARTBEAT_PERIOD_SECONDS + HEARTBEAT_PAUSE_SECONDS:
-            log.error("enforcer_was_paused", seconds=round(now - last - HEARTBEAT_PERIOD_SECONDS, 3),
+            lost = now - last - HEARTBEAT_PERIOD_SECONDS
+            log.error("enforcer_was_paused", seconds=round(lost, 3),
                       reason="the enforcer did not run for that long (stopped by another process, frozen or "
                       "starved): nothing was enforced meanwhile")
+            if on_pause is not None:
+                on_pause(lost)
         last = now
         text = heartbeat_text(live, detail, now, HEARTBEAT_STALE_AFTER_SECONDS, pid, started)
         try:

@@ -122,6 +122,16 @@ class Enforcer:
 
     # -- lifecycle -----------------------------------------------------------------------------
 
+    def report_paused(self, seconds: float) -> None:
+        """The whole enforcer was held for ``seconds`` (its heartbeat thread saw the gap once it ran
+        again): counted and recorded on the pod, since nothing was enforced meanwhile."""
+        self._metrics.paused.inc(max(seconds, 0.0))
+        self._events.record(
+            "GPUEnforcerPaused",
+            f"the gpufence enforcer did not run for {seconds:.0f}s (stopped by another process, frozen or starved): "
+            "nothing was enforced meanwhile",
+        )
+
     def recover_stopped(self) -> Recovery:
         """Continue what a previous enforcer left stopped; what cannot be continued yet (a failed
         SIGCONT) stays on record and is retried by the throttle executor with its own."""

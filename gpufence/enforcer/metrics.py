@@ -128,6 +128,12 @@ class EnforcerMetrics:
             "GPU processes NVML lists whose /proc/<pid>/fd the enforcer may not read: not enforced",
             registry=r,
         )
+        self.paused = Counter(
+            "gpufence_enforcer_paused_seconds_total",
+            "Seconds the enforcer did not run at all (held from outside: SIGSTOP, a freezer), as its "
+            "heartbeat thread saw once it ran again",
+            registry=r,
+        )
         self.poll_duration = Histogram(
             "gpufence_poll_duration_seconds",
             "Duration of one poll: NVML sample, attribution, policy and actions",

@@ -360,3 +360,4 @@ def test_a_decoy_in_another_cgroup_forging_a_heartbeat_for_a_stopped_enforcer_fa
     wait_probe(gpu.state_dir, True, HEARTBEAT_STALE_AFTER_SECONDS + 2)
     paused = enforcer.wait_event("enforcer_was_paused", 5)
     assert paused["seconds"] >= HEARTBEAT_STALE_AFTER_SECONDS, paused
+    assert enforcer.metric("gpufence_enforcer_paused_seconds_total") == pytest.approx(paused["seconds"], abs=0.01)
