@@ -237,8 +237,12 @@ work = subprocess.Popen([sys.executable, "-c", child, device_file, "1", ""], env
 assert work.stdout.readline() == "ready\\n"
 # Host PIDs, found without NSpid: <host_proc>/self is us; our child is whoever has us as parent.
 self_host = int(os.readlink(f"{host_proc}/self"))
-work_host = next(int(p) for p in os.listdir(host_proc) if p.isdigit()
-                 and open(f"{host_proc}/{p}/stat").read().rpartition(")")[2].split()[1] == str(self_host))
+def parent(p):
+    try:
+        return open(f"{host_proc}/{p}/stat").read().rpartition(")")[2].split()[1]
+    except OSError:  # a host process that exited while we looked
+        return None
+work_host = next(int(p) for p in os.listdir(host_proc) if p.isdigit() and parent(p) == str(self_host))
 # A legacy driver reports host PIDs: our workload's, ours, and the outer test runner's.
 procs = tuple(GpuProcess(pid, 0, "GPU-0", 5) for pid in (work_host, self_host, outer_runner))
 sample = NvmlSample((DeviceSample(0, "GPU-0", 1 << 34, procs, {}),), ())
