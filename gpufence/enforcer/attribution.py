@@ -5,12 +5,14 @@ translated into the enforcer's own PID namespace and checked before it becomes a
 
 * ``PidMode.LOCAL`` — current drivers translate PIDs into the caller's namespace and list only
   processes visible there. A PID is accepted only if the local process holds an NVIDIA device
-  file open: a legacy driver reports *host* PIDs, which may collide with small local PIDs, and
-  the colliding local process is almost never a GPU process.
+  open or mapped: a legacy driver reports *host* PIDs, which may collide with small local PIDs,
+  and the colliding local process is almost never a GPU process. The device is recognised by what
+  it is, not by its name (``procfs.DeviceIdentity``: NVIDIA's character-device numbers from
+  ``/proc/devices``), so a renamed or linked node, a bind mount or an ``mknod`` alias is the device.
 * ``PidMode.HOST_PROC`` — the host's /proc is mounted (legacy drivers). A host PID is accepted only
-  if ``<host_proc>/<pid>/ns/pid`` is our PID namespace; its innermost ``NSpid`` is our PID. The
-  local process must also hold an NVIDIA device file (stricter than strictly needed: it protects
-  a pod whose host /proc is mounted although the driver already translates PIDs).
+  if ``<host_proc>/<pid>/ns/pid`` is our PID namespace; its innermost ``NSpid`` is our PID. That
+  settles it: a process NVML lists and the host's /proc places in our namespace is the pod's GPU
+  process, whatever it holds open.
 
 Container attribution: the cgroup, which a process cannot leave, is the container's identity;
 ``GPUFENCE_CONTAINER`` in the environment (which a process can set, drop or overwrite) only names
@@ -37,7 +39,9 @@ from gpufence.enforcer.identity import (
     resolve_containers,
 )
 from gpufence.enforcer.procfs import (
+    ENV_NVIDIA_DEVICES,
     NVIDIA_DEVICE_PREFIX_DEFAULT,
+    DeviceIdentity,
     ProcFacts,
     default_device_prefix,
     holds_device,
@@ -149,15 +153,19 @@ class Attributor:
         host_proc_root: str | None = None,
         device_prefix: str | None = None,
         own_pid: int | None = None,
+        devices: str | None = None,
     ) -> None:
         """``device_prefix`` None: ``GPUFENCE_NVIDIA_DEVICE_PREFIX`` or ``/dev/nvidia`` (read now);
-        ``own_pid`` None: this process. Raises ValueError for HOST_PROC without ``host_proc_root``."""
+        ``devices``: more ``MAJOR[:MINOR]`` to count as NVIDIA's (None: ``GPUFENCE_NVIDIA_DEVICES``);
+        ``own_pid`` None: this process. Raises ValueError for HOST_PROC without ``host_proc_root``
+        or for a malformed ``devices``."""
         if mode is PidMode.HOST_PROC and not host_proc_root:
             raise ValueError("PidMode.HOST_PROC needs host_proc_root")
         self._mode = mode
         self._proc_root = proc_root
         self._host_proc_root = host_proc_root
-        self._device_prefix = device_prefix if device_prefix is not None else default_device_prefix()
+        prefix = device_prefix if device_prefix is not None else default_device_prefix()
+        self.device = DeviceIdentity.of(prefix, devices if devices is not None else os.environ.get(ENV_NVIDIA_DEVICES))
         self._own_pid = own_pid if own_pid is not None else os.getpid()
         # Facts that never change while the enforcer runs: our namespace and our own cgroup.
         self._own_pidns = pidns_inode("self", proc_root)
@@ -241,7 +249,7 @@ class Attributor:
 
     def _read_known(self, nvml_pid: int, start: int, ppid: int) -> _Known | None:
         if self._mode is PidMode.LOCAL:
-            facts = read_facts(nvml_pid, self._proc_root, self._device_prefix)
+            facts = read_facts(nvml_pid, self._proc_root, self.device)
             if facts is None or facts.start_time_ticks != start:
                 return None  # exited, or the PID was reused between the two reads
             return _Known(facts=facts, ppid=ppid)
@@ -259,10 +267,14 @@ class Attributor:
             return _Known(facts=None, ppid=0)  # another pod's (or the host's) process
         local_pid = nspid[-1]
         local = read_stat(local_pid, self._proc_root)
-        facts = read_facts(local_pid, self._proc_root, self._device_prefix)
+        facts = read_facts(local_pid, self._proc_root, self.device)
         # Same process seen through both mounts: same start time (both read in our time namespace).
         if local is None or facts is None or facts.start_time_ticks != start:
             return None
+        if facts.inspectable and not facts.holds_nvidia_device:
+            # In our namespace by the host's own /proc, and NVML lists it: the pod's GPU process,
+            # whatever it holds (a device held through something no identity covers).
+            facts = _with_device(facts)
         return _Known(facts=facts, ppid=local.ppid)
 
     def _recheck_device(self, known: _Known) -> _Known:
@@ -273,7 +285,7 @@ class Attributor:
         """
         facts = known.facts
         assert facts is not None
-        if not holds_device(facts.pid, self._proc_root, self._device_prefix):
+        if not holds_device(facts.pid, self._proc_root, self.device):
             return known
         if read_start_time(facts.pid, self._proc_root) != facts.start_time_ticks:
             return known  # PID reused during the scan: the descriptors were someone else's

@@ -6,6 +6,7 @@ Usage::
                       [--state-dir DIR] [--nvidia-device-prefix PREFIX] [--log-level LEVEL]
                       [--simulate STATE_FILE | --nvml-library PATH]
                       [--compute-window SECONDS] [--compute-period SECONDS]
+                      [--throttle-ineffective-after SECONDS]
 
 The config comes from ``--config FILE`` (re-read when the file changes) or the ``GPUFENCE_CONFIG``
 environment variable; a missing or invalid config is reported on stderr and exits with status 2
@@ -55,9 +56,10 @@ from gpufence.contract import (
     ConfigError,
     EnforcerConfig,
 )
+from gpufence.enforcer.compute import INEFFECTIVE_SECONDS
 from gpufence.enforcer.decision_log import LEVELS, DecisionLog, forward_stdlib_logging
 from gpufence.enforcer.probe import probe
-from gpufence.enforcer.procfs import ENV_NVIDIA_DEVICE_PREFIX
+from gpufence.enforcer.procfs import ENV_NVIDIA_DEVICE_PREFIX, ENV_NVIDIA_DEVICES
 
 if TYPE_CHECKING:
     from gpufence.enforcer.pod_identity import PodIdentity
@@ -145,7 +147,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--nvidia-device-prefix", default=env.get(ENV_NVIDIA_DEVICE_PREFIX) or None,
-        help=f"path prefix of NVIDIA device files (default: ${ENV_NVIDIA_DEVICE_PREFIX} or /dev/nvidia)",
+        help=f"path prefix of NVIDIA device files (default: ${ENV_NVIDIA_DEVICE_PREFIX} or /dev/nvidia); what is "
+        "under it at start is NVIDIA's device by its identity, whatever name a process opens it by",
+    )
+    p.add_argument(
+        "--nvidia-devices", default=env.get(ENV_NVIDIA_DEVICES) or None, metavar="MAJOR[:MINOR],...",
+        help="character devices to count as NVIDIA's besides the nvidia* majors of /proc/devices "
+        f"(default: ${ENV_NVIDIA_DEVICES})",
     )
     p.add_argument(
         "--log-level", choices=sorted(LEVELS, key=LEVELS.__getitem__),
@@ -158,6 +166,11 @@ def build_parser() -> argparse.ArgumentParser:
     source.add_argument("--nvml-library", metavar="PATH", help="load libnvidia-ml from this path")
     p.add_argument("--compute-window", type=_positive, default=5.0, help="SM utilisation window, seconds (default 5)")
     p.add_argument("--compute-period", type=_positive, default=1.0, help="duty-cycle period, seconds (default 1)")
+    p.add_argument(
+        "--throttle-ineffective-after", type=_positive, default=INEFFECTIVE_SECONDS, metavar="SECONDS",
+        help="terminate a throttled container whose SM use stays over its share while it is held at the "
+        f"minimum run fraction for this long (default {INEFFECTIVE_SECONDS:g})",
+    )
     p.add_argument(
         "--termination-log", metavar="FILE", default=TERMINATION_LOG,
         help=f"where to write why the enforcer exited, when that file exists (default {TERMINATION_LOG}, "
@@ -303,9 +316,16 @@ def _run(
         return 1
     device_prefix = args.nvidia_device_prefix or NVIDIA_DEVICE_PREFIX_DEFAULT
     pid_mode = choose_mode(args.host_proc)
-    attributor = Attributor(
-        pid_mode, proc_root="/proc", host_proc_root=args.host_proc, device_prefix=device_prefix, own_pid=own_pid,
-    )
+    try:
+        attributor = Attributor(
+            pid_mode, proc_root="/proc", host_proc_root=args.host_proc, device_prefix=device_prefix, own_pid=own_pid,
+            devices=args.nvidia_devices,
+        )
+    except ValueError as exc:
+        print(f"gpufence-enforcer: --nvidia-devices: {exc}", file=sys.stderr)
+        return 2
+    log.info("nvidia_devices", **attributor.device.summary(),
+             reason="a process holding or mapping one of these devices, by any name, is a GPU process")
     metrics = EnforcerMetrics(identity.namespace or "", identity.name or "")
     # The containers are fixed by the pod spec, so the initial config names all of them; "" is the
     # label of what is done to unattributed processes (the pod's budgets), at zero like the rest.
@@ -331,6 +351,7 @@ def _run(
         config_source=_FileWatcher(args.config, log) if args.config else None,
         compute_window_seconds=args.compute_window,
         compute_period_seconds=args.compute_period,
+        compute_ineffective_seconds=args.throttle_ineffective_after,
         nvml_timeout_seconds=args.nvml_timeout,
     )
     # 1. Continue whatever a previous incarnation left stopped, before anything else; then take

@@ -26,6 +26,14 @@ the use measured over the last period, whatever the lag between stopping and the
   on an H200 it ended 5.5-9.5 s after it started and started again 2.5-3.5 s later) and let the
   container run unthrottled in between; ``bench/compute_sampling.py`` shows it.
 
+A throttle that cannot hold the share is not kept up for ever: where the output is pinned at its
+minimum (the process is held stopped ``1 - min`` of each period) and the mean use over the window is
+still over the share by ``START_MARGIN`` for ``ineffective_seconds`` in a row, the work runs while
+its process is stopped (long or persistent kernels, a queue deeper than the stopped phase: SM 100 %
+on a 20 % share while the process was stopped 95 % of the time, issue 32 row 6). SIGSTOP cannot
+reach it, so the tracker reports it (``take_ineffective``) and the core orders the container
+terminated (``throttle_ineffective``), as for throttle evasion.
+
 In audit mode nothing is stopped, so there is no loop to close: the plan says what enforcement
 would start with (share / mean use).
 
@@ -62,6 +70,22 @@ KI = 1.0
 # The plan's key for the pod's unattributed processes: no container is named "" (names are DNS
 # labels), and "" is the container label of the actions taken against unattributed processes.
 UNATTRIBUTED = ""
+# How long a throttle pinned at its minimum run fraction may leave the use over the share before
+# it is judged ineffective and the container terminated.
+INEFFECTIVE_SECONDS = 10.0
+
+
+@dataclass(frozen=True)
+class Ineffective:
+    """A throttle that does not hold: ``key`` (a container, or ``UNATTRIBUTED``) held at the minimum
+    run fraction for ``seconds`` while its mean SM use over the window stayed at ``use`` (0-1), over
+    its ``share``."""
+
+    key: str
+    use: float
+    share: float
+    run_fraction: float
+    seconds: float
 
 
 @dataclass(frozen=True)
@@ -78,6 +102,7 @@ class _Loop:
     integral: float = 1.0
     last_plan: float | None = None
     full_since: float | None = None  # since when the output has been at 1 (None: it is not)
+    held_over_since: float | None = None  # since when it is pinned at the minimum and still over
 
 
 class ComputeTracker:
@@ -94,6 +119,7 @@ class ComputeTracker:
         *,
         kp: float = KP,
         ki: float = KI,
+        ineffective_seconds: float = INEFFECTIVE_SECONDS,
     ) -> None:
         if not window_seconds > 0:
             raise ValueError(f"window_seconds must be positive, got {window_seconds!r}")
@@ -106,7 +132,9 @@ class ComputeTracker:
         self.min_run_fraction = min_run_fraction
         self.kp = kp
         self.ki = ki
+        self.ineffective_seconds = ineffective_seconds
         self._loops: dict[str, _Loop] = {}
+        self._ineffective: list[Ineffective] = []
 
     def observe(self, now: float, attribution: Attribution, config: EnforcerConfig) -> None:
         """Record each compute-limited container's SM use now (0 when it has no GPU process)."""
@@ -136,7 +164,29 @@ class ComputeTracker:
             share = share_of(config, container)
             assert share is not None
             self._step(loop, now, share, audit=config.mode is Mode.AUDIT)
+            self._judge(container, loop, now, share, audit=config.mode is Mode.AUDIT)
         return MappingProxyType({c: loop.fraction for c, loop in self._loops.items() if loop.fraction is not None})
+
+    def take_ineffective(self) -> list[Ineffective]:
+        """The throttles judged ineffective by ``plan`` since the last call."""
+        found, self._ineffective = self._ineffective, []
+        return found
+
+    def _judge(self, key: str, loop: _Loop, now: float, share: float, *, audit: bool) -> None:
+        """Pinned at the minimum run fraction and still over the share: for how long? Reported once
+        per ``ineffective_seconds`` while it lasts (the termination it leads to ends it)."""
+        mean = _mean(loop.history) if loop.history else 0.0
+        pinned = loop.fraction is not None and loop.fraction <= self.min_run_fraction + 1e-9
+        if audit or not pinned or mean <= share * (1 + START_MARGIN):
+            loop.held_over_since = None
+            return
+        if loop.held_over_since is None:
+            loop.held_over_since = now
+        held = now - loop.held_over_since
+        if held >= self.ineffective_seconds:
+            assert loop.fraction is not None
+            self._ineffective.append(Ineffective(key, mean, share, loop.fraction, held))
+            loop.held_over_since = now
 
     def demand(self, container: str) -> float | None:
         """Mean measured SM use over the window (for logs), None without data."""

@@ -12,6 +12,14 @@ event, then the event is dropped; failures are logged at most once a minute and 
 
 The sidecar runs under the pod's own service account, so Events need a Role granting ``create`` on
 ``events`` in the pod's namespace bound to that account; without it the enforcer works the same.
+
+What an Event proves: little by itself. Anyone who may create Events in the namespace (a tenant
+with ``edit``, or anyone holding a token of the pod's service account) can post one with this
+``source``, ``reportingComponent`` and reason. Each enforcer therefore signs its Events with a
+``reportingInstance`` of its own: the pod's UID and a random token drawn at start, which it writes
+in its ``events_enabled`` log line. An Event whose instance names no incarnation's log line, or
+whose decision has no line in that log, is not the enforcer's. The decision log and the metrics
+stay the record (docs/threat-model.md).
 """
 
 from __future__ import annotations
@@ -19,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import os
 import queue
+import secrets
 import threading
 import time
 from dataclasses import dataclass
@@ -56,6 +65,7 @@ class EventRecorder:
         queue_size: int = 64,
         host: str | None = None,
         max_retry_wait: float = MAX_RETRY_WAIT,
+        instance: str | None = None,
     ) -> None:
         self._log = log
         self._pod = pod
@@ -63,6 +73,9 @@ class EventRecorder:
             api = EventsApi.from_kubernetes_configuration(api.configuration)
         self._api: EventsApi | None = api
         self._host = host or os.uname().nodename
+        # This incarnation's reportingInstance: the pod (UID, else name) and a token drawn now,
+        # logged once (``events_enabled``) so an Event can be matched to the enforcer that posted it.
+        self.instance = instance or f"{pod.uid or pod.name}.{secrets.token_hex(8)}"
         self._queue: queue.Queue[Any] = queue.Queue(maxsize=queue_size)
         self._max_retry_wait = max_retry_wait
         self.enabled = api is not None
@@ -94,8 +107,11 @@ class EventRecorder:
         except (CredentialsUnavailable, ValueError) as exc:
             log.info("events_disabled", reason=f"no in-cluster credentials: {exc}")
             return cls(log, pod, None)
-        log.info("events_enabled", api=api.base_url)
-        return cls(log, pod, api)
+        recorder = cls(log, pod, api)
+        log.info("events_enabled", api=api.base_url, reporting_instance=recorder.instance,
+                 reason="each Event this enforcer posts carries this reportingInstance; one that does not, "
+                 "or names no decision in this log, is not this enforcer's")
+        return recorder
 
     # -- producer side (the poll loop) ---------------------------------------------------------
 
@@ -143,7 +159,7 @@ class EventRecorder:
             "type": event_type,
             "source": {"component": COMPONENT, "host": self._host},
             "reportingComponent": COMPONENT,
-            "reportingInstance": self._host,
+            "reportingInstance": self.instance,
             "firstTimestamp": stamp,
             "lastTimestamp": stamp,
             "count": 1,

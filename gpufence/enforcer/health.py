@@ -52,6 +52,9 @@ LIVE_STALENESS_INTERVALS = 5
 # for five intervals plus the NVML deadline makes it say "not live"), not through a second bound.
 HEARTBEAT_PERIOD_SECONDS = 1.0
 HEARTBEAT_STALE_AFTER_SECONDS = 3 * HEARTBEAT_PERIOD_SECONDS + 2.0
+# A gap this much longer than the period between two heartbeats means the whole process was held
+# (SIGSTOP, a freezer, a node stalled): said once it runs again (``enforcer_was_paused``).
+HEARTBEAT_PAUSE_SECONDS = 2.0
 
 
 @dataclass
@@ -165,20 +168,36 @@ class _Log(Protocol):
     def info(self, event: str, **fields: object) -> None: ...
 
 
-def write_heartbeats(health: Health, state_dir: str, log: _Log, stop: threading.Event, clock=probe_clock) -> None:
+def write_heartbeats(health: Health, state_dir: str, log: _Log, stop: threading.Event, clock=probe_clock,
+                     on_pause: Callable[[float], None] | None = None) -> None:
     """Rewrite ``<state_dir>/heartbeat`` every ``HEARTBEAT_PERIOD_SECONDS`` until ``stop`` is set
     (a thread of its own).
 
     A write that fails (the state volume full...) is logged once and retried: the probe then sees a
     stale heartbeat and the kubelet restarts the sidecar, as it should for an enforcer that cannot
     record what it stopped either.
+
+    A gap between two heartbeats longer than the period by ``HEARTBEAT_PAUSE_SECONDS`` means the
+    enforcer was held from outside (SIGSTOP by a workload, a freezer): it cannot see that while it
+    is held, but says so as soon as it runs again (``enforcer_was_paused``, with the seconds lost,
+    and ``on_pause(seconds)``: the loop's Event and metric).
     """
     path = Path(state_dir) / HEARTBEAT_FILE
     pid, started = os.getpid(), own_start_time()
     failing = False
+    last: float | None = None
     while True:
         live, detail = health.heartbeat()
-        text = heartbeat_text(live, detail, clock(), HEARTBEAT_STALE_AFTER_SECONDS, pid, started)
+        now = clock()
+        if last is not None and now - last > HEARTBEAT_PERIOD_SECONDS + HEARTBEAT_PAUSE_SECONDS:
+            lost = now - last - HEARTBEAT_PERIOD_SECONDS
+            log.error("enforcer_was_paused", seconds=round(lost, 3),
+                      reason="the enforcer did not run for that long (stopped by another process, frozen or "
+                      "starved): nothing was enforced meanwhile")
+            if on_pause is not None:
+                on_pause(lost)
+        last = now
+        text = heartbeat_text(live, detail, now, HEARTBEAT_STALE_AFTER_SECONDS, pid, started)
         try:
             write_text(path, text)
         except OSError as exc:

@@ -37,7 +37,7 @@ from functools import partial
 
 from gpufence.contract import EnforcerConfig, Mode
 from gpufence.enforcer.attribution import Attribution, Attributor, PidMode
-from gpufence.enforcer.compute import UNATTRIBUTED
+from gpufence.enforcer.compute import INEFFECTIVE_SECONDS, UNATTRIBUTED
 from gpufence.enforcer.decision_log import DecisionLog
 from gpufence.enforcer.driver_limits import DriverLimits
 from gpufence.enforcer.events import EventRecorder
@@ -77,6 +77,7 @@ class Enforcer:
         config_source: Callable[[], EnforcerConfig | None] | None = None,
         compute_window_seconds: float = 5.0,
         compute_period_seconds: float = 1.0,
+        compute_ineffective_seconds: float = INEFFECTIVE_SECONDS,
         nvml_timeout_seconds: float = 5.0,
         clock: Callable[[], float] = time.monotonic,
         wall_clock: Callable[[], float] = time.time,
@@ -97,7 +98,8 @@ class Enforcer:
         self._clock = clock
         self._wall = wall_clock
         self._core = Core(
-            config, compute_window_seconds=compute_window_seconds, compute_period_seconds=compute_period_seconds
+            config, compute_window_seconds=compute_window_seconds, compute_period_seconds=compute_period_seconds,
+            compute_ineffective_seconds=compute_ineffective_seconds,
         )
         self._backoff = config.poll_interval_seconds
         self._next_open = 0.0
@@ -119,6 +121,16 @@ class Enforcer:
         return self._core.config
 
     # -- lifecycle -----------------------------------------------------------------------------
+
+    def report_paused(self, seconds: float) -> None:
+        """The whole enforcer was held for ``seconds`` (its heartbeat thread saw the gap once it ran
+        again): counted and recorded on the pod, since nothing was enforced meanwhile."""
+        self._metrics.paused.inc(max(seconds, 0.0))
+        self._events.record(
+            "GPUEnforcerPaused",
+            f"the gpufence enforcer did not run for {seconds:.0f}s (stopped by another process, frozen or starved): "
+            "nothing was enforced meanwhile",
+        )
 
     def recover_stopped(self) -> Recovery:
         """Continue what a previous enforcer left stopped; what cannot be continued yet (a failed

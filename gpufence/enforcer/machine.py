@@ -25,6 +25,7 @@ from types import MappingProxyType
 from gpufence.contract import MIN_POLL_INTERVAL_SECONDS, EnforcerConfig
 from gpufence.enforcer.attribution import Attribution, PodProcess
 from gpufence.enforcer.compute import (
+    INEFFECTIVE_SECONDS,
     UNATTRIBUTED,
     ComputeTracker,
     container_sm_utilization,
@@ -39,6 +40,7 @@ from gpufence.enforcer.rules import (
     TerminateOrder,
     device_orders,
     evasion_orders,
+    ineffective_orders,
     memory_orders,
     pod_device_orders,
     pod_usage,
@@ -81,9 +83,11 @@ class ThrottleChange:
 class Decisions:
     usages: tuple[ContainerDeviceUsage, ...]
     pods: tuple[PodDeviceUsage, ...]
-    # throttle evasions first, then unattributed (pod budget), whole containers, GPU counts
+    # throttle evasions and ineffective throttles first, then unattributed (pod budget), whole
+    # containers, GPU counts
     orders: tuple[TerminateOrder, ...]
-    # orders whose (container, device) was not over before, and every evasion order (each is new)
+    # orders whose (container, device) was not over before, and every evasion or ineffective-throttle
+    # order (each is new)
     episodes_started: tuple[TerminateOrder, ...]
     episodes_ended: tuple[tuple[str | None, int], ...]  # (container or None for the pod, device)
     new_unattributed: tuple[PodProcess, ...]
@@ -101,11 +105,13 @@ class Decisions:
 
 class Core:
     def __init__(
-        self, config: EnforcerConfig, *, compute_window_seconds: float = 5.0, compute_period_seconds: float = 1.0
+        self, config: EnforcerConfig, *, compute_window_seconds: float = 5.0, compute_period_seconds: float = 1.0,
+        compute_ineffective_seconds: float = INEFFECTIVE_SECONDS,
     ) -> None:
         self.config = config
         self._window = compute_window_seconds
         self._period = compute_period_seconds
+        self._ineffective_seconds = compute_ineffective_seconds
         self._tracker = self._new_tracker()
         self._plan: Mapping[str, float] = MappingProxyType({})
         self._over: frozenset[tuple[str | None, int]] = frozenset()
@@ -175,6 +181,11 @@ class Core:
 
         self._tracker.observe(now, attribution, config)
         plan = self._tracker.plan(now, config)
+        # A throttle pinned at its minimum that leaves the use over the share: SIGSTOP cannot reach
+        # the work (kernels that run while the process is stopped). A one-shot order, as an evasion.
+        ineffective = ineffective_orders(self._tracker.take_ineffective(), attribution)
+        orders = evaded + ineffective + lasting
+        started = evaded + ineffective + started[len(evaded):]
         sm = container_sm_utilization(attribution)
         sm[UNATTRIBUTED] = unattributed_sm_utilization(attribution) or 0.0
         changes = []
@@ -263,4 +274,5 @@ class Core:
         )
 
     def _new_tracker(self) -> ComputeTracker:
-        return ComputeTracker(window_seconds=self._window, period_seconds=self._period)
+        return ComputeTracker(window_seconds=self._window, period_seconds=self._period,
+                              ineffective_seconds=self._ineffective_seconds)

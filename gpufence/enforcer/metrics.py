@@ -18,7 +18,7 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 if TYPE_CHECKING:
     from gpufence.enforcer.rules import PodDeviceUsage
 
-ACTIONS = ("sigterm", "sigkill", "throttle_start", "throttle_stop", "throttle_evaded", "audit")
+ACTIONS = ("sigterm", "sigkill", "throttle_start", "throttle_stop", "throttle_evaded", "throttle_ineffective", "audit")
 RESOURCES = ("memory", "compute", "gpus")
 # The (action, resource) pairs the loop can count for a container. Created at zero per configured
 # container so that the first kill is an increase from 0 to 1: a counter series that appears at 1
@@ -29,6 +29,8 @@ ACTION_KINDS = (
     ("sigterm", "gpus"), ("sigkill", "gpus"), ("audit", "gpus"),
     # A throttled process seen running while held stopped: terminated with its container.
     ("throttle_evaded", "compute"), ("sigterm", "compute"), ("sigkill", "compute"),
+    # A throttle that cannot hold the share (work running while the process is stopped): terminated too.
+    ("throttle_ineffective", "compute"),
 )
 
 
@@ -124,6 +126,12 @@ class EnforcerMetrics:
         self.uninspectable = Gauge(
             "gpufence_uninspectable_processes",
             "GPU processes NVML lists whose /proc/<pid>/fd the enforcer may not read: not enforced",
+            registry=r,
+        )
+        self.paused = Counter(
+            "gpufence_enforcer_paused_seconds_total",
+            "Seconds the enforcer did not run at all (held from outside: SIGSTOP, a freezer), as its "
+            "heartbeat thread saw once it ran again",
             registry=r,
         )
         self.poll_duration = Histogram(

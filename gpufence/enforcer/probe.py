@@ -15,13 +15,20 @@ probe inside the sidecar container instead, and it asks the enforcer itself:
   is older than its bound (a SIGSTOPped, frozen or wedged enforcer writes nothing), or when the
   process it names is not a running enforcer of this container: gone, another process since (its
   start time differs), stopped (``T``/``t``: a heartbeat rewritten by someone else while the
-  enforcer is held stopped does not pass), or rooted elsewhere (a process of another container:
-  its ``/proc/<pid>/root`` is not our ``/``).
+  enforcer is held stopped does not pass), rooted elsewhere (its ``/proc/<pid>/root`` is not our
+  ``/``), or in another cgroup than the probe itself (``/proc/<pid>/cgroup`` differs from
+  ``/proc/self/cgroup``).
 
-So a workload that could write the file still cannot make the probe pass for a stopped enforcer,
-and one that holds the HTTP port changes nothing here. It runs every 10 s for the life of the pod,
-so it imports nothing but ``os``, ``sys`` and ``time`` (no json, no re, nothing of gpufence): the
-kubelet runs it as ``python3 -Ic`` (``gpufence.contract.PROBE_COMMAND``), which calls :func:`run`.
+The cgroup is what a workload cannot copy: the kubelet's exec probe runs in the sidecar container's
+cgroup, and a process of another container cannot enter it (moving a process needs write access to
+the cgroup filesystem, which the runtime mounts read-only in an unprivileged container). The root
+directory alone is not enough: a root process can ``chroot("/proc/<enforcer pid>/root")``, then
+write a heartbeat naming itself and SIGSTOP the enforcer (issue 32, row 1); it stays in its own
+cgroup, so the probe fails. A workload that could write the file still cannot make the probe pass
+for a stopped enforcer, and one that holds the HTTP port changes nothing here. It runs every 10 s
+for the life of the pod, so it imports nothing but ``os``, ``sys`` and ``time`` (no json, no re,
+nothing of gpufence): the kubelet runs it as ``python3 -Ic`` (``gpufence.contract.PROBE_COMMAND``),
+which calls :func:`run`.
 
 The same check holds the workload back until the enforcer is up: the sidecar's ``postStart`` hook
 (``gpufence.contract.POST_START_COMMAND``, :func:`wait`) repeats it every few milliseconds and
@@ -88,6 +95,13 @@ def _stat(pid: int) -> tuple[str, int]:
     return fields[0], int(fields[19])
 
 
+def _cgroup(pid: int | str) -> str:
+    """``pid``'s ``/proc/<pid>/cgroup`` (world-readable; ``"self"``: this process's): the container a
+    process runs in, which no process of another container can enter or copy."""
+    with open(f"/proc/{pid}/cgroup") as f:
+        return f.read()
+
+
 def _root(pid: int | str) -> tuple[int, int]:
     """The (device, inode) of ``pid``'s root directory: the same for every process of one container
     (``"self"``: this process's), another for a process of another container of the pod."""
@@ -123,6 +137,7 @@ def check(state_dir: str, now: float | None = None) -> tuple[bool, str]:
         state, actual_start = _stat(enforcer)
         ours = _root("self")
         theirs = _root(enforcer)
+        same_cgroup = _cgroup(enforcer) == _cgroup("self")
     except (OSError, IndexError, ValueError) as exc:
         return False, f"the enforcer (pid {enforcer}) of the heartbeat is gone or unreadable ({exc})"
     if actual_start != started:
@@ -138,6 +153,9 @@ def check(state_dir: str, now: float | None = None) -> tuple[bool, str]:
         return False, f"the heartbeat is {age:.1f}s old (bound {bound:.1f}s): the enforcer is stuck; {detail}"
     if age < -1.0:
         return False, f"the heartbeat is dated {-age:.1f}s in the future"
+    if not same_cgroup:
+        # Last, so that a stale or not-live heartbeat says so; any failure fails the probe alike.
+        return False, f"pid {enforcer} of the heartbeat runs in another container (another cgroup than the probe's)"
     return True, detail or "ok"
 
 

@@ -14,7 +14,8 @@ before and after the other files, so a ``ProcFacts`` never mixes two processes' 
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+import stat as stat_module
+from dataclasses import dataclass, field
 
 from gpufence.contract import ENV_CONTAINER
 
@@ -22,6 +23,103 @@ NVIDIA_DEVICE_PREFIX_DEFAULT = "/dev/nvidia"
 # Tests and the local demo have no GPU: the workloads open a temp file named like
 # <tmp>/dev/nvidia0 and the enforcer is told that prefix through this variable.
 ENV_NVIDIA_DEVICE_PREFIX = "GPUFENCE_NVIDIA_DEVICE_PREFIX"
+# More character devices to count as NVIDIA's, besides the node's (``/proc/devices``): a comma
+# separated list of ``MAJOR`` or ``MAJOR:MINOR`` (tests give a device of their own making).
+ENV_NVIDIA_DEVICES = "GPUFENCE_NVIDIA_DEVICES"
+PROC_DEVICES = "/proc/devices"
+
+
+@dataclass(frozen=True)
+class DeviceIdentity:
+    """What makes an open file or a mapping an NVIDIA device: the device itself, not its name.
+
+    A root workload may hold the GPU through any name: a renamed or symlinked node, a bind mount, an
+    ``mknod`` alias with NVIDIA's major and minor (CAP_MKNOD is in the runtime's default set). Every
+    one of them is the same character device, so a file is NVIDIA's when it is a character device
+    whose major is one the node's driver registered (``/proc/devices``: ``nvidia``, ``nvidia-uvm``,
+    ``nvidia-caps``, ``nvidia-frontend``, ``nvidia-nvlink``, ...), or whose ``(major, minor)`` is
+    configured, or (the simulated driver's test bed, where the "devices" are plain files) the very
+    file ``(st_dev, st_ino)`` of one that was under the prefix at start, whatever name it has now.
+    A path under ``prefix`` still counts as well (the node's own ``/dev/nvidia*``).
+    """
+
+    prefix: str
+    majors: frozenset[int] = frozenset()
+    devices: frozenset[tuple[int, int]] = frozenset()  # (major, minor)
+    files: frozenset[tuple[int, int]] = field(default=frozenset())  # (st_dev, st_ino) of plain files
+
+    @classmethod
+    def of(cls, prefix: str, extra: str | None = None, proc_devices: str = PROC_DEVICES) -> DeviceIdentity:
+        """NVIDIA's majors from ``proc_devices``, the ``MAJOR[:MINOR]`` list ``extra``, and what is under
+        ``prefix`` now (a character device by its numbers, any other file by its identity).
+        ValueError for a malformed ``extra``."""
+        majors = set(nvidia_majors(proc_devices))
+        devices: set[tuple[int, int]] = set()
+        for item in (extra or "").split(","):
+            item = item.strip()
+            if not item:
+                continue
+            major, sep, minor = item.partition(":")
+            try:
+                if sep:
+                    devices.add((int(major), int(minor)))
+                else:
+                    majors.add(int(major))
+            except ValueError:
+                raise ValueError(f"not a device number MAJOR or MAJOR:MINOR: {item!r}") from None
+        files: set[tuple[int, int]] = set()
+        directory, _, stem = prefix.rpartition("/")
+        try:
+            names = os.listdir(directory or "/")
+        except OSError:
+            names = []
+        for name in names:
+            if not name.startswith(stem):
+                continue
+            try:
+                st = os.stat(f"{directory}/{name}")
+            except OSError:
+                continue
+            if stat_module.S_ISCHR(st.st_mode):
+                devices.add((os.major(st.st_rdev), os.minor(st.st_rdev)))
+            elif stat_module.S_ISREG(st.st_mode):
+                files.add((st.st_dev, st.st_ino))
+        return cls(prefix, frozenset(majors), frozenset(devices), frozenset(files))
+
+    def matches(self, st: os.stat_result) -> bool:
+        """Whether the file ``st`` describes is one of NVIDIA's devices (or the simulator's files)."""
+        if stat_module.S_ISCHR(st.st_mode):
+            major = os.major(st.st_rdev)
+            return major in self.majors or (major, os.minor(st.st_rdev)) in self.devices
+        return (st.st_dev, st.st_ino) in self.files
+
+    def summary(self) -> dict[str, object]:
+        """For the ``started`` log line."""
+        return {"prefix": self.prefix, "majors": sorted(self.majors),
+                "devices": [f"{a}:{b}" for a, b in sorted(self.devices)], "files": len(self.files)}
+
+
+def nvidia_majors(proc_devices: str = PROC_DEVICES) -> list[int]:
+    """The character-device majors whose driver name starts with ``nvidia`` in ``proc_devices``
+    (the node's: /proc/devices is not namespaced); [] when unreadable or without NVIDIA's driver."""
+    try:
+        with open(proc_devices) as f:
+            text = f.read()
+    except OSError:
+        return []
+    found, char = [], False
+    for line in text.splitlines():
+        if line.strip().endswith("devices:"):
+            char = line.strip() == "Character devices:"
+            continue
+        parts = line.split()
+        if char and len(parts) == 2 and parts[1].startswith("nvidia") and parts[0].isdigit():
+            found.append(int(parts[0]))
+    return found
+
+
+def _identity(device: DeviceIdentity | str) -> DeviceIdentity:
+    return device if isinstance(device, DeviceIdentity) else DeviceIdentity.of(device)
 
 _CONTAINER_KEY = ENV_CONTAINER.encode() + b"="
 # /proc/<pid>/stat and status fit in one page; environ and cgroup are read to EOF.
@@ -34,7 +132,7 @@ class ProcFacts:
     start_time_ticks: int  # field 22 of /proc/<pid>/stat: identity of the process for PID-reuse checks
     container: str | None  # GPUFENCE_CONTAINER from /proc/<pid>/environ; None if absent/unreadable
     cgroup: str | None  # /proc/<pid>/cgroup content (cross-check)
-    holds_nvidia_device: bool  # some /proc/<pid>/fd/* links to a path starting with the device prefix
+    holds_nvidia_device: bool  # some descriptor or mapping is an NVIDIA device (``DeviceIdentity``)
     # False: /proc/<pid>/fd could not be listed (EACCES: no ptrace access, e.g. the sidecar has fewer
     # capabilities than the workload): whether it holds the device is unknown, not "no".
     inspectable: bool = True
@@ -101,18 +199,29 @@ def pidns_inode(pid: int | str, proc_root: str) -> int | None:
         return None
 
 
-def holds_device(pid: int, proc_root: str, device_prefix: str) -> bool:
-    """Whether some open descriptor of the process links to a path starting with ``device_prefix``.
+def holds_device(pid: int, proc_root: str, device: DeviceIdentity | str) -> bool:
+    """Whether some open descriptor or mapping of the process is an NVIDIA device (``device``: the
+    identity, or a prefix to build one from).
 
     Unreadable (gone, or no ptrace permission) reads as False: a process we cannot inspect is
     not accepted as ours.
     """
-    return fd_scan(pid, proc_root, device_prefix)[0]
+    return fd_scan(pid, proc_root, device)[0]
 
 
-def fd_scan(pid: int, proc_root: str, device_prefix: str) -> tuple[bool, bool]:
+# Descriptor targets that are no file with a name to stat (sockets, pipes, eventfds...).
+_NO_FILE = ("socket:", "pipe:", "anon_inode:")
+
+
+def fd_scan(pid: int, proc_root: str, device: DeviceIdentity | str) -> tuple[bool, bool]:
     """(holds the device, descriptors readable): (False, False) when /proc/<pid>/fd is denied (the
-    directory itself, or, as for another process of the same uid with more capabilities, its links)."""
+    directory itself, or, as for another process of the same uid with more capabilities, its links).
+
+    A descriptor is the device when its path is under the prefix, or when the file it is (``stat``
+    through the descriptor: whatever its name, a link, a bind mount or a deleted alias) is one of
+    NVIDIA's (``DeviceIdentity.matches``). Without such a descriptor the process's mappings are
+    looked at (``maps_hold_device``): a device mapped and its descriptor closed."""
+    identity = _identity(device)
     fd_dir = f"{proc_root}/{pid}/fd"
     try:
         names = os.listdir(fd_dir)
@@ -122,23 +231,85 @@ def fd_scan(pid: int, proc_root: str, device_prefix: str) -> tuple[bool, bool]:
         return False, True  # gone: nothing to inspect, and nothing denied
     denied = False
     for name in names:
+        path = f"{fd_dir}/{name}"
         try:
-            target = os.readlink(f"{fd_dir}/{name}")
+            target = os.readlink(path)
         except PermissionError:
             # The directory of a same-uid process lists, but each link needs ptrace access.
             denied = True
             continue
         except OSError:  # closed between listdir and readlink
             continue
-        if target.startswith(device_prefix):
+        if target.startswith(identity.prefix):
             return True, True
+        if target.startswith(_NO_FILE):
+            continue
+        try:
+            if identity.matches(os.stat(path)):
+                return True, True
+        except OSError:
+            continue
+    if not denied and maps_hold_device(pid, proc_root, identity):
+        return True, True
     return False, not denied
 
 
-def read_facts(pid: int, proc_root: str = "/proc", device_prefix: str | None = None) -> ProcFacts | None:
+def maps_hold_device(pid: int, proc_root: str, device: DeviceIdentity | str) -> bool:
+    """Whether some mapping of the process (``/proc/<pid>/maps``) is an NVIDIA device: named under
+    the prefix, the simulator's file by its ``(device, inode)``, or a character device that is
+    NVIDIA's (stat through ``map_files``, which needs CAP_SYS_ADMIN or CAP_CHECKPOINT_RESTORE, else
+    through the path in the process's root when it still names the mapped file)."""
+    identity = _identity(device)
+    data = _read_all(f"{proc_root}/{pid}/maps")
+    if not data:
+        return False
+    seen: set[tuple[int, int]] = set()
+    for line in data.decode("utf-8", "replace").splitlines():
+        fields = line.split(None, 5)
+        if len(fields) < 6 or not fields[5].startswith("/"):
+            continue  # anonymous, [heap], [stack], [vdso]...
+        span, dev, inode, path = fields[0], fields[3], fields[4], fields[5]
+        if path.startswith(identity.prefix):
+            return True
+        try:
+            major, _, minor = dev.partition(":")
+            key = (os.makedev(int(major, 16), int(minor, 16)), int(inode))
+        except ValueError:
+            continue
+        if key[1] == 0 or key in seen:
+            continue
+        seen.add(key)
+        if key in identity.files:
+            return True
+        st = _mapped_file(pid, proc_root, span, path, key)
+        if st is not None and stat_module.S_ISCHR(st.st_mode) and identity.matches(st):
+            return True
+    return False
+
+
+def _mapped_file(pid: int, proc_root: str, span: str, path: str, key: tuple[int, int]) -> os.stat_result | None:
+    """The mapped file's stat: through ``map_files`` (privileged), else through its path in the
+    process's root when that path still names the mapped file (same device and inode)."""
+    try:
+        return os.stat(f"{proc_root}/{pid}/map_files/{span}")
+    except OSError:
+        pass
+    if path.endswith(" (deleted)"):
+        return None
+    try:
+        st = os.stat(f"{proc_root}/{pid}/root{path}")
+    except OSError:
+        return None
+    return st if (st.st_dev, st.st_ino) == key else None
+
+
+def read_facts(
+    pid: int, proc_root: str = "/proc", device_prefix: DeviceIdentity | str | None = None
+) -> ProcFacts | None:
     """All facts about one process, or None if it vanished (or its PID was reused) during the read.
 
-    ``device_prefix`` None means ``default_device_prefix()`` (the environment, read now).
+    ``device_prefix`` (a ``DeviceIdentity``, or a prefix to build one from) None means
+    ``default_device_prefix()`` (the environment, read now).
     """
     if pid <= 0:
         return None

@@ -76,12 +76,17 @@ class TerminateOrder:
     # the throttle held them stopped.
     evaded_pids: tuple[int, ...] = ()
     evaded_phases: int = 0
+    # Set when the order is for an ineffective throttle (``ineffective_orders``): the mean SM use
+    # (0-1) that stayed over the compute share while the throttle held the processes stopped.
+    ineffective_use: float | None = None
+    compute_share: float | None = None
+    held_seconds: float = 0.0
 
 
 @dataclass(frozen=True)
 class Evasion:
     """A process the throttle executor saw running during its stopped phase, in ``phases`` stopped
-    phases in a row (something else sends it SIGCONT)."""
+    phases within its window (something else sends it SIGCONT)."""
 
     container: str | None  # None: an unattributed process (throttled against the pod's budget)
     pid: int
@@ -333,6 +338,26 @@ def evasion_orders(evasions: Iterable[Evasion], attribution: Attribution) -> tup
     return tuple(orders)
 
 
+def ineffective_orders(found: Iterable[Ineffective], attribution: Attribution) -> tuple[TerminateOrder, ...]:
+    """What to terminate for a throttle that does not hold (``compute.Ineffective``): the container
+    as a whole, or for the pod's unattributed loop its unattributed processes (no container can be
+    terminated for them). Only processes of the current attribution are victims."""
+    orders = []
+    for f in found:
+        container = None if f.key == UNATTRIBUTED else f.key
+        chosen = [p for p in attribution.processes if p.container == container]
+        if not chosen:
+            continue
+        victims = tuple(sorted({(p.pid, p.start_time_ticks): p for p in chosen}.values(), key=_largest_newest))
+        first = min(chosen, key=lambda p: p.device_index)
+        orders.append(TerminateOrder(
+            container=container, device_index=first.device_index, device_uuid=first.device_uuid,
+            used_bytes=sum(p.used_memory_bytes or 0 for p in chosen if p.device_index == first.device_index),
+            limit_bytes=0, victims=victims, ineffective_use=f.use, compute_share=f.share, held_seconds=f.seconds,
+        ))
+    return tuple(orders)
+
+
 def _pod_order(pod: PodDeviceUsage) -> TerminateOrder | None:
     if pod.budget_bytes is None or pod.used_bytes <= pod.budget_bytes:
         return None
@@ -377,6 +402,7 @@ from gpufence.enforcer.compute import (  # noqa: E402
     START_MARGIN,
     UNATTRIBUTED,
     ComputeTracker,
+    Ineffective,
     container_sm_utilization,
     pod_compute_budget,
 )
@@ -387,11 +413,13 @@ __all__ = [
     "ComputeTracker",
     "ContainerDeviceUsage",
     "Evasion",
+    "Ineffective",
     "PodDeviceUsage",
     "TerminateOrder",
     "container_sm_utilization",
     "device_orders",
     "evasion_orders",
+    "ineffective_orders",
     "memory_orders",
     "pod_budget_bytes",
     "pod_compute_budget",

@@ -79,6 +79,7 @@ def serve(
     heartbeats = None
     if args.state_dir:
         heartbeats = threading.Thread(target=write_heartbeats, args=(health, args.state_dir, log, thread_stop),
+                                      kwargs={"on_pause": enforcer.report_paused},
                                       name="gpufence-heartbeat", daemon=True)
         heartbeats.start()
     else:

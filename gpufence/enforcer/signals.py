@@ -251,7 +251,32 @@ class SafeSignaller:
             return None
         return stat.state
 
+    def stop_pending(self, target: SignalTarget) -> bool:
+        """Whether a SIGSTOP sent to ``target`` waits to be acted on (``ShdPnd``/``SigPnd`` of
+        ``/proc/<pid>/status``): a process seen running with one pending was not continued by anyone
+        (a SIGCONT discards pending stop signals), it has not run its signal handling yet."""
+        data = _read_status(target.pid, self._proc_root)
+        if data is None:
+            return False
+        for line in data.splitlines():
+            if line.startswith((b"ShdPnd:", b"SigPnd:")):
+                try:
+                    if int(line.split()[1], 16) >> (signal.SIGSTOP - 1) & 1:
+                        return True
+                except (IndexError, ValueError):
+                    continue
+        return False
+
     def alive(self, target: SignalTarget) -> bool:
         """The process still exists with the same identity (and is not a zombie)."""
         stat = read_stat(target.pid, self._proc_root)
         return stat is not None and stat.start_time_ticks == target.start_time_ticks and not stat.is_dead
+
+
+def _read_status(pid: int, proc_root: str) -> bytes | None:
+    """/proc/<pid>/status, or None when it is gone."""
+    try:
+        with open(f"{proc_root}/{pid}/status", "rb") as f:
+            return f.read(16384)
+    except OSError:
+        return None

@@ -124,11 +124,23 @@ class Terminator:
             self._log.warning(
                 "throttle_evaded", container=order.container, evaded_pids=list(order.evaded_pids),
                 phases=order.evaded_phases, victims=victims,
-                reason="seen running while the throttle held it stopped, in consecutive duty cycles: something "
-                "else sends it SIGCONT; terminated with its container (an unattributed process on its own)",
+                reason="seen running while the throttle held it stopped, in several duty cycles within a minute: "
+                "something else sends it SIGCONT; terminated with its container (an unattributed process on its own)",
                 **common,
             )
             self._metrics.action(order.container or UNATTRIBUTED, "throttle_evaded", "compute")
+        elif order.ineffective_use is not None:
+            victims = [v.pid for v in order.victims]
+            self._log.warning(
+                "throttle_ineffective", container=order.container, unattributed=order.container is None,
+                sm_utilization=round(order.ineffective_use, 3), compute_share=order.compute_share,
+                held_seconds=round(order.held_seconds, 1), victims=victims,
+                reason="SM use stayed over the compute share while the throttle held the processes stopped at its "
+                "minimum run fraction: the GPU work runs while they are stopped (long or persistent kernels), so "
+                "SIGSTOP cannot hold it; terminated with its container (unattributed processes on their own)",
+                **common,
+            )
+            self._metrics.action(order.container or UNATTRIBUTED, "throttle_ineffective", "compute")
         elif order.container is None and order.gpus_requested is not None:
             self._log.warning(
                 "gpus_over_request", container=None, unattributed=True, gpus_requested=order.gpus_requested,
@@ -187,6 +199,8 @@ class Terminator:
         if sent:
             if why.evaded_pids:
                 what = f"container {container}: {why.evasion()}"
+            elif why.ineffective_use is not None:
+                what = f"container {container}: {why.ineffective()}"
             elif why.gpus_requested is not None:
                 what = (f"container {container} runs on GPUs {list(why.devices_used)}, more than the "
                         f"{why.gpus_requested} it requested")

@@ -24,11 +24,16 @@ class Why:
     devices_used: tuple[int, ...] = ()
     evaded_pids: tuple[int, ...] = ()  # set: seen running while the throttle held them stopped
     evaded_phases: int = 0
+    # set: SM use (0-1) that stayed over the compute share while the throttle held the processes
+    ineffective_use: float | None = None
+    compute_share: float | None = None
+    held_seconds: float = 0.0
 
     @classmethod
     def of(cls, order: TerminateOrder) -> Why:
         return cls(order.container, order.device_uuid, order.device_index, order.used_bytes, order.limit_bytes,
-                   order.gpus_requested, order.devices_used, order.evaded_pids, order.evaded_phases)
+                   order.gpus_requested, order.devices_used, order.evaded_pids, order.evaded_phases,
+                   order.ineffective_use, order.compute_share, order.held_seconds)
 
     def record(self) -> dict[str, Any]:
         return {**asdict(self), "devices_used": list(self.devices_used), "evaded_pids": list(self.evaded_pids)}
@@ -38,7 +43,7 @@ class Why:
         """From ``record`` (a previous enforcer's); what is missing or malformed gets a neutral value
         (only the log lines and Events say it: the deadline is what matters)."""
 
-        def get(key: str, kind: type, default: Any) -> Any:
+        def get(key: str, kind: type | tuple[type, ...], default: Any) -> Any:
             value = record.get(key)
             return value if isinstance(value, kind) and not isinstance(value, bool) else default
 
@@ -49,11 +54,12 @@ class Why:
         requested = get("gpus_requested", int, None)
         return cls(get("container", str, container), get("device_uuid", str, ""), get("device_index", int, -1),
                    get("used_bytes", int, 0), get("limit_bytes", int, 0), requested, ints("devices_used"),
-                   ints("evaded_pids"), get("evaded_phases", int, 0))
+                   ints("evaded_pids"), get("evaded_phases", int, 0), get("ineffective_use", (int, float), None),
+                   get("compute_share", (int, float), None), get("held_seconds", (int, float), 0.0))
 
     @property
     def resource(self) -> str:
-        if self.evaded_pids:
+        if self.evaded_pids or self.ineffective_use is not None:
             return "compute"
         return "gpus" if self.gpus_requested is not None else "memory"
 
@@ -61,6 +67,8 @@ class Why:
     def log_reason(self) -> str:
         if self.evaded_pids:
             return "throttle_evaded"
+        if self.ineffective_use is not None:
+            return "throttle_ineffective"
         if self.gpus_requested is not None:
             return "gpus_over_request"
         return "memory_over_share" if self.container is not None else "pod_over_budget"
@@ -69,18 +77,27 @@ class Why:
     def event_reason(self) -> str:
         if self.evaded_pids:
             return "GPUThrottleEvaded"
+        if self.ineffective_use is not None:
+            return "GPUThrottleIneffective"
         if self.gpus_requested is not None:
             return "GPUDevicesOverRequest"
         return "GPUMemoryOverShare" if self.container is not None else "GPUPodOverBudget"
 
     def evasion(self) -> str:
         return (f"pids {list(self.evaded_pids)} ran during their stopped phase in {self.evaded_phases} duty cycles "
-                "in a row (something else sends them SIGCONT)")
+                "within a minute (something else sends them SIGCONT)")
+
+    def ineffective(self) -> str:
+        return (f"SM use stayed at {self.ineffective_use or 0:.0%} over its compute share of "
+                f"{self.compute_share or 0:.0%} for {self.held_seconds:.0f}s while the throttle held it stopped "
+                "most of the time (its GPU work runs while it is stopped: SIGSTOP cannot hold it)")
 
     def unattributed(self, pid: int, process_used: int | None, grace: float) -> str:
         """The Event message for an unattributed victim."""
         if self.evaded_pids:
             what = f"unattributed {self.evasion()}"
+        elif self.ineffective_use is not None:
+            what = f"the pod's unattributed processes: {self.ineffective()}"
         elif self.gpus_requested is not None:
             what = (f"the pod runs on GPUs {list(self.devices_used)}, more than the {self.gpus_requested} it "
                     "requested, and has processes no container can be charged for")

@@ -36,11 +36,16 @@ a stopped process (a helper sending SIGCONT every millisecond made the time stop
 to 0 % while the container was reported throttled). So during each stopped phase the executor
 reads the state of every process it holds stopped (``/proc/<pid>/stat``, one small read, every
 ``EVASION_CHECK_SECONDS`` once ``EVASION_SETTLE_SECONDS`` have passed since its SIGSTOP); one seen
-running is stopped again at once, and one seen running in ``EVASION_PHASES`` stopped phases in a
-row is reported (``take_evasions``): the poll loop hands the reports to the core, which orders the
-container terminated (``rules.evasion_orders``). A process in ``D`` (uninterruptible: it acts on the
-SIGSTOP when it leaves the kernel) is not counted, nor a phase in which it was seen stopped at every
-check: a SIGSTOP delivered late (a loaded node) or our own phase switch cannot add up to an evasion.
+running is stopped again at once, and one seen running in ``EVASION_PHASES`` stopped phases within
+``EVASION_WINDOW_SECONDS`` (not only in a row: a helper that continues it in every other stopped
+phase doubled its running time while a streak never formed, issue 32 row 5) is reported
+(``take_evasions``): the poll loop hands the reports to the core, which orders the container
+terminated (``rules.evasion_orders``). Evidence, not chance: a process in ``D`` (uninterruptible: it
+acts on the SIGSTOP when it leaves the kernel) is not counted, nor one whose SIGSTOP is still pending
+(``SafeSignaller.stop_pending``: delivered late on a loaded node, it has not acted on it yet, while a
+SIGCONT from elsewhere discards a pending SIGSTOP), nor a phase in which it was seen stopped at every
+check. So a process is counted only when something else continued it, and what it can take before
+it is terminated is less than ``EVASION_PHASES`` stopped phases per window.
 """
 
 from __future__ import annotations
@@ -49,6 +54,7 @@ import random
 import signal
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 
@@ -62,10 +68,13 @@ PERIOD_JITTER = 0.1
 # How often a failed SIGCONT is retried.
 RETRY_SECONDS = 0.2
 # Throttle evasion: how often a stopped phase is checked, how long after its SIGSTOP a process is
-# first checked, and in how many stopped phases in a row it must be seen running to be reported.
+# first checked, and in how many stopped phases within how many seconds it must be seen running to
+# be reported (in any order: every other phase counts as much as two in a row). At most one stopped
+# phase a minute can go to a helper's SIGCONTs before the container is terminated.
 EVASION_CHECK_SECONDS = 0.05
 EVASION_SETTLE_SECONDS = 0.02
 EVASION_PHASES = 2
+EVASION_WINDOW_SECONDS = 60.0
 # States that say nothing about evasion: stopped (T, t), signal not yet acted on (D), gone (Z, X).
 _NOT_RUNNING = frozenset("TtDZX")
 
@@ -91,7 +100,6 @@ class _Cycle:
     stopped: dict[tuple[int, int], SignalTarget] = field(default_factory=dict)
     stopped_at: dict[tuple[int, int], float] = field(default_factory=dict)  # when we sent its SIGSTOP
     seen_now: set[tuple[int, int]] = field(default_factory=set)  # seen running in this stopped phase
-    streak: dict[tuple[int, int], int] = field(default_factory=dict)  # stopped phases in a row seen running
     reported: set[tuple[int, int]] = field(default_factory=set)
 
     def pause_seconds(self) -> float:
@@ -133,6 +141,8 @@ class ThrottleExecutor:
         self._unreleased: dict[tuple[int, int], SignalTarget] = {}
         self._lease_until: float | None = None
         self._evasions: list[Evasion] = []
+        # process -> when it was seen running in a stopped phase (one entry a phase), within the window
+        self._evaded_at: dict[tuple[int, int], deque[float]] = {}
         self._closing = False
         self._thread: threading.Thread | None = None
 
@@ -279,32 +289,41 @@ class ThrottleExecutor:
 
     def _check_evasion_locked(self, cycle: _Cycle, now: float) -> None:
         """In a stopped phase: is every process we stopped still stopped? One seen running is
-        stopped again (it gets no more than a check interval of the phase) and counted once per
-        phase; at ``EVASION_PHASES`` phases in a row it is reported."""
+        stopped again (until something continues it again) and counted once per phase; at
+        ``EVASION_PHASES`` phases within ``EVASION_WINDOW_SECONDS`` it is reported."""
         for key, t in list(cycle.stopped.items()):
             if now - cycle.stopped_at.get(key, now) < EVASION_SETTLE_SECONDS:
                 continue
             state = self._signaller.state(t)
             if state is None or state in _NOT_RUNNING:
                 continue
+            if self._signaller.stop_pending(t):
+                continue  # our SIGSTOP is on its way (a loaded node): nobody continued it
             if key not in cycle.seen_now:
                 cycle.seen_now.add(key)
-                streak = cycle.streak[key] = cycle.streak.get(key, 0) + 1
+                seen = self._evaded_at.setdefault(key, deque())
+                seen.append(now)
+                while seen and seen[0] <= now - EVASION_WINDOW_SECONDS:
+                    seen.popleft()
                 self._log.debug("throttle_found_running", container=t.container, pid=t.pid, state=state,
-                                phases=streak)
-                if streak >= EVASION_PHASES and key not in cycle.reported:
+                                phases=len(seen))
+                if len(seen) >= EVASION_PHASES and key not in cycle.reported:
                     cycle.reported.add(key)
-                    self._evasions.append(Evasion(t.container, t.pid, t.start_time_ticks, state, streak))
+                    self._evasions.append(Evasion(t.container, t.pid, t.start_time_ticks, state, len(seen)))
                     self._cond.notify_all()
             self._signaller.send(t, signal.SIGSTOP, reason="compute_over_share_found_running")
             cycle.stopped_at[key] = now
 
     def _end_stopped_phase_locked(self, cycle: _Cycle) -> None:
-        """A phase in which a process was seen stopped at every check ends its streak."""
-        for key in list(cycle.streak):
-            if key not in cycle.seen_now:
-                del cycle.streak[key]
+        """A stopped phase ends: what was seen in it outside the window is forgotten."""
         cycle.seen_now.clear()
+        oldest = self._clock() - EVASION_WINDOW_SECONDS
+        for key in list(self._evaded_at):
+            seen = self._evaded_at[key]
+            while seen and seen[0] <= oldest:
+                seen.popleft()
+            if not seen:
+                del self._evaded_at[key]
 
     # -- the thread ----------------------------------------------------------------------------
 

@@ -258,6 +258,110 @@ def test_a_throttled_container_whose_helper_sends_sigcont_is_terminated(admin: c
     assert "hog" in event["message"] and "SIGCONT" in event["message"], event["message"]
 
 
+# Issue 32 row 5: the helper (a child of the GPU process, same container) continues it only in every
+# other stopped phase: when a stopped phase begins it sends SIGCONT every millisecond for 0.3 s, lets
+# the throttle stop it again, and leaves the next stopped phase alone. Never two phases in a row.
+ALTERNATE_EVADER = """
+import os, signal, time
+device = open("/dev/nvidia0")
+print(f"gpu process {os.getpid()}", flush=True)
+parent = os.getpid()
+
+def state():
+    try:
+        return open(f"/proc/{parent}/stat").read().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        os._exit(0)
+
+def wait(stopped):
+    while (state() == "T") != stopped:
+        time.sleep(0.0005)
+
+if os.fork() == 0:
+    device.close()
+    act, phase = True, 0
+    wait(False)
+    while True:
+        wait(True)
+        phase += 1
+        if act:
+            end = time.monotonic() + 0.3
+            while time.monotonic() < end:
+                os.kill(parent, signal.SIGCONT)
+                time.sleep(0.001)
+            print(f"helper acted in phase {phase}", flush=True)
+            wait(True)
+        wait(False)
+        act = not act
+while True:
+    pass
+"""
+
+
+def test_a_helper_continuing_every_other_stopped_phase_gets_the_container_terminated(
+        admin: client.ApiClient, cluster: ControlPlane, node: Node, sim: Node, gpu_namespace: str):
+    """Issue 32 row 5 on the real node (not run by its author): running time 18-19 % -> 37-38 % on a
+    20 % share, never escalated, because evasion needed two stopped phases in a row. Two within 60 s
+    are enough now: the container is terminated with its helper."""
+    pod = _create(admin, gpu_namespace, gpu_pod([workload_container("hog", ALTERNATE_EVADER)],
+                                                {"gpufence.io/memory": "8Gi", "gpufence.io/compute": "20",
+                                                 "gpufence.io/grace-period": "2"}))
+    name = pod["metadata"]["name"]
+    running = wait_running(cluster, node, gpu_namespace, name)
+    hog = host_pid(node, running, "hog")
+    write_gpu_state(node, [(hog, 1 * GIB, 95)])
+    evaded = wait_record(running, lambda r: r.get("event") == "throttle_evaded" and r.get("container") == "hog",
+                         "throttle_evaded for hog", timeout=60)
+    assert evaded["phases"] >= 2 and evaded["action"] == "sigterm", evaded
+    write_gpu_state(node, [])
+    said = container_log(get_pod(cluster, gpu_namespace, name), "hog")
+    assert "helper acted in phase 1" in said, said  # it acts in phases 1, 3, 5...: never two in a row
+
+    def evaded_event() -> dict | None:
+        return next((e for e in events(cluster, gpu_namespace, name) if e["reason"] == "GPUThrottleEvaded"), None)
+
+    kube.wait_for(evaded_event, "gpufence's GPUThrottleEvaded Event on the pod", 30, 0.3)
+
+
+def test_gpu_work_running_while_its_process_is_stopped_gets_the_container_terminated(
+        admin: client.ApiClient, cluster: ControlPlane, node: Node, sim: Node, gpu_namespace: str):
+    """Issue 32 row 6 on the real node (not run by its author): the simulated driver reports 100 % SM
+    use whether hog runs or is stopped (kernels that keep running while it is stopped). Held at the
+    minimum run fraction and still over its 20 % share for 10 s, the container is terminated
+    (``throttle_ineffective``), with an Event, and the kubelet restarts it."""
+    from tests.node.workloads import SPINNER
+
+    pod = _create(admin, gpu_namespace, gpu_pod([workload_container("hog", SPINNER)],
+                                                {"gpufence.io/memory": "8Gi", "gpufence.io/compute": "20",
+                                                 "gpufence.io/grace-period": "2"}))
+    name = pod["metadata"]["name"]
+    running = wait_running(cluster, node, gpu_namespace, name)
+    hog = host_pid(node, running, "hog")
+    write_gpu_state(node, [(hog, 1 * GIB, 100)])
+    wait_record(running, lambda r: r.get("event") == "throttle_start" and r.get("container") == "hog",
+                "throttle_start for hog", timeout=40)
+    started = time.monotonic()
+    held = wait_record(running, lambda r: r.get("event") == "throttle_ineffective" and r.get("container") == "hog",
+                       "throttle_ineffective for hog", timeout=40)
+    took = time.monotonic() - started
+    assert held["sm_utilization"] == 1.0 and held["compute_share"] == 0.2 and held["action"] == "sigterm", held
+
+    def hog_restarted() -> dict | None:
+        current = get_pod(cluster, gpu_namespace, name)
+        return current if statuses(current).get("hog", {}).get("restartCount", 0) >= 1 else None
+
+    kube.wait_for(hog_restarted, "hog terminated and restarted by the kubelet", 60, 0.3)
+    write_gpu_state(node, [])
+
+    def ineffective_event() -> dict | None:
+        return next((e for e in events(cluster, gpu_namespace, name) if e["reason"] == "GPUThrottleIneffective"),
+                    None)
+
+    event = kube.wait_for(ineffective_event, "gpufence's GPUThrottleIneffective Event on the pod", 30, 0.3)
+    assert "hog" in event["message"] and "20%" in event["message"], event["message"]
+    print(f"throttle_ineffective {took:.1f}s after throttle_start")
+
+
 # The GPU process re-execs itself (same PID, same cgroup) with GPUFENCE_CONTAINER naming no
 # container of the pod, then holds the device like any workload.
 RENAMED = """

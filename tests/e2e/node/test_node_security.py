@@ -385,3 +385,85 @@ def test_the_sidecars_cpu_at_rest_with_its_probes(cluster: ControlPlane, node: N
           f"(enforcer, heartbeat and {int(elapsed // 10)} liveness probes)")
     assert statuses(get_pod(cluster, tenant.namespace, running["metadata"]["name"]))[SIDECAR_NAME]["restartCount"] == 0
     assert share < 1.0, share
+
+
+# Issue 32 row 1: chroot()s into the enforcer's root (/proc/<pid>/root: the sidecar's files, its state
+# volume included), writes a fresh heartbeat naming itself every 0.2 s, then SIGSTOPs the enforcer. Its
+# pid, start time, state and root directory are what the probe checked; its cgroup is not the sidecar's.
+CHROOT_DECOY = """
+import os, signal, time
+STATE = "/var/run/gpufence"
+
+def start_time(pid):
+    return open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[19]
+
+victim = None
+for pid in os.listdir("/proc"):
+    if pid.isdigit() and int(pid) != os.getpid():
+        try:
+            argv = open(f"/proc/{pid}/cmdline", "rb").read().split(b"\\0")
+        except OSError:
+            continue
+        if any(arg.rsplit(b"/", 1)[-1] == b"gpufence-enforcer" for arg in argv):
+            victim = int(pid)
+me, started = os.getpid(), start_time(os.getpid())
+try:
+    os.chroot(f"/proc/{victim}/root")
+    os.chdir("/")
+    print(f"chrooted into the root of enforcer pid {victim}", flush=True)
+except OSError as exc:
+    print(f"cannot chroot into the enforcer's root: {exc}", flush=True)
+os.kill(victim, signal.SIGSTOP)
+print(f"stopped enforcer pid {victim}", flush=True)
+while os.path.exists(f"/proc/{victim}"):
+    try:
+        fields = open(f"{STATE}/heartbeat").read().split("\\n")[0].split()
+        if len(fields) == 7:
+            fields[2], fields[3] = "1", f"{time.clock_gettime(time.CLOCK_BOOTTIME):.3f}"
+            fields[5], fields[6] = str(me), started
+            with open(f"{STATE}/.forged", "w") as f:
+                f.write(" ".join(fields) + "\\nok\\n")
+            os.replace(f"{STATE}/.forged", f"{STATE}/heartbeat")
+    except OSError as exc:
+        print(f"cannot forge: {exc}", flush=True)
+    time.sleep(0.2)
+print("the stopped enforcer is gone", flush=True)
+while True:
+    time.sleep(3600)
+"""
+
+
+def test_a_decoy_chrooted_into_the_sidecars_root_cannot_keep_a_stopped_enforcer_alive(
+        cluster: ControlPlane, node: Node, sim: Node, tenant_on_node: Tenant):
+    """Issue 32 row 1 on the real node (not run by its author: the node test bed is the lead's): the
+    decoy's forged heartbeat passed the probe's pid, start-time and root checks (stopped 100 s, 0
+    restarts). Now the probe also requires the heartbeat's process to be in its own cgroup (the
+    sidecar's, where the kubelet's exec runs it): the stopped sidecar is restarted and the restarted
+    enforcer terminates greedy."""
+    tenant = tenant_on_node
+    pod = gpu_pod([workload_container("greedy"), _plain_container("decoy", CHROOT_DECOY)],
+                  {"gpufence.io/memory": "8Gi", "gpufence.io/grace-period": "3"})
+    created = kube.create_pod(tenant.api, tenant.namespace, pod)
+    assert created.admitted, created.message
+    name = created.obj["metadata"]["name"]
+    wait_running(cluster, node, tenant.namespace, name)
+    started = time.monotonic()
+
+    def sidecar_restarted() -> dict[str, Any] | None:
+        current = get_pod(cluster, tenant.namespace, name)
+        status = statuses(current)[SIDECAR_NAME]
+        return current if status["restartCount"] >= 1 and status.get("started") else None
+
+    restarted = kube.wait_for(sidecar_restarted, "the stopped sidecar restarted", 90, 0.3)
+    elapsed = time.monotonic() - started
+    said = container_log(restarted, "decoy")
+    assert "stopped enforcer pid" in said and "the stopped enforcer is gone" in said, said
+    unhealthy = [e["message"] for e in events(cluster, tenant.namespace, name) if e.get("reason") == "Unhealthy"]
+    assert unhealthy, "no failed probe recorded"
+    if "chrooted into the root" in said and "cannot forge" not in said:
+        assert any("another cgroup" in m or "another container" in m for m in unhealthy), unhealthy
+    write_gpu_state(node, [(host_pid(node, restarted, "greedy"), 9 * GIB, 10)])
+    wait_record(restarted, lambda r: r.get("event") == "sigterm" and r.get("container") == "greedy",
+                "the restarted enforcer terminating greedy", timeout=40)
+    print(f"chroot decoy: stopped sidecar restarted after {elapsed:.1f}s; probe said {unhealthy[-1]!r}; "
+          f"decoy said {said.strip().splitlines()[:2]}")

@@ -197,10 +197,18 @@ def test_event_posted_with_the_body_and_headers(api: HttpsEventsApi, sa: Service
         "reason": "GPUMemoryOverShare", "message": "container train over its share: SIGTERM to pid 42",
         "type": "Warning", "action": "Terminate",
         "source": {"component": COMPONENT, "host": host},
-        "reportingComponent": COMPONENT, "reportingInstance": host, "count": 1,
+        "reportingComponent": COMPONENT, "reportingInstance": recorder.instance, "count": 1,
     }
     enabled = _records(stream)[0]
     assert (enabled["event"], enabled["api"]) == ("events_enabled", f"https://127.0.0.1:{api.port}")
+    # Issue 32 row 9: the instance is this incarnation's (the pod's UID and a token drawn at start),
+    # and its log line names it: an Event posted by anyone else carries none of the enforcer's tokens.
+    assert enabled["reporting_instance"] == recorder.instance
+    uid, _, token = recorder.instance.partition(".")
+    assert uid == "uid-1" and len(token) == 16 and int(token, 16) >= 0
+    again, _ = _recorder(sa)
+    assert again.instance != recorder.instance  # per start
+    again.close()
 
 
 @pytest.mark.usefixtures("in_cluster")
@@ -443,3 +451,53 @@ def test_a_driver_limit_asked_for_and_absent_is_an_event_once(api: HttpsEventsAp
     assert "container train" in message and "older than R615" in message, message
     assert api.seen[0].body["type"] == "Warning"
     assert [r["mechanism"] for r in _records(stream) if r["event"] == "memory_enforcement"] == ["polling"]
+
+
+def test_an_ineffective_throttle_is_an_event(api: HttpsEventsApi, sa: ServiceAccountDir, tmp_path: Path):
+    """Issue 32 row 6: SM use that stays over the share while the throttle holds the process at its
+    minimum run fraction ends in termination, and the Event says why (the real recorder and
+    terminator, a real process)."""
+    from gpufence.contract import ContainerShare, EnforcerConfig, Mode
+    from gpufence.enforcer.attribution import Attribution, PodProcess
+    from gpufence.enforcer.machine import Core
+    from gpufence.enforcer.metrics import EnforcerMetrics
+    from gpufence.enforcer.procfs import read_start_time
+    from gpufence.enforcer.signals import SafeSignaller, SignalTarget
+    from gpufence.enforcer.stopped_state import StoppedState
+    from gpufence.enforcer.terminate import Terminator
+    from gpufence.enforcer.throttle import ThrottleExecutor
+    from tests.support.enforcer_harness import WORKLOAD
+
+    plain = tmp_path / "device"
+    plain.touch()
+    child = subprocess.Popen([sys.executable, str(WORKLOAD), str(plain)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout is not None and child.stdout.readline().startswith("ready")
+        train = PodProcess(child.pid, child.pid, read_start_time(child.pid) or 0, "train", 0, "GPU-0", 1 << 30, 100)
+        recorder, _ = _direct(api, sa)
+        log = DecisionLog(stream=io.StringIO())
+        metrics = EnforcerMetrics("team", "train-0")
+        door = SafeSignaller(log)
+        throttle = ThrottleExecutor(door, StoppedState(tmp_path, log), log)
+        terminator = Terminator(door, throttle, log, metrics, recorder)
+        core = Core(EnforcerConfig(containers={"train": ContainerShare(compute_percent=20)}),
+                    compute_window_seconds=1.0, compute_period_seconds=0.5, compute_ineffective_seconds=2.0)
+        attribution = Attribution((train,), ())
+        door.authorize(SignalTarget.of(p) for p in attribution.processes)
+        now = 0.0
+        while not (decisions := core.step(now, attribution, {0: 80 << 30})).orders:
+            now += 0.1
+            assert now < 10, "never judged ineffective"
+        terminator.enforce(decisions, attribution, Mode.ENFORCE, 5.0)
+        assert child.wait(5) == 0  # its SIGTERM handler exits 0
+        assert recorder.flush(10)
+        recorder.close()
+    finally:
+        if child.poll() is None:
+            child.kill()
+        child.wait(5)
+    [seen] = api.seen
+    assert seen.body["reason"] == "GPUThrottleIneffective" and seen.body["type"] == "Warning"
+    message = seen.body["message"]
+    assert "container train" in message and "100% over its compute share of 20%" in message, message
+    assert f"SIGTERM to pids [{child.pid}]" in message

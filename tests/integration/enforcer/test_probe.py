@@ -166,12 +166,24 @@ def test_a_frozen_enforcer_fails_its_probe_once_its_heartbeat_outlives_the_bound
     wait_probe(gpu.state_dir, True, 10)
     (freezer_group / "cgroup.procs").write_text(str(enforcer.proc.pid))
     (freezer_group / "freezer.state").write_text("FROZEN")
-    took, output = wait_probe(gpu.state_dir, False, HEARTBEAT_STALE_AFTER_SECONDS + 3)
+    # In the freezer group the enforcer is in another cgroup than the probe, which fails it at once;
+    # what this test is about is the heartbeat's age, which the probe says once it is past the bound.
+    started = time.monotonic()
+    while True:
+        result = run_probe(gpu.state_dir)
+        assert result.returncode == 1, result.stdout
+        output = result.stdout
+        if "old (bound" in output:
+            break
+        assert time.monotonic() - started < HEARTBEAT_STALE_AFTER_SECONDS + 3, output
+    took = time.monotonic() - started
     print(f"\nprobe failed {took:.2f}s after freezing (bound {HEARTBEAT_STALE_AFTER_SECONDS}s): {output.strip()}")
     assert "old (bound 5.0s)" in output, output
     # The last heartbeat came at most one period before the freeze.
     assert took >= HEARTBEAT_STALE_AFTER_SECONDS - HEARTBEAT_PERIOD_SECONDS - 0.5, took
     (freezer_group / "freezer.state").write_text("THAWED")
+    # Back in the probe's cgroup (the probe passes only for an enforcer in its own cgroup).
+    (FREEZER / "cgroup.procs").write_text(str(enforcer.proc.pid))
     wait_probe(gpu.state_dir, True, HEARTBEAT_STALE_AFTER_SECONDS + 2)
 
 
@@ -265,3 +277,87 @@ def test_the_probe_loads_nothing_heavy_and_what_it_costs(gpu: GpuSandbox, make_c
     cpu = (after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime) / runs
     print(f"\nprobe: {cpu * 1000:.1f} ms CPU and {wall / runs * 1000:.1f} ms wall per run "
           f"({cpu / 10 * 100:.2f}% of a core at one run every 10 s)")
+
+
+PIDS_V1 = Path("/sys/fs/cgroup/pids")
+
+
+@pytest.fixture
+def other_cgroup() -> Iterator[Path]:
+    """A cgroup (v1 ``pids`` hierarchy) other than the one the enforcer and the probe run in: a
+    workload container's, which the probe's own cgroup (the sidecar's) is not."""
+    group = PIDS_V1 / f"gpufence-probe-decoy-{os.getpid()}"
+    group.mkdir()
+    try:
+        yield group
+    finally:
+        for pid in (group / "cgroup.procs").read_text().split():
+            with contextlib.suppress(OSError):
+                os.kill(int(pid), signal.SIGKILL)
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                group.rmdir()
+                break
+            except OSError:
+                assert time.monotonic() < deadline, f"cannot remove {group}"
+                time.sleep(0.01)
+
+
+# The decoy of issue 32 row 1: chroot()s into the enforcer's root (/proc/<pid>/root), then writes a fresh
+# heartbeat naming itself, live, every 0.2 s, as a loop in a root workload would.
+_DECOY = """
+import os, sys, time
+from gpufence.enforcer.probe import heartbeat_text, own_start_time, clock
+enforcer, state_dir = int(sys.argv[1]), sys.argv[2]
+start = own_start_time()
+os.chroot(f"/proc/{enforcer}/root")
+os.chdir("/")
+print("decoy up", flush=True)
+while True:
+    text = heartbeat_text(True, "ok", clock(), 5.0, os.getpid(), start)
+    tmp = os.path.join(state_dir, ".decoy")
+    with open(tmp, "w") as f:
+        f.write(text)
+    os.rename(tmp, os.path.join(state_dir, "heartbeat"))
+    time.sleep(0.2)
+"""
+
+
+@needs(os.geteuid() == 0 and (PIDS_V1 / "cgroup.procs").exists(),
+       reason="needs root (chroot) and the cgroup v1 pids hierarchy to put the decoy in another cgroup")
+def test_a_decoy_in_another_cgroup_forging_a_heartbeat_for_a_stopped_enforcer_fails_the_probe(
+        gpu: GpuSandbox, make_config, other_cgroup: Path) -> None:
+    """Issue 32 row 1, with real processes: the decoy shares the enforcer's root directory (it chrooted
+    into ``/proc/<enforcer>/root``), runs, and names itself with its real start time, so the pid,
+    start time, state and root checks all pass for it; only its cgroup, which is not the probe's
+    (the sidecar container's), tells it from the enforcer. Control: with the enforcer running and
+    its own heartbeat, the probe passes."""
+    enforcer = gpu.enforcer(make_config({"train": {"memoryBytes": 1 << 30}}, interval=INTERVAL))
+    wait_probe(gpu.state_dir, True, 10)  # the control: the real enforcer passes
+    decoy = subprocess.Popen([sys.executable, "-c", _DECOY, str(enforcer.proc.pid), str(gpu.state_dir)],
+                             cwd=str(Path(__file__).resolve().parents[3]), stdout=subprocess.PIPE, text=True)
+    try:
+        (other_cgroup / "cgroup.procs").write_text(str(decoy.pid))
+        assert decoy.stdout is not None and decoy.stdout.readline().strip() == "decoy up"
+        os.kill(enforcer.proc.pid, signal.SIGSTOP)
+        wait_state(enforcer.proc.pid, lambda s: s == "T", 5)
+        failures = []
+        deadline = time.monotonic() + HEARTBEAT_STALE_AFTER_SECONDS + 3  # past the stale bound: the decoy's stays fresh
+        while time.monotonic() < deadline:
+            result = run_probe(gpu.state_dir)
+            assert result.returncode == 1, f"the decoy's heartbeat passed: {result.stdout}"
+            failures.append(result.stdout)
+        named = [f for f in failures if f"pid {decoy.pid} " in f]
+        assert named, failures[-3:]
+        assert all("another cgroup" in f for f in named), named[:3]
+        print(f"\n{len(failures)} probes while the enforcer was stopped, all failed; {len(named)} on the decoy's "
+              f"heartbeat: {named[-1].strip()}")
+    finally:
+        decoy.kill()
+        decoy.wait()
+        os.kill(enforcer.proc.pid, signal.SIGCONT)
+    wait_probe(gpu.state_dir, True, HEARTBEAT_STALE_AFTER_SECONDS + 2)
+    paused = enforcer.wait_event("enforcer_was_paused", 5)
+    assert paused["seconds"] >= HEARTBEAT_STALE_AFTER_SECONDS, paused
+    assert enforcer.metric("gpufence_enforcer_paused_seconds_total") == pytest.approx(paused["seconds"], abs=0.01)

@@ -12,6 +12,7 @@ import statistics
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -393,3 +394,62 @@ def test_throttle_executor_reports_a_process_a_helper_keeps_running(child, log, 
         executor.close()
     wait_state(c.pid, lambda s: s not in ("T", None), 1)
     assert json.loads((tmp_path / "stopped.json").read_text())["stopped"] == []
+
+
+ALTERNATE = Path(__file__).parent / "alternate_sigcont.py"
+
+
+def test_throttle_executor_reports_a_process_continued_in_every_other_stopped_phase(child, log, tmp_path):
+    """Issue 32 row 5: a helper continues the process in one stopped phase, leaves the next alone,
+    continues it in the one after. Two phases in a row never come; two within the window do."""
+    c = child()
+    door = SafeSignaller(log)
+    door.authorize([c.target()])
+    executor = ThrottleExecutor(door, StoppedState(tmp_path, log), log, period_seconds=0.4, jitter=0.0)
+    executor.start()
+    helper = subprocess.Popen([sys.executable, str(ALTERNATE), str(c.pid), "0.15"], stdout=subprocess.PIPE,
+                              text=True)
+    out = LineReader(helper.stdout, "helper")
+    try:
+        out.wait_for(lambda s: s == "attacking", 10)
+        executor.update({"c": ThrottlePlan(0.25, (c.target(),))})
+        deadline = time.monotonic() + 10
+        found: list = []
+        while not found:
+            assert time.monotonic() < deadline, f"the evasion was never reported: {out.snapshot()}"
+            found = executor.take_evasions()
+            time.sleep(0.01)
+        [evasion] = found
+        assert (evasion.pid, evasion.container, evasion.phases) == (c.pid, "c", 2)
+        out.wait_for(lambda s: s.startswith("acted") and s != "acted 1", 5)  # said after its burst
+        said = out.snapshot()
+        acted = [int(s.split()[1]) for s in said if s.startswith("acted")]
+        skipped = [int(s.split()[1]) for s in said if s.startswith("skipped")]
+        # Reported on the second phase the helper acted in, with a phase left alone between them.
+        assert acted[:2] == [acted[0], acted[0] + 2] and acted[0] + 1 in skipped, said
+        seen = [r["phases"] for r in log.records() if r["event"] == "throttle_found_running"]
+        assert seen[:2] == [1, 2], seen
+    finally:
+        helper.kill()
+        helper.wait(5)
+        executor.close()
+    wait_state(c.pid, lambda s: s not in ("T", None), 1)
+    assert json.loads((tmp_path / "stopped.json").read_text())["stopped"] == []
+
+
+def test_a_stop_signal_still_pending_is_seen_as_pending(child, log):
+    """A SIGSTOP not yet acted on (here: sent to a process already stopped, which acts on nothing)
+    shows in its pending set, and a SIGCONT discards it: how the throttle tells a late SIGSTOP on a
+    loaded node from a process someone else continued."""
+    c = child()
+    door = SafeSignaller(log)
+    door.authorize([c.target()])
+    assert not door.stop_pending(c.target())
+    os.kill(c.pid, signal.SIGSTOP)
+    wait_state(c.pid, lambda s: s == "T", 5)
+    assert not door.stop_pending(c.target())  # acted on: no longer pending
+    os.kill(c.pid, signal.SIGSTOP)
+    assert door.stop_pending(c.target())
+    os.kill(c.pid, signal.SIGCONT)
+    wait_state(c.pid, lambda s: s not in ("T", None), 5)
+    assert not door.stop_pending(c.target())

@@ -20,6 +20,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -233,6 +234,71 @@ def test_a_process_continued_by_a_helper_is_terminated_with_its_container(gpu, m
     assert honest >= 0.6
     # The neighbour was never throttled nor signalled; nothing is left stopped.
     assert calm.out.snapshot() == [f"ready {calm.pid}"]
+    assert _stopped_file(gpu) == []
+    assert enforcer.stop() == 0
+
+
+ALTERNATE = Path(__file__).parent / "alternate_sigcont.py"
+
+
+def test_a_helper_continuing_every_other_stopped_phase_gets_the_container_terminated(gpu, make_config, attackers):
+    """Issue 32 row 5: SIGCONT in every other stopped phase only (no two in a row) took the running
+    time from 18-19 % to 37-38 % on a 20 % share, never escalated. Two phases within the window are
+    enough now."""
+    busy = gpu.workload("train")
+    gpu.write(gpu.device_with(gpu.proc(busy, GIB, sm=100)))
+    enforcer = gpu.enforcer(make_config({"train": {"computePercent": 20}}, grace=0.5, interval=INTERVAL), *FAST)
+    enforcer.wait_event("throttle_start", 10, container="train")
+    busy.wait_line("got SIGCONT 3", 10)
+    mark = enforcer.mark()
+    helper = subprocess.Popen([sys.executable, str(ALTERNATE), str(busy.pid), "0.1"], stdout=subprocess.PIPE,
+                              text=True)
+    attackers.append(helper)
+    out = LineReader(helper.stdout, "alternate")
+    out.wait_for(lambda s: s == "attacking", 10)
+    attacked = time.monotonic()
+    evaded = enforcer.wait_event("throttle_evaded", 10, start=mark, container="train")
+    detected = time.monotonic() - attacked
+    assert evaded["evaded_pids"] == [busy.pid] and evaded["phases"] == 2 and evaded["action"] == "sigterm"
+    busy.wait_line("got SIGTERM", 5)
+    assert busy.proc.wait(5) == 0
+    said = out.snapshot()
+    assert any(s.startswith("skipped") for s in said), said  # it did leave phases alone
+    assert [t["reason"] for t in enforcer.events("sigterm", pid=busy.pid, outcome="sent")] == ["throttle_evaded"]
+    assert enforcer.metric("gpufence_enforcement_actions_total", container="train", action="throttle_evaded",
+                           resource="compute") == 1
+    print(f"\nevery-other-phase helper: evasion reported {detected:.2f}s after it started ({said[1:]})")
+    assert _stopped_file(gpu) == []
+    assert enforcer.stop() == 0
+
+
+def test_gpu_work_that_runs_while_its_process_is_stopped_gets_the_container_terminated(gpu, make_config):
+    """Issue 32 row 6: the simulated driver reports 100 % SM use whether the process runs or not
+    (long or persistent kernels keep running while it is stopped): held at the minimum run fraction,
+    still over its 20 % share, the container is terminated (``throttle_ineffective``) after the stated
+    time, instead of being reported throttled for ever. The neighbour within its share stays."""
+    busy = gpu.workload("train")
+    calm = gpu.workload("calm")
+    gpu.write(gpu.device_with(gpu.proc(busy, GIB, sm=100), gpu.proc(calm, GIB, sm=5)))
+    config = make_config({"train": {"computePercent": 20}, "calm": {"computePercent": 50}}, grace=0.5,
+                         interval=INTERVAL)
+    enforcer = gpu.enforcer(config, *FAST, "--throttle-ineffective-after", "2")
+    started = enforcer.wait_event("throttle_start", 10, container="train")
+    began = time.monotonic()
+    held = enforcer.wait_event("throttle_ineffective", 15, container="train")
+    took = time.monotonic() - began
+    assert held["sm_utilization"] == 1.0 and held["compute_share"] == 0.2 and held["held_seconds"] >= 2.0
+    assert held["victims"] == [busy.pid] and held["action"] == "sigterm"
+    busy.wait_line("got SIGTERM", 5)
+    assert busy.proc.wait(5) == 0
+    assert [t["reason"] for t in enforcer.events("sigterm", pid=busy.pid, outcome="sent")] == ["throttle_ineffective"]
+    assert enforcer.metric("gpufence_enforcement_actions_total", container="train", action="throttle_ineffective",
+                           resource="compute") == 1
+    assert enforcer.metric("gpufence_enforcement_actions_total", container="train", action="sigterm",
+                           resource="compute") == 1
+    print(f"\nthrottle started at run fraction {started.get('run_fraction')}; "
+          f"judged ineffective {took:.2f}s later (bound 2 s pinned at the minimum)")
+    assert calm.alive() and not calm.said("got SIGTERM")
     assert _stopped_file(gpu) == []
     assert enforcer.stop() == 0
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import itertools
 
-from gpufence.contract import ContainerShare, EnforcerConfig, MemoryShare
+from gpufence.contract import ContainerShare, EnforcerConfig, MemoryShare, Mode
 from gpufence.enforcer.attribution import Attribution, PodProcess
 from gpufence.enforcer.machine import UTILISATION_REFRESH_SECONDS, Core, Transition
 
@@ -109,3 +109,45 @@ def test_utilisation_is_read_once_per_duty_cycle_period_with_a_compute_share() -
     core = Core(EnforcerConfig(containers={"a": ContainerShare(memory=MemoryShare(bytes=GiB))}))
     reads = [t / 2 for t in range(24) if core.wants_utilisation(100 + t / 2)]
     assert reads == [0.0, UTILISATION_REFRESH_SECONDS, 2 * UTILISATION_REFRESH_SECONDS]
+
+
+def test_a_throttle_that_cannot_hold_the_share_terminates_the_container_once_per_stretch() -> None:
+    """Issue 32 row 6: the use stays at 100 % whatever the run fraction (kernels that run while the
+    process is stopped). Pinned at the minimum and still over the share for the stated time, the
+    container is ordered terminated (one order, not one per poll); a plant that follows the fraction
+    converges instead and is never judged ineffective."""
+    config = EnforcerConfig(containers={"train": ContainerShare(compute_percent=20)})
+    core = Core(config, compute_window_seconds=1.0, compute_period_seconds=0.5, compute_ineffective_seconds=3.0)
+    now, orders, pinned_at = 0.0, [], None
+    while now < 8.0:
+        decisions = core.step(now, poll(proc(1, "train", GiB, sm=100)), TOTALS)
+        if pinned_at is None and core.throttled.get("train") == 0.05:
+            pinned_at = now
+        orders += [(now, o) for o in decisions.orders]
+        assert decisions.orders == tuple(o for o in decisions.episodes_started if o.ineffective_use is not None)
+        now += 0.1
+    assert pinned_at is not None and pinned_at < 2.0
+    assert len(orders) == 2, [t for t, _ in orders]  # at 3 s pinned, then 3 s later again (still running)
+    (first_at, first), (second_at, _) = orders
+    assert 3.0 <= first_at - pinned_at < 3.2 and 2.9 < second_at - first_at < 3.2
+    assert first.container == "train" and [v.pid for v in first.victims] == [1]
+    assert first.ineffective_use == 1.0 and first.compute_share == 0.2 and first.held_seconds >= 3.0
+
+    # The control: use that follows the run fraction (an instant plant) is held, never ineffective.
+    core = Core(config, compute_window_seconds=1.0, compute_period_seconds=0.5, compute_ineffective_seconds=3.0)
+    now = 0.0
+    while now < 8.0:
+        fraction = core.throttled.get("train", 1.0)
+        decisions = core.step(now, poll(proc(1, "train", GiB, sm=round(100 * fraction))), TOTALS)
+        assert decisions.orders == (), now
+        now += 0.1
+    assert "train" in core.throttled
+
+
+def test_an_ineffective_throttle_is_not_judged_in_audit_mode() -> None:
+    config = EnforcerConfig(containers={"train": ContainerShare(compute_percent=20)}, mode=Mode.AUDIT)
+    core = Core(config, compute_window_seconds=1.0, compute_period_seconds=0.5, compute_ineffective_seconds=1.0)
+    now = 0.0
+    while now < 5.0:
+        assert core.step(now, poll(proc(1, "train", GiB, sm=100)), TOTALS).orders == ()
+        now += 0.1
