@@ -80,8 +80,8 @@ def parts(golden: Path = GOLDEN) -> dict[str, dict[str, int]]:
 # Why each piece the injection adds is there (the rows of the per-field table); a piece with no
 # entry here is printed with "?" so that a new field cannot arrive without a reason.
 PURPOSE = {
-    "sidecar name": "the guard and the enforcer find the sidecar by it",
-    "sidecar image": "the enforcer's image (the guard admits only the configured one)",
+    "sidecar name": "the webhook, the protect policy and the enforcer find the sidecar by it",
+    "sidecar image": "the enforcer's image (the policy's sidecar-image)",
     "sidecar command": "runs the enforcer (the image has no entrypoint of its own)",
     "sidecar restartPolicy": "a native sidecar: up before the workload, restarted on exit",
     "sidecar env GPUFENCE_CONFIG": "each GPU container's share, the mode, the grace period",
@@ -95,7 +95,7 @@ PURPOSE = {
     "sidecar securityContext": "root with three capabilities to read and signal the workloads; no escalation",
     "sidecar volumeMounts": "the state directory (stopped processes, pending SIGKILLs, heartbeat)",
     "sidecar resources.claims": "the pod's GPU claims, so NVML sees a DRA GPU",
-    "status annotation": "what gpufence did (GPU containers, mode, version, warnings); the guard's mark",
+    "status annotation": "what gpufence did (GPU containers, mode, version, warnings), read by the enforcer",
     "sidecar env (key)": "the list that holds the sidecar's variables",
     "sidecar env GPUFENCE_HOST_PROC": "where the host's /proc is mounted (flag, legacy drivers)",
     "sidecar env GPUFENCE_METRICS_PORT": "a metrics port other than the default (policy)",
