@@ -254,7 +254,7 @@ MAX_ATTEMPTS = 3
 def run_bootstrap(api: KubeApi, opts: BootstrapOptions, now: dt.datetime | None = None) -> BootstrapResult:
     """Make the Secret valid and the caBundle of both webhook configurations match it.
 
-    Raises ``KubeError`` subclasses (``NotFound`` only for the MutatingWebhookConfiguration).
+    Raises ``KubeError`` subclasses (``NotFound`` for a webhook configuration that does not exist).
     """
     opts.validate()
     for attempt in range(1, MAX_ATTEMPTS + 1):
