@@ -1,0 +1,221 @@
+"""The monitoring scenario, shared by the tests of this directory: real enforcer processes against
+the simulated driver, the real webhook, and a real Prometheus server scraping them with the jobs
+prometheus-operator generates from our PodMonitor and ServiceMonitor, loading our PrometheusRule.
+
+Pods (each its own enforcer, state file and device file: as in a pod, each sidecar's NVML lists its
+own pod's processes only):
+
+========================================  ======  =====  =============================================
+pod                                       node    GPU    what happens
+========================================  ======  =====  =============================================
+team-a/train-5c8f9d7b6d-q2w4x (trainer)   node-a  GPU-0  within: 6Gi of 8Gi, SM 40 % of 50 %; plus one
+                                                         unattributed process of 512Mi (no container)
+team-a/greedy-0 (loader)                  node-a  GPU-0  over its memory share: 1Gi, then 3Gi of 2Gi;
+                                                         ignores SIGTERM, SIGKILLed after its grace
+team-b/render-6b7c9f8d5-zx9kp (render)    node-b  GPU-1  over its compute share: SM 10 %, then 90 %
+                                                         of 30 %, throttled; 2Gi of 4Gi
+team-b/broken-0 (solver)                  node-b  GPU-1  NVML does not load (driver not loaded)
+========================================  ======  =====  =============================================
+
+Everything waits on events (an enforcer's log line, a workload's report, a Prometheus query's
+answer) with a deadline; nothing sleeps in their place.
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import time
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+import yaml
+
+from gpufence.contract import SIDECAR_NAME, SIDECAR_PORT_NAME
+from tests.deploy.test_alerts import rule_groups
+from tests.support.enforcer_harness import Enforcer, GpuSandbox, Workload, enforcer_config
+from tests.support.prerequisites import missing
+from tests.support.prometheus import (
+    MISSING,
+    PrometheusServer,
+    endpoint_target,
+    pod_target,
+    podmonitor_job,
+    prometheus_binary,
+    servicemonitor_job,
+    write_file_sd,
+)
+from tests.support.server_process import free_port, gpufence_server
+from tests.support.tlsutil import make_pki, pod_review
+
+ROOT = pathlib.Path(__file__).resolve().parents[3]
+MONITORING = ROOT / "k8s" / "components" / "monitoring"
+GIB = 1 << 30
+MIB = 1 << 20
+SCRAPE = "1s"  # the PodMonitor's 15s and the ServiceMonitor's 30s, shortened for the test
+INTERVAL = 0.25  # the enforcers' poll interval
+DEADLINE = 60  # seconds any one wait may take on a loaded 2-core machine
+
+
+def monitoring_object(kind: str) -> dict[str, Any]:
+    for path in MONITORING.glob("*.yaml"):
+        for doc in yaml.safe_load_all(path.read_text()):
+            if doc and doc.get("kind") == kind:
+                return doc
+    raise AssertionError(f"no {kind} in {MONITORING}")
+
+
+@dataclass
+class Pod:
+    namespace: str
+    name: str
+    node: str
+    uuid: str
+    sandbox: GpuSandbox
+    enforcer: Enforcer
+    workloads: dict[str, Workload] = field(default_factory=dict)
+
+
+@dataclass
+class Scenario:
+    prometheus: PrometheusServer
+    pods: dict[str, Pod]
+    webhook_port: int
+    started: float  # unix time, before the first scrape
+    over_at: float = 0.0  # when greedy-0's loader went over its share
+    killed_at: float = 0.0  # when it was SIGKILLed
+    events: dict[str, Any] = field(default_factory=dict)
+
+
+def _start_pod(root: pathlib.Path, lib: pathlib.Path, namespace: str, name: str, node: str, uuid: str,
+               config: dict[str, Any]) -> tuple[GpuSandbox, Enforcer]:
+    root.mkdir(parents=True)
+    sandbox = GpuSandbox(root, lib)
+    return sandbox, sandbox.enforcer(config, wait=False, env={"GPUFENCE_POD_NAME": name,
+                                                              "GPUFENCE_POD_NAMESPACE": namespace})
+
+
+@pytest.fixture(scope="package")
+def scenario(tmp_path_factory: pytest.TempPathFactory, sim_lib: pathlib.Path) -> Iterator[Scenario]:
+    binary = prometheus_binary()
+    if binary is None:
+        missing(MISSING)
+    root = tmp_path_factory.mktemp("monitoring")
+    sandboxes: list[GpuSandbox] = []
+    prom: PrometheusServer | None = None
+    pki = make_pki(root / "pki")
+    try:
+        with gpufence_server(pki, log_path=root / "webhook.log") as (_, webhook_port):
+            pods: dict[str, Pod] = {}
+
+            # -- the pods, each with its own sidecar ------------------------------------------------
+            train_cfg = enforcer_config({"trainer": {"memoryBytes": 8 * GIB, "computePercent": 50}}, interval=INTERVAL)
+            greedy_cfg = enforcer_config({"loader": {"memoryBytes": 2 * GIB}}, interval=INTERVAL, grace=3)
+            render_cfg = enforcer_config({"render": {"memoryBytes": 4 * GIB, "computePercent": 30}},
+                                         interval=INTERVAL)
+            broken_cfg = enforcer_config({"solver": {"memoryBytes": 4 * GIB}}, interval=INTERVAL)
+            specs = [
+                ("train", "team-a", "train-5c8f9d7b6d-q2w4x", "node-a", "GPU-0", train_cfg),
+                ("greedy", "team-a", "greedy-0", "node-a", "GPU-0", greedy_cfg),
+                ("render", "team-b", "render-6b7c9f8d5-zx9kp", "node-b", "GPU-1", render_cfg),
+                ("broken", "team-b", "broken-0", "node-b", "GPU-1", broken_cfg),
+            ]
+            for key, namespace, name, node, uuid, config in specs:
+                sandbox, enforcer = _start_pod(root / key, sim_lib, namespace, name, node, uuid, config)
+                sandboxes.append(sandbox)
+                pods[key] = Pod(namespace, name, node, uuid, sandbox, enforcer)
+
+            train, greedy, render, broken = (pods[k] for k in ("train", "greedy", "render", "broken"))
+            train.workloads = {"trainer": train.sandbox.workload("trainer"), "": train.sandbox.workload(None)}
+            greedy.workloads = {"loader": greedy.sandbox.workload("loader", ignore_term=True)}
+            render.workloads = {"render": render.sandbox.workload("render")}
+            s = train.sandbox
+            train.sandbox.write(s.device_with(s.proc(train.workloads["trainer"], 6 * GIB, sm=40),
+                                              s.proc(train.workloads[""], 512 * MIB), uuid="GPU-0"))
+            s = greedy.sandbox
+            greedy.sandbox.write(s.device_with(s.proc(greedy.workloads["loader"], 1 * GIB), uuid="GPU-0"))
+            s = render.sandbox
+            render.sandbox.write(s.device_with(s.proc(render.workloads["render"], 2 * GIB, sm=10), uuid="GPU-1"))
+            broken.sandbox.write(init_error="DRIVER_NOT_LOADED")
+            for pod in pods.values():
+                pod.enforcer.wait_started(DEADLINE)
+
+            # -- Prometheus, with the operator's jobs for our monitors --------------------------------
+            pod_sd, webhook_sd = root / "enforcers.json", root / "webhook.json"
+            write_file_sd(pod_sd, [
+                pod_target(f"127.0.0.1:{p.enforcer.port}", namespace=p.namespace, pod=p.name, container=SIDECAR_NAME,
+                           port_name=SIDECAR_PORT_NAME, node=p.node)
+                for p in pods.values()
+            ])
+            service = monitoring_object("ServiceMonitor")["spec"]["selector"]["matchLabels"]
+            write_file_sd(webhook_sd, [endpoint_target(
+                f"127.0.0.1:{webhook_port}", namespace="gpufence", service="gpufence-webhook", service_labels=service,
+                pod="gpufence-webhook-6d9c7b8f4-k2x7p", container="webhook", port_name="https", node="node-c",
+            )])
+            (root / "rules.yaml").write_text(yaml.safe_dump({"groups": rule_groups()}, sort_keys=False))
+            config = {
+                "global": {"scrape_interval": SCRAPE, "evaluation_interval": SCRAPE, "scrape_timeout": SCRAPE},
+                "rule_files": [str(root / "rules.yaml")],
+                "scrape_configs": [
+                    podmonitor_job(monitoring_object("PodMonitor"), sd={"file_sd_configs": [
+                        {"files": [str(pod_sd)], "refresh_interval": "1s"}]}, scrape_interval=SCRAPE),
+                    servicemonitor_job(monitoring_object("ServiceMonitor"), sd={"file_sd_configs": [
+                        {"files": [str(webhook_sd)], "refresh_interval": "1s"}]}, ca_file=str(pki.ca_file),
+                        scrape_interval=SCRAPE),
+                ],
+            }
+            # The webhook's serving certificate is for localhost/127.0.0.1, not the Service's name.
+            config["scrape_configs"][1]["tls_config"]["server_name"] = "localhost"
+            prom = PrometheusServer(root / "prometheus", free_port())
+            prom.root.mkdir()
+            started = time.time()
+            prom.start(config, binary)
+            result = Scenario(prom, pods, webhook_port, started)
+
+            # -- admission reviews, for the webhook's series, once its counters were scraped at 0 ----
+            prom.wait_for('gpufence_webhook_requests_total{outcome="mutated"} == 0', DEADLINE)
+            ctx = pki.client_context()
+            for i in range(5):
+                body = json.dumps(pod_review(f"uid-{i}")).encode()
+                request = urllib.request.Request(f"https://127.0.0.1:{webhook_port}/mutate", body,
+                                                 {"Content-Type": "application/json"})
+                with urllib.request.urlopen(request, context=ctx, timeout=10) as resp:
+                    assert resp.status == 200
+
+            prom.wait_for('gpufence_webhook_requests_total{outcome="mutated"} == 5', DEADLINE)
+
+            # -- the scenario ------------------------------------------------------------------------
+            # Every target up, and greedy's kill counter scraped at 0 before the kill (else increase()
+            # has nothing to measure and the kill alert cannot fire).
+            prom.wait_for('up{job="gpufence/gpufence-enforcer"} == 1', DEADLINE,
+                          check=lambda r: len(r) == len(pods))
+            prom.wait_for('gpufence_enforcement_actions_total{pod="greedy-0",container="loader",action="sigterm",'
+                          'resource="memory"} == 0', DEADLINE)
+            prom.wait_for('gpufence_container_gpu_memory_used_bytes{pod="greedy-0"} == 1073741824', DEADLINE)
+            # render goes over its compute share once its throttle counter was scraped at 0.
+            prom.wait_for('gpufence_enforcement_actions_total{pod="render-6b7c9f8d5-zx9kp",container="render",'
+                          'action="throttle_start"} == 0', DEADLINE)
+            s = render.sandbox
+            render.sandbox.write(s.device_with(s.proc(render.workloads["render"], 2 * GIB, sm=90), uuid="GPU-1"))
+            render.enforcer.wait_event("throttle_start", DEADLINE, container="render")
+            mark = greedy.enforcer.mark()
+            s = greedy.sandbox
+            result.over_at = time.time()
+            greedy.sandbox.write(s.device_with(s.proc(greedy.workloads["loader"], 3 * GIB), uuid="GPU-0"))
+            greedy.workloads["loader"].wait_line("ignored SIGTERM", DEADLINE)
+            # It holds 3Gi for its 3 s grace: wait until Prometheus has scraped that, the peak recommend sees.
+            prom.wait_for('gpufence_container_gpu_memory_used_bytes{pod="greedy-0"} == 3221225472', DEADLINE)
+            result.events["sigkill"] = greedy.enforcer.wait_event("sigkill", DEADLINE, start=mark)
+            greedy.workloads["loader"].proc.wait(DEADLINE)
+            result.killed_at = time.time()
+            prom.wait_for('gpufence_enforcement_actions_total{pod="greedy-0",container="loader",action="sigkill",'
+                          'resource="memory"} == 1', DEADLINE)
+            yield result
+    finally:
+        if prom is not None:
+            prom.stop()
+        for sandbox in sandboxes:
+            sandbox.cleanup()
