@@ -7,7 +7,8 @@ controller) and container: the peak and the p99 of GPU memory and SM utilisation
 * the memory share: the **peak** plus the headroom, rounded up to the step (1Gi by default). The
   peak, not the p99: going over a memory share gets the container terminated;
 * the compute share: the **p99** of SM utilisation plus the headroom, rounded up to the step (5 %),
-  at most 100. Over a compute share the container is slowed down, not stopped.
+  at most 100. Over a compute share the container is slowed down, not stopped. None for a
+  container that used no SM and has no compute share (a compute share is optional).
 
 A container that was throttled during the window used at most its compute share, and one that was
 terminated for memory peaked where it was stopped: its real demand is higher. Such rows say so
@@ -164,7 +165,9 @@ def recommend(usages: Iterable[ContainerUsage], owners: Mapping[tuple[str, str],
         throttled = any(r.throttled for r in rows)
         if throttled:
             notes.append("throttled in the window: SM held at its share, the real need may be higher")
-        compute = compute_share(sm_p99, headroom, compute_step) if sm_p99 is not None else None
+        # No SM use seen and no compute share now: none to recommend (a compute share is optional).
+        wants_compute = sm_p99 is not None and (sm_p99 > 0 or compute_now is not None)
+        compute = compute_share(sm_p99, headroom, compute_step) if wants_compute and sm_p99 is not None else None
         if compute is not None and throttled and compute_now is not None:
             compute = max(compute, min(100, int(round_up(compute_now * 100, compute_step))))
         result.append(Recommendation(

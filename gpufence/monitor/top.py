@@ -58,8 +58,12 @@ COLUMNS = ("NAMESPACE/POD", "CONTAINER", "MEMORY USED / SHARE", "", "SM", "COMPU
 
 def container_cells(row: ContainerRow) -> tuple[str, ...]:
     share = human_bytes(row.limit_bytes) + (" (%)" if row.limit_from_percent else "")
-    memory = f"{human_bytes(row.used_bytes)} / {share}" if row.limit_bytes is not None else \
-        f"{human_bytes(row.used_bytes)} / none"
+    if row.uuid == NO_DEVICE:
+        memory = "no GPU process"  # its share is exported per device: none to show
+    elif row.limit_bytes is None:
+        memory = f"{human_bytes(row.used_bytes)} / no share"
+    else:
+        memory = f"{human_bytes(row.used_bytes)} / {share}"
     return (
         f"{row.namespace}/{row.pod}", row.container, memory, bar(row.memory_ratio), percent(row.sm_ratio),
         percent(row.compute_share), row.mechanism or "-", "yes" if row.throttled else "no", actions_text(row),
@@ -93,11 +97,12 @@ def render_text(view: View, width: int | None = None) -> str:
     """The screen as plain text (what ``--once`` prints). ``width`` cuts long lines."""
     stamp = dt.datetime.fromtimestamp(view.time, dt.UTC).strftime("%Y-%m-%d %H:%M:%SZ") if view.time else ""
     pods = {(c.namespace, c.pod) for c in view.containers}
+    gpus = [g for g in view.gpus if g.uuid != NO_DEVICE]
     over = sum(1 for c in view.containers if c.over_memory)
     throttled = sum(1 for c in view.containers if c.throttled)
     lines = [
         f"gpufence top  {stamp}  from {view.source}".rstrip(),
-        f"{len(view.gpus)} GPU{'s' if len(view.gpus) != 1 else ''}, {len(pods)} pods, "
+        f"{len(gpus)} GPU{'s' if len(gpus) != 1 else ''}, {len(pods)} pods, "
         f"{len(view.containers)} containers, {over} over their memory share, {throttled} throttled",
     ]
     for error in view.errors:

@@ -124,3 +124,10 @@ def test_queries_name_the_enforcers_metrics_and_the_window() -> None:
     assert q["memory_peak"] == ('max by (namespace, pod, container) '
                                 '(max_over_time(gpufence_container_gpu_memory_used_bytes{namespace="a"}[30m]))')
     assert 'action=~"sigterm|sigkill",resource="memory",namespace="a"}[30m]' in q["kills"]
+
+
+def test_no_compute_share_for_a_container_that_used_no_sm() -> None:
+    idle = [ContainerUsage("ns", "db-0", "c", GIB, GIB, 0.0, 0.0, 2 * GIB, None)]
+    assert rec.recommend(idle)[0].compute_percent is None
+    shared = [ContainerUsage("ns", "db-0", "c", GIB, GIB, 0.0, 0.0, 2 * GIB, 0.5)]
+    assert rec.recommend(shared)[0].compute_percent == 5  # it has one now: the smallest step

@@ -62,3 +62,18 @@ def test_json_is_every_field() -> None:
 def test_frame_redraws_in_place() -> None:
     drawn = top.frame("a\nbb\nccc\n", height=2)
     assert drawn == "\x1b[Ha\x1b[K\r\nbb\x1b[K\x1b[J"
+
+
+def test_a_container_with_no_gpu_process_now() -> None:
+    from gpufence.enforcer.metrics import EnforcerMetrics
+    from gpufence.monitor.model import build_view
+    from gpufence.monitor.sources import parse_metrics
+
+    metrics = EnforcerMetrics("ns", "p")
+    metrics.declare_containers(["gone"])
+    metrics.action("gone", "sigkill", "memory")
+    text = top.render_text(build_view(parse_metrics(metrics.render()[0].decode())))
+    assert "0 GPUs, 1 pods, 1 containers" in text
+    assert "(node unknown)  no GPU process now" in text
+    line = next(x for x in text.splitlines() if " gone " in x)
+    assert "no GPU process" in line and "sigkill memory x1" in line
