@@ -58,3 +58,10 @@ def test_recommend_namespace_filter(scenario: Scenario) -> None:
     result = gpufence("recommend", "--prometheus", scenario.prometheus.url, "--window", "10m", "-n", "team-b",
                       "-o", "json")
     assert {r["workload"] for r in json.loads(result.stdout)["recommendations"]} == {"render"}
+
+
+def test_recommend_says_what_prometheus_refused(scenario: Scenario) -> None:
+    result = gpufence("recommend", "--prometheus", scenario.prometheus.url, "--window", "ten minutes")
+    assert result.returncode == 1
+    assert result.stderr.startswith(f"gpufence: Prometheus {scenario.prometheus.url} answered 400: ")
+    assert "parse error" in result.stderr
