@@ -160,7 +160,9 @@ def recommend(usages: Iterable[ContainerUsage], owners: Mapping[tuple[str, str],
         sm_p99 = _max(r.sm_p99 for r in rows)
         compute_now = _max(r.compute_share for r in rows)
         notes = []
-        if any(r.kills for r in rows):
+        if memory_peak is None and any(r.kills for r in rows):
+            notes.append("terminated before any scrape: no usage recorded (measure in audit mode)")
+        elif any(r.kills for r in rows):
             notes.append("terminated for its share in the window: the real peak may be higher (measure in audit mode)")
         throttled = any(r.throttled for r in rows)
         if throttled:
@@ -235,7 +237,7 @@ def render_table(recs: list[Recommendation], *, window: str, headroom: float, me
         lines += [f"{r.workload.namespace}/{r.workload} {r.container}: {note}" for r in noted for note in r.notes]
     lines += ["", "Annotations to apply (the pod template's metadata.annotations):"]
     for workload, doc in annotations(recs).items():
-        lines.append(f"# {workload.namespace} {workload}")
+        lines.append(f"# {workload.namespace} {workload}" + ("" if doc else ": nothing to set, no usage recorded"))
         lines += [f'{key}: "{value}"' for key, value in doc.items()]
         if workload.kind in ("Deployment", "StatefulSet", "DaemonSet") and doc:
             lines.append(_patch_command(workload, doc))
@@ -268,6 +270,8 @@ def recommendations_json(recs: list[Recommendation]) -> list[dict[str, object]]:
 def queries(window: str, selector: str = "") -> dict[str, str]:
     """The instant queries, each over ``[window]`` ending now."""
     sel = f"{{{selector}}}" if selector else ""
+    kill_sel = 'action=~"sigterm|sigkill",resource="memory"' + (f",{selector}" if selector else "")
+    kills = f"{m.ENFORCEMENT_ACTIONS}{{{kill_sel}}}"
     by = "max by (namespace, pod, container)"
     return {
         "memory_peak": f"{by} (max_over_time({m.CONTAINER_MEMORY_USED}{sel}[{window}]))",
@@ -277,8 +281,9 @@ def queries(window: str, selector: str = "") -> dict[str, str]:
         "memory_share": f"{by} (last_over_time({m.CONTAINER_MEMORY_LIMIT}{sel}[{window}]))",
         "compute_share": f"{by} (last_over_time({m.CONTAINER_COMPUTE_SHARE}{sel}[{window}]))",
         "throttled": f"{by} (max_over_time({m.CONTAINER_THROTTLED}{sel}[{window}]))",
-        "kills": f'{by} (increase({m.ENFORCEMENT_ACTIONS}{{action=~"sigterm|sigkill",resource="memory"'
-                 f'{"," + selector if selector else ""}}}[{window}]))',
+        # Kills in the window: an increase, or a series new in the window already above 0 (a kill
+        # before the sidecar's first scrape, which increase() cannot see).
+        "kills": f"{by} (increase({kills}[{window}])) > 0 or {by} ({kills} unless {kills} offset {window}) > 0",
         "owners": f"max by (namespace, pod, owner_kind, owner_name) (last_over_time(kube_pod_owner{sel}[{window}]))",
     }
 
@@ -299,7 +304,7 @@ def usages_from(results: Mapping[str, list[tuple[dict[str, str], float]]]) -> li
                        v.get("sm_p99"), v.get("memory_share"), v.get("compute_share"), v.get("throttled", 0) >= 1,
                        v.get("kills", 0))
         for (ns, pod, container), v in sorted(values.items())
-        if "memory_peak" in v or "sm_peak" in v
+        if "memory_peak" in v or "sm_peak" in v or v.get("kills", 0) > 0
     ]
 
 

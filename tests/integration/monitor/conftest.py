@@ -12,8 +12,12 @@ team-a/train-5c8f9d7b6d-q2w4x (trainer)   node-a  GPU-0  within: 6Gi of 8Gi, SM 
                                                          unattributed process of 512Mi (no container)
 team-a/greedy-0 (loader)                  node-a  GPU-0  over its memory share: 1Gi, then 3Gi of 2Gi;
                                                          ignores SIGTERM, SIGKILLed after its grace
+team-a/eager-5d7f8c9b6-m4n7q (jax)        node-a  GPU-0  3Gi of 2Gi from its start: SIGTERMed before
+                                                         Prometheus first scrapes its sidecar
 team-b/render-6b7c9f8d5-zx9kp (render)    node-b  GPU-1  over its compute share: SM 10 %, then 90 %
                                                          of 30 %, throttled; 2Gi of 4Gi
+team-b/etl-7f9c6d5b8-k4m2p (etl)          node-b  GPU-1  audit mode: 5Gi of 4Gi, SM 35 % of 20 %; measured
+                                                         and counted, never signalled
 team-b/broken-0 (solver)                  node-b  GPU-1  NVML does not load (driver not loaded)
 ========================================  ======  =====  =============================================
 
@@ -116,11 +120,16 @@ def scenario(tmp_path_factory: pytest.TempPathFactory, sim_lib: pathlib.Path) ->
             greedy_cfg = enforcer_config({"loader": {"memoryBytes": 2 * GIB}}, interval=INTERVAL, grace=3)
             render_cfg = enforcer_config({"render": {"memoryBytes": 4 * GIB, "computePercent": 30}},
                                          interval=INTERVAL)
+            eager_cfg = enforcer_config({"jax": {"memoryBytes": 2 * GIB}}, interval=INTERVAL)
+            etl_cfg = enforcer_config({"etl": {"memoryBytes": 4 * GIB, "computePercent": 20}}, mode="audit",
+                                      interval=INTERVAL)
             broken_cfg = enforcer_config({"solver": {"memoryBytes": 4 * GIB}}, interval=INTERVAL)
             specs = [
                 ("train", "team-a", "train-5c8f9d7b6d-q2w4x", "node-a", "GPU-0", train_cfg),
                 ("greedy", "team-a", "greedy-0", "node-a", "GPU-0", greedy_cfg),
+                ("eager", "team-a", "eager-5d7f8c9b6-m4n7q", "node-a", "GPU-0", eager_cfg),
                 ("render", "team-b", "render-6b7c9f8d5-zx9kp", "node-b", "GPU-1", render_cfg),
+                ("etl", "team-b", "etl-7f9c6d5b8-k4m2p", "node-b", "GPU-1", etl_cfg),
                 ("broken", "team-b", "broken-0", "node-b", "GPU-1", broken_cfg),
             ]
             for key, namespace, name, node, uuid, config in specs:
@@ -128,10 +137,13 @@ def scenario(tmp_path_factory: pytest.TempPathFactory, sim_lib: pathlib.Path) ->
                 sandboxes.append(sandbox)
                 pods[key] = Pod(namespace, name, node, uuid, sandbox, enforcer)
 
-            train, greedy, render, broken = (pods[k] for k in ("train", "greedy", "render", "broken"))
+            train, greedy, render, etl, broken = (pods[k] for k in ("train", "greedy", "render", "etl", "broken"))
             train.workloads = {"trainer": train.sandbox.workload("trainer"), "": train.sandbox.workload(None)}
             greedy.workloads = {"loader": greedy.sandbox.workload("loader", ignore_term=True)}
             render.workloads = {"render": render.sandbox.workload("render")}
+            etl.workloads = {"etl": etl.sandbox.workload("etl")}
+            eager = pods["eager"]
+            eager.workloads = {"jax": eager.sandbox.workload("jax")}
             s = train.sandbox
             train.sandbox.write(s.device_with(s.proc(train.workloads["trainer"], 6 * GIB, sm=40),
                                               s.proc(train.workloads[""], 512 * MIB), uuid="GPU-0"))
@@ -139,9 +151,16 @@ def scenario(tmp_path_factory: pytest.TempPathFactory, sim_lib: pathlib.Path) ->
             greedy.sandbox.write(s.device_with(s.proc(greedy.workloads["loader"], 1 * GIB), uuid="GPU-0"))
             s = render.sandbox
             render.sandbox.write(s.device_with(s.proc(render.workloads["render"], 2 * GIB, sm=10), uuid="GPU-1"))
+            s = eager.sandbox
+            eager.sandbox.write(s.device_with(s.proc(eager.workloads["jax"], 3 * GIB), uuid="GPU-0"))
+            s = etl.sandbox
+            etl.sandbox.write(s.device_with(s.proc(etl.workloads["etl"], 5 * GIB, sm=35), uuid="GPU-1"))
             broken.sandbox.write(init_error="DRIVER_NOT_LOADED")
             for pod in pods.values():
                 pod.enforcer.wait_started(DEADLINE)
+            # eager's jax is terminated before Prometheus runs: its kill counter is first scraped at 1.
+            eager.workloads["jax"].wait_line("got SIGTERM", DEADLINE)
+            eager.workloads["jax"].proc.wait(DEADLINE)
 
             # -- Prometheus, with the operator's jobs for our monitors --------------------------------
             pod_sd, webhook_sd = root / "enforcers.json", root / "webhook.json"
@@ -201,6 +220,7 @@ def scenario(tmp_path_factory: pytest.TempPathFactory, sim_lib: pathlib.Path) ->
             s = render.sandbox
             render.sandbox.write(s.device_with(s.proc(render.workloads["render"], 2 * GIB, sm=90), uuid="GPU-1"))
             render.enforcer.wait_event("throttle_start", DEADLINE, container="render")
+            etl.enforcer.wait_event("memory_over_share", DEADLINE, container="etl", action="audit")
             mark = greedy.enforcer.mark()
             s = greedy.sandbox
             result.over_at = time.time()

@@ -118,7 +118,7 @@ def test_top_through_the_pod_proxy(apiserver: FakeApiServer, tmp_path: Path) -> 
     assert f"from API server {apiserver.url} (pod proxy)" in result.stdout.splitlines()[0]
     check_screen(result.stdout)
     proxied = sorted(p.split("/pods/")[1] for p in apiserver.requests if "/proxy/" in p)
-    assert len(proxied) == 4, apiserver.requests
+    assert len(proxied) == len(apiserver.pods) == 6, apiserver.requests
     assert any(p.startswith("/api/v1/pods?") and "fieldSelector=status.phase" in p for p in apiserver.requests)
 
 

@@ -21,7 +21,8 @@ def test_recommend_json(scenario: Scenario) -> None:
     assert doc["headroom"] == 0.2
     recs = {(r["namespace"], r["kind"], r["workload"], r["container"]): r for r in doc["recommendations"]}
     assert set(recs) == {("team-a", "Deployment", "train", "trainer"), ("team-a", "StatefulSet", "greedy", "loader"),
-                         ("team-b", "Deployment", "render", "render")}
+                         ("team-a", "Deployment", "eager", "jax"), ("team-b", "Deployment", "render", "render"),
+                         ("team-b", "Deployment", "etl", "etl")}
     train = recs["team-a", "Deployment", "train", "trainer"]
     # 6Gi peak x 1.2 = 7.2Gi -> 8Gi; SM p99 40 % x 1.2 = 48 -> 50 (the unattributed 512Mi is no container's).
     assert (train["memory_peak_bytes"], train["memory_share"], train["sm_p99_ratio"], train["compute_share_percent"]) \
@@ -36,6 +37,13 @@ def test_recommend_json(scenario: Scenario) -> None:
     render = recs["team-b", "Deployment", "render", "render"]
     assert (render["memory_share"], render["sm_peak_ratio"], render["compute_share_percent"]) == ("3Gi", 0.9, 100)
     assert "throttled" in render["notes"][0]
+    # Audit mode, what it is made for: 5Gi x 1.2 = 6Gi, SM 35 % x 1.2 = 42 -> 45; no note (not a floor).
+    etl = recs["team-b", "Deployment", "etl", "etl"]
+    assert (etl["memory_share"], etl["compute_share_percent"], etl["notes"]) == ("6Gi", 45, [])
+    # Terminated before Prometheus first scraped it: no usage to size from, and it says so.
+    eager = recs["team-a", "Deployment", "eager", "jax"]
+    assert (eager["memory_peak_bytes"], eager["memory_share"], eager["annotations"]) == (None, None, {})
+    assert eager["notes"] == ["terminated before any scrape: no usage recorded (measure in audit mode)"]
 
 
 def test_recommend_table_and_annotations(scenario: Scenario) -> None:
@@ -57,7 +65,7 @@ def test_recommend_table_and_annotations(scenario: Scenario) -> None:
 def test_recommend_namespace_filter(scenario: Scenario) -> None:
     result = gpufence("recommend", "--prometheus", scenario.prometheus.url, "--window", "10m", "-n", "team-b",
                       "-o", "json")
-    assert {r["workload"] for r in json.loads(result.stdout)["recommendations"]} == {"render"}
+    assert {r["workload"] for r in json.loads(result.stdout)["recommendations"]} == {"render", "etl"}
 
 
 def test_recommend_says_what_prometheus_refused(scenario: Scenario) -> None:

@@ -22,6 +22,7 @@ from tests.support.prometheus import MISSING, prometheus_binary
 pytestmark = [needs(prometheus_binary() is not None, MISSING), pytest.mark.timeout(300)]
 
 T, G, R = "team-a/train-5c8f9d7b6d-q2w4x", "team-a/greedy-0", "team-b/render-6b7c9f8d5-zx9kp"
+E, A = "team-a/eager-5d7f8c9b6-m4n7q", "team-b/etl-7f9c6d5b8-k4m2p"
 
 
 def gpufence(*args: str) -> subprocess.CompletedProcess[str]:
@@ -36,14 +37,18 @@ def row(text: str, pod: str, container: str) -> str:
 
 
 def check_screen(text: str) -> None:
-    assert "2 GPUs, 3 pods, 3 containers, 0 over their memory share, 1 throttled" in text
+    assert "2 GPUs, 5 pods, 5 containers, 1 over their memory share, 1 throttled" in text
     assert "node-a  GPU 0  GPU-0  used 6.5 GiB by 1 pod, budgets 8.0 GiB" in text
-    assert "node-b  GPU 0  GPU-1  used 2.0 GiB by 1 pod, budgets 4.0 GiB" in text
+    assert "node-b  GPU 0  GPU-1  used 7.0 GiB by 2 pods, budgets 8.0 GiB" in text
     assert "node-a  no GPU process now" in text
     assert row(text, T, "trainer") == f"{T} trainer 6.0 GiB / 8.0 GiB [########..] 40% 50% polling no -"
     assert row(text, R, "render") == \
         f"{R} render 2.0 GiB / 4.0 GiB [#####.....] 90% 30% polling yes throttle_start compute x1"
     assert row(text, G, "loader") == f"{G} loader no GPU process - - polling no sigkill memory x1, sigterm memory x1"
+    assert row(text, E, "jax") == f"{E} jax no GPU process - - polling no sigterm memory x1"
+    # Audit mode: over both shares, counted, never signalled nor throttled.
+    assert row(text, A, "etl") == \
+        f"{A} etl 5.0 GiB / 4.0 GiB [##########]! 35% 20% polling no audit compute x1, audit memory x1"
     assert row(text, T, "(unattributed:") == f"{T} (unattributed: 1 process) 512.0 MiB -"
     assert "team-b/broken-0 on node-b: NVML down" in text
 
@@ -76,15 +81,16 @@ def test_top_json(scenario: Scenario) -> None:
     (pod,) = gpus["node-a", "GPU-0"]["pods"]
     assert (pod["used_bytes"], pod["unattributed_bytes"], pod["unattributed_processes"], pod["budget_bytes"]) == \
         (6 * GIB + 512 * MIB, 512 * MIB, 1, 8 * GIB)
-    (render,) = gpus["node-b", "GPU-1"]["containers"]
+    render = next(c for c in gpus["node-b", "GPU-1"]["containers"] if c["container"] == "render")
     assert (render["sm_ratio"], render["compute_share"], render["throttled"]) == (0.9, 0.3, True)
     assert render["actions"] == [{"action": "throttle_start", "resource": "compute", "count": 1.0}]
-    (loader,) = gpus["node-a", ""]["containers"]
+    loader, _ = sorted(gpus["node-a", ""]["containers"], key=lambda c: c["container"] != "loader")
     assert {(a["action"], a["resource"], a["count"]) for a in loader["actions"]} == \
         {("sigterm", "memory", 1.0), ("sigkill", "memory", 1.0)}
     enforcers = {e["pod"]: e for e in doc["enforcers"]}
     assert {p: e["nvml_up"] for p, e in enforcers.items()} == {
-        "train-5c8f9d7b6d-q2w4x": True, "greedy-0": True, "render-6b7c9f8d5-zx9kp": True, "broken-0": False}
+        "train-5c8f9d7b6d-q2w4x": True, "greedy-0": True, "render-6b7c9f8d5-zx9kp": True, "broken-0": False,
+        "eager-5d7f8c9b6-m4n7q": True, "etl-7f9c6d5b8-k4m2p": True}
     assert all(time.time() - e["last_poll"] < 30 for p, e in enforcers.items() if p != "broken-0")
 
 
@@ -145,7 +151,7 @@ def test_top_in_a_terminal_refreshes_in_place_and_quits_on_q(scenario: Scenario,
     stamp = lines[0].split()[2:4]
     again = tmux.wait_screen("top", lambda s: s.splitlines()[0].split()[2:4] != stamp, "a refresh")
     check_screen(again)
-    assert again.count("gpufence top") == 1 and again.count(" trainer ") == 1
+    assert again.count("gpufence top") == 1 and again.count(" trainer ") == 1 and again.count(" etl ") == 1
     if os.environ.get("GPUFENCE_TOP_CAPTURE"):  # for docs/monitoring.md
         pathlib.Path(os.environ["GPUFENCE_TOP_CAPTURE"]).write_text(again)
     tmux("send-keys", "-t", "top", "q")

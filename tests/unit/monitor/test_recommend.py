@@ -124,6 +124,18 @@ def test_queries_name_the_enforcers_metrics_and_the_window() -> None:
     assert q["memory_peak"] == ('max by (namespace, pod, container) '
                                 '(max_over_time(gpufence_container_gpu_memory_used_bytes{namespace="a"}[30m]))')
     assert 'action=~"sigterm|sigkill",resource="memory",namespace="a"}[30m]' in q["kills"]
+    # A kill before the first scrape: a series new in the window, already above 0.
+    assert (' unless gpufence_enforcement_actions_total{action=~"sigterm|sigkill",resource="memory",namespace="a"} '
+            'offset 30m) > 0') in q["kills"]
+
+
+def test_a_container_killed_before_any_scrape() -> None:
+    (u,) = rec.usages_from({"kills": [({"namespace": "ns", "pod": "db-0", "container": "c"}, 1.0)]})
+    (r,) = rec.recommend([u])
+    assert (r.memory_bytes, r.compute_percent) == (None, None)
+    assert r.notes == ("terminated before any scrape: no usage recorded (measure in audit mode)",)
+    text = rec.render_table([r], window="1h", headroom=0.2, memory_step=GIB, compute_step=5)
+    assert "# ns StatefulSet/db: nothing to set, no usage recorded" in text and "kubectl" not in text
 
 
 def test_no_compute_share_for_a_container_that_used_no_sm() -> None:
