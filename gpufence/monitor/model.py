@@ -116,6 +116,10 @@ class View:
         return tuple(c for g in self.gpus for c in g.containers)
 
 
+# A container with no device row is shown when it has one of these (or actions, or a mechanism).
+CONTAINER_THROTTLED_OR_SHARE = frozenset({m.CONTAINER_COMPUTE_SHARE, m.CONTAINER_THROTTLED})
+
+
 def _label(sample: Sample, key: str) -> str:
     return str(sample.labels.get(key, ""))
 
@@ -193,9 +197,6 @@ def build_view(samples: Iterable[Sample], *, time: float = 0.0, source: str = ""
         for (node, ns, pod), v in sorted(enforcers.items())
     )
     return View(views, enforcer_rows, time, source, tuple(errors))
-
-
-CONTAINER_THROTTLED_OR_SHARE = frozenset({m.CONTAINER_COMPUTE_SHARE, m.CONTAINER_THROTTLED})
 
 
 def _gpu_order(gpu: str) -> tuple[int, str]:

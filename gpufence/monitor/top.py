@@ -17,7 +17,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict
 from typing import Any, TextIO
 
-from gpufence.monitor.model import NO_DEVICE, ContainerRow, GpuView, PodDeviceRow, View
+from gpufence.monitor.model import NO_DEVICE, ContainerRow, EnforcerRow, GpuView, PodDeviceRow, View
 
 _UNITS = ("B", "KiB", "MiB", "GiB", "TiB")
 
@@ -93,6 +93,24 @@ def gpu_header(gpu: GpuView) -> str:
             f"pod{'s' if len(pods) != 1 else ''}{shares}{mig}")
 
 
+STALE_POLL_SECONDS = 60  # the GpufenceEnforcerPollStale alert's threshold
+
+
+def enforcer_trouble(e: EnforcerRow, now: float) -> str:
+    """Why an enforcer does not see (or act on) everything; "" when nothing is wrong."""
+    why = []
+    if e.nvml_up is False:
+        why.append("NVML down")
+    if e.last_poll is not None and now:
+        if e.last_poll <= 0:
+            why.append("never polled NVML successfully")
+        elif now - e.last_poll > STALE_POLL_SECONDS:
+            why.append(f"last successful poll {now - e.last_poll:.0f} s ago")
+    if e.uninspectable:
+        why.append(f"{e.uninspectable} uninspectable process{'es' if e.uninspectable != 1 else ''}")
+    return ", ".join(why)
+
+
 def render_text(view: View, width: int | None = None) -> str:
     """The screen as plain text (what ``--once`` prints). ``width`` cuts long lines."""
     stamp = dt.datetime.fromtimestamp(view.time, dt.UTC).strftime("%Y-%m-%d %H:%M:%SZ") if view.time else ""
@@ -114,12 +132,10 @@ def render_text(view: View, width: int | None = None) -> str:
         rows += [container_cells(c) for c in gpu.containers]
         rows += [unattributed_cells(p) for p in gpu.pods if p.unattributed_processes or p.unattributed_bytes]
         lines += ["", gpu_header(gpu), *_table(rows)]
-    unhealthy = [e for e in view.enforcers if e.nvml_up is False or e.uninspectable]
+    unhealthy = [(e, why) for e in view.enforcers if (why := enforcer_trouble(e, view.time))]
     if unhealthy:
         lines += ["", "Enforcers that cannot see everything:"]
-        for e in unhealthy:
-            why = "NVML down" if e.nvml_up is False else f"{e.uninspectable} uninspectable processes"
-            lines.append(f"  {e.namespace}/{e.pod} on {e.node or '?'}: {why}")
+        lines += [f"  {e.namespace}/{e.pod} on {e.node or '?'}: {why}" for e, why in unhealthy]
     if width:
         lines = [line[:width] for line in lines]
     return "\n".join(lines) + "\n"

@@ -50,7 +50,7 @@ def check_screen(text: str) -> None:
     assert row(text, A, "etl") == \
         f"{A} etl 5.0 GiB / 4.0 GiB [##########]! 35% 20% polling no audit compute x1, audit memory x1"
     assert row(text, T, "(unattributed:") == f"{T} (unattributed: 1 process) 512.0 MiB -"
-    assert "team-b/broken-0 on node-b: NVML down" in text
+    assert "team-b/broken-0 on node-b: NVML down, never polled NVML successfully" in text
 
 
 def test_top_once(scenario: Scenario) -> None:

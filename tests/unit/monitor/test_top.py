@@ -77,3 +77,14 @@ def test_a_container_with_no_gpu_process_now() -> None:
     assert "(node unknown)  no GPU process now" in text
     line = next(x for x in text.splitlines() if " gone " in x)
     assert "no GPU process" in line and "sigkill memory x1" in line
+
+
+def test_enforcer_trouble() -> None:
+    from gpufence.monitor.model import EnforcerRow
+
+    now = 10_000.0
+    assert top.enforcer_trouble(EnforcerRow("n", "ns", "p", True, now - 1), now) == ""
+    assert top.enforcer_trouble(EnforcerRow("n", "ns", "p", False, 0.0), now) == \
+        "NVML down, never polled NVML successfully"
+    assert top.enforcer_trouble(EnforcerRow("n", "ns", "p", True, now - 120, 2), now) == \
+        "last successful poll 120 s ago, 2 uninspectable processes"
