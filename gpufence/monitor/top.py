@@ -12,7 +12,9 @@ import datetime as dt
 import os
 import select
 import sys
+import termios
 import time
+import tty
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict
 from typing import Any, TextIO
@@ -184,12 +186,9 @@ def frame(text: str, height: int | None = None) -> str:
 def _cbreak(stream: TextIO) -> Iterator[bool]:
     """Keys without Enter, when ``stream`` is a terminal; yields whether keys can be read."""
     try:
-        import termios
-        import tty
-
         fd = stream.fileno()
         saved = termios.tcgetattr(fd)
-    except (ImportError, OSError, ValueError, AttributeError):
+    except (OSError, ValueError, AttributeError, termios.error):  # not a terminal: no keys
         yield False
         return
     try:

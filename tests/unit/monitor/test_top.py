@@ -88,3 +88,18 @@ def test_enforcer_trouble() -> None:
         "NVML down, never polled NVML successfully"
     assert top.enforcer_trouble(EnforcerRow("n", "ns", "p", True, now - 120, 2), now) == \
         "last successful poll 120 s ago, 2 uninspectable processes"
+
+
+def test_keys_only_from_a_terminal() -> None:
+    import io
+    import os
+
+    with top._cbreak(io.StringIO()) as can_read:  # no file descriptor
+        assert can_read is False
+    read, write = os.pipe()
+    try:
+        with open(read, closefd=False) as pipe, top._cbreak(pipe) as can_read:  # not a terminal
+            assert can_read is False
+    finally:
+        os.close(read)
+        os.close(write)
