@@ -33,6 +33,7 @@ LAST_SUCCESSFUL_POLL = "gpufence_last_successful_poll_timestamp_seconds"
 NVML_UP = "gpufence_nvml_up"
 NVML_ERRORS = "gpufence_nvml_errors_total"
 POLL_ERRORS = "gpufence_poll_errors_total"
+ENFORCER_PAUSED = "gpufence_enforcer_paused_seconds_total"
 
 DEVICE_LABELS = ("namespace", "pod", "container", "UUID", "gpu")
 CONTAINER_LABELS = ("namespace", "pod", "container")
@@ -47,4 +48,5 @@ ENFORCER_METRICS = (
     CONTAINER_COMPUTE_SHARE, CONTAINER_THROTTLED, CONTAINER_MEMORY_ENFORCEMENT, ENFORCEMENT_ACTIONS,
     POD_MEMORY_USED, POD_MEMORY_UNATTRIBUTED, POD_MEMORY_BUDGET, POD_UNATTRIBUTED_PROCESSES, DEVICE_MIG_UNENFORCED,
     UNINSPECTABLE_PROCESSES, POLL_DURATION, POLL_INTERVAL, LAST_SUCCESSFUL_POLL, NVML_UP, NVML_ERRORS, POLL_ERRORS,
+    ENFORCER_PAUSED,
 )

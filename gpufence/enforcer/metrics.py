@@ -131,7 +131,7 @@ class EnforcerMetrics:
             registry=r,
         )
         self.paused = Counter(
-            "gpufence_enforcer_paused_seconds_total",
+            names.ENFORCER_PAUSED,
             "Seconds the enforcer did not run at all (held from outside: SIGSTOP, a freezer), as its "
             "heartbeat thread saw once it ran again",
             registry=r,

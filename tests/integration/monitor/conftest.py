@@ -94,12 +94,12 @@ class Scenario:
     events: dict[str, Any] = field(default_factory=dict)
 
 
-def _start_pod(root: pathlib.Path, lib: pathlib.Path, namespace: str, name: str, node: str, uuid: str,
-               config: dict[str, Any]) -> tuple[GpuSandbox, Enforcer]:
+def _start_pod(root: pathlib.Path, lib: pathlib.Path, namespace: str, name: str, config: dict[str, Any],
+               args: tuple[str, ...]) -> tuple[GpuSandbox, Enforcer]:
     root.mkdir(parents=True)
     sandbox = GpuSandbox(root, lib)
-    return sandbox, sandbox.enforcer(config, wait=False, env={"GPUFENCE_POD_NAME": name,
-                                                              "GPUFENCE_POD_NAMESPACE": namespace})
+    return sandbox, sandbox.enforcer(config, *args, wait=False, env={"GPUFENCE_POD_NAME": name,
+                                                                     "GPUFENCE_POD_NAMESPACE": namespace})
 
 
 @pytest.fixture(scope="package")
@@ -133,7 +133,11 @@ def scenario(tmp_path_factory: pytest.TempPathFactory, sim_lib: pathlib.Path) ->
                 ("broken", "team-b", "broken-0", "node-b", "GPU-1", broken_cfg),
             ]
             for key, namespace, name, node, uuid, config in specs:
-                sandbox, enforcer = _start_pod(root / key, sim_lib, namespace, name, node, uuid, config)
+                # The simulated driver reports render's SM at 90 % whether it runs or is stopped (no
+                # util_lag_ms), which the enforcer rightly judges an ineffective throttle after 10 s and
+                # terminates; the scenario wants it throttled for as long as it runs.
+                args = ("--throttle-ineffective-after", "3600") if key == "render" else ()
+                sandbox, enforcer = _start_pod(root / key, sim_lib, namespace, name, config, args)
                 sandboxes.append(sandbox)
                 pods[key] = Pod(namespace, name, node, uuid, sandbox, enforcer)
 
