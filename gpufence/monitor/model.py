@@ -116,8 +116,18 @@ class View:
         return tuple(c for g in self.gpus for c in g.containers)
 
 
-# A container with no device row is shown when it has one of these (or actions, or a mechanism).
-CONTAINER_THROTTLED_OR_SHARE = frozenset({m.CONTAINER_COMPUTE_SHARE, m.CONTAINER_THROTTLED})
+@dataclass
+class _Facts:
+    """What the per-container series say of one container (collected before the rows are built)."""
+
+    compute_share: float | None = None
+    throttled: bool = False
+    mechanism: str | None = None
+    actions: list[Action] = field(default_factory=list)
+
+    def worth_a_row(self) -> bool:
+        """Shown without a device row: it has a share, a throttle, a mechanism or an action."""
+        return self.compute_share is not None or self.throttled or self.mechanism is not None or bool(self.actions)
 
 
 def _label(sample: Sample, key: str) -> str:
@@ -128,28 +138,27 @@ def build_view(samples: Iterable[Sample], *, time: float = 0.0, source: str = ""
                errors: Iterable[str] = ()) -> View:
     """Group samples per node and GPU. Samples of other metrics are ignored."""
     device: dict[tuple[str, ...], dict[str, float]] = {}  # (node, ns, pod, container, uuid, gpu) -> metric -> value
-    per_container: dict[tuple[str, ...], dict[str, object]] = {}  # (node, ns, pod, container) -> facts
+    per_container: dict[tuple[str, ...], _Facts] = {}  # (node, ns, pod, container)
     pods: dict[tuple[str, ...], dict[str, float]] = {}  # (node, ns, pod, uuid, gpu)
     enforcers: dict[tuple[str, ...], dict[str, float]] = {}  # (node, ns, pod)
     for s in samples:
         node, ns, pod = _label(s, m.NODE_LABEL), _label(s, "namespace"), _label(s, "pod")
+        container_key = (node, ns, pod, _label(s, "container"))
         if s.name in (m.CONTAINER_MEMORY_USED, m.CONTAINER_MEMORY_LIMIT, m.CONTAINER_LIMIT_FROM_PERCENT,
                       m.CONTAINER_SM_UTILIZATION):
-            key = (node, ns, pod, _label(s, "container"), _label(s, "UUID"), _label(s, "gpu"))
-            device.setdefault(key, {})[s.name] = s.value
-            per_container.setdefault(key[:4], {})
-        elif s.name in (m.CONTAINER_COMPUTE_SHARE, m.CONTAINER_THROTTLED):
-            per_container.setdefault((node, ns, pod, _label(s, "container")), {})[s.name] = s.value
+            device.setdefault((*container_key, _label(s, "UUID"), _label(s, "gpu")), {})[s.name] = s.value
+            per_container.setdefault(container_key, _Facts())
+        elif s.name == m.CONTAINER_COMPUTE_SHARE:
+            per_container.setdefault(container_key, _Facts()).compute_share = s.value
+        elif s.name == m.CONTAINER_THROTTLED:
+            per_container.setdefault(container_key, _Facts()).throttled = s.value == 1
         elif s.name == m.CONTAINER_MEMORY_ENFORCEMENT:
             if s.value == 1:
-                per_container.setdefault((node, ns, pod, _label(s, "container")), {})["mechanism"] = \
-                    _label(s, "mechanism")
+                per_container.setdefault(container_key, _Facts()).mechanism = _label(s, "mechanism")
         elif s.name == m.ENFORCEMENT_ACTIONS:
-            facts = per_container.setdefault((node, ns, pod, _label(s, "container")), {})
+            facts = per_container.setdefault(container_key, _Facts())
             if s.value > 0:
-                actions = facts.setdefault("actions", [])
-                assert isinstance(actions, list)
-                actions.append(Action(_label(s, "action"), _label(s, "resource"), s.value))
+                facts.actions.append(Action(_label(s, "action"), _label(s, "resource"), s.value))
         elif s.name in (m.POD_MEMORY_USED, m.POD_MEMORY_UNATTRIBUTED, m.POD_MEMORY_BUDGET,
                         m.POD_UNATTRIBUTED_PROCESSES, m.DEVICE_MIG_UNENFORCED):
             pods.setdefault((node, ns, pod, _label(s, "UUID"), _label(s, "gpu")), {})[s.name] = s.value
@@ -160,15 +169,15 @@ def build_view(samples: Iterable[Sample], *, time: float = 0.0, source: str = ""
     with_device: set[tuple[str, ...]] = set()
     for (node, ns, pod, container, uuid, gpu), values in device.items():
         with_device.add((node, ns, pod, container))
-        rows.append(_container_row(per_container.get((node, ns, pod, container), {}), node, ns, pod, container,
-                                   uuid, gpu, values))
+        rows.append(_container_row(per_container.get((node, ns, pod, container), _Facts()), node, ns, pod,
+                                   container, uuid, gpu, values))
     pod_devices: dict[tuple[str, ...], list[tuple[str, str]]] = {}
     for node, ns, pod, uuid, gpu in pods:
         pod_devices.setdefault((node, ns, pod), []).append((uuid, gpu))
     for key, facts in per_container.items():
         if key in with_device or key[3] == "":
             continue  # the pod budget's actions (container "") show on the pod's unattributed row
-        if not facts.get("actions") and CONTAINER_THROTTLED_OR_SHARE.isdisjoint(facts) and "mechanism" not in facts:
+        if not facts.worth_a_row():
             continue
         devices = sorted(pod_devices.get(key[:3], [])) or [(NO_DEVICE, "")]
         uuid, gpu = devices[0]
@@ -203,22 +212,18 @@ def _gpu_order(gpu: str) -> tuple[int, str]:
     return (int(gpu), "") if gpu.isdigit() else (1 << 30, gpu)
 
 
-def _container_row(facts: Mapping[str, object], node: str, ns: str, pod: str, container: str, uuid: str, gpu: str,
+def _container_row(facts: _Facts, node: str, ns: str, pod: str, container: str, uuid: str, gpu: str,
                    values: Mapping[str, float]) -> ContainerRow:
-    share = facts.get(m.CONTAINER_COMPUTE_SHARE)
-    actions = facts.get("actions") or []
-    assert isinstance(actions, list)
-    mechanism = facts.get("mechanism")
     return ContainerRow(
         node, ns, pod, container, uuid, gpu,
         used_bytes=values.get(m.CONTAINER_MEMORY_USED),
         limit_bytes=values.get(m.CONTAINER_MEMORY_LIMIT),
         limit_from_percent=values.get(m.CONTAINER_LIMIT_FROM_PERCENT) == 1,
         sm_ratio=values.get(m.CONTAINER_SM_UTILIZATION),
-        compute_share=float(share) if isinstance(share, (int, float)) else None,
-        throttled=facts.get(m.CONTAINER_THROTTLED) == 1,
-        mechanism=mechanism if isinstance(mechanism, str) else None,
-        actions=tuple(sorted(actions, key=lambda a: (a.resource, a.action))),
+        compute_share=facts.compute_share,
+        throttled=facts.throttled,
+        mechanism=facts.mechanism,
+        actions=tuple(sorted(facts.actions, key=lambda a: (a.resource, a.action))),
     )
 
 
