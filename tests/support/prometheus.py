@@ -5,7 +5,7 @@ scrape configuration prometheus-operator generates from our PodMonitor and Servi
 into the job the operator writes for them (its relabelling rules, in its order: the keep on the port
 name, the target labels namespace/pod/container/endpoint/job, then the monitor's own
 ``relabelings``). Only the discovery differs: here ``file_sd`` targets carry the ``__meta_kubernetes_*``
-labels that Kubernetes service discovery would give the sidecar's pod (:func:`pod_target`), so the
+labels that Kubernetes service discovery would give the pods (:func:`kubernetes_pod_targets`), so the
 same relabelling runs on them; on a cluster the job takes ``kubernetes_sd_configs`` instead.
 """
 
@@ -115,22 +115,42 @@ def servicemonitor_job(servicemonitor: dict[str, Any], endpoint_index: int = 0, 
     }
 
 
-def pod_target(address: str, *, namespace: str, pod: str, container: str, port_name: str, node: str,
-               labels: dict[str, str] | None = None) -> dict[str, Any]:
-    """A file_sd target with the labels Kubernetes pod discovery gives one container port."""
-    meta = {
-        "__meta_kubernetes_namespace": namespace,
-        "__meta_kubernetes_pod_name": pod,
-        "__meta_kubernetes_pod_container_name": container,
-        "__meta_kubernetes_pod_container_port_name": port_name,
-        "__meta_kubernetes_pod_node_name": node,
-        "__meta_kubernetes_pod_phase": "Running",
-        "__meta_kubernetes_pod_ready": "true",
+def kubernetes_pod_targets(pod: dict[str, Any]) -> list[dict[str, Any]]:
+    """The targets Kubernetes pod discovery (role ``pod``) makes of a pod object as the API server
+    returns it: one per container port (``<podIP>:<port>``), one per container without ports
+    (``<podIP>``), init containers included, each with the ``__meta_kubernetes_pod_*`` labels the
+    PodMonitor's relabelling reads. What the node test bed would serve through ``http_sd_configs``
+    from the real API server's pods (Debian's Prometheus has no ``kubernetes_sd_configs``)."""
+    meta, spec, status = pod["metadata"], pod["spec"], pod.get("status", {})
+    ready = any(c.get("type") == "Ready" and c.get("status") == "True" for c in status.get("conditions", []))
+    common = {
+        "__meta_kubernetes_namespace": meta["namespace"],
+        "__meta_kubernetes_pod_name": meta["name"],
+        "__meta_kubernetes_pod_ip": status.get("podIP", ""),
+        "__meta_kubernetes_pod_node_name": spec.get("nodeName", ""),
+        "__meta_kubernetes_pod_phase": status.get("phase", ""),
+        "__meta_kubernetes_pod_ready": "true" if ready else "false",
     }
-    for key, value in (labels or {}).items():
-        meta[f"__meta_kubernetes_pod_label_{_sanitize(key)}"] = value
-        meta[f"__meta_kubernetes_pod_labelpresent_{_sanitize(key)}"] = "true"
-    return {"targets": [address], "labels": meta}
+    for key, value in (meta.get("labels") or {}).items():
+        common[f"__meta_kubernetes_pod_label_{_sanitize(key)}"] = value
+        common[f"__meta_kubernetes_pod_labelpresent_{_sanitize(key)}"] = "true"
+    targets = []
+    containers = [(c, "true") for c in spec.get("initContainers") or []] + \
+        [(c, "false") for c in spec.get("containers") or []]
+    for container, init in containers:
+        labels = {**common, "__meta_kubernetes_pod_container_name": container["name"],
+                  "__meta_kubernetes_pod_container_init": init}
+        ports = container.get("ports") or []
+        if not ports:
+            targets.append({"targets": [common["__meta_kubernetes_pod_ip"]], "labels": labels})
+        for port in ports:
+            targets.append({
+                "targets": [f"{common['__meta_kubernetes_pod_ip']}:{port['containerPort']}"],
+                "labels": {**labels, "__meta_kubernetes_pod_container_port_name": port.get("name", ""),
+                           "__meta_kubernetes_pod_container_port_number": str(port["containerPort"]),
+                           "__meta_kubernetes_pod_container_port_protocol": port.get("protocol", "TCP")},
+            })
+    return targets
 
 
 def endpoint_target(address: str, *, namespace: str, service: str, service_labels: dict[str, str], pod: str,

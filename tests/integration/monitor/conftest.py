@@ -46,7 +46,7 @@ from tests.support.prometheus import (
     MISSING,
     PrometheusServer,
     endpoint_target,
-    pod_target,
+    kubernetes_pod_targets,
     podmonitor_job,
     prometheus_binary,
     servicemonitor_job,
@@ -72,6 +72,24 @@ def monitoring_object(kind: str) -> dict[str, Any]:
     raise AssertionError(f"no {kind} in {MONITORING}")
 
 
+def pod_object(namespace: str, name: str, node: str, port: int, containers: list[str]) -> dict[str, Any]:
+    """The pod as the API server returns it after the webhook mutated it: the sidecar a native sidecar
+    (the first init container, restartPolicy Always) with its metrics port, and each workload
+    container with a port of its own (which the PodMonitor must not scrape)."""
+    return {
+        "metadata": {"name": name, "namespace": namespace, "labels": {"app": name.rsplit("-", 2)[0]}},
+        "spec": {
+            "nodeName": node,
+            "initContainers": [{"name": SIDECAR_NAME, "image": "gpufence", "restartPolicy": "Always",
+                                "ports": [{"name": SIDECAR_PORT_NAME, "containerPort": port, "protocol": "TCP"}]}],
+            "containers": [{"name": c, "image": "workload", "ports": [{"name": "http", "containerPort": 8080}]}
+                           for c in containers],
+        },
+        "status": {"phase": "Running", "podIP": "127.0.0.1",
+                   "conditions": [{"type": "Ready", "status": "True"}]},
+    }
+
+
 @dataclass
 class Pod:
     namespace: str
@@ -81,6 +99,11 @@ class Pod:
     sandbox: GpuSandbox
     enforcer: Enforcer
     workloads: dict[str, Workload] = field(default_factory=dict)
+
+    @property
+    def object(self) -> dict[str, Any]:
+        return pod_object(self.namespace, self.name, self.node, self.enforcer.port or 0,
+                          [c for c in self.workloads if c] or ["solver"])
 
 
 @dataclass
@@ -168,11 +191,9 @@ def scenario(tmp_path_factory: pytest.TempPathFactory, sim_lib: pathlib.Path) ->
 
             # -- Prometheus, with the operator's jobs for our monitors --------------------------------
             pod_sd, webhook_sd = root / "enforcers.json", root / "webhook.json"
-            write_file_sd(pod_sd, [
-                pod_target(f"127.0.0.1:{p.enforcer.port}", namespace=p.namespace, pod=p.name, container=SIDECAR_NAME,
-                           port_name=SIDECAR_PORT_NAME, node=p.node)
-                for p in pods.values()
-            ])
+            # Every container's ports, as Kubernetes pod discovery lists them: the PodMonitor's
+            # relabelling keeps the sidecars' and drops the workloads' own (port "http").
+            write_file_sd(pod_sd, [t for p in pods.values() for t in kubernetes_pod_targets(p.object)])
             service = monitoring_object("ServiceMonitor")["spec"]["selector"]["matchLabels"]
             write_file_sd(webhook_sd, [endpoint_target(
                 f"127.0.0.1:{webhook_port}", namespace="gpufence", service="gpufence-webhook", service_labels=service,

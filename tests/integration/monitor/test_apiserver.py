@@ -23,7 +23,6 @@ from pathlib import Path
 
 import pytest
 
-from gpufence.contract import SIDECAR_NAME, SIDECAR_PORT_NAME
 from tests.integration.monitor.conftest import ROOT, Scenario
 from tests.integration.monitor.test_top import check_screen
 from tests.support.prerequisites import needs
@@ -33,20 +32,6 @@ pytestmark = [needs(prometheus_binary() is not None, MISSING), pytest.mark.timeo
 
 TOKEN = "monitor-test-token"
 PROXY = re.compile(r"^/api/v1/namespaces/(?P<ns>[^/]+)/pods/(?P<pod>[^/:]+):(?P<port>\d+)/proxy/metrics$")
-
-
-def pod_object(namespace: str, name: str, node: str, port: int, containers: list[str]) -> dict:
-    return {
-        "metadata": {"name": name, "namespace": namespace},
-        "spec": {
-            "nodeName": node,
-            # A native sidecar: the first init container, restartPolicy Always, as the webhook injects it.
-            "initContainers": [{"name": SIDECAR_NAME, "image": "gpufence", "restartPolicy": "Always",
-                                "ports": [{"name": SIDECAR_PORT_NAME, "containerPort": port}]}],
-            "containers": [{"name": c, "image": "workload"} for c in containers],
-        },
-        "status": {"phase": "Running"},
-    }
 
 
 class FakeApiServer:
@@ -99,9 +84,7 @@ class FakeApiServer:
 
 @pytest.fixture
 def apiserver(scenario: Scenario) -> Iterator[FakeApiServer]:
-    pods = [pod_object(p.namespace, p.name, p.node, p.enforcer.port or 0, [c for c in p.workloads if c] or ["solver"])
-            for p in scenario.pods.values()]
-    server = FakeApiServer(pods)
+    server = FakeApiServer([p.object for p in scenario.pods.values()])
     server.thread.start()
     try:
         yield server

@@ -43,6 +43,11 @@ def test_every_target_is_up_with_the_podmonitors_labels(scenario: Scenario) -> N
                           "pod": labels["pod"], "container": "gpufence-enforcer", "endpoint": "gpufence-metric",
                           "node": node}
     assert webhook[0]["labels"]["service"] == "gpufence-webhook" and webhook[0]["scrapeUrl"].startswith("https://")
+    # Every workload container's own port was discovered too, and dropped by the port-name keep.
+    dropped = scenario.prometheus.api("targets", state="dropped")["droppedTargets"]
+    workload_ports = [t for t in dropped if t["discoveredLabels"].get("__meta_kubernetes_pod_container_port_name")
+                      == "http"]
+    assert len(workload_ports) == len(scenario.pods)
 
 
 def test_every_enforcer_series_carries_namespace_pod_container_uuid_gpu_and_node(scenario: Scenario) -> None:

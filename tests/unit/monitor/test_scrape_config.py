@@ -9,7 +9,7 @@ from pathlib import Path
 import yaml
 
 from gpufence.contract import SIDECAR_PORT_NAME
-from tests.support.prometheus import podmonitor_job, servicemonitor_job
+from tests.support.prometheus import kubernetes_pod_targets, podmonitor_job, servicemonitor_job
 
 MONITORING = Path(__file__).resolve().parents[3] / "k8s" / "components" / "monitoring"
 SD = {"kubernetes_sd_configs": [{"role": "pod"}]}
@@ -58,3 +58,24 @@ def test_the_webhook_job_is_the_servicemonitors() -> None:
     # The job label is the Service's name, which the GpufenceWebhookDown alert selects on.
     assert {"source_labels": ["__meta_kubernetes_service_name"], "target_label": "job", "replacement": "${1}"} in \
         job["relabel_configs"]
+
+
+def test_kubernetes_pod_targets_are_what_pod_discovery_gives() -> None:
+    pod = {
+        "metadata": {"name": "train-0", "namespace": "team-a", "labels": {"app.kubernetes.io/name": "train"}},
+        "spec": {"nodeName": "node-a",
+                 "initContainers": [{"name": "gpufence-enforcer", "ports": [{"name": SIDECAR_PORT_NAME,
+                                                                            "containerPort": 9401}]}],
+                 "containers": [{"name": "trainer"}, {"name": "web", "ports": [{"name": "http", "containerPort": 80,
+                                                                                "protocol": "TCP"}]}]},
+        "status": {"phase": "Running", "podIP": "10.0.0.7", "conditions": [{"type": "Ready", "status": "True"}]},
+    }
+    targets = kubernetes_pod_targets(pod)
+    assert [t["targets"] for t in targets] == [["10.0.0.7:9401"], ["10.0.0.7"], ["10.0.0.7:80"]]
+    sidecar = targets[0]["labels"]
+    assert sidecar["__meta_kubernetes_pod_container_port_name"] == SIDECAR_PORT_NAME
+    assert sidecar["__meta_kubernetes_pod_container_init"] == "true"
+    assert (sidecar["__meta_kubernetes_pod_node_name"], sidecar["__meta_kubernetes_pod_phase"],
+            sidecar["__meta_kubernetes_pod_ready"]) == ("node-a", "Running", "true")
+    assert sidecar["__meta_kubernetes_pod_label_app_kubernetes_io_name"] == "train"
+    assert "__meta_kubernetes_pod_container_port_name" not in targets[1]["labels"]  # no ports: the pod's IP
