@@ -230,7 +230,8 @@ class ComputeTracker:
         if now - loop.full_since >= self.window_seconds or not any(o.present for o in recent):
             loop.fraction, loop.full_since = None, None
         else:
-            loop.fraction = HOLD_RUN_FRACTION
+            # Never below the floor the tracker promises, even where an admin set it above the hold.
+            loop.fraction = max(self.min_run_fraction, HOLD_RUN_FRACTION)
 
     def _expire(self, history: deque[_Observation], now: float) -> None:
         while history and history[0].time <= now - self.window_seconds:
