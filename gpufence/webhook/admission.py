@@ -15,7 +15,7 @@ from typing import Any
 
 from gpufence.contract import MIRROR_POD_ANNOTATION, POD_OPT_OUT_LABEL, SIDECAR_NAME, SIDECAR_PORT_NAME
 from gpufence.webhook.desired import desired_plain_pod, desired_pod
-from gpufence.webhook.dra import DraObjects, claim_warnings
+from gpufence.webhook.dra import DraObjects, check_claim_ceilings, claim_memory, claim_warnings
 from gpufence.webhook.ephemeral import SUBRESOURCE as EPHEMERAL_SUBRESOURCE
 from gpufence.webhook.ephemeral import ephemeral_patch
 from gpufence.webhook.gpu_paths import PodGpuPaths, advised_resource
@@ -24,7 +24,7 @@ from gpufence.webhook.namespace_policy import namespace_policy, opt_out_allowed,
 from gpufence.webhook.patch import diff, dumps, loads
 from gpufence.webhook.podshape import MutationError, check_shape, nvidia_side_door, sidecar_resource_use
 from gpufence.webhook.settings import InjectionSettings, NamespaceLookup
-from gpufence.webhook.shares import ShareError, SharePlan, quote, resolve_shares, with_gpu_counts
+from gpufence.webhook.shares import ClaimMemory, ShareError, SharePlan, quote, resolve_shares, with_gpu_counts
 from gpufence.webhook.sidecar import HOST_PROC_VOLUME, POD_SECURITY_LABEL, PRELOAD_VOLUME, STATE_VOLUME
 
 API_VERSION = "admission.k8s.io/v1"
@@ -276,8 +276,16 @@ def _decide(
         if taken is not None:
             raise MutationError(taken)
         policy = namespace_policy(namespace or "", namespace_annotations, settings)
+        claimed: dict[str, ClaimMemory] = {}
+        if claims is not None and isinstance(namespace, str) and namespace:
+            # Consumable capacity: what a claim reserved on a shareable GPU is the container's share.
+            claimed, capacity_notes = claim_memory(namespace, pod.get("spec"), claims, settings.dra_gpu_drivers,
+                                                   paths.gpu_claims_by_container())
+            check_claim_ceilings(claimed, policy)
+            claim_notes += capacity_notes
+            warnings.extend(capacity_notes)
         plan = resolve_shares(annotations, namespace_annotations, settings, gpu_names, all_names, policy,
-                              scheduler_memory=kai_memory(kai, policy))
+                              scheduler_memory=kai_memory(kai, policy), claim_memory=claimed)
         plan = with_gpu_counts(plan, paths.gpu_counts())
         warnings.extend(plan.warnings)
         # In the status annotation too, so the enforcer posts them as Events on the pod: a pod a

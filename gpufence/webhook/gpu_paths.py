@@ -220,6 +220,18 @@ class PodGpuPaths:
                     counts[c["name"]] = count
         return counts
 
+    def gpu_claims_by_container(self) -> dict[str, list[str]]:
+        """The GPU claims (pod claim names, not listed as non-GPU) of each GPU container other than
+        the sidecar, by name: where a claim's consumable capacity becomes the share (webhook.dra)."""
+        found: dict[str, list[str]] = {}
+        for c in self._containers:
+            if isinstance(c, dict) and isinstance(c.get("name"), str) and not _is_sidecar(c) \
+                    and self.is_gpu_container(c):
+                names = [n for n in self._gpu_claims(c) if isinstance(n, str)]
+                if names:
+                    found[c["name"]] = names
+        return found
+
     def sidecar_claims(self, gpu_names: Sequence[str]) -> list[str]:
         """The pod claims that the GPU containers ``gpu_names`` use as GPUs, in pod order: the
         sidecar gets them too, so that the runtime hands it the devices (CDI) and NVML sees them."""
