@@ -118,7 +118,9 @@ def desired_pod(pod: dict[str, Any], plan: SharePlan, settings: InjectionSetting
                 container = gpu_container(container, share, settings, library, container_warnings,
                                           device=device_memory(pod["spec"], container, settings),
                                           pytorch=pytorch, record=record, driver_limits=limits.applies,
-                                          resolved=container["name"] in limits.resolved, replaced=replaced)
+                                          resolved=container["name"] in limits.resolved, replaced=replaced,
+                                          limiters=container["name"] not in plan.runtime_limited,
+                                          kai_fraction=container["name"] == plan.kai_fraction)
             elif settings.void_non_gpu_containers:
                 container = void_container(container, paths)
             updated.append(container)

@@ -21,7 +21,9 @@ Paths, from the pod alone:
 
 * KAI-Scheduler's fraction (``webhook.kai``): the one container that KAI hands a GPU fraction
   through pod annotations and a ConfigMap, not a resource: a shared GPU, with KAI's
-  ``gpu-fraction-num-devices`` (else 1) as its GPU count.
+  ``gpu-fraction-num-devices`` (else 1) as its GPU count; and each container that KAI's NvFractions
+  annotations (``nvidia.com/container.<name>.gpu-memory.request|limit``) name, whose GPU KAI's NRI
+  plugin hands it at creation: a shared GPU too.
 
 Why MIG defaults to shared: a MIG slice is isolated from other slices in hardware, but the device
 plugin can time-slice a slice under the same resource name (replicas), and the pod spec cannot
@@ -38,7 +40,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from gpufence.contract import SIDECAR_NAME
-from gpufence.webhook.kai import KaiFraction
+from gpufence.webhook.kai import KaiFraction, NvFraction
 from gpufence.webhook.quantity import QuantityError, is_positive_quantity, parse_bytes
 from gpufence.webhook.settings import InjectionSettings
 
@@ -132,10 +134,14 @@ def _count(value: Any) -> int:
 class PodGpuPaths:
     """The paths by which the (init) containers of one pod get devices, under one policy."""
 
-    def __init__(self, spec: Any, settings: InjectionSettings, kai: KaiFraction | None = None) -> None:
+    def __init__(self, spec: Any, settings: InjectionSettings, kai: KaiFraction | None = None,
+                 nv: Sequence[NvFraction] = ()) -> None:
         self.spec: Mapping[str, Any] = spec if isinstance(spec, dict) else {}
-        # KAI-Scheduler's path (webhook.kai): the container it hands a GPU fraction, and how many GPUs.
-        self.kai_container, self.kai_devices = (kai.container, kai.devices) if kai is not None else (None, 0)
+        # KAI-Scheduler's paths (webhook.kai): the containers it hands a GPU fraction (its legacy
+        # annotations; its NvFractions annotations), and how many GPUs each.
+        self.kai_devices_by_name: dict[str, int] = {f.container: f.devices for f in nv}
+        if kai is not None:
+            self.kai_devices_by_name[kai.container] = kai.devices
         self.gpu = patterns(settings.gpu_resource_names)
         self.exclusive = patterns(settings.exclusive_gpu_resource_names)
         self._shared = _shared_gpu(self.gpu, self.exclusive)
@@ -162,8 +168,8 @@ class PodGpuPaths:
                                for c in self._containers if not _is_sidecar(c))
 
     def _by_kai(self, container: Any) -> bool:
-        return self.kai_container is not None and isinstance(container, dict) and \
-            container.get("name") == self.kai_container
+        name = container.get("name") if isinstance(container, dict) else None
+        return isinstance(name, str) and name in self.kai_devices_by_name
 
     def _any_gpu(self, name: str) -> bool:
         """A GPU resource, shared or exclusive."""
@@ -203,7 +209,7 @@ class PodGpuPaths:
         ResourceClaim, not the pod, so a claim-only container gets no count check. A container with
         both is held to its resources' count, because an API server with DRA off drops the claims
         after the mutating webhook and before validation, which then sees only the resources."""
-        kai = self.kai_devices if self._by_kai(container) else 0
+        kai = self.kai_devices_by_name[container["name"]] if self._by_kai(container) else 0
         return kai + sum(_count(v) for _, v in _amounts(container, self._any_gpu)) or None
 
     def gpu_container_names(self) -> list[Any]:

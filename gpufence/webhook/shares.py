@@ -72,6 +72,11 @@ class SharePlan:
     mode: Mode
     grace_period_seconds: float
     warnings: tuple[str, ...] = ()
+    # KAI-Scheduler's containers (webhook.kai): those its NvFractions runtime limits at creation
+    # (gpufence writes none of its own limit variables there), and the one of its legacy fraction,
+    # whose CUDA_DEVICE_MEMORY_LIMIT from KAI's ConfigMap (HamiCore mode) is KAI's, not the author's.
+    runtime_limited: frozenset[str] = frozenset()
+    kai_fraction: str | None = None
 
     @property
     def has_any_share(self) -> bool:
