@@ -17,8 +17,10 @@ venv: $(VENV)/.installed
 demo: venv
 	$(PY) -m gpufence.demo
 
+# ruff; mypy over gpufence/ (settings and the strict core in pyproject.toml).
 lint: venv
 	$(PY) -m ruff check .
+	$(PY) -m mypy
 
 # Kubernetes control-plane binaries for tests/e2e, built once from pinned Go modules into
 # ~/.cache/gpufence (about 17 min and 2.6 GB of RAM the first time on 2 cores; seconds after), and

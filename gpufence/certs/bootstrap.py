@@ -299,7 +299,7 @@ def _reconcile(api: KubeApi, opts: BootstrapOptions, now: dt.datetime) -> Bootst
             resource_version=(secret or {}).get("metadata", {}).get("resourceVersion"),
             base_metadata=(secret or {}).get("metadata"),
         )
-        fields = {
+        fields: dict[str, Any] = {
             "namespace": ns, "secret": name, "action": str(verdict.action), "reason": verdict.reason,
             "not_after": fmt_time(serving.cert.not_valid_after_utc), "dns_names": dns_names,
             "ca_not_after": fmt_time(ca.cert.not_valid_after_utc),

@@ -114,6 +114,7 @@ def decide(
     container's host cgroup path; the driver cannot be asked, so a limit asked for is not reported
     missing (it may well hold)."""
     devices = sorted(shares)
+    driver_why: str | None
     if hidden:
         driver_why = (
             "the driver's limit cannot be read: the sidecar's cgroup namespace hides the container's host "

@@ -181,7 +181,8 @@ def build_view(samples: Iterable[Sample], *, time: float = 0.0, source: str = ""
             continue
         devices = sorted(pod_devices.get(key[:3], [])) or [(NO_DEVICE, "")]
         uuid, gpu = devices[0]
-        rows.append(_container_row(facts, *key, uuid, gpu, {}))
+        node, ns, pod, container = key
+        rows.append(_container_row(facts, node, ns, pod, container, uuid, gpu, {}))
 
     pod_rows = [
         PodDeviceRow(node, ns, pod, uuid, gpu, v.get(m.POD_MEMORY_USED, 0), v.get(m.POD_MEMORY_UNATTRIBUTED, 0),

@@ -28,7 +28,6 @@ from gpufence import metric_names as m
 from gpufence.contract import ANNOTATION_COMPUTE, ANNOTATION_MEMORY
 
 GI = 1 << 30
-MI = 1 << 20
 _BINARY = {"Ki": 1 << 10, "Mi": 1 << 20, "Gi": 1 << 30, "Ti": 1 << 40}
 
 # The characters Kubernetes uses for generated name suffixes (k8s.io/apimachinery rand.SafeEncodeString).
@@ -181,7 +180,7 @@ def recommend(usages: Iterable[ContainerUsage], owners: Mapping[tuple[str, str],
     return result
 
 
-def annotations(recs: Iterable[Recommendation]) -> dict[Workload, dict[str, str]]:
+def annotations_to_set(recs: Iterable[Recommendation]) -> dict[Workload, dict[str, str]]:
     """Per workload, the pod-template annotations to set: ``gpufence.io/memory`` and
     ``gpufence.io/compute`` for a workload with one GPU container, ``gpufence.io/memory.<container>``
     and ``gpufence.io/compute.<container>`` for each when it has more."""
@@ -236,7 +235,7 @@ def render_table(recs: list[Recommendation], *, window: str, headroom: float, me
         lines.append("")
         lines += [f"{r.workload.namespace}/{r.workload} {r.container}: {note}" for r in noted for note in r.notes]
     lines += ["", "Annotations to apply (the pod template's metadata.annotations):"]
-    for workload, doc in annotations(recs).items():
+    for workload, doc in annotations_to_set(recs).items():
         lines.append(f"# {workload.namespace} {workload}" + ("" if doc else ": nothing to set, no usage recorded"))
         lines += [f'{key}: "{value}"' for key, value in doc.items()]
         if workload.kind in ("Deployment", "StatefulSet", "DaemonSet") and doc:
@@ -252,7 +251,7 @@ def _patch_command(workload: Workload, doc: Mapping[str, str]) -> str:
 
 
 def recommendations_json(recs: list[Recommendation]) -> list[dict[str, object]]:
-    notes = annotations(recs)
+    notes = annotations_to_set(recs)
     return [
         {"namespace": r.workload.namespace, "kind": r.workload.kind, "workload": r.workload.name,
          "container": r.container, "pods": r.pods, "memory_peak_bytes": r.memory_peak, "memory_p99_bytes": r.memory_p99,

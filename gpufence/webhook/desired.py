@@ -100,7 +100,7 @@ def desired_pod(pod: dict[str, Any], plan: SharePlan, settings: InjectionSetting
         containers = spec.get(key)
         if not containers:
             continue
-        updated = []
+        updated: list[Any] = []
         for container in containers:
             if container.get("name") == SIDECAR_NAME:
                 # Ours (a reinvocation, or a copied pod): rebuilt below. In the list it belongs to

@@ -149,7 +149,9 @@ def selector_drivers(expression: str, _depth: int = 0) -> Drivers:
 
 def class_drivers(device_class: Mapping[str, Any]) -> Drivers:
     """The drivers a DeviceClass's devices can come from (its selectors all apply), or None: any."""
-    spec = device_class.get("spec") if isinstance(device_class.get("spec"), dict) else {}
+    spec = device_class.get("spec")
+    if not isinstance(spec, dict):
+        spec = {}
     pinned: Drivers = None
     for selector in spec.get("selectors") or ():
         cel = selector.get("cel") if isinstance(selector, dict) else None
@@ -245,7 +247,9 @@ def resource_claim_memory_asks(claim: Mapping[str, Any]) -> tuple[MemoryAsk, ...
 
 def object_key(obj: Mapping[str, Any]) -> tuple[str, str]:
     """(namespace, name) of an object; the namespace is "" for a DeviceClass."""
-    meta = obj.get("metadata") if isinstance(obj.get("metadata"), dict) else {}
+    meta = obj.get("metadata")
+    if not isinstance(meta, dict):
+        meta = {}
     return str(meta.get("namespace") or ""), str(meta.get("name") or "")
 
 

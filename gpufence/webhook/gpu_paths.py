@@ -115,6 +115,10 @@ def shared_gpu_resource(container: Any, settings: InjectionSettings) -> str | No
     return next((name for name, _ in _amounts(container, shared)), None)
 
 
+def _list(value: Any) -> list[Any]:
+    return value if isinstance(value, list) else []
+
+
 def _claims(container: Any) -> list[Any]:
     """The pod claim names the container uses (``resources.claims[].name``)."""
     resources = container.get("resources") if isinstance(container, dict) else None
@@ -160,8 +164,7 @@ class PodGpuPaths:
         # copy-on-write copies of a container share its resources. The object is kept with its
         # answer, so its id cannot be reused by another object while this instance lives.
         self._by_resource: dict[int, tuple[Any, bool]] = {}
-        self._containers = [c for key in ("initContainers", "containers")
-                            for c in (self.spec.get(key) if isinstance(self.spec.get(key), list) else ())]
+        self._containers = [c for key in ("initContainers", "containers") for c in _list(self.spec.get(key))]
         # The sidecar holds the GPU claims of the pod it enforces: they make it a GPU container only
         # where no other container is one (a workload named like the sidecar), never in its own pod.
         self._others_gpu = any(self._gpu_by_resource(c) or self._gpu_claims(c) or self._by_kai(c)

@@ -103,6 +103,13 @@ def with_gpu_counts(plan: SharePlan, counts: Mapping[str, int]) -> SharePlan:
     return dataclasses.replace(plan, containers=containers)
 
 
+def parse_mode(raw: object) -> Mode:
+    """A mode annotation's value (surrounding blanks ignored); ValueError when it is none."""
+    if not isinstance(raw, str):
+        raise ValueError(raw)
+    return Mode(raw.strip())
+
+
 def quote(value: object) -> str:
     """A user's value as a JSON string literal, truncated: safe and short inside a message."""
     text = value if isinstance(value, str) else json.dumps(value, default=str)[: _MAX_SHOWN * 2]
@@ -332,7 +339,7 @@ def resolve_shares(
     if ANNOTATION_MODE in annotations:
         raw = annotations[ANNOTATION_MODE]
         try:
-            requested = Mode(raw.strip() if isinstance(raw, str) else raw)
+            requested = parse_mode(raw)
         except ValueError:
             raise ShareError(f"annotation {ANNOTATION_MODE}={quote(raw)} is not a valid mode: {MODE_EXAMPLE}") from None
     mode = policy.mode_for(requested) if policy is not None else (requested or Mode.ENFORCE)

@@ -84,7 +84,7 @@ def test_kube_pod_owner_wins_over_the_name() -> None:
 
 
 def test_annotations_one_container_or_each() -> None:
-    docs = rec.annotations(rec.recommend(usages()))
+    docs = rec.annotations_to_set(rec.recommend(usages()))
     assert docs[Workload("team-b", "Deployment", "render")] == {ANNOTATION_MEMORY: "3Gi", ANNOTATION_COMPUTE: "40"}
     assert docs[Workload("team-a", "Deployment", "train")] == {
         f"{ANNOTATION_MEMORY}.sidecar-gpu": "1Gi", f"{ANNOTATION_MEMORY}.trainer": "9Gi",
