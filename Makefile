@@ -17,10 +17,12 @@ venv: $(VENV)/.installed
 demo: venv
 	$(PY) -m gpufence.demo
 
-# ruff; mypy over gpufence/ (settings and the strict core in pyproject.toml).
+# ruff; mypy over gpufence/ (settings and the strict core in pyproject.toml); the import contracts
+# (no cycles, the core imports no I/O, the webhook and the enforcer apart: pyproject.toml).
 lint: venv
 	$(PY) -m ruff check .
 	$(PY) -m mypy
+	$(VENV)/bin/lint-imports --no-cache
 
 # Kubernetes control-plane binaries for tests/e2e, built once from pinned Go modules into
 # ~/.cache/gpufence (about 17 min and 2.6 GB of RAM the first time on 2 cores; seconds after), and
@@ -62,7 +64,7 @@ bench-pods: venv e2e-binaries
 	$(PY) -m bench.pod_creation
 
 clean:
-	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis .gpufence-cache
+	rm -rf $(VENV) .pytest_cache .ruff_cache .mypy_cache .import_linter_cache .hypothesis .gpufence-cache
 
 # helm built from its pinned Go module into ${GPUFENCE_CACHE:-~/.cache/gpufence} (minutes when cold);
 # the chart tests use the same binary and skip without Go (fail under CI=true).

@@ -30,7 +30,7 @@ from gpufence.contract import (
     ENV_MPS_MEMORY_LIMIT,
     ENV_PRELOAD_MEMORY_LIMIT,
 )
-from gpufence.enforcer.nvml import DriverLimit, DriverLimitState
+from gpufence.enforcer.nvml_types import DriverLimit, DriverLimitState
 from gpufence.enforcer.rules import ContainerDeviceUsage
 
 CGROUP_ROOT = "/sys/fs/cgroup"

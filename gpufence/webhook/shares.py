@@ -23,7 +23,7 @@ import json
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from decimal import Decimal, InvalidOperation
-from typing import TYPE_CHECKING, TypeVar
+from typing import Protocol, TypeVar
 
 from gpufence.contract import (
     ANNOTATION_COMPUTE,
@@ -56,8 +56,19 @@ _MAX_SHOWN = 64  # characters of a user's value quoted back in a message
 _MAX_CACHED = 128  # longest annotation value whose parse is cached
 T = TypeVar("T")
 
-if TYPE_CHECKING:  # namespace_policy.py imports this module; only the type is needed here
-    from gpufence.webhook.namespace_policy import NamespacePolicy
+
+class ShareBounds(Protocol):
+    """What ``resolve_shares`` asks of the admin's bounds (namespace_policy.NamespacePolicy, which
+    builds on this module's parsers)."""
+
+    def mode_for(self, requested: Mode | None) -> Mode:
+        """The pod's mode given the one it asked for; raises ShareError when it may not."""
+        ...
+
+    def bound(self, share: ContainerShare, memory_origin: str, compute_origin: str,
+              warnings: list[str] | None = None, container: str = "") -> ContainerShare:
+        """``share`` within the ceilings; raises ShareError."""
+        ...
 
 
 class ShareError(ValueError):
@@ -227,7 +238,7 @@ def resolve_shares(
     settings: InjectionSettings,
     gpu_containers: Sequence[str],
     all_containers: Sequence[str],
-    policy: NamespacePolicy | None = None,
+    policy: ShareBounds | None = None,
     scheduler_memory: Mapping[str, tuple[MemoryShare, str]] | None = None,
     claim_memory: Mapping[str, ClaimMemory] | None = None,
 ) -> SharePlan:
