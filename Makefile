@@ -18,11 +18,13 @@ demo: venv
 	$(PY) -m gpufence.demo
 
 # ruff; mypy over gpufence/ (settings and the strict core in pyproject.toml); the import contracts
-# (no cycles, the core imports no I/O, the webhook and the enforcer apart: pyproject.toml).
+# (no cycles, the core imports no I/O, the webhook and the enforcer apart: pyproject.toml); dead code
+# (vulture: scripts/dead_code.py).
 lint: venv
 	$(PY) -m ruff check .
 	$(PY) -m mypy
 	$(VENV)/bin/lint-imports --no-cache
+	$(PY) scripts/dead_code.py
 
 # Kubernetes control-plane binaries for tests/e2e, built once from pinned Go modules into
 # ~/.cache/gpufence (about 17 min and 2.6 GB of RAM the first time on 2 cores; seconds after), and

@@ -38,7 +38,6 @@ ENFORCER_PAUSED = "gpufence_enforcer_paused_seconds_total"
 DEVICE_LABELS = ("namespace", "pod", "container", "UUID", "gpu")
 CONTAINER_LABELS = ("namespace", "pod", "container")
 POD_DEVICE_LABELS = ("namespace", "pod", "UUID", "gpu")
-MECHANISMS = ("driver", "mps", "preload", "polling")
 
 # The label the PodMonitor's relabelling adds with the pod's node (__meta_kubernetes_pod_node_name).
 NODE_LABEL = "node"

@@ -84,7 +84,6 @@ class Ineffective:
     key: str
     use: float
     share: float
-    run_fraction: float
     seconds: float
 
 
@@ -185,7 +184,7 @@ class ComputeTracker:
         held = now - loop.held_over_since
         if held >= self.ineffective_seconds:
             assert loop.fraction is not None
-            self._ineffective.append(Ineffective(key, mean, share, loop.fraction, held))
+            self._ineffective.append(Ineffective(key, mean, share, held))
             loop.held_over_since = now
 
     def demand(self, container: str) -> float | None:

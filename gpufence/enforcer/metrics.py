@@ -20,8 +20,6 @@ from gpufence import metric_names as names
 if TYPE_CHECKING:
     from gpufence.enforcer.rules import PodDeviceUsage
 
-ACTIONS = ("sigterm", "sigkill", "throttle_start", "throttle_stop", "throttle_evaded", "throttle_ineffective", "audit")
-RESOURCES = ("memory", "compute", "gpus")
 # The (action, resource) pairs the loop can count for a container. Created at zero per configured
 # container so that the first kill is an increase from 0 to 1: a counter series that appears at 1
 # has no earlier sample, and ``increase()`` over it is 0, so the kill alert would never fire.

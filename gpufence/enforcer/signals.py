@@ -144,10 +144,6 @@ class SafeSignaller:
         with self._lock:
             self._follow_up.setdefault(target.key, set()).add(signal.SIGTERM)
 
-    def is_authorized(self, target: SignalTarget) -> bool:
-        with self._lock:
-            return target.key in self._authorized
-
     # -- the door ------------------------------------------------------------------------------
 
     def send(self, target: SignalTarget, sig: int, *, reason: str, **fields: Any) -> Outcome:

@@ -43,8 +43,6 @@ KAI_GPU_FRACTION = "gpu-fraction"
 KAI_GPU_MEMORY = "gpu-memory"
 KAI_NUM_DEVICES = "gpu-fraction-num-devices"
 KAI_CONTAINER_NAME = "gpu-fraction-container-name"
-# What KAI's admission webhook writes into the fraction container: this variable, from a ConfigMap.
-KAI_VISIBLE_DEVICES = "NVIDIA_VISIBLE_DEVICES"
 
 # KAI's own rules: a fraction written as a Kubernetes decimal ("0.5", "5e-1"); whole MiB; a count.
 _FRACTION = re.compile(r"[0-9]*\.?[0-9]+([eE][-+]?[0-9]+)?", re.ASCII)
@@ -210,8 +208,7 @@ def kai_memory(kai: KaiFraction | None, policy: NamespacePolicy) -> dict[str, tu
 # is in ``admin-groups``.
 
 NV_PREFIX = "nvidia.com/container."
-NV_REQUEST, NV_LIMIT, NV_COMPUTE_MODE, NV_DEVICES = ("gpu-memory.request", "gpu-memory.limit", "gpu-compute.mode",
-                                                     "gpus.devices")
+NV_REQUEST, NV_LIMIT, NV_DEVICES = "gpu-memory.request", "gpu-memory.limit", "gpus.devices"
 _NV_KEY = re.compile(r"nvidia\.com/container\.([a-z0-9](?:[-a-z0-9]*[a-z0-9])?)\."
                      r"(gpu-memory\.request|gpu-memory\.limit|gpu-compute\.mode|gpus\.devices)", re.ASCII)
 NV_MEMORY_EXAMPLE = 'use a Kubernetes memory quantity of at least 1Mi, such as "8Gi" or "7680Mi"'

@@ -15,7 +15,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -114,14 +114,6 @@ class InFlight:
         self.count = 0
         self._idle = asyncio.Event()
         self._idle.set()
-
-    @contextlib.contextmanager
-    def track(self) -> Iterator[None]:
-        self.enter()
-        try:
-            yield
-        finally:
-            self.leave()
 
     def enter(self) -> None:
         self.count += 1
