@@ -8,8 +8,11 @@ the sidecar, the status annotation, what the GPU containers gain, the pod's volu
 (shareProcessNamespace). ``--against REF`` measures the goldens of a git revision as well, for a
 before/after. ``--probe-cost`` times the probe command as the kubelet runs it against a console
 script doing the same (pip's wrapper), with ``--python``'s interpreter (one with gpufence installed
-from a wheel, as in the image: an editable install's start-up hides the difference). Target: median <= 1200 bytes
-(tests/unit/webhook/test_injected_bytes.py is the gate).
+from a wheel, as in the image: an editable install's start-up hides the difference).
+
+Target: median <= 1200 bytes, owned here: the report says met or MISSED (what remains is the
+sidecar's own spec and the GPU containers' variables, each an enforcement point,
+docs/PERFORMANCE.md); tests/unit/webhook/test_injected_bytes.py only keeps the median from growing.
 """
 
 from __future__ import annotations
@@ -23,11 +26,9 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from bench.common import REPO_ROOT, command_line, table, write_section
 from gpufence.contract import ANNOTATION_STATUS, PROBE_COMMAND, SIDECAR_NAME
-from tests.support.injected_bytes import GOLDEN, bytes_added, compact_size
+from tests.support.injected_bytes import GOLDEN, bytes_added, compact_size, load_yaml
 from tests.support.stats import median
 
 TARGET_MEDIAN_BYTES = 1200
@@ -41,8 +42,7 @@ def _containers(pod: dict[str, Any]) -> dict[str, dict[str, Any]]:
 
 def _pods(golden: Path, case: str) -> tuple[dict[str, Any], dict[str, Any]]:
     """The golden's output pod and input pod."""
-    out = yaml.safe_load((golden / f"{case}.out.yaml").read_text())["pod"]
-    return out, yaml.safe_load((golden / f"{case}.in.yaml").read_text())["pod"]
+    return load_yaml(golden / f"{case}.out.yaml")["pod"], load_yaml(golden / f"{case}.in.yaml")["pod"]
 
 
 def _gained(out: dict[str, Any], before: dict[str, Any], key: str) -> Iterator[dict[str, Any]]:
