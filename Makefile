@@ -51,10 +51,11 @@ framework-python:
 test: venv lint system-deps e2e-binaries helm-binary framework-python
 	GPUFENCE_FRAMEWORK_PYTHON=$(FRAMEWORK_VENV)/bin/python $(PY) -m pytest
 
-# The fast loop: lint and the pure tests (tests/unit: no child process, no network; about 3 min on
-# 2 cores). `make test` stays the whole suite.
+# The fast loop: lint and the pure tests (tests/unit: no child process, no network) with the light
+# hypothesis profile (a few examples per property: tests/support/examples.py). `make test` stays the
+# whole suite with the full profile.
 unit: venv lint
-	$(PY) -m pytest -q tests/unit
+	HYPOTHESIS_PROFILE=fast $(PY) -m pytest -q tests/unit
 
 e2e: venv system-deps e2e-binaries
 	$(PY) -m pytest tests/e2e

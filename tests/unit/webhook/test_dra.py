@@ -29,6 +29,7 @@ from gpufence.webhook.dra import (
 )
 from gpufence.webhook.dra_cache import DraCache
 from gpufence.webhook.settings import AllNamespacesOptedIn, InjectionSettings
+from tests.support.examples import examples
 from tests.unit.webhook.test_admission import good_pods, pods, request
 
 GPU = ("gpu.nvidia.com",)
@@ -245,7 +246,7 @@ def test_only_claims_a_container_uses_are_said() -> None:
     assert claim_warnings("team", pod["spec"], OBJECTS, GPU, ()) == []
 
 
-@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=examples(200), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.one_of(good_pods, pods))
 def test_the_resolution_never_changes_the_pod(pod: dict[str, Any]) -> None:
     """For any pod, the review with DRA objects whose claims ask no consumable capacity (so which
