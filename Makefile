@@ -53,9 +53,9 @@ test: venv lint system-deps e2e-binaries helm-binary framework-python
 
 # The fast loop: lint and the pure tests (tests/unit: no child process, no network) with the light
 # hypothesis profile (a few examples per property: tests/support/examples.py). `make test` stays the
-# whole suite with the full profile.
+# whole suite with the full profile. PYTEST_ARGS passes more (make unit PYTEST_ARGS=-x).
 unit: venv lint
-	HYPOTHESIS_PROFILE=fast $(PY) -m pytest -q tests/unit
+	HYPOTHESIS_PROFILE=fast $(PY) -m pytest -q tests/unit $(PYTEST_ARGS)
 
 e2e: venv system-deps e2e-binaries
 	$(PY) -m pytest tests/e2e
