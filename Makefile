@@ -1,15 +1,19 @@
-# Every target creates its own virtualenv from pinned versions; nothing else is needed
+# Every target creates its own virtualenv from locked versions; nothing else is needed
 # beyond Python 3.11+ and a C compiler (for the simulated NVML library).
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
+PIP := $(PY) -m pip --disable-pip-version-check
 
-.PHONY: venv demo test unit lint bench clean e2e e2e-binaries bench-pods helm-binary test-ops system-deps framework-python
+.PHONY: venv demo test unit lint lock bench clean e2e e2e-binaries bench-pods helm-binary test-ops system-deps framework-python
 
+# The locked versions checked against their hashes (requirements/test.lock: the runtime lock's
+# versions and the test tools'), then gpufence itself, editable, resolving nothing more.
 # gpufence/__init__.py holds the version, which the installed metadata copies.
-$(VENV)/.installed: pyproject.toml requirements/lock.txt gpufence/__init__.py
+$(VENV)/.installed: pyproject.toml requirements/test.lock gpufence/__init__.py
 	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet --disable-pip-version-check -c requirements/lock.txt -e '.[test]'
+	$(PIP) install --quiet --require-hashes -r requirements/test.lock
+	$(PIP) install --quiet --no-deps -e .
 	touch $@
 
 venv: $(VENV)/.installed
@@ -59,6 +63,16 @@ unit: venv lint
 
 e2e: venv system-deps e2e-binaries
 	$(PY) -m pytest tests/e2e
+
+# The locks, from pyproject.toml's ranges (and requirements/enforcer.txt for the sidecar-only image):
+# run after changing a dependency; pip-tools keeps every pin it can (LOCK_UPGRADE=--upgrade moves
+# them to the newest in range); a few minutes, as it records every file's hash.
+LOCK := $(VENV)/bin/pip-compile --quiet --generate-hashes --strip-extras --no-emit-index-url --no-emit-find-links
+lock: venv
+	$(PIP) install --quiet 'pip-tools>=7.7,<8'
+	$(LOCK) $(LOCK_UPGRADE) --output-file requirements/runtime.lock pyproject.toml
+	$(LOCK) --extra test --constraint requirements/runtime.lock --output-file requirements/test.lock pyproject.toml
+	$(LOCK) --constraint requirements/runtime.lock --output-file requirements/enforcer.lock requirements/enforcer.txt
 
 bench: venv
 	$(PY) -m bench.run_all

@@ -812,7 +812,7 @@ def test_dockerfile() -> None:
     runs = " ".join(ln for ln in final if ln.upper().startswith("RUN "))
     assert not re.search(r"apt-get install|gcc|build-essential", runs), "no build tools in the final stage"
     assert "[test]" not in text and "'.[test]'" not in text, "the image has no test dependencies"
-    assert "requirements/lock.txt" in text
+    assert "--require-hashes -r requirements/runtime.lock" in text
     for script in ("gpufence-webhook", "gpufence-enforcer", "gpufence-certs"):
         assert script in text, f"Dockerfile does not mention {script}"
     ignored = (ROOT / ".dockerignore").read_text().split()
