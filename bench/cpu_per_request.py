@@ -38,6 +38,7 @@ import json
 import os
 import ssl
 import subprocess
+import sys
 import tempfile
 import urllib.request
 from collections.abc import Iterator
@@ -48,7 +49,7 @@ import jsonpatch
 
 from bench.common import floor_server, run_loadgen, table, write_section
 from gpufence.webhook.desired import SERVICE_ACCOUNT_MOUNT_PATH as SA_PATH
-from tests.e2e.binaries import build, refwebhook_recipe
+from tests.e2e.binaries import GoMissing, build, refwebhook_recipe
 from tests.support.sample_pods import admission_review, typical_pod
 from tests.support.server_process import cpu_plan, free_port, gpufence_server, serve
 from tests.support.stats import median
@@ -209,6 +210,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--duration", type=float, default=3.0)
     parser.add_argument("--no-write", action="store_true")
     args = parser.parse_args(argv)
+    try:
+        build(refwebhook_recipe())  # seconds, once: the reference is the target's yardstick
+    except GoMissing as exc:
+        print(f"bench.cpu_per_request compares against the Go reference webhook (tests/e2e/gomod/refwebhook) "
+              f"and cannot build it: {exc}", file=sys.stderr)
+        return 2
     text, _ = render(measure(args.repeats, args.duration), args.repeats, args.duration)
     print(text)
     if not args.no_write:
