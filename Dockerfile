@@ -5,8 +5,9 @@
 #   docker build -t ghcr.io/gpufence/gpufence:0.1.0 .
 #
 # The target "enforcer" is a sidecar-only image: the project with only the enforcer's runtime
-# dependencies (requirements/enforcer.txt: pynvml and prometheus-client; about 3.4 MiB with their
-# bytecode, against about 185 MiB with the webhook's aiohttp, cryptography and kubernetes client).
+# dependencies (requirements/enforcer.txt: pynvml and prometheus-client, locked with their hashes
+# in requirements/enforcer.lock; about 3.4 MiB with their bytecode, against about 185 MiB with the
+# webhook's aiohttp, cryptography and kubernetes client).
 # Point the webhook's --sidecar-image at it (docs/PERFORMANCE.md, "The sidecar in a pod"):
 #
 #   docker build --target enforcer -t ghcr.io/gpufence/gpufence-enforcer:0.1.0 .
@@ -18,9 +19,9 @@
 # .pyc files), and the sources in an image never change.
 #
 # The build stage makes a wheel of this project and installs it, with only its runtime
-# dependencies pinned by requirements/lock.txt (constraints, so the test extra is never
-# installed), into a virtualenv at /opt/gpufence. The final stage copies that virtualenv onto a
-# fresh python:3.11-slim: no pip, no compiler, no build dependencies. Both stages use the same base
+# dependencies at the versions and hashes of requirements/runtime.lock (pip-compile; the test
+# extra is never installed), into a virtualenv at /opt/gpufence. The final stage copies that
+# virtualenv onto a fresh python:3.11-slim: no pip, no compiler, no build dependencies. Both stages use the same base
 # image so the virtualenv's interpreter symlink resolves.
 ARG PYTHON_IMAGE=python:3.11-slim
 
@@ -29,12 +30,13 @@ ENV PIP_DISABLE_PIP_VERSION_CHECK=1 \
     PIP_NO_CACHE_DIR=1 \
     PIP_ROOT_USER_ACTION=ignore
 WORKDIR /src
-COPY requirements/lock.txt requirements/lock.txt
+COPY requirements/runtime.lock requirements/runtime.lock
 COPY pyproject.toml README.md ./
 COPY gpufence/ gpufence/
 RUN python -m pip wheel --no-deps --wheel-dir /dist . \
  && python -m venv /opt/gpufence \
- && /opt/gpufence/bin/pip install -c requirements/lock.txt /dist/gpufence-*.whl \
+ && /opt/gpufence/bin/pip install --require-hashes -r requirements/runtime.lock \
+ && /opt/gpufence/bin/pip install --no-deps /dist/gpufence-*.whl \
  && for script in gpufence-webhook gpufence-enforcer gpufence-certs; do \
         test -x "/opt/gpufence/bin/$script" || { echo "missing console script $script" >&2; exit 1; }; \
     done \
@@ -45,11 +47,11 @@ FROM ${PYTHON_IMAGE} AS build-enforcer
 ENV PIP_DISABLE_PIP_VERSION_CHECK=1 \
     PIP_NO_CACHE_DIR=1 \
     PIP_ROOT_USER_ACTION=ignore
-COPY requirements/lock.txt requirements/enforcer.txt /src/requirements/
+COPY requirements/enforcer.lock /src/requirements/
 COPY --from=build /dist /dist
 RUN python -m venv /opt/gpufence \
  && /opt/gpufence/bin/pip install --no-deps /dist/gpufence-*.whl \
- && /opt/gpufence/bin/pip install -c /src/requirements/lock.txt -r /src/requirements/enforcer.txt \
+ && /opt/gpufence/bin/pip install --require-hashes -r /src/requirements/enforcer.lock \
  && test -x /opt/gpufence/bin/gpufence-enforcer \
  && /opt/gpufence/bin/pip uninstall --yes pip setuptools \
  && /opt/gpufence/bin/python -m compileall -q -f --invalidation-mode unchecked-hash /opt/gpufence/lib

@@ -1,15 +1,19 @@
-# Every target creates its own virtualenv from pinned versions; nothing else is needed
+# Every target creates its own virtualenv from locked versions; nothing else is needed
 # beyond Python 3.11+ and a C compiler (for the simulated NVML library).
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
+PIP := $(PY) -m pip --disable-pip-version-check
 
-.PHONY: venv demo test unit lint bench clean e2e e2e-binaries bench-pods helm-binary test-ops system-deps framework-python
+.PHONY: venv demo test unit lint lock bench clean e2e e2e-binaries bench-pods helm-binary test-ops system-deps framework-python
 
+# The locked versions checked against their hashes (requirements/test.lock: the runtime lock's
+# versions and the test tools'), then gpufence itself, editable, resolving nothing more.
 # gpufence/__init__.py holds the version, which the installed metadata copies.
-$(VENV)/.installed: pyproject.toml requirements/lock.txt gpufence/__init__.py
+$(VENV)/.installed: pyproject.toml requirements/test.lock gpufence/__init__.py
 	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet --disable-pip-version-check -c requirements/lock.txt -e '.[test]'
+	$(PIP) install --quiet --require-hashes -r requirements/test.lock
+	$(PIP) install --quiet --no-deps -e .
 	touch $@
 
 venv: $(VENV)/.installed
@@ -17,8 +21,14 @@ venv: $(VENV)/.installed
 demo: venv
 	$(PY) -m gpufence.demo
 
+# ruff; mypy over gpufence/ (settings and the strict core in pyproject.toml); the import contracts
+# (no cycles, the core imports no I/O, the webhook and the enforcer apart: pyproject.toml); dead code
+# (vulture: scripts/dead_code.py).
 lint: venv
 	$(PY) -m ruff check .
+	$(PY) -m mypy
+	$(VENV)/bin/lint-imports --no-cache
+	$(PY) scripts/dead_code.py
 
 # Kubernetes control-plane binaries for tests/e2e, built once from pinned Go modules into
 # ~/.cache/gpufence (about 17 min and 2.6 GB of RAM the first time on 2 cores; seconds after), and
@@ -45,13 +55,24 @@ framework-python:
 test: venv lint system-deps e2e-binaries helm-binary framework-python
 	GPUFENCE_FRAMEWORK_PYTHON=$(FRAMEWORK_VENV)/bin/python $(PY) -m pytest
 
-# The fast loop: lint and the pure tests (tests/unit: no child process, no network; about 3 min on
-# 2 cores). `make test` stays the whole suite.
+# The fast loop: lint and the pure tests (tests/unit: no child process, no network) with the light
+# hypothesis profile (a few examples per property: tests/support/examples.py). `make test` stays the
+# whole suite with the full profile. PYTEST_ARGS passes more (make unit PYTEST_ARGS=-x).
 unit: venv lint
-	$(PY) -m pytest -q tests/unit
+	HYPOTHESIS_PROFILE=fast $(PY) -m pytest -q tests/unit $(PYTEST_ARGS)
 
 e2e: venv system-deps e2e-binaries
 	$(PY) -m pytest tests/e2e
+
+# The locks, from pyproject.toml's ranges (and requirements/enforcer.txt for the sidecar-only image):
+# run after changing a dependency; pip-tools keeps every pin it can (LOCK_UPGRADE=--upgrade moves
+# them to the newest in range); a few minutes, as it records every file's hash.
+LOCK := $(VENV)/bin/pip-compile --quiet --generate-hashes --strip-extras --no-emit-index-url --no-emit-find-links
+lock: venv
+	$(PIP) install --quiet 'pip-tools>=7.7,<8'
+	$(LOCK) $(LOCK_UPGRADE) --output-file requirements/runtime.lock pyproject.toml
+	$(LOCK) --extra test --constraint requirements/runtime.lock --output-file requirements/test.lock pyproject.toml
+	$(LOCK) --constraint requirements/runtime.lock --output-file requirements/enforcer.lock requirements/enforcer.txt
 
 bench: venv
 	$(PY) -m bench.run_all
@@ -60,7 +81,7 @@ bench-pods: venv e2e-binaries
 	$(PY) -m bench.pod_creation
 
 clean:
-	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis .gpufence-cache
+	rm -rf $(VENV) .pytest_cache .ruff_cache .mypy_cache .import_linter_cache .hypothesis .gpufence-cache
 
 # helm built from its pinned Go module into ${GPUFENCE_CACHE:-~/.cache/gpufence} (minutes when cold);
 # the chart tests use the same binary and skip without Go (fail under CI=true).

@@ -8,8 +8,11 @@ the sidecar, the status annotation, what the GPU containers gain, the pod's volu
 (shareProcessNamespace). ``--against REF`` measures the goldens of a git revision as well, for a
 before/after. ``--probe-cost`` times the probe command as the kubelet runs it against a console
 script doing the same (pip's wrapper), with ``--python``'s interpreter (one with gpufence installed
-from a wheel, as in the image: an editable install's start-up hides the difference). Target: median <= 1200 bytes
-(tests/unit/webhook/test_injected_bytes.py is the gate).
+from a wheel, as in the image: an editable install's start-up hides the difference).
+
+Target: median <= 1200 bytes, owned here: the report says met or MISSED (what remains is the
+sidecar's own spec and the GPU containers' variables, each an enforcement point,
+docs/PERFORMANCE.md); tests/unit/webhook/test_injected_bytes.py only keeps the median from growing.
 """
 
 from __future__ import annotations
@@ -23,11 +26,9 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from bench.common import REPO_ROOT, command_line, table, write_section
 from gpufence.contract import ANNOTATION_STATUS, PROBE_COMMAND, SIDECAR_NAME
-from tests.support.injected_bytes import GOLDEN, bytes_added, compact_size
+from tests.support.injected_bytes import GOLDEN, bytes_added, compact_size, load_yaml
 from tests.support.stats import median
 
 TARGET_MEDIAN_BYTES = 1200
@@ -41,8 +42,7 @@ def _containers(pod: dict[str, Any]) -> dict[str, dict[str, Any]]:
 
 def _pods(golden: Path, case: str) -> tuple[dict[str, Any], dict[str, Any]]:
     """The golden's output pod and input pod."""
-    out = yaml.safe_load((golden / f"{case}.out.yaml").read_text())["pod"]
-    return out, yaml.safe_load((golden / f"{case}.in.yaml").read_text())["pod"]
+    return load_yaml(golden / f"{case}.out.yaml")["pod"], load_yaml(golden / f"{case}.in.yaml")["pod"]
 
 
 def _gained(out: dict[str, Any], before: dict[str, Any], key: str) -> Iterator[dict[str, Any]]:
@@ -80,8 +80,8 @@ def parts(golden: Path = GOLDEN) -> dict[str, dict[str, int]]:
 # Why each piece the injection adds is there (the rows of the per-field table); a piece with no
 # entry here is printed with "?" so that a new field cannot arrive without a reason.
 PURPOSE = {
-    "sidecar name": "the guard and the enforcer find the sidecar by it",
-    "sidecar image": "the enforcer's image (the guard admits only the configured one)",
+    "sidecar name": "the webhook, the protect policy and the enforcer find the sidecar by it",
+    "sidecar image": "the enforcer's image (the policy's sidecar-image)",
     "sidecar command": "runs the enforcer (the image has no entrypoint of its own)",
     "sidecar restartPolicy": "a native sidecar: up before the workload, restarted on exit",
     "sidecar env GPUFENCE_CONFIG": "each GPU container's share, the mode, the grace period",
@@ -95,7 +95,7 @@ PURPOSE = {
     "sidecar securityContext": "root with three capabilities to read and signal the workloads; no escalation",
     "sidecar volumeMounts": "the state directory (stopped processes, pending SIGKILLs, heartbeat)",
     "sidecar resources.claims": "the pod's GPU claims, so NVML sees a DRA GPU",
-    "status annotation": "what gpufence did (GPU containers, mode, version, warnings); the guard's mark",
+    "status annotation": "what gpufence did (GPU containers, mode, version, warnings), read by the enforcer",
     "sidecar env (key)": "the list that holds the sidecar's variables",
     "sidecar env GPUFENCE_HOST_PROC": "where the host's /proc is mounted (flag, legacy drivers)",
     "sidecar env GPUFENCE_METRICS_PORT": "a metrics port other than the default (policy)",

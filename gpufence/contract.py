@@ -108,8 +108,6 @@ ENV_HOST_PROC = "GPUFENCE_HOST_PROC"
 # Never set by the webhook, which mounts the state volume at DEFAULT_STATE_DIR, the enforcer's and
 # the probe's default; a variable for running the enforcer elsewhere (tests, the demo).
 ENV_STATE_DIR = "GPUFENCE_STATE_DIR"
-# Every GPUFENCE_* variable the webhook may put on the sidecar.
-SIDECAR_ENV = (ENV_CONFIG, ENV_POD_STATUS, ENV_METRICS_PORT, ENV_HOST_PROC)
 # Set on each GPU container: its name (the enforcer reads it from /proc/<pid>/environ) and its memory share.
 ENV_CONTAINER = "GPUFENCE_CONTAINER"
 ENV_MEMORY_LIMIT = "GPUFENCE_MEMORY_LIMIT"
@@ -387,7 +385,6 @@ STATUS_CONTAINERS = "containers"
 STATUS_MODE = "mode"
 STATUS_VERSION = "version"
 STATUS_WARNINGS = "warnings"
-STATUS_FIELDS = (STATUS_CONTAINERS, STATUS_MODE, STATUS_VERSION, STATUS_WARNINGS)
 # The webhook records at most this many warnings; the enforcer reads no more.
 MAX_STATUS_WARNINGS = 8
 

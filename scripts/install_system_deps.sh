@@ -3,7 +3,10 @@
 # missing and only where we may (root with apt-get); elsewhere the tests that need them skip and
 # name what is missing. `make test` runs this first; it is idempotent (a second run installs
 # nothing and takes milliseconds).
-#   prometheus                  promtool: `promtool check/test rules` (tests/deploy/test_alerts.py)
+#   prometheus                  promtool: `promtool check/test rules` (tests/deploy/test_alerts.py), and
+#                               the server the monitoring scenario scrapes with (tests/integration/monitor)
+#   tmux                        a terminal to run `gpufence top` in, as a person would
+#                               (tests/integration/monitor/test_top.py)
 #   containerd, runc            the node's container runtime (tests/e2e/node); containerd's own
 #                               service is never started: the tests run theirs with their own config
 #   containernetworking-plugins pod networking on the node: bridge, host-local, loopback
@@ -11,7 +14,7 @@
 #   iptables                    the node's route to the `kubernetes` Service (no kube-proxy)
 set -euo pipefail
 
-PACKAGES=(prometheus containerd runc containernetworking-plugins debootstrap iptables)
+PACKAGES=(prometheus tmux containerd runc containernetworking-plugins debootstrap iptables)
 missing=()
 for p in "${PACKAGES[@]}"; do
     dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

@@ -48,6 +48,7 @@ SITES: tuple[Site, ...] = (
     _site("charts/gpufence/Chart.yaml", r'^appVersion: "', '"'),
     # The remote kustomize example pins a release tag.
     _site("docs/install.md", r"\?ref=v"),
+    _site("docs/monitoring.md", r"\?ref=v"),  # its kustomization example
     # docs/install.md's example of pointing the install at your image.
     _site("docs/install.md", r"/gpufence:"),
     _site("docs/install.md", r'newTag: "', '"'),

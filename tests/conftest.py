@@ -5,6 +5,7 @@ the Helm install on the real API server)."""
 
 from __future__ import annotations
 
+import os
 import pathlib
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -13,15 +14,19 @@ import pytest
 from hypothesis import HealthCheck, settings
 
 from tests.support.enforcer_harness import GpuSandbox, enforcer_config
+from tests.support.examples import FAST_EXAMPLES, FAST_PROFILE, FULL_PROFILE
 from tests.support.prerequisites import check_needs, missing, skip_unmet_needs
 
 # Property tests assert what the code does, never how fast: on a loaded CI machine one slow example
 # must not fail a run (hypothesis' default 200 ms deadline and its too_slow health check would).
 # print_blob puts a failing example's reproduction line (@reproduce_failure) into the CI log.
 settings.register_profile(
-    "gpufence", deadline=None, suppress_health_check=[HealthCheck.too_slow], print_blob=True
+    FULL_PROFILE, deadline=None, suppress_health_check=[HealthCheck.too_slow], print_blob=True
 )
-settings.load_profile("gpufence")
+# The fast loop (`make unit`: HYPOTHESIS_PROFILE=fast) runs a few examples per property
+# (tests/support/examples.py); CI and `make test` run the full profile.
+settings.register_profile(FAST_PROFILE, settings.get_profile(FULL_PROFILE), max_examples=FAST_EXAMPLES)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE") or FULL_PROFILE)
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

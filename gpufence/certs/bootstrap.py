@@ -254,7 +254,7 @@ MAX_ATTEMPTS = 3
 def run_bootstrap(api: KubeApi, opts: BootstrapOptions, now: dt.datetime | None = None) -> BootstrapResult:
     """Make the Secret valid and the caBundle of both webhook configurations match it.
 
-    Raises ``KubeError`` subclasses (``NotFound`` only for the MutatingWebhookConfiguration).
+    Raises ``KubeError`` subclasses (``NotFound`` for a webhook configuration that does not exist).
     """
     opts.validate()
     for attempt in range(1, MAX_ATTEMPTS + 1):
@@ -299,7 +299,7 @@ def _reconcile(api: KubeApi, opts: BootstrapOptions, now: dt.datetime) -> Bootst
             resource_version=(secret or {}).get("metadata", {}).get("resourceVersion"),
             base_metadata=(secret or {}).get("metadata"),
         )
-        fields = {
+        fields: dict[str, Any] = {
             "namespace": ns, "secret": name, "action": str(verdict.action), "reason": verdict.reason,
             "not_after": fmt_time(serving.cert.not_valid_after_utc), "dns_names": dns_names,
             "ca_not_after": fmt_time(ca.cert.not_valid_after_utc),

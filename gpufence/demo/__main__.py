@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
-import jsonpatch  # the demo runs from the repo's dev environment (make demo installs it)
+import jsonpatch  # a runtime dependency: the patch applied by an implementation other than the webhook's
 
 from gpufence.certs.pki import make_ca, make_serving_cert
 from gpufence.contract import ENV_CONFIG, ENV_CONTAINER, ENV_POD_NAME, ENV_POD_NAMESPACE, ENV_POD_UID

@@ -21,7 +21,7 @@ def main() -> int:
     device = open(sys.argv[1], "rb")  # noqa: SIM115 - held open for the process's whole life
     stop = threading.Event()
 
-    def on_term(signum: int, frame: object) -> None:
+    def on_term(signum: int, _frame: object) -> None:
         print("got SIGTERM: checkpointing and exiting", flush=True)
         stop.set()
 

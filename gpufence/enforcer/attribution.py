@@ -28,7 +28,6 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from enum import StrEnum
-from typing import TYPE_CHECKING
 
 from gpufence.enforcer.identity import (
     assign,
@@ -38,6 +37,7 @@ from gpufence.enforcer.identity import (
     informative,
     resolve_containers,
 )
+from gpufence.enforcer.nvml_types import DeviceSample, NvmlSample
 from gpufence.enforcer.procfs import (
     ENV_NVIDIA_DEVICES,
     NVIDIA_DEVICE_PREFIX_DEFAULT,
@@ -53,9 +53,6 @@ from gpufence.enforcer.procfs import (
     read_start_time,
     read_stat,
 )
-
-if TYPE_CHECKING:
-    from gpufence.enforcer.nvml import DeviceSample, NvmlSample
 
 __all__ = [
     "NVIDIA_DEVICE_PREFIX_DEFAULT",

@@ -202,10 +202,10 @@ def load_config(path: str | None) -> EnforcerConfig:
         except OSError as exc:
             raise ConfigError(f"cannot read {path}: {exc.strerror or exc}") from None
         return EnforcerConfig.from_json(text)
-    text = os.environ.get(ENV_CONFIG)
-    if text is None or not text.strip():
+    env_text = os.environ.get(ENV_CONFIG)
+    if env_text is None or not env_text.strip():
         raise ConfigError(f"no configuration: set {ENV_CONFIG} or pass --config FILE")
-    return EnforcerConfig.from_json(text)
+    return EnforcerConfig.from_json(env_text)
 
 
 class _FileWatcher:

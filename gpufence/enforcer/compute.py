@@ -84,7 +84,6 @@ class Ineffective:
     key: str
     use: float
     share: float
-    run_fraction: float
     seconds: float
 
 
@@ -185,7 +184,7 @@ class ComputeTracker:
         held = now - loop.held_over_since
         if held >= self.ineffective_seconds:
             assert loop.fraction is not None
-            self._ineffective.append(Ineffective(key, mean, share, loop.fraction, held))
+            self._ineffective.append(Ineffective(key, mean, share, held))
             loop.held_over_since = now
 
     def demand(self, container: str) -> float | None:
@@ -230,7 +229,8 @@ class ComputeTracker:
         if now - loop.full_since >= self.window_seconds or not any(o.present for o in recent):
             loop.fraction, loop.full_since = None, None
         else:
-            loop.fraction = HOLD_RUN_FRACTION
+            # Never below the floor the tracker promises, even where an admin set it above the hold.
+            loop.fraction = max(self.min_run_fraction, HOLD_RUN_FRACTION)
 
     def _expire(self, history: deque[_Observation], now: float) -> None:
         while history and history[0].time <= now - self.window_seconds:

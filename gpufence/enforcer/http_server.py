@@ -111,7 +111,7 @@ class HttpServer:
                         if sock is self._listener:
                             self._accept()
                         elif sock in self._connections:
-                            self._serve(sock, self._connections[sock])  # type: ignore[arg-type]
+                            self._serve(sock, self._connections[sock])
                     except Exception:  # one connection's trouble is that connection's end, not the server's
                         if sock is not self._listener:
                             self._drop(sock)  # type: ignore[arg-type]

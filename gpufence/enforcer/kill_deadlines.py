@@ -32,7 +32,7 @@ import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeGuard
 
 from gpufence.contract import MAX_GRACE_PERIOD_SECONDS
 from gpufence.enforcer.decision_log import DecisionLog
@@ -150,5 +150,5 @@ def _parse(item: Any, kind: str, now: float) -> PendingKill | None:
     return PendingKill(remaining, order, target=SignalTarget(pid, start, container))
 
 
-def _is_int(value: Any) -> bool:
+def _is_int(value: Any) -> TypeGuard[int]:
     return isinstance(value, int) and not isinstance(value, bool)

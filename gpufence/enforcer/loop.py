@@ -260,7 +260,7 @@ class Enforcer:
         # What the throttle saw since the last poll: processes running while held stopped.
         evasions = self._throttle.take_evasions()
         # The driver's own per-cgroup limits and usage (NVML R615): its currentUsed is the usage.
-        reading = self._driver_limits.read(self._client, attribution, self.config, self._nvml.call)
+        reading = self._driver_limits.read(client, attribution, self.config, self._nvml.call)
         decisions = self._core.step(now, attribution, totals, mig, evasions, reading.usage())
         # From here on, the core's attribution: a name that is no container of the pod is screened out.
         attribution = decisions.attribution

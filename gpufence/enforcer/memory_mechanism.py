@@ -30,7 +30,7 @@ from gpufence.contract import (
     ENV_MPS_MEMORY_LIMIT,
     ENV_PRELOAD_MEMORY_LIMIT,
 )
-from gpufence.enforcer.nvml import DriverLimit, DriverLimitState
+from gpufence.enforcer.nvml_types import DriverLimit, DriverLimitState
 from gpufence.enforcer.rules import ContainerDeviceUsage
 
 CGROUP_ROOT = "/sys/fs/cgroup"
@@ -114,6 +114,7 @@ def decide(
     container's host cgroup path; the driver cannot be asked, so a limit asked for is not reported
     missing (it may well hold)."""
     devices = sorted(shares)
+    driver_why: str | None
     if hidden:
         driver_why = (
             "the driver's limit cannot be read: the sidecar's cgroup namespace hides the container's host "

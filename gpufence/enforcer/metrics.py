@@ -15,11 +15,11 @@ from typing import TYPE_CHECKING
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
+from gpufence import metric_names as names
+
 if TYPE_CHECKING:
     from gpufence.enforcer.rules import PodDeviceUsage
 
-ACTIONS = ("sigterm", "sigkill", "throttle_start", "throttle_stop", "throttle_evaded", "throttle_ineffective", "audit")
-RESOURCES = ("memory", "compute", "gpus")
 # The (action, resource) pairs the loop can count for a container. Created at zero per configured
 # container so that the first kill is an increase from 0 to 1: a counter series that appears at 1
 # has no earlier sample, and ``increase()`` over it is 0, so the kill alert would never fire.
@@ -52,110 +52,110 @@ class EnforcerMetrics:
         self.namespace = namespace
         self.pod = pod
         self.registry = CollectorRegistry(auto_describe=True)
-        device_labels = ("namespace", "pod", "container", "UUID", "gpu")
-        container_labels = ("namespace", "pod", "container")
+        device_labels = names.DEVICE_LABELS
+        container_labels = names.CONTAINER_LABELS
         r = self.registry
         self.memory_used = Gauge(
-            "gpufence_container_gpu_memory_used_bytes",
+            names.CONTAINER_MEMORY_USED,
             "GPU memory used by the container's processes on the device",
             device_labels, registry=r,
         )
         self.memory_limit = Gauge(
-            "gpufence_container_gpu_memory_limit_bytes",
+            names.CONTAINER_MEMORY_LIMIT,
             "The container's GPU memory share on the device",
             device_labels, registry=r,
         )
         self.limit_from_percent = Gauge(
-            "gpufence_container_gpu_memory_limit_from_percent",
+            names.CONTAINER_LIMIT_FROM_PERCENT,
             "1 when the memory limit on the device is the percentage part of the share, 0 when it is "
             "the bytes (a share in two units, a pod's share and a namespace ceiling: the smaller applies)",
             device_labels, registry=r,
         )
         self.sm_utilization = Gauge(
-            "gpufence_container_sm_utilization_ratio",
+            names.CONTAINER_SM_UTILIZATION,
             "SM utilisation of the container's processes on the device (0-1)",
             device_labels, registry=r,
         )
         self.compute_share = Gauge(
-            "gpufence_container_compute_share_ratio",
+            names.CONTAINER_COMPUTE_SHARE,
             "The container's compute share (0-1)",
             container_labels, registry=r,
         )
         self.throttled = Gauge(
-            "gpufence_container_throttled",
+            names.CONTAINER_THROTTLED,
             "1 while the container is duty-cycled with SIGSTOP/SIGCONT",
             container_labels, registry=r,
         )
         self.memory_enforcement = Gauge(
-            "gpufence_container_memory_enforcement",
+            names.CONTAINER_MEMORY_ENFORCEMENT,
             "1 for the mechanism that holds the container's GPU memory share: driver (NVML's per-cgroup hard "
             "limit), mps, preload, or polling (the enforcer alone); polling is the backstop in every case",
             (*container_labels, "mechanism"), registry=r,
         )
         self.actions = Counter(
-            "gpufence_enforcement_actions_total",
+            names.ENFORCEMENT_ACTIONS,
             "Enforcement actions taken (or, in audit mode, that would have been taken)",
             (*container_labels, "action", "resource"), registry=r,
         )
-        pod_device_labels = ("namespace", "pod", "UUID", "gpu")
+        pod_device_labels = names.POD_DEVICE_LABELS
         self.pod_memory_used = Gauge(
-            "gpufence_pod_gpu_memory_used_bytes",
+            names.POD_MEMORY_USED,
             "GPU memory used by all the pod's GPU processes on the device, attributed or not",
             pod_device_labels, registry=r,
         )
         self.pod_memory_unattributed = Gauge(
-            "gpufence_pod_gpu_memory_unattributed_bytes",
+            names.POD_MEMORY_UNATTRIBUTED,
             "GPU memory used by the pod's processes no container can be charged for",
             pod_device_labels, registry=r,
         )
         self.pod_memory_budget = Gauge(
-            "gpufence_pod_gpu_memory_budget_bytes",
+            names.POD_MEMORY_BUDGET,
             "The pod's budget on the device: the sum of its GPU containers' memory shares",
             pod_device_labels, registry=r,
         )
         self.unattributed_processes = Gauge(
-            "gpufence_pod_unattributed_processes",
+            names.POD_UNATTRIBUTED_PROCESSES,
             "The pod's GPU processes on the device that no container can be charged for",
             pod_device_labels, registry=r,
         )
         self.mig_unenforced = Gauge(
-            "gpufence_device_mig_unenforced",
+            names.DEVICE_MIG_UNENFORCED,
             "1 for a device in MIG mode: left to MIG's hardware isolation, not enforced by gpufence",
             pod_device_labels, registry=r,
         )
         self.uninspectable = Gauge(
-            "gpufence_uninspectable_processes",
+            names.UNINSPECTABLE_PROCESSES,
             "GPU processes NVML lists whose /proc/<pid>/fd the enforcer may not read: not enforced",
             registry=r,
         )
         self.paused = Counter(
-            "gpufence_enforcer_paused_seconds_total",
+            names.ENFORCER_PAUSED,
             "Seconds the enforcer did not run at all (held from outside: SIGSTOP, a freezer), as its "
             "heartbeat thread saw once it ran again",
             registry=r,
         )
         self.poll_duration = Histogram(
-            "gpufence_poll_duration_seconds",
+            names.POLL_DURATION,
             "Duration of one poll: NVML sample, attribution, policy and actions",
             buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0),
             registry=r,
         )
         self.poll_interval = Gauge(
-            "gpufence_poll_interval_seconds",
+            names.POLL_INTERVAL,
             "The interval to the next poll: the configured one, or shorter while close to a limit",
             registry=r,
         )
         self.last_successful_poll = Gauge(
-            "gpufence_last_successful_poll_timestamp_seconds",
+            names.LAST_SUCCESSFUL_POLL,
             "Unix time of the last poll that sampled NVML successfully",
             registry=r,
         )
-        self.nvml_up = Gauge("gpufence_nvml_up", "1 while NVML is initialised and answering", registry=r)
+        self.nvml_up = Gauge(names.NVML_UP, "1 while NVML is initialised and answering", registry=r)
         self.nvml_errors = Counter(
-            "gpufence_nvml_errors_total", "NVML calls that failed", ("function", "error"), registry=r,
+            names.NVML_ERRORS, "NVML calls that failed", ("function", "error"), registry=r,
         )
         self.poll_errors = Counter(
-            "gpufence_poll_errors_total", "Polls that failed with an unexpected exception", registry=r,
+            names.POLL_ERRORS, "Polls that failed with an unexpected exception", registry=r,
         )
         self.nvml_up.set(0)
         self._device_series: set[tuple[str, str, str]] = set()

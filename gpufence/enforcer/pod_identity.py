@@ -57,7 +57,9 @@ def from_token(token: str) -> tuple[str | None, str | None, str | None]:
     scope = claims.get("kubernetes.io") if isinstance(claims, dict) else None
     if not isinstance(scope, dict):
         return None, None, None
-    pod = scope.get("pod") if isinstance(scope.get("pod"), dict) else {}
+    pod = scope.get("pod")
+    if not isinstance(pod, dict):
+        pod = {}
     return _text(scope.get("namespace")), _text(pod.get("name")), _text(pod.get("uid"))
 
 

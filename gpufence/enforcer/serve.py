@@ -89,6 +89,7 @@ def serve(
     died: list[str] = []
 
     def poll() -> None:
+        trace: str | None
         try:
             enforcer.run(thread_stop)
         except BaseException as exc:  # the loop catches every Exception of a tick; not all of them

@@ -64,13 +64,13 @@ class Outcome(StrEnum):
     DRY_RUN = "dry_run"
 
 
-SIGNAL_NAMES = {
+SIGNAL_NAMES: dict[int, str] = {
     signal.SIGTERM: "sigterm",
     signal.SIGKILL: "sigkill",
     signal.SIGSTOP: "sigstop",
     signal.SIGCONT: "sigcont",
 }
-_FOLLOW_UPS = {signal.SIGKILL: signal.SIGTERM, signal.SIGCONT: signal.SIGSTOP}
+_FOLLOW_UPS: dict[int, int] = {signal.SIGKILL: signal.SIGTERM, signal.SIGCONT: signal.SIGSTOP}
 _NOT_OURS = "not in this pod's attribution"
 
 
@@ -143,10 +143,6 @@ class SafeSignaller:
         """Allow SIGKILL for a process a previous enforcer SIGTERMed (its recorded grace period)."""
         with self._lock:
             self._follow_up.setdefault(target.key, set()).add(signal.SIGTERM)
-
-    def is_authorized(self, target: SignalTarget) -> bool:
-        with self._lock:
-            return target.key in self._authorized
 
     # -- the door ------------------------------------------------------------------------------
 

@@ -361,6 +361,7 @@ class Terminator:
             self._pending.clear()
             self._sweeps.clear()
         else:
-            for item in (*self._pending.values(), *self._sweeps.values()):
+            items: list[_Pending | _Sweep] = [*self._pending.values(), *self._sweeps.values()]
+            for item in items:
                 item.deadline = min(item.deadline, item.deadline - old_grace + new_grace)
         self._persist()

@@ -175,8 +175,8 @@ class ThrottleExecutor:
             self._lease_until = now + lease_seconds if lease_seconds is not None and plans else None
             for name in list(self._cycles):
                 if name not in plans:
-                    cycle = self._cycles.pop(name)
-                    self._continue_locked(cycle, list(cycle.stopped.values()), "throttle_stop")
+                    ended = self._cycles.pop(name)
+                    self._continue_locked(ended, list(ended.stopped.values()), "throttle_stop")
             for name, plan in plans.items():
                 fraction = min(max(plan.fraction, 0.0), 1.0)
                 targets = {t.key: t for t in plan.targets if t.key not in self._exempt}

@@ -15,16 +15,16 @@ from typing import Any
 
 from gpufence.contract import MIRROR_POD_ANNOTATION, POD_OPT_OUT_LABEL, SIDECAR_NAME, SIDECAR_PORT_NAME
 from gpufence.webhook.desired import desired_plain_pod, desired_pod
-from gpufence.webhook.dra import DraObjects, claim_warnings
+from gpufence.webhook.dra import DraObjects, check_claim_ceilings, claim_memory, claim_warnings
 from gpufence.webhook.ephemeral import SUBRESOURCE as EPHEMERAL_SUBRESOURCE
 from gpufence.webhook.ephemeral import ephemeral_patch
 from gpufence.webhook.gpu_paths import PodGpuPaths, advised_resource
-from gpufence.webhook.kai import kai_fraction, kai_memory
+from gpufence.webhook.kai import kai_fraction, kai_memory, nv_devices_denial, nv_fractions, nv_memory
 from gpufence.webhook.namespace_policy import namespace_policy, opt_out_allowed, opt_out_denial
 from gpufence.webhook.patch import diff, dumps, loads
 from gpufence.webhook.podshape import MutationError, check_shape, nvidia_side_door, sidecar_resource_use
 from gpufence.webhook.settings import InjectionSettings, NamespaceLookup
-from gpufence.webhook.shares import ShareError, SharePlan, quote, resolve_shares, with_gpu_counts
+from gpufence.webhook.shares import ClaimMemory, ShareError, SharePlan, quote, resolve_shares, with_gpu_counts
 from gpufence.webhook.sidecar import HOST_PROC_VOLUME, POD_SECURITY_LABEL, PRELOAD_VOLUME, STATE_VOLUME
 
 API_VERSION = "admission.k8s.io/v1"
@@ -238,7 +238,8 @@ def _decide(
         return OUTCOME_SKIPPED, None  # a static pod's mirror: the kubelet would not run a changed one
 
     kai = kai_fraction(pod, settings)
-    paths = PodGpuPaths(pod.get("spec"), settings, kai)
+    nv = nv_fractions(pod)
+    paths = PodGpuPaths(pod.get("spec"), settings, kai, nv)
     gpu_names = paths.gpu_container_names()
     claim_notes: list[str] = []
     if claims is not None and isinstance(namespace, str) and namespace:
@@ -251,6 +252,10 @@ def _decide(
                                  kai.container if kai is not None else None)
     if side_door is not None:
         raise _Denied(side_door)  # GPU pod or not, opted out or not
+    # KAI's binder writes a container's gpus.devices after allocation; its author, at CREATE, must not.
+    side_door = nv_devices_denial(pod, _dict(request.get("userInfo")).get("groups"), settings.admin_groups)
+    if side_door is not None:
+        raise _Denied(side_door)
     opted_out = labels.get(POD_OPT_OUT_LABEL) == "false"
     if not gpu_names:
         if not settings.void_non_gpu_containers or (opted_out and opt_out_allowed(namespace_annotations, settings)):
@@ -276,8 +281,20 @@ def _decide(
         if taken is not None:
             raise MutationError(taken)
         policy = namespace_policy(namespace or "", namespace_annotations, settings)
+        claimed: dict[str, ClaimMemory] = {}
+        if claims is not None and isinstance(namespace, str) and namespace:
+            # Consumable capacity: what a claim reserved on a shareable GPU is the container's share.
+            claimed, capacity_notes = claim_memory(namespace, pod.get("spec"), claims, settings.dra_gpu_drivers,
+                                                   paths.gpu_claims_by_container())
+            check_claim_ceilings(claimed, policy)
+            claim_notes += capacity_notes
+            warnings.extend(capacity_notes)
+        # KAI's requests (its NvFractions limit over its legacy fraction for one container).
+        scheduler_memory = {**kai_memory(kai, policy), **nv_memory(nv, policy)}
         plan = resolve_shares(annotations, namespace_annotations, settings, gpu_names, all_names, policy,
-                              scheduler_memory=kai_memory(kai, policy))
+                              scheduler_memory=scheduler_memory, claim_memory=claimed)
+        plan = replace(plan, runtime_limited=frozenset(f.container for f in nv),
+                       kai_fraction=kai.container if kai is not None else None)
         plan = with_gpu_counts(plan, paths.gpu_counts())
         warnings.extend(plan.warnings)
         # In the status annotation too, so the enforcer posts them as Events on the pod: a pod a

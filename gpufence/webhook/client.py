@@ -24,7 +24,7 @@ def pod_admission_review(
     ``sub_resource`` and ``old_object`` for an UPDATE such as ``pods/ephemeralcontainers``."""
     gvk = {"group": "", "version": "v1", "kind": kind}
     gvr = {"group": "", "version": "v1", "resource": kind.lower() + "s"}
-    review = {
+    review: dict[str, Any] = {
         "apiVersion": "admission.k8s.io/v1",
         "kind": "AdmissionReview",
         "request": {

@@ -64,19 +64,22 @@ def add_share_env(
     *,
     driver_limits: bool = False,
     resolved: bool = False,
+    limiters: bool = True,
 ) -> None:
     """Adds through ``add``, in this order, the variables a GPU container gets for its share, and
     appends the warnings the limits cause. LD_PRELOAD is left to ``gpu_container``: it appends to
     a user's value rather than adding a variable. ``framework_caps``: the allocation-time caps
     ``webhook.frameworks.framework_env`` chose (variables the container lacks). ``driver_limits``:
     the pod gets the driver's limit (``webhook.driver_limits``); ``resolved``: the share's byte part
-    is its percentage on the GPU's known memory, so no limiter leaves a percentage part aside."""
+    is its percentage on the GPU's known memory, so no limiter leaves a percentage part aside.
+    ``limiters``: False where another runtime holds the container's limit (KAI's NvFractions): then
+    no driver, MPS or preload variables."""
     add(ENV_CONTAINER, name)
     memory = share.memory
     if memory is not None:
         add(ENV_MEMORY_LIMIT, memory.describe())
     driver_mib = driver_limit_mib(memory)
-    if driver_limits and driver_mib is not None:
+    if limiters and driver_limits and driver_mib is not None:
         add(ENV_DRIVER_MEMORY_LIMIT, str(driver_mib))
         add(ENV_DRIVER_MEMORY_REQUEST, str(driver_mib))
     add(ENV_TF_ALLOW_GROWTH, "true")
@@ -85,7 +88,7 @@ def add_share_env(
         add(var, value)
     compute = None if share.compute_percent is None else max(1, int(share.compute_percent))
 
-    if settings.mps_limits:
+    if limiters and settings.mps_limits:
         if memory is not None:
             mib = mebibytes_floor(memory.bytes) if memory.bytes is not None else 0
             if memory.bytes is None:
@@ -102,7 +105,7 @@ def add_share_env(
         if compute is not None:
             add(ENV_MPS_THREADS, str(compute))
 
-    if library is not None:
+    if limiters and library is not None:
         if memory is not None:
             if memory.bytes is None:
                 warnings.append(
@@ -147,12 +150,17 @@ def gpu_container(
     driver_limits: bool = False,
     resolved: bool = False,
     replaced: list[str] | None = None,
+    limiters: bool = True,
+    kai_fraction: bool = False,
 ) -> dict[str, Any]:
     """``container`` with its share's variables (and the preload mount) added, or ``container``
     itself when it has them all; ``library`` from ``sidecar.preload_library_path``; ``device``
     and ``pytorch`` for the framework caps (``webhook.frameworks``), whose decisions go to
     ``record``; ``driver_limits`` and ``resolved`` as in ``add_share_env``; ``replaced`` gets the warnings about
-    the author's values of gpufence's variables (default: ``warnings``). Raises
+    the author's values of gpufence's variables (default: ``warnings``). ``limiters``: as in
+    ``add_share_env`` (False: no preload library either). ``kai_fraction``: the container KAI hands
+    its legacy fraction, whose ``CUDA_DEVICE_MEMORY_LIMIT`` from a ConfigMap key (what KAI's HamiCore
+    admission plugin writes for HAMi-core) is kept where gpufence writes none. Raises
     ``MutationError`` when the container sets GPUFENCE_CONTAINER to another value or takes a mount
     gpufence reserves."""
     name = container["name"]
@@ -205,8 +213,10 @@ def gpu_container(
                 f"container {quote(name)} sets {ENV_CONTAINER}={quote(entry.get('value', ''))}; gpufence sets "
                 f"it to the container's name to attribute GPU use, so remove it or set it to {quote(name)}"
             )
+    if not limiters:
+        library = None
     add_share_env(name, share, settings, library, warnings, add, frameworks.set_env,
-                  driver_limits=driver_limits, resolved=resolved)
+                  driver_limits=driver_limits, resolved=resolved, limiters=limiters)
     if library is not None:
         if ENV_LD_PRELOAD not in index:
             add(ENV_LD_PRELOAD, library)
@@ -235,6 +245,10 @@ def gpu_container(
                 "both reserved by gpufence"
             )
 
+    if kai_fraction and ENV_PRELOAD_MEMORY_LIMIT in authored and ENV_PRELOAD_MEMORY_LIMIT not in written \
+            and all(_from_config_map(e) for e in authored[ENV_PRELOAD_MEMORY_LIMIT]):
+        # KAI's HamiCore mode: HAMi-core's limit from KAI's ConfigMap, filled by KAI's binder.
+        del authored[ENV_PRELOAD_MEMORY_LIMIT]
     if any(var not in written for var in authored):
         env = [e for e in env if e.get("name") not in authored or e["name"] in written]
         changed = True
@@ -244,6 +258,11 @@ def gpu_container(
     if changed:
         container = {**container, "env": env}
     return container
+
+
+def _from_config_map(entry: dict[str, Any]) -> bool:
+    source = entry.get("valueFrom")
+    return not entry.get("value") and isinstance(source, dict) and isinstance(source.get("configMapKeyRef"), dict)
 
 
 def _replaced(name: str, var: str, entries: list[dict[str, Any]], value: str | None) -> str:

@@ -100,7 +100,7 @@ def desired_pod(pod: dict[str, Any], plan: SharePlan, settings: InjectionSetting
         containers = spec.get(key)
         if not containers:
             continue
-        updated = []
+        updated: list[Any] = []
         for container in containers:
             if container.get("name") == SIDECAR_NAME:
                 # Ours (a reinvocation, or a copied pod): rebuilt below. In the list it belongs to
@@ -118,7 +118,9 @@ def desired_pod(pod: dict[str, Any], plan: SharePlan, settings: InjectionSetting
                 container = gpu_container(container, share, settings, library, container_warnings,
                                           device=device_memory(pod["spec"], container, settings),
                                           pytorch=pytorch, record=record, driver_limits=limits.applies,
-                                          resolved=container["name"] in limits.resolved, replaced=replaced)
+                                          resolved=container["name"] in limits.resolved, replaced=replaced,
+                                          limiters=container["name"] not in plan.runtime_limited,
+                                          kai_fraction=container["name"] == plan.kai_fraction)
             elif settings.void_non_gpu_containers:
                 container = void_container(container, paths)
             updated.append(container)

@@ -18,16 +18,28 @@ cache (template or claim not created yet, class unknown, cache not synced, API n
 What the webhook does with the answer is in webhook.admission and docs/gpu-paths.md: the caches can
 lag behind a claim just created, so the answer informs (warnings) and never makes a pod
 sidecar-free that the admin's list (``non-gpu-resource-claims``) takes for a GPU pod.
+
+Consumable capacity (KEP-5075, ``DRAConsumableCapacity``, beta and on by default since 1.36): a
+request may ask ``capacity.requests.memory`` of a device published with
+``allowMultipleAllocations: true``, and the scheduler places claims on one GPU while their amounts
+fit. ``claim_memory`` makes that amount the container's memory share (``shares.resolve_shares``:
+the pod's annotation may lower it, never raise it), within the namespace's ceilings
+(``check_claim_ceilings``). The share is the request as written: the device's ``requestPolicy``
+may round the amount the scheduler records (``consumedCapacity``) up, never down, so the share
+never exceeds what was reserved (docs/gpu-paths.md, "DRA consumable capacity").
 """
 
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
-from gpufence.contract import SIDECAR_NAME
+from gpufence.contract import SIDECAR_NAME, MemoryShare
+from gpufence.webhook.namespace_policy import NamespacePolicy, _memory_above
+from gpufence.webhook.quantity import QuantityError, parse_bytes
+from gpufence.webhook.shares import ClaimMemory, ShareError, quote
 
 # The drivers a selector allows, or None where it allows any (pins no driver, or cannot be read).
 Drivers = frozenset[str] | None
@@ -137,7 +149,9 @@ def selector_drivers(expression: str, _depth: int = 0) -> Drivers:
 
 def class_drivers(device_class: Mapping[str, Any]) -> Drivers:
     """The drivers a DeviceClass's devices can come from (its selectors all apply), or None: any."""
-    spec = device_class.get("spec") if isinstance(device_class.get("spec"), dict) else {}
+    spec = device_class.get("spec")
+    if not isinstance(spec, dict):
+        spec = {}
     pinned: Drivers = None
     for selector in spec.get("selectors") or ():
         cel = selector.get("cel") if isinstance(selector, dict) else None
@@ -164,6 +178,51 @@ def claim_classes(claim_spec: Any) -> tuple[str, ...]:
     return tuple(dict.fromkeys(names))
 
 
+# The capacity a device request asks of a shareable GPU (KEP-5075, DRAConsumableCapacity):
+# ``exactly.capacity.requests.memory`` or a ``firstAvailable[]`` subrequest's ``capacity.requests.memory``.
+MEMORY_CAPACITY = "memory"
+
+
+@dataclass(frozen=True)
+class MemoryAsk:
+    """One device request (or ``firstAvailable`` subrequest) of a claim spec that asks the
+    ``memory`` capacity: what the scheduler reserves on a device published with
+    ``allowMultipleAllocations: true`` (its ``requestPolicy`` may round the amount up, never down)."""
+
+    request: str  # "gpu", or "gpu/small" for a subrequest
+    device_class: str
+    text: str  # the quantity as written
+    bytes: int
+
+
+def claim_memory_asks(claim_spec: Any) -> tuple[MemoryAsk, ...]:
+    """The requests of a ResourceClaim spec that ask ``capacity.requests.memory``, in order
+    (garbage and quantities that are not positive are left out: the API server refuses them)."""
+    devices = claim_spec.get("devices") if isinstance(claim_spec, dict) else None
+    requests = devices.get("requests") if isinstance(devices, dict) else None
+    asks: list[MemoryAsk] = []
+    for request in requests if isinstance(requests, list) else ():
+        if not isinstance(request, dict):
+            continue
+        name = str(request.get("name") or "")
+        exactly = request.get("exactly")
+        options = [(name, exactly)] if isinstance(exactly, dict) else []
+        options += [(f"{name}/{o.get('name') or ''}", o) for o in request.get("firstAvailable") or ()
+                    if isinstance(o, dict)]
+        for label, option in options:
+            capacity = option.get("capacity")
+            wanted = capacity.get("requests") if isinstance(capacity, dict) else None
+            memory = wanted.get(MEMORY_CAPACITY) if isinstance(wanted, dict) else None
+            device_class = option.get("deviceClassName")
+            if not isinstance(device_class, str) or not isinstance(memory, (str, int)) or isinstance(memory, bool):
+                continue
+            try:
+                asks.append(MemoryAsk(label, device_class, str(memory), parse_bytes(str(memory))))
+            except QuantityError:
+                continue
+    return tuple(asks)
+
+
 def template_classes(template: Mapping[str, Any]) -> tuple[str, ...]:
     """The device classes of a ResourceClaimTemplate (its claim's spec is ``spec.spec``)."""
     spec = template.get("spec")
@@ -175,9 +234,22 @@ def resource_claim_classes(claim: Mapping[str, Any]) -> tuple[str, ...]:
     return claim_classes(claim.get("spec"))
 
 
+def template_memory_asks(template: Mapping[str, Any]) -> tuple[MemoryAsk, ...]:
+    """The memory capacity requests of a ResourceClaimTemplate's claim spec (``spec.spec``)."""
+    spec = template.get("spec")
+    return claim_memory_asks(spec.get("spec") if isinstance(spec, dict) else None)
+
+
+def resource_claim_memory_asks(claim: Mapping[str, Any]) -> tuple[MemoryAsk, ...]:
+    """The memory capacity requests of a ResourceClaim's spec."""
+    return claim_memory_asks(claim.get("spec"))
+
+
 def object_key(obj: Mapping[str, Any]) -> tuple[str, str]:
     """(namespace, name) of an object; the namespace is "" for a DeviceClass."""
-    meta = obj.get("metadata") if isinstance(obj.get("metadata"), dict) else {}
+    meta = obj.get("metadata")
+    if not isinstance(meta, dict):
+        meta = {}
     return str(meta.get("namespace") or ""), str(meta.get("name") or "")
 
 
@@ -200,6 +272,11 @@ class DraObjects(Protocol):
         """The drivers of DeviceClass ``name``, in a 1-tuple (its drivers may be None: any)."""
         ...
 
+    def memory_asks(self, kind: str, namespace: str, name: str) -> tuple[MemoryAsk, ...] | None:
+        """The memory capacity requests of the ResourceClaim or ResourceClaimTemplate (``kind``)
+        ``namespace/name``."""
+        ...
+
 
 @dataclass(frozen=True)
 class DraSnapshot:
@@ -210,13 +287,18 @@ class DraSnapshot:
     claims: Mapping[tuple[str, str], tuple[str, ...]]
     templates: Mapping[tuple[str, str], tuple[str, ...]]
     why_unavailable: str | None = None
+    claim_asks: Mapping[tuple[str, str], tuple[MemoryAsk, ...]] = field(default_factory=dict)
+    template_asks: Mapping[tuple[str, str], tuple[MemoryAsk, ...]] = field(default_factory=dict)
 
     @classmethod
     def of(cls, classes: Iterable[Mapping[str, Any]] = (), claims: Iterable[Mapping[str, Any]] = (),
            templates: Iterable[Mapping[str, Any]] = ()) -> DraSnapshot:
+        claims, templates = list(claims), list(templates)
         return cls(classes={object_key(c)[1]: (class_drivers(c),) for c in classes},
                    claims={object_key(c): resource_claim_classes(c) for c in claims},
-                   templates={object_key(t): template_classes(t) for t in templates})
+                   templates={object_key(t): template_classes(t) for t in templates},
+                   claim_asks={object_key(c): resource_claim_memory_asks(c) for c in claims},
+                   template_asks={object_key(t): template_memory_asks(t) for t in templates})
 
     def unavailable(self) -> str | None:
         return self.why_unavailable
@@ -229,6 +311,11 @@ class DraSnapshot:
 
     def device_class(self, name: str) -> tuple[Drivers] | None:
         return self.classes.get(name)
+
+    def memory_asks(self, kind: str, namespace: str, name: str) -> tuple[MemoryAsk, ...] | None:
+        asks = self.claim_asks if kind == CLAIM else self.template_asks
+        known = self.claims if kind == CLAIM else self.templates
+        return asks.get((namespace, name), ()) if (namespace, name) in known else None
 
 
 Verdict = Literal["gpu", "not-gpu", "unresolved"]
@@ -250,17 +337,27 @@ def _q(name: str) -> str:
     return f'"{name}"'
 
 
+CLAIM, TEMPLATE = "ResourceClaim", "ResourceClaimTemplate"
+
+
+def claim_object(pod_claim: Mapping[str, Any]) -> tuple[str, str] | None:
+    """The kind and name of the object an item of ``spec.resourceClaims`` names, or None."""
+    if isinstance(pod_claim.get("resourceClaimName"), str):
+        return CLAIM, pod_claim["resourceClaimName"]
+    if isinstance(pod_claim.get("resourceClaimTemplateName"), str):
+        return TEMPLATE, pod_claim["resourceClaimTemplateName"]
+    return None
+
+
 def resolve_claim(namespace: str, pod_claim: Mapping[str, Any], objects: DraObjects,
                   gpu_drivers: Iterable[str]) -> ClaimResolution | None:
     """What the pod claim ``pod_claim`` (an item of ``spec.resourceClaims``) holds; None where it names
     no object (the API server refuses such a pod)."""
     name = pod_claim.get("name")
-    if isinstance(pod_claim.get("resourceClaimName"), str):
-        kind, object_name = "ResourceClaim", pod_claim["resourceClaimName"]
-    elif isinstance(pod_claim.get("resourceClaimTemplateName"), str):
-        kind, object_name = "ResourceClaimTemplate", pod_claim["resourceClaimTemplateName"]
-    else:
+    found = claim_object(pod_claim)
+    if found is None:
         return None
+    kind, object_name = found
     source = f"{kind} {_q(object_name)}"
 
     def verdict(v: Verdict, detail: str) -> ClaimResolution:
@@ -269,7 +366,7 @@ def resolve_claim(namespace: str, pod_claim: Mapping[str, Any], objects: DraObje
     why = objects.unavailable()
     if why is not None:
         return verdict("unresolved", why)
-    lookup = objects.claim if kind == "ResourceClaim" else objects.template
+    lookup = objects.claim if kind == CLAIM else objects.template
     classes = lookup(namespace, object_name)
     if classes is None:
         return verdict("unresolved", f"the webhook does not know {source} in namespace {_q(namespace)}")
@@ -347,3 +444,83 @@ def claim_warnings(namespace: str, spec: Any, objects: DraObjects, gpu_drivers: 
             warnings.append(f"{claim} holds no GPU ({r.detail}) but gets the enforcer: only the policy's list "
                             f"exempts a claim; an admin can list {_q(r.object_name)} in non-gpu-resource-claims")
     return warnings
+
+
+def claim_memory(namespace: str, spec: Any, objects: DraObjects, gpu_drivers: Iterable[str],
+                 claims_by_container: Mapping[str, Sequence[str]]) -> tuple[dict[str, ClaimMemory], list[str]]:
+    """The memory share that each GPU container's claims reserved on a shareable GPU (consumable
+    capacity, KEP-5075), and the warnings about it.
+
+    ``claims_by_container``: the GPU claims (pod claim names) each GPU container uses
+    (``gpu_paths.PodGpuPaths.gpu_claims_by_container``). A request counts where it asks
+    ``capacity.requests.memory`` of a class that may select a GPU driver's devices; the claim or
+    template and that class must be in the cache (else the claim is unresolved, which
+    ``claim_warnings`` says, and the container's share comes from gpufence's annotations and
+    defaults as before: a pod is never refused for the state of the cache).
+
+    The share never exceeds what the scheduler reserves for the container:
+
+    * several requests (or ``firstAvailable`` alternatives, of which the scheduler picks one after
+      admission): the smallest amount, since a share holds on each GPU the container uses;
+    * a claim that several containers of the pod use: the amount divided between them (the
+      reservation is the claim's, once, whichever containers use it).
+    """
+    if objects.unavailable() is not None:
+        return {}, []
+    listed = spec.get("resourceClaims") if isinstance(spec, dict) else None
+    pod_claims = {c["name"]: c for c in listed if isinstance(c, dict) and isinstance(c.get("name"), str)} \
+        if isinstance(listed, list) else {}
+    users: dict[str, int] = {}
+    for names in claims_by_container.values():
+        for name in set(names):
+            users[name] = users.get(name, 0) + 1
+    gpu = frozenset(gpu_drivers)
+    shares: dict[str, ClaimMemory] = {}
+    warnings: list[str] = []
+    divided: set[str] = set()
+    for container, names in claims_by_container.items():
+        found: list[tuple[int, str, str]] = []  # (bytes, origin, the amount as an accepted value)
+        for name in dict.fromkeys(names):
+            obj = claim_object(pod_claims.get(name) or {})
+            if obj is None:
+                continue
+            kind, object_name = obj
+            for ask in objects.memory_asks(kind, namespace, object_name) or ():
+                known = objects.device_class(ask.device_class)
+                if known is None or not (known[0] is None or known[0] & gpu):
+                    continue  # an unknown class (said as unresolved) or another driver's devices
+                shared = users.get(name, 1)
+                origin = (f"claim {_q(name)} ({kind} {_q(object_name)}) request {_q(ask.request)} "
+                          f"capacity.requests.memory={quote(ask.text)}")
+                if shared > 1:
+                    divided.add(name)
+                    origin += f" shared by {shared} containers"
+                found.append((ask.bytes // shared, origin, ask.text if shared == 1 else str(ask.bytes // shared)))
+        found = [f for f in found if f[0] > 0]
+        if not found:
+            continue
+        amount, origin, accepted = min(found, key=lambda f: f[0])
+        if len({f[0] for f in found}) > 1:
+            warnings.append(f"gpufence: container {quote(container)}: its claims ask different amounts of GPU "
+                            f"memory, so the smallest ({quote(accepted)}) is its share on each GPU")
+        shares[container] = ClaimMemory(MemoryShare(bytes=amount), origin, accepted)
+    for name in sorted(divided):
+        warnings.append(f"gpufence: claim {_q(name)} is used by {users[name]} containers, so its GPU memory is "
+                        "divided between them as their shares; give each container its own claim for another split")
+    return shares, warnings
+
+
+def check_claim_ceilings(shares: Mapping[str, ClaimMemory], policy: NamespacePolicy) -> None:
+    """Raises ShareError where a claim's memory lies above the namespace's memory ceiling in bytes,
+    naming the claim, its amount, the ceiling and an amount the ceiling accepts. (A percentage
+    ceiling cannot be compared with bytes at admission: both apply, ``NamespacePolicy.bound``.)"""
+    ceiling = policy.max_memory
+    if ceiling is None or ceiling.share.bytes is None:
+        return
+    for container, claimed in shares.items():
+        if _memory_above(claimed.share, ceiling.share):
+            raise ShareError(
+                f"container {quote(container)}: {claimed.origin} is above the memory ceiling of namespace "
+                f"{quote(policy.namespace)} ({ceiling.origin}): ask the claim for at most that, e.g. "
+                f"capacity.requests.memory: {quote(ceiling.text)}"
+            )

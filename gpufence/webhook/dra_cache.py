@@ -2,7 +2,8 @@
 
 Three list-then-watch loops (webhook.watch) over ``resource.k8s.io/v1``: DeviceClasses (cluster
 scope), ResourceClaims and ResourceClaimTemplates (all namespaces). Each keeps only what
-webhook.dra reads: a class's drivers, a claim's or template's device class names. Readers get
+webhook.dra reads: a class's drivers, a claim's or template's device class names and the memory
+its requests ask of shareable GPUs (consumable capacity). Readers get
 answers from dicts that the threads replace or update (single dict operations are atomic under the
 GIL, as in webhook.namespaces).
 
@@ -21,7 +22,17 @@ from collections.abc import Mapping
 from typing import Any
 
 from gpufence.logs import log_event
-from gpufence.webhook.dra import Drivers, class_drivers, object_key, resource_claim_classes, template_classes
+from gpufence.webhook.dra import (
+    CLAIM,
+    Drivers,
+    MemoryAsk,
+    class_drivers,
+    object_key,
+    resource_claim_classes,
+    resource_claim_memory_asks,
+    template_classes,
+    template_memory_asks,
+)
 from gpufence.webhook.watch import ListWatch
 
 log = logging.getLogger(__name__)
@@ -32,6 +43,18 @@ HTTP_NOT_FOUND = 404
 
 def _drivers(obj: Mapping[str, Any]) -> tuple[Drivers]:
     return (class_drivers(obj),)
+
+
+# A claim's or template's summary: its device classes and its memory capacity requests.
+Summary = tuple[tuple[str, ...], tuple[MemoryAsk, ...]]
+
+
+def _claim(obj: Mapping[str, Any]) -> Summary:
+    return resource_claim_classes(obj), resource_claim_memory_asks(obj)
+
+
+def _template(obj: Mapping[str, Any]) -> Summary:
+    return template_classes(obj), template_memory_asks(obj)
 
 
 class _ObjectWatch(ListWatch):
@@ -78,9 +101,9 @@ class DraCache:
 
     def __init__(self, api: Any, **options: Any) -> None:
         self.classes = _ObjectWatch(api, "deviceclasses", _drivers, kind="DeviceClass", **options)
-        self.claims = _ObjectWatch(api, "resourceclaims", resource_claim_classes, kind="ResourceClaim", **options)
-        self.templates = _ObjectWatch(api, "resourceclaimtemplates", template_classes,
-                                      kind="ResourceClaimTemplate", **options)
+        self.claims = _ObjectWatch(api, "resourceclaims", _claim, kind="ResourceClaim", **options)
+        self.templates = _ObjectWatch(api, "resourceclaimtemplates", _template, kind="ResourceClaimTemplate",
+                                      **options)
         self._watches = (self.classes, self.claims, self.templates)
 
     # --- BackgroundLookup (started and stopped with the server; never part of /readyz) --------
@@ -108,10 +131,16 @@ class DraCache:
         return None
 
     def claim(self, namespace: str, name: str) -> tuple[str, ...] | None:
-        return self.claims.items.get((namespace, name))
+        found: Summary | None = self.claims.items.get((namespace, name))
+        return None if found is None else found[0]
 
     def template(self, namespace: str, name: str) -> tuple[str, ...] | None:
-        return self.templates.items.get((namespace, name))
+        found: Summary | None = self.templates.items.get((namespace, name))
+        return None if found is None else found[0]
+
+    def memory_asks(self, kind: str, namespace: str, name: str) -> tuple[MemoryAsk, ...] | None:
+        found: Summary | None = (self.claims if kind == CLAIM else self.templates).items.get((namespace, name))
+        return None if found is None else found[1]
 
     def device_class(self, name: str) -> tuple[Drivers] | None:
         return self.classes.items.get(("", name))

@@ -99,7 +99,7 @@ def human_bytes(num: int) -> str:
 
 
 def describe_share(memory: MemoryShare) -> str:
-    if memory.two_units:
+    if memory.bytes is not None and memory.percent is not None:  # two units
         return f"the smaller of {human_bytes(memory.bytes)} and {memory.percent:g}%"
     return human_bytes(memory.bytes) if memory.bytes is not None else memory.describe()
 
@@ -341,7 +341,9 @@ def server_warnings(name: str, container: Mapping[str, Any], memory: MemoryShare
     """
     if memory is None:
         return []
-    image = container.get("image") if isinstance(container.get("image"), str) else ""
+    image = container.get("image")
+    if not isinstance(image, str):
+        image = ""
     raw = [image]
     for key in ("command", "args"):
         items = container.get(key)

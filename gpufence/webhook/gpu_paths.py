@@ -21,7 +21,9 @@ Paths, from the pod alone:
 
 * KAI-Scheduler's fraction (``webhook.kai``): the one container that KAI hands a GPU fraction
   through pod annotations and a ConfigMap, not a resource: a shared GPU, with KAI's
-  ``gpu-fraction-num-devices`` (else 1) as its GPU count.
+  ``gpu-fraction-num-devices`` (else 1) as its GPU count; and each container that KAI's NvFractions
+  annotations (``nvidia.com/container.<name>.gpu-memory.request|limit``) name, whose GPU KAI's NRI
+  plugin hands it at creation: a shared GPU too.
 
 Why MIG defaults to shared: a MIG slice is isolated from other slices in hardware, but the device
 plugin can time-slice a slice under the same resource name (replicas), and the pod spec cannot
@@ -38,7 +40,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from gpufence.contract import SIDECAR_NAME
-from gpufence.webhook.kai import KaiFraction
+from gpufence.webhook.kai import KaiFraction, NvFraction
 from gpufence.webhook.quantity import QuantityError, is_positive_quantity, parse_bytes
 from gpufence.webhook.settings import InjectionSettings
 
@@ -113,6 +115,10 @@ def shared_gpu_resource(container: Any, settings: InjectionSettings) -> str | No
     return next((name for name, _ in _amounts(container, shared)), None)
 
 
+def _list(value: Any) -> list[Any]:
+    return value if isinstance(value, list) else []
+
+
 def _claims(container: Any) -> list[Any]:
     """The pod claim names the container uses (``resources.claims[].name``)."""
     resources = container.get("resources") if isinstance(container, dict) else None
@@ -132,10 +138,14 @@ def _count(value: Any) -> int:
 class PodGpuPaths:
     """The paths by which the (init) containers of one pod get devices, under one policy."""
 
-    def __init__(self, spec: Any, settings: InjectionSettings, kai: KaiFraction | None = None) -> None:
+    def __init__(self, spec: Any, settings: InjectionSettings, kai: KaiFraction | None = None,
+                 nv: Sequence[NvFraction] = ()) -> None:
         self.spec: Mapping[str, Any] = spec if isinstance(spec, dict) else {}
-        # KAI-Scheduler's path (webhook.kai): the container it hands a GPU fraction, and how many GPUs.
-        self.kai_container, self.kai_devices = (kai.container, kai.devices) if kai is not None else (None, 0)
+        # KAI-Scheduler's paths (webhook.kai): the containers it hands a GPU fraction (its legacy
+        # annotations; its NvFractions annotations), and how many GPUs each.
+        self.kai_devices_by_name: dict[str, int] = {f.container: f.devices for f in nv}
+        if kai is not None:
+            self.kai_devices_by_name[kai.container] = kai.devices
         self.gpu = patterns(settings.gpu_resource_names)
         self.exclusive = patterns(settings.exclusive_gpu_resource_names)
         self._shared = _shared_gpu(self.gpu, self.exclusive)
@@ -154,16 +164,15 @@ class PodGpuPaths:
         # copy-on-write copies of a container share its resources. The object is kept with its
         # answer, so its id cannot be reused by another object while this instance lives.
         self._by_resource: dict[int, tuple[Any, bool]] = {}
-        self._containers = [c for key in ("initContainers", "containers")
-                            for c in (self.spec.get(key) if isinstance(self.spec.get(key), list) else ())]
+        self._containers = [c for key in ("initContainers", "containers") for c in _list(self.spec.get(key))]
         # The sidecar holds the GPU claims of the pod it enforces: they make it a GPU container only
         # where no other container is one (a workload named like the sidecar), never in its own pod.
         self._others_gpu = any(self._gpu_by_resource(c) or self._gpu_claims(c) or self._by_kai(c)
                                for c in self._containers if not _is_sidecar(c))
 
     def _by_kai(self, container: Any) -> bool:
-        return self.kai_container is not None and isinstance(container, dict) and \
-            container.get("name") == self.kai_container
+        name = container.get("name") if isinstance(container, dict) else None
+        return isinstance(name, str) and name in self.kai_devices_by_name
 
     def _any_gpu(self, name: str) -> bool:
         """A GPU resource, shared or exclusive."""
@@ -203,7 +212,7 @@ class PodGpuPaths:
         ResourceClaim, not the pod, so a claim-only container gets no count check. A container with
         both is held to its resources' count, because an API server with DRA off drops the claims
         after the mutating webhook and before validation, which then sees only the resources."""
-        kai = self.kai_devices if self._by_kai(container) else 0
+        kai = self.kai_devices_by_name[container["name"]] if self._by_kai(container) else 0
         return kai + sum(_count(v) for _, v in _amounts(container, self._any_gpu)) or None
 
     def gpu_container_names(self) -> list[Any]:
@@ -219,6 +228,18 @@ class PodGpuPaths:
                 if count is not None:
                     counts[c["name"]] = count
         return counts
+
+    def gpu_claims_by_container(self) -> dict[str, list[str]]:
+        """The GPU claims (pod claim names, not listed as non-GPU) of each GPU container other than
+        the sidecar, by name: where a claim's consumable capacity becomes the share (webhook.dra)."""
+        found: dict[str, list[str]] = {}
+        for c in self._containers:
+            if isinstance(c, dict) and isinstance(c.get("name"), str) and not _is_sidecar(c) \
+                    and self.is_gpu_container(c):
+                names = [n for n in self._gpu_claims(c) if isinstance(n, str)]
+                if names:
+                    found[c["name"]] = names
+        return found
 
     def sidecar_claims(self, gpu_names: Sequence[str]) -> list[str]:
         """The pod claims that the GPU containers ``gpu_names`` use as GPUs, in pod order: the

@@ -35,15 +35,14 @@ from typing import Any
 
 from gpufence.contract import MemoryShare
 from gpufence.webhook.namespace_policy import NamespacePolicy, _memory_above
+from gpufence.webhook.quantity import QuantityError, parse_bytes
 from gpufence.webhook.settings import DEFAULT_KAI_SCHEDULER, InjectionSettings
-from gpufence.webhook.shares import ShareError, quote
+from gpufence.webhook.shares import MIN_MEMORY_SHARE_BYTES, ShareError, quote
 
 KAI_GPU_FRACTION = "gpu-fraction"
 KAI_GPU_MEMORY = "gpu-memory"
 KAI_NUM_DEVICES = "gpu-fraction-num-devices"
 KAI_CONTAINER_NAME = "gpu-fraction-container-name"
-# What KAI's admission webhook writes into the fraction container: this variable, from a ConfigMap.
-KAI_VISIBLE_DEVICES = "NVIDIA_VISIBLE_DEVICES"
 
 # KAI's own rules: a fraction written as a Kubernetes decimal ("0.5", "5e-1"); whole MiB; a count.
 _FRACTION = re.compile(r"[0-9]*\.?[0-9]+([eE][-+]?[0-9]+)?", re.ASCII)
@@ -180,3 +179,157 @@ def kai_memory(kai: KaiFraction | None, policy: NamespacePolicy) -> dict[str, tu
     if denial is not None:
         raise ShareError(denial)
     return {kai.container: (share, kai.origin())}
+
+
+# --- KAI-Scheduler v0.18's NvFractions mode (kai-gpu-fractioning) ----------------------------------
+#
+# Read in kai-scheduler/KAI-Scheduler docs/gpu-sharing/README.md and docs/gpu-sharing/nv-fraction/README.md
+# (v0.18), and kai-scheduler/kai-gpu-fractioning README.md,
+# fractioning-manager/fractiond/internal/annotations/annotations.go and
+# fractioning-manager/fractiond/internal/injection/injection.go (commit 0ee10b4):
+#
+# * a container asks with the pod annotations ``nvidia.com/container.<name>.gpu-memory.request`` and
+#   ``...gpu-memory.limit`` (Kubernetes memory quantities; one defaults to the other; the request
+#   may not exceed the limit), and ``...gpu-compute.mode`` (``time-slicing`` or ``sm-sharing``). It
+#   requests no GPU resource; KAI schedules the request, and its binder writes the GPU it chose into
+#   ``nvidia.com/container.<name>.gpus.devices`` after allocation;
+# * fractiond, an NRI plugin on the node, sets that container's ``NVIDIA_VISIBLE_DEVICES`` from the
+#   ``gpus.devices`` annotation, ``NVIDIA_GPU_MEMORY_REQUESTS`` / ``NVIDIA_GPU_MEMORY_LIMITS`` and an MPS
+#   pipe mount when the container is created (after admission): the limit is held by KAI's MPS
+#   daemon, under names the toolkit's apply-cuda-memory-limits hook does not read (it reads
+#   NVIDIA_GPU_MEMORY_REQUEST / _LIMIT, docs/driver-limits-node.md).
+#
+# So that container is a GPU container (the sidecar, a share, never void), its memory share is the
+# limit (else the request): what KAI's runtime caps it at; gpufence writes none of its own limit
+# variables there (driver, MPS, preload): KAI's runtime holds the limit with its own request/limit
+# semantics, which gpufence's REQUEST = LIMIT or MPS client limit would contradict. The enforcer
+# polls as everywhere (the backstop). ``gpus.devices`` written by the pod's author at CREATE is a
+# side door (fractiond would hand that GPU to a pod that requested none): denied unless the author
+# is in ``admin-groups``.
+
+NV_PREFIX = "nvidia.com/container."
+NV_REQUEST, NV_LIMIT, NV_DEVICES = "gpu-memory.request", "gpu-memory.limit", "gpus.devices"
+_NV_KEY = re.compile(r"nvidia\.com/container\.([a-z0-9](?:[-a-z0-9]*[a-z0-9])?)\."
+                     r"(gpu-memory\.request|gpu-memory\.limit|gpu-compute\.mode|gpus\.devices)", re.ASCII)
+NV_MEMORY_EXAMPLE = 'use a Kubernetes memory quantity of at least 1Mi, such as "8Gi" or "7680Mi"'
+
+
+def nv_key(container: str, suffix: str) -> str:
+    return f"{NV_PREFIX}{container}.{suffix}"
+
+
+@dataclass(frozen=True)
+class NvFraction:
+    """One container's NvFractions request: its name and the pod's annotations."""
+
+    container: str
+    annotations: dict[str, Any]
+
+    def _value(self, suffix: str) -> Any:
+        return self.annotations.get(nv_key(self.container, suffix))
+
+    def origin(self) -> str:
+        """The annotation the share comes from (the limit, else the request), as messages name it."""
+        suffix = NV_LIMIT if self._value(NV_LIMIT) is not None else NV_REQUEST
+        return f"annotation {nv_key(self.container, suffix)}={quote(self._value(suffix))}"
+
+    @property
+    def devices(self) -> int:
+        """The GPUs it gets: ``gpu-fraction-num-devices`` (KAI applies it to NvFractions too), else 1."""
+        raw = self.annotations.get(KAI_NUM_DEVICES)
+        return int(raw) if isinstance(raw, str) and _WHOLE.fullmatch(raw) and int(raw) > 0 else 1
+
+    def memory_share(self) -> MemoryShare:
+        """The limit (else the request) in bytes on each of its GPUs; raises ShareError for a value
+        that is not a quantity of at least 1Mi or a request above the limit (KAI's rules)."""
+        parsed: dict[str, int] = {}
+        for suffix in (NV_REQUEST, NV_LIMIT):
+            raw = self._value(suffix)
+            if raw is None:
+                continue
+            try:
+                value = parse_bytes(raw) if isinstance(raw, str) and not raw.strip().endswith("%") else 0
+            except QuantityError:
+                value = 0
+            if value < MIN_MEMORY_SHARE_BYTES:
+                raise ShareError(f"annotation {nv_key(self.container, suffix)}={quote(raw)} is not a KAI-Scheduler "
+                                 f"GPU memory request: {NV_MEMORY_EXAMPLE}")
+            parsed[suffix] = value
+        if NV_REQUEST in parsed and NV_LIMIT in parsed and parsed[NV_REQUEST] > parsed[NV_LIMIT]:
+            raise ShareError(
+                f"annotation {nv_key(self.container, NV_REQUEST)}={quote(self._value(NV_REQUEST))} is above "
+                f"{nv_key(self.container, NV_LIMIT)}={quote(self._value(NV_LIMIT))}: KAI-Scheduler requires the "
+                "request to be at most the limit")
+        return MemoryShare(bytes=parsed.get(NV_LIMIT, parsed.get(NV_REQUEST)))
+
+    def ceiling_denial(self, share: MemoryShare, policy: NamespacePolicy) -> str | None:
+        """The denial where ``share`` lies above the namespace's memory ceiling in bytes (a percentage
+        ceiling applies beside it, ``NamespacePolicy.bound``)."""
+        ceiling = policy.max_memory
+        if ceiling is None or ceiling.share.bytes is None or not _memory_above(share, ceiling.share):
+            return None
+        suffix = NV_LIMIT if self._value(NV_LIMIT) is not None else NV_REQUEST
+        return (f"{self.origin()} is above the memory ceiling of namespace {quote(policy.namespace)} "
+                f"({ceiling.origin}): ask KAI-Scheduler for at most that, e.g. "
+                f"{nv_key(self.container, suffix)}: {quote(ceiling.text)}")
+
+
+def _container_names(spec: Any) -> list[str]:
+    names = []
+    for key in ("initContainers", "containers"):
+        listed = spec.get(key) if isinstance(spec, dict) else None
+        for container in listed if isinstance(listed, list) else ():
+            if isinstance(container, dict) and isinstance(container.get("name"), str):
+                names.append(container["name"])
+    return names
+
+
+def nv_fractions(pod: Any) -> list[NvFraction]:
+    """The containers that ask KAI's NvFractions for GPU memory (a ``gpu-memory.request`` or
+    ``.limit`` annotation naming a container of the pod), in pod order, whatever the scheduler name
+    (kai-gpu-fractioning's README shows such a pod without one); an annotation naming no container
+    asks for nothing (KAI refuses that pod). Tolerant of garbage."""
+    if not isinstance(pod, dict):
+        return []
+    metadata = pod.get("metadata")
+    annotations = metadata.get("annotations") if isinstance(metadata, dict) else None
+    if not isinstance(annotations, dict):
+        return []
+    asked = {m.group(1) for key in annotations if isinstance(key, str) and key.startswith(NV_PREFIX)
+             and (m := _NV_KEY.fullmatch(key)) is not None and m.group(2) in (NV_REQUEST, NV_LIMIT)}
+    if not asked:
+        return []
+    return [NvFraction(name, annotations) for name in dict.fromkeys(_container_names(pod.get("spec")))
+            if name in asked]
+
+
+def nv_devices_denial(pod: Any, groups: Any, admin_groups: tuple[str, ...]) -> str | None:
+    """The denial for a pod created with a ``nvidia.com/container.<name>.gpus.devices`` annotation by
+    anyone outside ``admin_groups``: KAI's binder writes it after allocation, never at creation, and
+    fractiond hands the GPUs it names to the container, which requested none. None otherwise."""
+    metadata = pod.get("metadata") if isinstance(pod, dict) else None
+    annotations = metadata.get("annotations") if isinstance(metadata, dict) else None
+    if not isinstance(annotations, dict):
+        return None
+    if isinstance(groups, list) and any(g in admin_groups for g in groups if isinstance(g, str)):
+        return None
+    for key in annotations:
+        if isinstance(key, str) and key.startswith(NV_PREFIX) and (m := _NV_KEY.fullmatch(key)) is not None \
+                and m.group(2) == NV_DEVICES:
+            return (f"annotation {key} is written by KAI-Scheduler's binder after it allocates a GPU, never by the "
+                    "pod's author: on a node running kai-gpu-fractioning it would hand the container that GPU "
+                    f"without any request; remove it and ask with {nv_key(m.group(1), NV_REQUEST)}")
+    return None
+
+
+def nv_memory(fractions: list[NvFraction], policy: NamespacePolicy) -> dict[str, tuple[MemoryShare, str]]:
+    """``shares.resolve_shares``'s ``scheduler_memory`` for the pod's NvFractions containers; raises
+    ShareError for an invalid request or one above the namespace's memory ceiling."""
+    found: dict[str, tuple[MemoryShare, str]] = {}
+    for fraction in fractions:
+        share = fraction.memory_share()
+        denial = fraction.ceiling_denial(share, policy)
+        if denial is not None:
+            raise ShareError(denial)
+        found[fraction.container] = (share, fraction.origin())
+    return found

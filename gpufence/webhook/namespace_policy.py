@@ -36,7 +36,7 @@ from gpufence.contract import (
     Mode,
 )
 from gpufence.webhook.settings import InjectionSettings
-from gpufence.webhook.shares import MODE_EXAMPLE, ShareError, compute_from, memory_from, quote
+from gpufence.webhook.shares import MODE_EXAMPLE, ShareError, compute_from, memory_from, parse_mode, quote
 
 
 @dataclass(frozen=True)
@@ -161,7 +161,7 @@ def namespace_policy(
     if ANNOTATION_MODE in annotations:
         raw = annotations[ANNOTATION_MODE]
         try:
-            mode = Mode(raw.strip() if isinstance(raw, str) else raw)
+            mode = parse_mode(raw)
         except ValueError:
             raise ShareError(
                 f"Namespace annotation {ANNOTATION_MODE}={quote(raw)} is not a valid mode: {MODE_EXAMPLE}"

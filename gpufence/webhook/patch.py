@@ -37,13 +37,11 @@ import orjson
 
 _MISSING = object()
 
-DecodeError = orjson.JSONDecodeError  # a ValueError (and a json.JSONDecodeError)
-
 _stdlib_compact = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False).encode
 
 
 def loads(data: bytes | str) -> Any:
-    """The JSON value of ``data``; raises ``DecodeError`` (a ValueError) with a position."""
+    """The JSON value of ``data``; raises ``orjson.JSONDecodeError`` (a ValueError) with a position."""
     return orjson.loads(data)
 
 

@@ -99,7 +99,7 @@ def parse_bytes(text: str) -> int:
         raise QuantityError("too large")
     if parsed.exponent10 < -_EXPONENT_BOUND:
         return 1  # a positive value far below one byte rounds up to one
-    value = parsed.mantissa * parsed.multiplier
+    value: int = parsed.mantissa * parsed.multiplier
     if parsed.exponent10 >= 0:
         value *= 10**parsed.exponent10
     else:

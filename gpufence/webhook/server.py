@@ -15,7 +15,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -70,10 +70,10 @@ class ServerLimits:
 
 POLICY = web.AppKey("policy", ClusterPolicy)
 # Background watches besides the namespace cache (the policy ConfigMap's), started and stopped with the app.
-WATCHES = web.AppKey("watches", tuple)
+WATCHES: web.AppKey[tuple[BackgroundLookup, ...]] = web.AppKey("watches")
 NAMESPACES = web.AppKey("namespaces", NamespaceLookup)
 # The DRA objects claims are resolved through (webhook.dra_cache), or None (outside a cluster).
-CLAIMS = web.AppKey("claims", object)
+CLAIMS: web.AppKey[DraObjects | None] = web.AppKey("claims")
 RELOADER = web.AppKey("reloader", CertReloader)
 METRICS = web.AppKey("metrics", WebhookMetrics)
 LIMITS = web.AppKey("limits", ServerLimits)
@@ -114,14 +114,6 @@ class InFlight:
         self.count = 0
         self._idle = asyncio.Event()
         self._idle.set()
-
-    @contextlib.contextmanager
-    def track(self) -> Iterator[None]:
-        self.enter()
-        try:
-            yield
-        finally:
-            self.leave()
 
     def enter(self) -> None:
         self.count += 1
@@ -418,8 +410,10 @@ async def start_server(app: web.Application, *, host: str = "0.0.0.0", port: int
     )
     await runner.setup()
     try:
+        handler = runner.server
+        assert handler is not None  # made by setup()
         server = await asyncio.get_running_loop().create_server(
-            runner.server, host, port,
+            handler, host, port,
             ssl=app[RELOADER].server_context,
             ssl_handshake_timeout=limits.handshake_timeout,
             # A peer that never answers close_notify would otherwise hold wait_closed() for 30 s.

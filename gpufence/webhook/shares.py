@@ -23,7 +23,7 @@ import json
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from decimal import Decimal, InvalidOperation
-from typing import TYPE_CHECKING, TypeVar
+from typing import Protocol, TypeVar
 
 from gpufence.contract import (
     ANNOTATION_COMPUTE,
@@ -56,8 +56,19 @@ _MAX_SHOWN = 64  # characters of a user's value quoted back in a message
 _MAX_CACHED = 128  # longest annotation value whose parse is cached
 T = TypeVar("T")
 
-if TYPE_CHECKING:  # namespace_policy.py imports this module; only the type is needed here
-    from gpufence.webhook.namespace_policy import NamespacePolicy
+
+class ShareBounds(Protocol):
+    """What ``resolve_shares`` asks of the admin's bounds (namespace_policy.NamespacePolicy, which
+    builds on this module's parsers)."""
+
+    def mode_for(self, requested: Mode | None) -> Mode:
+        """The pod's mode given the one it asked for; raises ShareError when it may not."""
+        ...
+
+    def bound(self, share: ContainerShare, memory_origin: str, compute_origin: str,
+              warnings: list[str] | None = None, container: str = "") -> ContainerShare:
+        """``share`` within the ceilings; raises ShareError."""
+        ...
 
 
 class ShareError(ValueError):
@@ -72,10 +83,25 @@ class SharePlan:
     mode: Mode
     grace_period_seconds: float
     warnings: tuple[str, ...] = ()
+    # KAI-Scheduler's containers (webhook.kai): those its NvFractions runtime limits at creation
+    # (gpufence writes none of its own limit variables there), and the one of its legacy fraction,
+    # whose CUDA_DEVICE_MEMORY_LIMIT from KAI's ConfigMap (HamiCore mode) is KAI's, not the author's.
+    runtime_limited: frozenset[str] = frozenset()
+    kai_fraction: str | None = None
 
     @property
     def has_any_share(self) -> bool:
         return any(s.memory is not None or s.compute_percent is not None for _, s in self.containers)
+
+
+@dataclass(frozen=True)
+class ClaimMemory:
+    """The memory a container's DRA claim reserved on a shareable GPU (``webhook.dra.claim_memory``):
+    its share, where the claim asks it, for messages, and the amount as a value a message offers."""
+
+    share: MemoryShare
+    origin: str  # 'claim "gpu" (ResourceClaimTemplate "gpu-30g") request "gpu" capacity.requests.memory="30Gi"'
+    accepted: str  # "30Gi"
 
 
 def with_gpu_counts(plan: SharePlan, counts: Mapping[str, int]) -> SharePlan:
@@ -86,6 +112,13 @@ def with_gpu_counts(plan: SharePlan, counts: Mapping[str, int]) -> SharePlan:
         for name, share in plan.containers
     )
     return dataclasses.replace(plan, containers=containers)
+
+
+def parse_mode(raw: object) -> Mode:
+    """A mode annotation's value (surrounding blanks ignored); ValueError when it is none."""
+    if not isinstance(raw, str):
+        raise ValueError(raw)
+    return Mode(raw.strip())
 
 
 def quote(value: object) -> str:
@@ -205,8 +238,9 @@ def resolve_shares(
     settings: InjectionSettings,
     gpu_containers: Sequence[str],
     all_containers: Sequence[str],
-    policy: NamespacePolicy | None = None,
+    policy: ShareBounds | None = None,
     scheduler_memory: Mapping[str, tuple[MemoryShare, str]] | None = None,
+    claim_memory: Mapping[str, ClaimMemory] | None = None,
 ) -> SharePlan:
     """The share of every GPU container, the mode and the grace period; raises ``ShareError``.
 
@@ -216,8 +250,15 @@ def resolve_shares(
     defaults: the scheduler placed the pod on a GPU by that amount and promised the rest of the
     GPU to other pods, so more would take their memory and less would break what the pod asked the
     scheduler for. A gpufence memory annotation that would have applied is reported, not used.
+    ``claim_memory``: by container, the memory its DRA claims reserved on a shareable GPU
+    (consumable capacity, ``webhook.dra.claim_memory``; its ceiling is checked by the caller). It is
+    the share, over the namespace's and the flag's defaults (they are no request of the pod's); the
+    pod's memory annotation may lower it, never raise it (the scheduler promised the rest of the
+    GPU to other claims): a higher byte share is denied, a percentage applies beside it (the smaller
+    on each GPU).
     """
     fixed = scheduler_memory or {}
+    claimed = claim_memory or {}
     warnings: list[str] = []
     gpu_set = set(gpu_containers)
     memory_overrides: dict[str, object] = {}
@@ -261,7 +302,9 @@ def resolve_shares(
     )
     parsed_memory_default: MemoryShare | None = None
     parsed_compute_default: float | None = None
-    if memory_default is not None and len(memory_overrides.keys() | fixed.keys()) < len(gpu_set):
+    # A claimed container uses a default only where it is the pod's own annotation (to lower the claim).
+    covered = memory_overrides.keys() | fixed.keys() | (set() if _from_pod(memory_default) else claimed.keys())
+    if memory_default is not None and len(covered & gpu_set) < len(gpu_set):
         parsed_memory_default = memory_from(*memory_default)
     if compute_default is not None and len(compute_overrides) < len(gpu_set):
         parsed_compute_default = compute_from(*compute_default)
@@ -280,6 +323,11 @@ def resolve_shares(
                     "is not used for it (the scheduler placed the pod by its own annotation)"
                 )
             memory, memory_origin = fixed[name]
+        claim_bytes: int | None = None  # the claim's amount beside a percentage of the pod's
+        if name not in fixed and name in claimed:
+            memory, memory_origin, claim_bytes = _within_claim(
+                name, claimed[name], memory, memory_origin, name in memory_overrides or _from_pod(memory_default),
+                warnings)
         share = ContainerShare(
             memory=memory,
             compute_percent=compute_by_name.get(name, parsed_compute_default),
@@ -291,6 +339,10 @@ def resolve_shares(
                 _origin(compute_overrides, name, _COMPUTE_OVERRIDE_PREFIX, compute_default),
                 warnings, name,
             )
+        if claim_bytes is not None and share.memory is not None:
+            # After the ceilings, which bound the percentage as written (both units then apply).
+            held = claim_bytes if share.memory.bytes is None else min(claim_bytes, share.memory.bytes)
+            share = dataclasses.replace(share, memory=MemoryShare(bytes=held, percent=share.memory.percent))
         shares.append((name, share))
     containers = tuple(shares)
 
@@ -298,7 +350,7 @@ def resolve_shares(
     if ANNOTATION_MODE in annotations:
         raw = annotations[ANNOTATION_MODE]
         try:
-            requested = Mode(raw.strip() if isinstance(raw, str) else raw)
+            requested = parse_mode(raw)
         except ValueError:
             raise ShareError(f"annotation {ANNOTATION_MODE}={quote(raw)} is not a valid mode: {MODE_EXAMPLE}") from None
     mode = policy.mode_for(requested) if policy is not None else (requested or Mode.ENFORCE)
@@ -323,6 +375,31 @@ def resolve_shares(
             f"(measured, never limited); set {ANNOTATION_MEMORY} and/or {ANNOTATION_COMPUTE} to enforce a share"
         )
     return SharePlan(containers=containers, mode=mode, grace_period_seconds=grace, warnings=tuple(warnings))
+
+
+def _from_pod(default: tuple[object, str, str] | None) -> bool:
+    return default is not None and default[1] == "pod"
+
+
+def _within_claim(name: str, claim: ClaimMemory, asked: MemoryShare | None, asked_origin: str, by_pod: bool,
+                  warnings: list[str]) -> tuple[MemoryShare, str, int | None]:
+    """A container's memory share where its claim reserved ``claim``: the claim's amount, or the
+    pod's own memory annotation (``by_pod``) where that is lower (ShareError where it is higher); a
+    percentage of the pod's is returned with the claim's bytes to hold beside it (both apply)."""
+    if not by_pod or asked is None:
+        return claim.share, claim.origin, None
+    assert claim.share.bytes is not None
+    if asked.bytes is None:
+        warnings.append(f"container {quote(name)}: {asked_origin} and its {claim.origin} are in different units, "
+                        "so both apply: on each GPU the smaller is the limit")
+        return asked, asked_origin, claim.share.bytes
+    if asked.bytes > claim.share.bytes:
+        raise ShareError(
+            f"{asked_origin} is above what container {quote(name)}'s {claim.origin} reserved: the scheduler "
+            f"promised the rest of that GPU to other claims; use at most {quote(claim.accepted)}, or ask the "
+            "claim for more"
+        )
+    return asked, asked_origin, None
 
 
 def _origin(

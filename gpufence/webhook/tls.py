@@ -99,7 +99,7 @@ class CertReloader:
         """Reload attempts so far (successful or not); the initial load is not one."""
         return self._attempts
 
-    def _select_context(self, ssl_object: ssl.SSLObject, server_name: str | None,
+    def _select_context(self, ssl_object: ssl.SSLObject, _server_name: str | None,
                         _ctx: ssl.SSLContext) -> None:
         # OpenSSL calls this for every ClientHello, with or without SNI.
         current = self._current.context

@@ -41,7 +41,7 @@ PROMTOOL_MISSING = "promtool not installed (Debian/Ubuntu: apt-get install prome
 # Labels Prometheus adds to a scraped series: job and instance always, the rest from the Prometheus
 # Operator's PodMonitor/ServiceMonitor relabelling (the enforcer's own namespace/pod/container win
 # through honorLabels).
-TARGET_LABELS = {"job", "instance", "namespace", "pod", "container", "service", "endpoint"}
+TARGET_LABELS = {"job", "instance", "namespace", "pod", "container", "service", "endpoint", "node"}
 # Series Prometheus makes itself, not the exporters.
 SYNTHETIC = {"up"}
 

@@ -633,13 +633,15 @@ def documented_metrics() -> dict[str, tuple[str, dict[str, set[str]]]]:
 
 
 # Labels Prometheus adds to every scraped series (PodMonitor/ServiceMonitor target labels).
-TARGET_LABELS = {"job", "instance", "namespace", "pod", "container", "service", "endpoint"}
+# node: the PodMonitor's relabelling of __meta_kubernetes_pod_node_name.
+TARGET_LABELS = {"job", "instance", "namespace", "pod", "container", "service", "endpoint", "node"}
 # Series Prometheus itself generates for every target.
 PROMETHEUS_SERIES = {"up"}
 _PROMQL_WORDS = {
     "sum", "max", "min", "avg", "count", "rate", "irate", "increase", "by", "without", "on", "ignoring",
     "histogram_quantile", "time", "absent", "avg_over_time", "max_over_time", "min_over_time", "and", "or",
     "unless", "bool", "offset", "label_values", "group_left", "group_right", "topk", "bottomk", "clamp_min",
+    "label_replace",
 }  # fmt: skip
 
 
@@ -810,7 +812,7 @@ def test_dockerfile() -> None:
     runs = " ".join(ln for ln in final if ln.upper().startswith("RUN "))
     assert not re.search(r"apt-get install|gcc|build-essential", runs), "no build tools in the final stage"
     assert "[test]" not in text and "'.[test]'" not in text, "the image has no test dependencies"
-    assert "requirements/lock.txt" in text
+    assert "--require-hashes -r requirements/runtime.lock" in text
     for script in ("gpufence-webhook", "gpufence-enforcer", "gpufence-certs"):
         assert script in text, f"Dockerfile does not mention {script}"
     ignored = (ROOT / ".dockerignore").read_text().split()

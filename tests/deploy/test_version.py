@@ -19,6 +19,7 @@ CLIS = {
     "gpufence-webhook": "gpufence.webhook",
     "gpufence-enforcer": "gpufence.enforcer",
     "gpufence-certs": "gpufence.certs",
+    "gpufence": "gpufence.monitor",
 }
 
 
@@ -39,10 +40,12 @@ def test_default_sidecar_image_is_this_version() -> None:
     assert DEFAULT_SIDECAR_IMAGE == IMAGE == f"{IMAGE_REPOSITORY}:{__version__}"
 
 
-def test_console_scripts_are_the_three_clis() -> None:
+def test_console_scripts_are_the_clis() -> None:
     scripts = {ep.name: ep.value for ep in importlib.metadata.distribution("gpufence").entry_points
                if ep.group == "console_scripts"}  # fmt: skip
-    assert scripts == {name: f"{module}.cli:main" for name, module in CLIS.items()}
+    # kubectl-gpufence: the monitor's CLI as a kubectl plugin (`kubectl gpufence top`).
+    assert scripts == {**{name: f"{module}.cli:main" for name, module in CLIS.items()},
+                       "kubectl-gpufence": "gpufence.monitor.cli:kubectl_main"}
 
 
 @pytest.mark.parametrize("prog", CLIS)

@@ -56,6 +56,9 @@ class ClusterPki:
     kcm_key: Path
     # The CA's key: the node tests sign the kubelet's system:node:<name> client certificate with it.
     ca_key: Path | None = None
+    # system:kube-scheduler, bound by RBAC's bootstrap policy (the scheduler runs on 1.37 only).
+    scheduler_cert: Path | None = None
+    scheduler_key: Path | None = None
 
 
 def _write(path: Path, data: bytes) -> Path:
@@ -73,6 +76,7 @@ def make_cluster_pki(directory: Path) -> ClusterPki:
     )
     admin = client_cert(ca, "e2e-admin", ("system:masters",))
     kcm = client_cert(ca, "system:kube-controller-manager")
+    scheduler = client_cert(ca, "system:kube-scheduler")
     sa_key = ec.generate_private_key(ec.SECP256R1())
     return ClusterPki(
         dir=directory,
@@ -88,4 +92,6 @@ def make_cluster_pki(directory: Path) -> ClusterPki:
         kcm_cert=_write(directory / "kcm.crt", kcm.cert_pem),
         kcm_key=_write(directory / "kcm.key", kcm.key_pem),
         ca_key=_write(directory / "ca.key", ca.key_pem),
+        scheduler_cert=_write(directory / "scheduler.crt", scheduler.cert_pem),
+        scheduler_key=_write(directory / "scheduler.key", scheduler.key_pem),
     )

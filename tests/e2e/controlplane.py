@@ -230,6 +230,26 @@ def start_control_plane(binaries: ControlPlaneBinaries, workdir: Path) -> Contro
         # controller manager is up and authorised.
         _wait_for(cp, "the default ServiceAccount (controller manager running)", lambda: cp.kubectl(
             "get", "serviceaccount", "default", "-n", "default", check=False).returncode == 0)
+        if binaries.kube_scheduler is not None:
+            # The real scheduler (1.37): it places DRA claims by consumable capacity
+            # (tests/e2e/test_dra_capacity.py). There are no nodes but the ones a test creates, so
+            # other tests' pods stay Pending (Unschedulable), as before without a scheduler.
+            assert cluster_pki.scheduler_cert is not None and cluster_pki.scheduler_key is not None
+            scheduler_kubeconfig = write_kubeconfig(
+                workdir / "scheduler.kubeconfig", server, cluster_pki.ca_cert, cert=cluster_pki.scheduler_cert,
+                key=cluster_pki.scheduler_key, user="system:kube-scheduler")
+            scheduler = start("kube-scheduler", [
+                str(binaries.kube_scheduler),
+                f"--kubeconfig={scheduler_kubeconfig}",
+                f"--authentication-kubeconfig={scheduler_kubeconfig}",
+                f"--authorization-kubeconfig={scheduler_kubeconfig}",
+                "--leader-elect=false",
+                "--bind-address=127.0.0.1", f"--secure-port={free_port()}",
+                f"--cert-dir={workdir / 'scheduler-certs'}",
+                "--profiling=false",
+                "--v=1",
+            ], workdir)
+            components.append(scheduler)
     except BaseException:
         cp.stop()
         raise

@@ -4,7 +4,7 @@
   shared PID namespace, reaping orphans, exiting on SIGTERM/SIGINT.
 * ``gpufence``: a Debian bookworm root filesystem (``debootstrap --variant=minbase`` with python3)
   holding, like the Dockerfile, a virtualenv at ``/opt/gpufence`` with the project installed
-  against ``requirements/lock.txt``. The same image runs the sidecar and the test workloads
+  from ``requirements/runtime.lock`` (its versions and hashes). The same image runs the sidecar and the test workloads
   (python3 is all a workload needs to hold the stand-in device open).
 
 Each is written as an OCI image layout tarball (one layer: the root filesystem as a tar, a config,
@@ -207,7 +207,7 @@ def _unchecked_pycs(directory: Path, rootfs: Path) -> None:
 
 def _debian_rootfs() -> Path:
     """debootstrap'd bookworm with python3 and /opt/gpufence's dependencies (keyed by the lock file)."""
-    lock = REPO / "requirements" / "lock.txt"
+    lock = REPO / "requirements" / "runtime.lock"
     key = _digest_files([lock, REPO / "pyproject.toml"],
                         f"{DEBIAN_SUITE} {' '.join(DEBIAN_PACKAGES)}".encode())
     directory = cache_root() / f"debian-{key}"
@@ -237,17 +237,17 @@ def _debian_rootfs() -> Path:
         # wheels fit.
         wheels = rootfs / "tmp" / "wheels"
         shutil.rmtree(wheels, ignore_errors=True)
-        (rootfs / "tmp" / "lock.txt").write_bytes(lock.read_bytes())
+        (rootfs / "tmp" / "runtime.lock").write_bytes(lock.read_bytes())
         result = subprocess.run(
             [sys.executable, "-m", "pip", "download", "--quiet", "--disable-pip-version-check",
-             "--only-binary=:all:", "-c", str(lock), "-d", str(wheels), *_runtime_dependencies()],
+             "--only-binary=:all:", "--require-hashes", "-r", str(lock), "-d", str(wheels)],
             capture_output=True, text=True)
         if result.returncode != 0:
             raise ImageBuildUnavailable(f"pip download of the runtime dependencies failed: {result.stderr[-600:]}")
         for argv in (["python3", "-m", "venv", "/opt/gpufence"],
                      ["/opt/gpufence/bin/pip", "install", "--quiet", "--disable-pip-version-check",
-                      "--no-cache-dir", "--no-index", "--find-links", "/tmp/wheels", "-c", "/tmp/lock.txt",
-                      *_runtime_dependencies()]):
+                      "--no-cache-dir", "--no-index", "--find-links", "/tmp/wheels", "--require-hashes",
+                      "-r", "/tmp/runtime.lock"]):
             result = subprocess.run(["chroot", str(rootfs), *argv], capture_output=True, text=True,
                                     env={"PATH": "/usr/sbin:/usr/bin:/sbin:/bin", "HOME": "/root"})
             if result.returncode != 0:
@@ -256,17 +256,11 @@ def _debian_rootfs() -> Path:
         # Shrink: apt lists and caches are not needed at run time.
         for junk in ("var/cache/apt", "var/lib/apt/lists", "usr/share/doc", "usr/share/man", "usr/share/locale"):
             shutil.rmtree(rootfs / junk, ignore_errors=True)
-        (rootfs / "tmp" / "lock.txt").unlink()
+        (rootfs / "tmp" / "runtime.lock").unlink()
         _record_cost(directory, started, "debootstrap+deps")
         done.touch()
     _unchecked_pycs(directory, rootfs)
     return rootfs
-
-
-def _runtime_dependencies() -> list[str]:
-    import tomllib
-
-    return list(tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["dependencies"])
 
 
 def gpufence_image() -> OciImage:

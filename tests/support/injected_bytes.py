@@ -15,6 +15,12 @@ from typing import Any
 import yaml
 
 GOLDEN = Path(__file__).resolve().parents[1] / "golden"
+# libyaml's parser where PyYAML has it (the same documents, about ten times faster than pure Python).
+_LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+
+
+def load_yaml(path: Path) -> Any:
+    return yaml.load(path.read_text(), Loader=_LOADER)
 
 
 def compact_size(obj: Any) -> int:
@@ -25,10 +31,10 @@ def bytes_added(golden: Path = GOLDEN) -> dict[str, int]:
     """Case name -> bytes the injection adds, for every mutated case."""
     added: dict[str, int] = {}
     for out_file in sorted(golden.glob("*.out.yaml")):
-        out = yaml.safe_load(out_file.read_text())
+        out = load_yaml(out_file)
         if out.get("outcome") != "mutated":
             continue
         case = out_file.name.removesuffix(".out.yaml")
-        before = yaml.safe_load((golden / f"{case}.in.yaml").read_text())["pod"]
+        before = load_yaml(golden / f"{case}.in.yaml")["pod"]
         added[case] = compact_size(out["pod"]) - compact_size(before)
     return added

@@ -1,7 +1,7 @@
-"""The few Kubernetes CEL library functions the guard policy uses, for cel-python.
+"""The few Kubernetes CEL library functions the protect policy may use, for cel-python.
 
-cel-python implements the CEL language but none of the libraries Kubernetes adds to it. The guard
-uses these (all available from Kubernetes 1.30, the oldest version we support):
+cel-python implements the CEL language but none of the libraries Kubernetes adds to it. These are
+the ones gpufence's CEL has used (all available from Kubernetes 1.30, the oldest version we support):
 
 * strings extension (cel-go ``ext.Strings``): ``s.split(sep)``, ``s.trim()``, ``s.replace(a, b)``,
   ``s.lowerAscii()``, ``s.substring(start, end)``;
@@ -13,8 +13,8 @@ uses these (all available from Kubernetes 1.30, the oldest version we support):
 
 These stand-ins follow the documented semantics for the inputs the policy gives them (RE2 and
 Python's ``re`` agree on the character classes and anchors it uses). They are a test harness, not a
-second implementation of the guard: the real kube-apiserver evaluates the same policy in
-``tests/e2e/test_guard.py`` and ``tests/e2e/test_forged_sidecar.py``.
+second implementation of the policy: the real kube-apiserver evaluates it in
+``tests/e2e/test_running_pod_attacks.py``.
 """
 
 from __future__ import annotations

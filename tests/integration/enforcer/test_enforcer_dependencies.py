@@ -1,5 +1,6 @@
 """The sidecar loads only what it needs: its third-party imports come from requirements/enforcer.txt,
-the list the Dockerfile's sidecar-only image installs (without the webhook's dependencies)."""
+the list whose lock (requirements/enforcer.lock) the Dockerfile's sidecar-only image installs
+(without the webhook's dependencies)."""
 
 from __future__ import annotations
 
@@ -28,7 +29,7 @@ print(json.dumps(sorted({d for m in third if not m.startswith("_") for d in owne
 
 def _names(lines: list[str]) -> set[str]:
     return {re.split(r"[<>=!~\[; ]", line.strip(), maxsplit=1)[0].lower().replace("_", "-")
-            for line in lines if line.strip() and not line.lstrip().startswith("#")}
+            for line in lines if line.strip() and not line.lstrip().startswith(("#", "-"))}
 
 
 def test_the_enforcer_imports_only_its_listed_dependencies() -> None:
@@ -42,7 +43,8 @@ def test_the_listed_dependencies_are_pinned_project_dependencies() -> None:
     project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["dependencies"]
     listed = _names((REPO / "requirements" / "enforcer.txt").read_text().splitlines())
     assert listed <= _names(project)
-    locked = _names((REPO / "requirements" / "lock.txt").read_text().splitlines())
-    assert listed <= locked
+    runtime = _names((REPO / "requirements" / "runtime.lock").read_text().splitlines())
+    locked = _names((REPO / "requirements" / "enforcer.lock").read_text().splitlines())
+    assert listed <= locked <= runtime
     dockerfile = (REPO / "Dockerfile").read_text()
-    assert "-r /src/requirements/enforcer.txt" in dockerfile and "AS enforcer" in dockerfile
+    assert "-r /src/requirements/enforcer.lock" in dockerfile and "AS enforcer" in dockerfile

@@ -188,7 +188,7 @@ async def test_health_readiness_and_metrics(hook: Webhook, session: aiohttp.Clie
         assert resp.status == 200 and (await resp.json())["status"] == "ready"
 
     before = request_counts(await hook_metrics(session, hook))
-    assert set(before) == {"mutated", "unchanged", "denied", "skipped", "invalid", "error"}
+    assert set(before) == {"mutated", "unchanged", "denied", "skipped", "verified", "refused", "invalid", "error"}
     assert all(v == 0 for v in before.values())
     await post(session, hook, pod_review())
     await post(session, hook, pod_review(kind="Service"))

@@ -24,6 +24,7 @@ from gpufence.enforcer.rules import (
     pod_usage,
     usage_by_container,
 )
+from tests.support.examples import examples
 
 CONTAINERS = ("a", "b", "c")
 DEVICES = (0, 1, 2)
@@ -81,7 +82,7 @@ def expected_limit(config: EnforcerConfig, container: str, total: int | None) ->
     return None if total is None else int(total * share.memory.percent / 100)
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=examples(150), deadline=None)
 @given(attribution=attributions(), config=configs, device_totals=totals)
 def test_memory_victims_are_only_ever_the_right_ones(
     attribution: Attribution, config: EnforcerConfig, device_totals: dict[int, int | None]
@@ -169,7 +170,7 @@ def compute_runs(draw: st.DrawFn) -> tuple[ComputeTracker, list[tuple[float, Enf
     return tracker, steps, under
 
 
-@settings(max_examples=80, deadline=None)
+@settings(max_examples=examples(80), deadline=None)
 @given(run=compute_runs())
 def test_compute_plans_are_proper_fractions_for_limited_containers_over_their_share(
     run: tuple[ComputeTracker, list[tuple[float, EnforcerConfig, Attribution]], set[str]],

@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 
 from gpufence.webhook.admission import InvalidReview, ReviewResult, review
 from gpufence.webhook.settings import AllNamespacesOptedIn, InjectionSettings, NamespaceInfo
+from tests.support.examples import examples
 
 S = InjectionSettings()
 NS = AllNamespacesOptedIn()
@@ -371,7 +372,7 @@ setting_variants = st.builds(
 )
 
 
-@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=examples(300), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.one_of(good_pods, good_pods, pods), setting_variants)
 def test_review_is_total_for_arbitrary_pods(pod: dict[str, Any], settings_: InjectionSettings) -> None:
     result = review(request(pod), settings_, NS)
@@ -385,7 +386,7 @@ def test_review_is_total_for_arbitrary_pods(pod: dict[str, Any], settings_: Inje
     assert again.outcome == "unchanged", again.review
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=examples(200), deadline=None)
 @given(json_values | st.fixed_dictionaries({"apiVersion": json_values, "kind": json_values, "request": json_values}))
 def test_review_raises_only_invalid_review_for_arbitrary_payloads(payload: Any) -> None:
     try:
@@ -395,7 +396,7 @@ def test_review_raises_only_invalid_review_for_arbitrary_payloads(payload: Any) 
     check_well_formed(result, payload["request"]["uid"])
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=examples(200), deadline=None)
 @given(
     st.fixed_dictionaries(
         {"uid": st.text(max_size=5)},

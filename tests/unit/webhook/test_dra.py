@@ -17,7 +17,10 @@ from gpufence.contract import ANNOTATION_STATUS, ENV_POD_STATUS, SIDECAR_NAME
 from gpufence.webhook.admission import ReviewResult, review
 from gpufence.webhook.dra import (
     DraSnapshot,
+    MemoryAsk,
     claim_classes,
+    claim_memory,
+    claim_memory_asks,
     claim_warnings,
     class_drivers,
     driver_name,
@@ -26,6 +29,7 @@ from gpufence.webhook.dra import (
 )
 from gpufence.webhook.dra_cache import DraCache
 from gpufence.webhook.settings import AllNamespacesOptedIn, InjectionSettings
+from tests.support.examples import examples
 from tests.unit.webhook.test_admission import good_pods, pods, request
 
 GPU = ("gpu.nvidia.com",)
@@ -242,10 +246,12 @@ def test_only_claims_a_container_uses_are_said() -> None:
     assert claim_warnings("team", pod["spec"], OBJECTS, GPU, ()) == []
 
 
-@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=examples(200), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.one_of(good_pods, pods))
 def test_the_resolution_never_changes_the_pod(pod: dict[str, Any]) -> None:
-    """For any pod, the review with the DRA objects answers as the review without them, warnings aside."""
+    """For any pod, the review with DRA objects whose claims ask no consumable capacity (so which
+    GPU containers there are is all they could change) answers as the review without them, warnings
+    aside."""
     without = review(request(pod), InjectionSettings(), AllNamespacesOptedIn())
     result = review(request(pod), InjectionSettings(), AllNamespacesOptedIn(), OBJECTS)
     assert result.outcome == without.outcome
@@ -282,3 +288,117 @@ def test_the_cache_says_why_it_cannot_answer(status: int, reason: str, why: str)
         assert not cache.has_synced()
     finally:
         cache.stop(5)
+
+
+# --- consumable capacity: what a claim reserved on a shareable GPU is the share ----------------
+
+def capacity_template(name: str, *requests: dict[str, Any], namespace: str = "team") -> dict[str, Any]:
+    return {"metadata": {"namespace": namespace, "name": name}, "spec": {"spec": {"devices": {"requests":
+                                                                                              list(requests)}}}}
+
+
+def asks(name: str, device_class: str, memory: Any) -> dict[str, Any]:
+    return {"name": name, "exactly": {"deviceClassName": device_class, "capacity": {"requests": {"memory": memory}}}}
+
+
+def test_the_memory_a_claim_spec_asks() -> None:
+    spec = {"devices": {"requests": [
+        asks("a", "gpu", "30Gi"),
+        {"name": "b", "firstAvailable": [
+            {"name": "small", "deviceClassName": "gpu", "capacity": {"requests": {"memory": "10Gi"}}},
+            {"name": "whole", "deviceClassName": "gpu"}]},
+        {"name": "c", "exactly": {"deviceClassName": "gpu", "capacity": {"requests": {"cores": "10"}}}},
+        asks("d", "gpu", "-1Gi"), asks("e", "gpu", "lots"), asks("f", "gpu", True), "garbage"]}}
+    assert claim_memory_asks(spec) == (MemoryAsk("a", "gpu", "30Gi", 30 << 30),
+                                       MemoryAsk("b/small", "gpu", "10Gi", 10 << 30))
+    assert claim_memory_asks(None) == () and claim_memory_asks({"devices": {"requests": [{"exactly": 3}]}}) == ()
+
+
+CAPACITY = DraSnapshot.of(
+    classes=[device_class("gpu", "device.driver == 'gpu.nvidia.com'"),
+             device_class("nic", "device.driver == 'nic.example.com'"), device_class("anything")],
+    templates=[capacity_template("gpu-30g", asks("gpu", "gpu", "30Gi")),
+               capacity_template("gpu-10g", asks("gpu", "gpu", "10Gi")),
+               capacity_template("two", asks("big", "gpu", "30Gi"), asks("small", "anything", "20Gi")),
+               capacity_template("either", {"name": "gpu", "firstAvailable": [
+                   {"name": "big", "deviceClassName": "gpu", "capacity": {"requests": {"memory": "40Gi"}}},
+                   {"name": "small", "deviceClassName": "gpu", "capacity": {"requests": {"memory": "20Gi"}}}]}),
+               capacity_template("nic-mem", asks("nic", "nic", "1Gi")),
+               capacity_template("unknown-class", asks("gpu", "nope", "1Gi")),
+               capacity_template("whole", {"name": "gpu", "exactly": {"deviceClassName": "gpu"}})],
+    claims=[{"metadata": {"namespace": "team", "name": "named-8g"},
+             "spec": capacity_template("x", asks("gpu", "gpu", "8Gi"))["spec"]["spec"]}],
+)
+
+
+@pytest.mark.parametrize(("template", "share", "warned"), [
+    ("gpu-30g", 30 << 30, []),
+    ("two", 20 << 30, ['container "c": its claims ask different amounts of GPU memory, so the smallest ("20Gi") '
+                       "is its share on each GPU"]),
+    ("either", 20 << 30, ['container "c": its claims ask different amounts of GPU memory, so the smallest '
+                          '("20Gi") is its share on each GPU']),
+    ("nic-mem", None, []),  # another driver's devices: no GPU memory
+    ("unknown-class", None, []),  # said as unresolved by claim_warnings
+    ("whole", None, []),  # no capacity asked: gpufence's annotations and defaults
+    ("absent", None, []),
+])
+def test_a_containers_share_is_the_smallest_memory_its_gpu_claims_ask(template: str, share: int | None,
+                                                                     warned: list[str]) -> None:
+    spec = {"resourceClaims": [{"name": "g", "resourceClaimTemplateName": template}]}
+    shares, warnings = claim_memory("team", spec, CAPACITY, GPU, {"c": ["g"]})
+    assert (shares["c"].share.bytes if "c" in shares else None) == share
+    assert [w.removeprefix("gpufence: ") for w in warnings] == warned
+
+
+def test_a_claim_two_containers_use_is_divided_between_them() -> None:
+    spec = {"resourceClaims": [{"name": "g", "resourceClaimTemplateName": "gpu-30g"},
+                               {"name": "n", "resourceClaimName": "named-8g"}]}
+    shares, warnings = claim_memory("team", spec, CAPACITY, GPU, {"a": ["g"], "b": ["g"], "c": ["n"]})
+    assert {k: v.share.bytes for k, v in shares.items()} == {"a": 15 << 30, "b": 15 << 30, "c": 8 << 30}
+    assert "shared by 2 containers" in shares["a"].origin and shares["a"].accepted == str(15 << 30)
+    assert shares["c"].origin == ('claim "n" (ResourceClaim "named-8g") request "gpu" '
+                                  'capacity.requests.memory="8Gi"')
+    assert warnings == ['gpufence: claim "g" is used by 2 containers, so its GPU memory is divided between them as '
+                        "their shares; give each container its own claim for another split"]
+
+
+def test_no_capacity_share_while_the_cache_cannot_answer() -> None:
+    unavailable = DraSnapshot(CAPACITY.classes, CAPACITY.claims, CAPACITY.templates, "not synced",
+                              CAPACITY.claim_asks, CAPACITY.template_asks)
+    spec = {"resourceClaims": [{"name": "g", "resourceClaimTemplateName": "gpu-30g"}]}
+    assert claim_memory("team", spec, unavailable, GPU, {"c": ["g"]}) == ({}, [])
+
+
+def capacity_review(template: str, annotations: dict[str, str], **policy: Any) -> ReviewResult:
+    pod = claim_pod(("gpu", T, template))
+    pod["metadata"]["annotations"] = annotations
+    return review(request(pod, namespace="team"), InjectionSettings(**policy), AllNamespacesOptedIn(), CAPACITY)
+
+
+@pytest.mark.parametrize(("annotations", "policy", "memory", "denied"), [
+    ({}, {}, {"memoryBytes": 30 << 30}, None),
+    ({"gpufence.io/memory": "20Gi"}, {}, {"memoryBytes": 20 << 30}, None),
+    ({"gpufence.io/memory.c": "30Gi"}, {}, {"memoryBytes": 30 << 30}, None),
+    ({"gpufence.io/memory": "25%"}, {}, {"memoryBytes": 30 << 30, "memoryPercent": 25}, None),
+    ({}, {"default_memory": "8Gi"}, {"memoryBytes": 30 << 30}, None),  # a default is no request of the pod's
+    ({}, {"default_memory": "typo"}, {"memoryBytes": 30 << 30}, None),  # not parsed where it does not apply
+    ({}, {"max_memory": "25%"}, {"memoryBytes": 30 << 30, "memoryPercent": 25}, None),  # both apply
+    ({"gpufence.io/memory": "31Gi"}, {}, None, 'annotation gpufence.io/memory="31Gi" is above what container "c"'),
+    ({}, {"max_memory": "16Gi"}, None, 'container "c": claim "gpu" (ResourceClaimTemplate "gpu-30g") request '
+                                       '"gpu" capacity.requests.memory="30Gi" is above the memory ceiling'),
+    ({"gpufence.io/memory": "50%"}, {"max_memory": "25%"}, None, 'annotation gpufence.io/memory="50%" is above'),
+])
+def test_the_claims_memory_is_the_share_within_the_ceilings_and_an_annotation_only_lowers_it(
+        annotations: dict[str, str], policy: dict[str, Any], memory: dict[str, Any] | None, denied: str | None) -> None:
+    result = capacity_review("gpu-30g", annotations, **policy)
+    response = result.review["response"]
+    if denied is not None:
+        assert result.outcome == "denied" and denied in response["status"]["message"]
+        return
+    assert result.outcome == "mutated", response.get("status")
+    patched, _ = reviewed(claim_pod(("gpu", T, "gpu-30g")) | {"metadata": {"name": "p", "annotations": annotations}},
+                          result)
+    sidecar = next(c for c in patched["spec"]["initContainers"] if c["name"] == SIDECAR_NAME)
+    config = json.loads(next(e["value"] for e in sidecar["env"] if e["name"] == "GPUFENCE_CONFIG"))
+    assert {k: v for k, v in config["containers"]["c"].items() if k.startswith("memory")} == memory
+    assert config.get("mode", "enforce") == "enforce"

@@ -25,6 +25,7 @@ from gpufence.webhook.frameworks import (
     server_warnings,
 )
 from gpufence.webhook.settings import InjectionSettings
+from tests.support.examples import examples
 
 GiB = 1 << 30
 MiB = 1 << 20
@@ -52,7 +53,7 @@ def test_memory_cap(memory: MemoryShare, device: DeviceMemory | None, headroom: 
 
 @given(share=st.integers(min_value=1, max_value=200 * GiB), device=st.integers(min_value=GiB, max_value=200 * GiB),
        headroom=st.integers(min_value=0, max_value=2 * GiB))
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=examples(300), deadline=None)
 def test_memory_cap_never_allows_more_than_the_share_minus_headroom(share: int, device: int, headroom: int) -> None:
     cap = memory_cap(MemoryShare(bytes=share), DeviceMemory(device, "test"), headroom)
     if cap is None:
@@ -118,7 +119,7 @@ ENV_VALUES = st.sampled_from(["0.1", "0.9", "1.0", "", "expandable_segments:True
 
 @given(pairs=st.lists(st.tuples(ENV_NAMES, ENV_VALUES), max_size=6),
        percent=st.floats(min_value=1, max_value=100), pytorch=st.booleans())
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=examples(300), deadline=None)
 def test_user_values_are_never_overwritten_and_reinvocation_changes_nothing(
         pairs: list[tuple[str, str]], percent: float, pytorch: bool) -> None:
     env = env_of(*pairs)

@@ -11,6 +11,8 @@
     username: ...    # optional: who sends the request (default a ReplicaSet controller's account)
     subResource: ... # optional: e.g. ephemeralcontainers (an UPDATE of that subresource)
     oldPod: ...      # optional: the request's oldObject (UPDATE)
+    dra: ...         # optional: {deviceClasses, claims, templates}, the objects the webhook's DRA watch
+                     # caches hold (resource.k8s.io/v1, as the API server lists them); omitted = no caches
     pod: ...         # the submitted pod
 
 ``<case>.out.yaml`` records the decision: ``outcome``, ``warnings`` (if any), ``message`` (denials)
@@ -33,6 +35,7 @@ from gpufence.contract import INJECTION_ENABLED, INJECTION_LABEL
 from gpufence.webhook import sidecar
 from gpufence.webhook.admission import review, verify
 from gpufence.webhook.client import decode_patch, pod_admission_review
+from gpufence.webhook.dra import DraSnapshot
 from gpufence.webhook.settings import InjectionSettings, NamespaceInfo
 
 GOLDEN = Path(__file__).parents[2] / "golden"
@@ -60,6 +63,15 @@ def request_extras(case: str) -> dict[str, Any]:
     doc = yaml.safe_load((GOLDEN / f"{case}.in.yaml").read_text())
     return {"username": doc.get("username", DEFAULT_USERNAME), "sub_resource": doc.get("subResource"),
             "old_object": doc.get("oldPod")}
+
+
+def dra_objects(case: str) -> DraSnapshot | None:
+    """The DRA objects the case's webhook holds in its watch caches, or None (run outside a cluster)."""
+    dra = yaml.safe_load((GOLDEN / f"{case}.in.yaml").read_text()).get("dra")
+    if dra is None:
+        return None
+    return DraSnapshot.of(classes=dra.get("deviceClasses") or (), claims=dra.get("claims") or (),
+                          templates=dra.get("templates") or ())
 
 
 def load_case(case: str) -> tuple[dict[str, Any], InjectionSettings, _Lookup, str]:
@@ -100,7 +112,7 @@ def admission_review(pod: dict[str, Any], operation: str = "CREATE", uid: str = 
 
 def run_case(case: str) -> dict[str, Any]:
     pod, settings, lookup, operation = load_case(case)
-    result = review(admission_review(pod, operation, **request_extras(case)), settings, lookup)
+    result = review(admission_review(pod, operation, **request_extras(case)), settings, lookup, dra_objects(case))
     answer = result.review
     assert answer["apiVersion"] == "admission.k8s.io/v1"
     assert answer["kind"] == "AdmissionReview"
@@ -151,7 +163,8 @@ def test_golden_output_is_a_fixed_point(case: str) -> None:
     expected = yaml.safe_load((GOLDEN / f"{case}.out.yaml").read_text())
     if expected["outcome"] not in ("mutated", "unchanged"):
         return
-    result = review(admission_review(expected["pod"], operation, **request_extras(case)), settings, lookup)
+    result = review(admission_review(expected["pod"], operation, **request_extras(case)), settings, lookup,
+                    dra_objects(case))
     assert result.outcome == "unchanged"
     assert "patch" not in result.review["response"]
 
@@ -167,10 +180,11 @@ def test_golden_verify_admits_the_output_and_refuses_the_input_it_would_change(c
         return  # the validating webhook judges pod creations only
     expected = yaml.safe_load((GOLDEN / f"{case}.out.yaml").read_text())
     if "pod" in expected:
-        kept = verify(admission_review(expected["pod"], **request_extras(case)), settings, lookup)
+        kept = verify(admission_review(expected["pod"], **request_extras(case)), settings, lookup, dra_objects(case))
         assert kept.review["response"]["allowed"] is True, kept.review["response"]
         assert kept.outcome in ("verified", "skipped") and "warnings" not in kept.review["response"]
-    as_sent = verify(admission_review(pod, **request_extras(case)), settings, lookup).review["response"]
+    as_sent = verify(admission_review(pod, **request_extras(case)), settings, lookup,
+                     dra_objects(case)).review["response"]
     if expected["outcome"] == "denied":
         assert as_sent["allowed"] is False
         assert as_sent["status"]["message"] == "gpufence re-checked the pod after every mutating admission step: " + \

@@ -148,3 +148,125 @@ def test_only_kai_s_form_of_the_variable_passes_and_only_in_its_container(entry:
     assert nvidia_side_door(other, None, "nvidia.com/gpu", "main") is not None
     capabilities = {"containers": [{"name": "main", "env": _env(NVIDIA_DRIVER_CAPABILITIES=entry)}]}
     assert nvidia_side_door(capabilities, None, "nvidia.com/gpu", "main") is not None
+
+
+# --- KAI-Scheduler v0.18's NvFractions mode and its HamiCore mode -----------------------------------
+
+def reviewed_pod(pod: dict[str, Any], settings: InjectionSettings = DEFAULTS, groups: list[str] | None = None,
+                 ) -> tuple[str, dict[str, Any] | str]:
+    """The review's outcome and the patched pod (or the denial's message)."""
+    import base64
+    import json
+
+    import jsonpatch
+
+    from gpufence.webhook.admission import review
+    from gpufence.webhook.client import pod_admission_review
+    from gpufence.webhook.settings import AllNamespacesOptedIn
+
+    pod = {"apiVersion": "v1", "kind": "Pod", **pod}
+    payload = pod_admission_review(pod, uid="u", namespace="team-a")
+    if groups is not None:
+        payload["request"]["userInfo"]["groups"] = groups
+    result = review(payload, settings, AllNamespacesOptedIn())
+    response = result.review["response"]
+    if result.outcome == "denied":
+        return result.outcome, response["status"]["message"]
+    patch = json.loads(base64.b64decode(response["patch"])) if "patch" in response else []
+    return result.outcome, jsonpatch.apply_patch(pod, patch)
+
+
+def _container(pod: dict[str, Any], name: str) -> dict[str, Any]:
+    return next(c for key in ("initContainers", "containers") for c in pod["spec"].get(key, []) if c["name"] == name)
+
+
+def _env_names(pod: dict[str, Any], name: str) -> dict[str, Any]:
+    return {e["name"]: e.get("value", e.get("valueFrom")) for e in _container(pod, name).get("env", [])}
+
+
+NV = {"nvidia.com/container.trainer.gpu-memory.request": "8Gi",
+      "nvidia.com/container.trainer.gpu-memory.limit": "16Gi"}
+
+
+@pytest.mark.parametrize(("annotations", "containers", "gpu"), [
+    (NV, ("trainer", "logs"), ["trainer"]),
+    ({"nvidia.com/container.trainer.gpu-memory.limit": "16Gi"}, ("logs", "trainer"), ["trainer"]),
+    ({"nvidia.com/container.trainer.gpu-memory.request": "8Gi"}, ("trainer",), ["trainer"]),
+    ({"nvidia.com/container.nope.gpu-memory.request": "8Gi"}, ("trainer",), []),  # KAI refuses that pod
+    ({"nvidia.com/container.trainer.gpu-compute.mode": "sm-sharing"}, ("trainer",), []),  # no memory asked
+    ({"nvidia.com/container.Trainer.gpu-memory.request": "8Gi"}, ("Trainer",), []),  # not KAI's key
+])
+def test_the_containers_nvfractions_names_are_gpu_containers(annotations: dict[str, str],
+                                                             containers: tuple[str, ...], gpu: list[str]) -> None:
+    from gpufence.webhook.kai import nv_fractions
+
+    pod = kai_pod(annotations, *containers, scheduler=None)
+    assert [f.container for f in nv_fractions(pod)] == gpu
+    assert PodGpuPaths(pod["spec"], DEFAULTS, None, nv_fractions(pod)).gpu_container_names() == gpu
+
+
+@pytest.mark.parametrize(("annotations", "share", "denied"), [
+    (NV, 16 << 30, None),
+    ({"nvidia.com/container.trainer.gpu-memory.request": "7680Mi"}, 7680 << 20, None),
+    ({**NV, "nvidia.com/container.trainer.gpu-memory.request": "32Gi"}, None, "KAI-Scheduler requires the request"),
+    ({"nvidia.com/container.trainer.gpu-memory.limit": "50%"}, None, "is not a KAI-Scheduler GPU memory request"),
+    ({"nvidia.com/container.trainer.gpu-memory.limit": "500m"}, None, 'such as "8Gi" or "7680Mi"'),
+    ({**NV, "gpufence.io/memory": "4Gi"}, 16 << 30, None),  # KAI's request wins, said in a warning
+])
+def test_the_nvfractions_share_is_the_limit_else_the_request(annotations: dict[str, str], share: int | None,
+                                                             denied: str | None) -> None:
+    outcome, result = reviewed_pod(kai_pod(annotations, "trainer", scheduler=None))
+    if denied is not None:
+        assert outcome == "denied" and isinstance(result, str) and denied in result
+        return
+    assert outcome == "mutated" and isinstance(result, dict)
+    config = _env_names(result, "gpufence-enforcer")["GPUFENCE_CONFIG"]
+    assert f'"trainer":{{"gpus":1,"memoryBytes":{share}}}' in config
+    assert "NVIDIA_VISIBLE_DEVICES" not in _env_names(result, "trainer")  # never void
+
+
+def test_gpufence_writes_none_of_its_limit_variables_where_kai_s_runtime_holds_the_limit() -> None:
+    settings = InjectionSettings(driver_memory_limits="on", mps_limits=True,
+                                 preload_library_host_path="/usr/local/vgpu/libvgpu.so")
+    pod = kai_pod(NV, "trainer", scheduler=None)
+    pod["spec"]["containers"][0]["env"] = [{"name": "NVIDIA_GPU_MEMORY_LIMIT", "value": "81920"}]
+    outcome, result = reviewed_pod(pod, settings)
+    assert outcome == "mutated" and isinstance(result, dict)
+    env = _env_names(result, "trainer")
+    for name in ("NVIDIA_GPU_MEMORY_LIMIT", "NVIDIA_GPU_MEMORY_REQUEST", "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT",
+                 "CUDA_DEVICE_MEMORY_LIMIT", "LD_PRELOAD"):
+        assert name not in env  # the author's limit is removed, none written
+    # A container of the same pod by the device plugin gets them as before.
+    pod["spec"]["containers"].append({"name": "whole", "image": "x", "resources": {"limits": {"nvidia.com/gpu": "1"}}})
+    pod["metadata"]["annotations"] = {**NV, "gpufence.io/memory": "8Gi"}
+    outcome, result = reviewed_pod(pod, settings)
+    assert isinstance(result, dict) and _env_names(result, "whole")["NVIDIA_GPU_MEMORY_LIMIT"] == "8192"
+
+
+@pytest.mark.parametrize(("groups", "denied"), [
+    (["system:serviceaccounts", "team-a-devs"], True),
+    (None, True),
+    (["system:masters"], False),  # admin-groups may (a restored pod, a test)
+])
+def test_a_gpus_devices_annotation_at_creation_is_a_side_door(groups: list[str] | None, denied: bool) -> None:
+    annotations = {"nvidia.com/container.trainer.gpus.devices": "GPU-1"}
+    outcome, result = reviewed_pod(kai_pod(annotations, "trainer", scheduler=None), groups=groups)
+    assert (outcome == "denied") == denied
+    if denied:
+        assert "nvidia.com/container.trainer.gpus.devices is written by KAI-Scheduler's binder" in str(result)
+
+
+def _cm(key: str) -> dict[str, Any]:
+    return {"name": key, "valueFrom": {"configMapKeyRef": {"name": "p-shared-gpu-0", "key": key}}}
+
+
+@pytest.mark.parametrize(("entry", "kept"), [
+    (_cm("CUDA_DEVICE_MEMORY_LIMIT"), True),  # KAI's HamiCore form
+    ({"name": "CUDA_DEVICE_MEMORY_LIMIT", "value": "80000m"}, False),  # the author's: removed, as before
+])
+def test_kai_s_hami_core_limit_is_kept_in_its_fraction_container_only(entry: dict[str, Any], kept: bool) -> None:
+    pod = kai_pod({"gpu-memory": "4096"}, "main")
+    pod["spec"]["containers"][0]["env"] = [_cm("NVIDIA_VISIBLE_DEVICES"), entry]
+    outcome, result = reviewed_pod(pod)
+    assert outcome == "mutated" and isinstance(result, dict)
+    assert ("CUDA_DEVICE_MEMORY_LIMIT" in _env_names(result, "main")) == kept

@@ -30,6 +30,7 @@ from gpufence.webhook.patch import diff, dumps, escape
 from gpufence.webhook.podshape import MutationError, check_shape
 from gpufence.webhook.settings import AllNamespacesOptedIn, InjectionSettings
 from gpufence.webhook.shares import resolve_shares
+from tests.support.examples import examples
 from tests.support.sample_pods import huge_pod, small_pod, typical_pod
 from tests.unit.webhook.test_admission import good_pods, request, setting_variants
 
@@ -134,7 +135,7 @@ def _first_injection(pod: dict[str, Any], settings_: InjectionSettings) -> tuple
     return text, desired_pod(pod, plan, settings_)[0]
 
 
-@settings(max_examples=300)
+@settings(max_examples=examples(300))
 @given(good_pods, setting_variants, st.randoms(use_true_random=False))
 def test_the_patch_of_a_first_injection_adds_only_and_reaches_the_desired_pod(
     pod: dict[str, Any], settings_: InjectionSettings, rnd: random.Random

@@ -1,0 +1,5 @@
+import sys
+
+from gpufence.monitor.cli import main
+
+sys.exit(main())

@@ -1,0 +1,88 @@
+"""build_view on the enforcer's real exposition text (EnforcerMetrics, no process)."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+from gpufence.enforcer.metrics import EnforcerMetrics, UsageSample
+from gpufence.monitor.model import NO_DEVICE, build_view, with_target_labels
+from gpufence.monitor.sources import parse_metrics
+
+GIB = 1 << 30
+
+
+def enforcer_text() -> str:
+    metrics = EnforcerMetrics("team-a", "train-0")
+    metrics.declare_containers(["trainer", "loader", "idle"])
+    metrics.set_container_usage([
+        UsageSample("trainer", "GPU-0", 0, 3 * GIB, 4 * GIB, 0.9),
+        UsageSample("loader", "GPU-0", 0, 5 * GIB, 4 * GIB, None),
+    ])
+    metrics.set_compute_shares({"trainer": 0.5, "loader": None, "idle": 0.25})
+    metrics.set_throttled("trainer", True)
+    metrics.set_memory_enforcement("trainer", "polling")
+    metrics.set_memory_enforcement("loader", "driver")
+    metrics.action("loader", "sigterm", "memory")
+    metrics.action("trainer", "throttle_start", "compute")
+    metrics.set_pod_usage([SimpleNamespace(device_uuid="GPU-0", device_index=0, used_bytes=9 * GIB,
+                                           unattributed_bytes=GIB, unattributed=(1, 2), budget_bytes=8 * GIB)])
+    metrics.nvml_up.set(1)
+    metrics.last_successful_poll.set(1000.0)
+    return metrics.render()[0].decode()
+
+
+def view():
+    target = {"namespace": "team-a", "pod": "train-0", "container": "gpufence-enforcer", "node": "node-a"}
+    return build_view(with_target_labels(parse_metrics(enforcer_text()), target), time=1001.0, source="test")
+
+
+def test_containers_per_gpu() -> None:
+    v = view()
+    gpus = {(g.node, g.uuid, g.gpu): g for g in v.gpus}
+    assert set(gpus) == {("node-a", "GPU-0", "0")}
+    rows = {c.container: c for c in gpus["node-a", "GPU-0", "0"].containers}
+    assert set(rows) == {"trainer", "loader", "idle"}  # idle: a compute share, no process now, shown on the pod's GPU
+    trainer, loader, idle = rows["trainer"], rows["loader"], rows["idle"]
+    assert (trainer.used_bytes, trainer.limit_bytes, trainer.sm_ratio) == (3 * GIB, 4 * GIB, 0.9)
+    assert trainer.compute_share == 0.5 and trainer.throttled and trainer.mechanism == "polling"
+    assert trainer.over_compute and not trainer.over_memory
+    assert [(a.action, a.resource, a.count) for a in trainer.actions] == [("throttle_start", "compute", 1)]
+    assert loader.over_memory and loader.memory_ratio == 1.25 and loader.mechanism == "driver"
+    assert loader.sm_ratio is None and loader.compute_share is None
+    assert [(a.action, a.resource) for a in loader.actions] == [("sigterm", "memory")]
+    assert idle.used_bytes is None and idle.compute_share == 0.25 and idle.uuid == "GPU-0"
+    assert all(c.node == "node-a" and c.namespace == "team-a" for c in rows.values())
+
+
+def test_pod_rows_and_enforcers() -> None:
+    v = view()
+    (pod,) = v.gpus[0].pods
+    assert (pod.used_bytes, pod.unattributed_bytes, pod.unattributed_processes, pod.budget_bytes) == \
+        (9 * GIB, GIB, 2, 8 * GIB)
+    assert v.gpus[0].used_bytes == 9 * GIB
+    (enforcer,) = v.enforcers
+    assert (enforcer.node, enforcer.namespace, enforcer.pod, enforcer.nvml_up, enforcer.last_poll) == \
+        ("node-a", "team-a", "train-0", True, 1000.0)
+
+
+def test_the_enforcers_labels_win_over_the_targets() -> None:
+    samples = with_target_labels(parse_metrics(enforcer_text()), {"namespace": "gpu-ns", "pod": "x", "node": "n"})
+    used = [s for s in samples if s.name == "gpufence_container_gpu_memory_used_bytes"]
+    assert {s.labels["namespace"] for s in used} == {"team-a"}
+    nvml = [s for s in samples if s.name == "gpufence_nvml_up"]
+    assert nvml[0].labels["namespace"] == "gpu-ns"  # the pod-level series take the target's
+
+
+def test_a_container_without_any_gpu_row() -> None:
+    metrics = EnforcerMetrics("ns", "p")
+    metrics.declare_containers(["gone"])
+    metrics.action("gone", "sigterm", "memory")
+    v = build_view(parse_metrics(metrics.render()[0].decode()))
+    (gpu,) = v.gpus
+    assert gpu.uuid == NO_DEVICE and [c.container for c in gpu.containers] == ["gone"]
+
+
+def test_counters_at_zero_alone_show_nothing() -> None:
+    metrics = EnforcerMetrics("ns", "p")
+    metrics.declare_containers(["a", "b"])
+    assert build_view(parse_metrics(metrics.render()[0].decode())).gpus == ()
