@@ -1,9 +1,11 @@
 """The floor: a bare aiohttp TLS endpoint answering every POST with a canned AdmissionReview.
 
     python -m bench.floor_server --port P --tls-cert-file F --tls-private-key-file F --response-file F
+                                 [--validate-response-file F]
 
 It reads the request body (as any server must, to keep the connection usable) and returns the
-bytes of ``--response-file`` as ``application/json``: no JSON decoding, no review, no metrics, no
+bytes of ``--response-file`` (on /validate those of ``--validate-response-file`` where given) as
+``application/json``: no JSON decoding, no review, no metrics, no
 middleware. Same TLS policy (TLS >= 1.2, ALPN http/1.1), same listener construction
 (``loop.create_server(runner.server, ssl=...)``) and keep-alive as gpufence's server, so the
 difference between the two is what gpufence does per request. Benchmark use only.
@@ -15,27 +17,33 @@ import argparse
 import asyncio
 import signal
 import ssl
+from collections.abc import Awaitable, Callable
 
 from aiohttp import web
 
 
-def make_app(canned: bytes) -> web.Application:
-    async def handler(request: web.Request) -> web.Response:
-        await request.read()
-        return web.Response(body=canned, content_type="application/json")
+def make_app(canned: bytes, validate_canned: bytes | None = None) -> web.Application:
+    def answering(body: bytes) -> Callable[[web.Request], Awaitable[web.Response]]:
+        async def handler(request: web.Request) -> web.Response:
+            await request.read()
+            return web.Response(body=body, content_type="application/json")
+        return handler
 
+    handler = answering(canned)
     app = web.Application(client_max_size=6 * 1024 * 1024)
     app.router.add_post("/mutate", handler)
+    app.router.add_post("/validate", answering(canned if validate_canned is None else validate_canned))
     app.router.add_post("/", handler)
     return app
 
 
-async def serve(port: int, cert: str, key: str, canned: bytes, host: str = "127.0.0.1") -> None:
+async def serve(port: int, cert: str, key: str, canned: bytes, host: str = "127.0.0.1",
+                validate_canned: bytes | None = None) -> None:
     ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
     ctx.minimum_version = ssl.TLSVersion.TLSv1_2
     ctx.set_alpn_protocols(["http/1.1"])
     ctx.load_cert_chain(cert, key)
-    runner = web.AppRunner(make_app(canned), access_log=None, keepalive_timeout=30.0)
+    runner = web.AppRunner(make_app(canned, validate_canned), access_log=None, keepalive_timeout=30.0)
     await runner.setup()
     loop = asyncio.get_running_loop()
     server = await loop.create_server(runner.server, host, port, ssl=ctx, ssl_handshake_timeout=10.0,
@@ -57,10 +65,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tls-cert-file", required=True)
     parser.add_argument("--tls-private-key-file", required=True)
     parser.add_argument("--response-file", required=True)
+    parser.add_argument("--validate-response-file", help="the answer on /validate (default: --response-file's)")
     args = parser.parse_args(argv)
     with open(args.response_file, "rb") as f:
         canned = f.read()
-    asyncio.run(serve(args.port, args.tls_cert_file, args.tls_private_key_file, canned, args.host))
+    validate_canned = None
+    if args.validate_response_file:
+        with open(args.validate_response_file, "rb") as f:
+            validate_canned = f.read()
+    asyncio.run(serve(args.port, args.tls_cert_file, args.tls_private_key_file, canned, args.host, validate_canned))
     return 0
 
 

@@ -1,8 +1,10 @@
-// Command refwebhook is the benchmark's reference peer: a minimal Go mutating webhook that answers
-// every AdmissionReview with one fixed JSON Patch (the one gpufence computes for the benchmark's
-// pod), plus the one per-pod part of it: the sidecar's mount of the ServiceAccount token volume,
-// whose name the API server randomises per pod. It shows what the API server's pod-creation rate is with an admission webhook that costs
-// almost nothing, so the benchmark can tell gpufence's own cost from the cost of any webhook call.
+// Command refwebhook is the benchmark's reference peer: a minimal Go webhook registered the way
+// gpufence is. On /mutate it answers every AdmissionReview with one fixed JSON Patch (the one
+// gpufence computes for the benchmark's pod), plus the one per-pod part of it: the sidecar's mount
+// of the ServiceAccount token volume, whose name the API server randomises per pod. On /validate
+// (gpufence's verify.gpufence.io re-reviews the final pod there) it decodes the same envelope and
+// answers allowed. It shows what the API server's pod-creation rate is with admission webhooks that
+// cost almost nothing, so the benchmarks can tell gpufence's own cost from the cost of any webhook call.
 //
 //	refwebhook -addr 127.0.0.1:8443 -cert tls.crt -key tls.key -patch patch.json
 package main
@@ -14,6 +16,7 @@ import (
 	"log"
 	"net/http"
 	"os"
+	"strconv"
 )
 
 type review struct {
@@ -96,6 +99,28 @@ type response struct {
 	Patch     string `json:"patch,omitempty"`
 }
 
+// decode reads the AdmissionReview of a request, or answers 400 and returns false.
+func decode(w http.ResponseWriter, r *http.Request) (review, bool) {
+	var in review
+	if err := json.NewDecoder(r.Body).Decode(&in); err != nil || in.Request == nil {
+		http.Error(w, "not an AdmissionReview", http.StatusBadRequest)
+		return in, false
+	}
+	return in, true
+}
+
+// answer writes the AdmissionReview with its Content-Length, as gpufence's server does (not chunked).
+func answer(w http.ResponseWriter, resp *response) {
+	body, err := json.Marshal(review{APIVersion: "admission.k8s.io/v1", Kind: "AdmissionReview", Response: resp})
+	if err != nil {
+		http.Error(w, err.Error(), http.StatusInternalServerError)
+		return
+	}
+	w.Header().Set("Content-Type", "application/json")
+	w.Header().Set("Content-Length", strconv.Itoa(len(body)))
+	_, _ = w.Write(body)
+}
+
 func main() {
 	addr := flag.String("addr", "127.0.0.1:8443", "listen address")
 	cert := flag.String("cert", "", "serving certificate (PEM)")
@@ -111,9 +136,8 @@ func main() {
 		log.Fatal(err)
 	}
 	http.HandleFunc("/mutate", func(w http.ResponseWriter, r *http.Request) {
-		var in review
-		if err := json.NewDecoder(r.Body).Decode(&in); err != nil || in.Request == nil {
-			http.Error(w, "not an AdmissionReview", http.StatusBadRequest)
+		in, ok := decode(w, r)
+		if !ok {
 			return
 		}
 		resp := &response{UID: in.Request.UID, Allowed: true}
@@ -125,9 +149,12 @@ func main() {
 			}
 			resp.PatchType, resp.Patch = "JSONPatch", base64.StdEncoding.EncodeToString(body)
 		}
-		out := review{APIVersion: "admission.k8s.io/v1", Kind: "AdmissionReview", Response: resp}
-		w.Header().Set("Content-Type", "application/json")
-		_ = json.NewEncoder(w).Encode(out)
+		answer(w, resp)
+	})
+	http.HandleFunc("/validate", func(w http.ResponseWriter, r *http.Request) {
+		if in, ok := decode(w, r); ok {
+			answer(w, &response{UID: in.Request.UID, Allowed: true})
+		}
 	})
 	http.HandleFunc("/readyz", func(w http.ResponseWriter, r *http.Request) { _, _ = w.Write([]byte("ok")) })
 	log.Printf("serving on %s", *addr)
