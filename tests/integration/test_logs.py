@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 
 from gpufence.logs import JsonFormatter, log_event, utc_timestamp
-from gpufence.webhook.server import _answer
+from gpufence.webhook import server
 from gpufence.webhook.settings import AllNamespacesOptedIn, InjectionSettings
 from tests.support.tlsutil import gpu_pod, pod_review
 
@@ -107,7 +107,9 @@ def decisions() -> Iterator[io.StringIO]:
 
 
 def answer(review: dict[str, Any]) -> str:
-    outcome, _ = _answer(json.dumps(review).encode(), InjectionSettings(), AllNamespacesOptedIn())
+    # server.review looked up at each call: a test may replace it.
+    outcome, _ = server._answer(json.loads(json.dumps(review)), server.review, InjectionSettings(),
+                                AllNamespacesOptedIn())
     return outcome
 
 
