@@ -15,6 +15,7 @@ from kubernetes import client, config
 from kubernetes.client.exceptions import ApiException
 
 from gpufence.contract import ENV_CONFIG, SIDECAR_NAME
+from tests.support.forgeries import same_but_config
 
 _names = itertools.count(1)
 OPT_IN = {"gpufence.io/injection": "enabled"}
@@ -180,17 +181,13 @@ def forgeries_misjudged(api: client.ApiClient, namespace: str, template: dict[st
         elif result.admitted:
             assert result.obj is not None
             stored = container(result.obj, SIDECAR_NAME)
-            if (stored != expected_sidecar and _without_config(stored) != _without_config(expected_sidecar)) or \
+            if not same_but_config(stored, expected_sidecar) or \
                     enforcer_config(result.obj)["containers"].get("trainer") != \
                     enforcer_config(template)["containers"]["trainer"] or not is_mutated(result.obj):
                 wrong[name] = "admitted with an enforcer weaker than the template's"
         elif not denied_by(result):
             wrong[name] = f"{result.status}: {result.message}"
     return wrong
-
-
-def _without_config(sidecar: dict[str, Any]) -> dict[str, Any]:
-    return {**sidecar, "env": [e for e in sidecar.get("env", []) if e["name"] != ENV_CONFIG]}
 
 
 def without_server_fields(pod: dict[str, Any]) -> dict[str, Any]:

@@ -62,6 +62,14 @@ def sidecar_of(pod: dict[str, Any]) -> dict[str, Any]:
     return sidecar
 
 
+def same_but_config(sidecar: dict[str, Any], other: dict[str, Any]) -> bool:
+    """Whether two sidecars are the same, their GPUFENCE_CONFIG aside (a forgery that adds a GPU
+    container legitimately changes the config; the containers' entries are compared apart)."""
+    def without(c: dict[str, Any]) -> dict[str, Any]:
+        return {**c, "env": [e for e in c.get("env", []) if e["name"] != "GPUFENCE_CONFIG"]}
+    return without(sidecar) == without(other)
+
+
 def config_of(pod: dict[str, Any]) -> dict[str, Any]:
     (entry,) = [e for e in sidecar_of(pod)["env"] if e["name"] == "GPUFENCE_CONFIG"]
     return json.loads(entry["value"])
