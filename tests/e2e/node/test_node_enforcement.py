@@ -246,9 +246,14 @@ def test_a_throttled_container_whose_helper_sends_sigcont_is_terminated(admin: c
 
     restarted = kube.wait_for(hog_restarted, "hog terminated and restarted by the kubelet", 60, 0.3)
     write_gpu_state(node, [])
-    terms = [r for r in enforcer_records(restarted) if r.get("event") == "sigterm" and r.get("outcome") == "sent"]
-    assert terms and {r.get("reason") for r in terms} == {"throttle_evaded"}, terms
-    assert len({r["pid"] for r in terms}) >= 2, f"the helper was not terminated with its container: {terms}"
+    terms = [r for r in enforcer_records(restarted) if r.get("event") == "sigterm"]
+    sent = [r for r in terms if r.get("outcome") == "sent"]
+    assert sent and {r.get("reason") for r in terms} == {"throttle_evaded"}, terms
+    # The helper is a target too (found in the container's cgroup). Once the GPU process dies the
+    # helper's own kill() fails and it exits, or the runtime ends the container, so its SIGTERM may
+    # find it already gone: either outcome shows the enforcer took the whole container.
+    targeted = {r["pid"] for r in terms if r.get("outcome") in ("sent", "gone")}
+    assert len(targeted) >= 2, f"the helper was not a target with its container: {terms}"
 
     def evaded_event() -> dict | None:
         return next((e for e in events(cluster, gpu_namespace, name) if e["reason"] == "GPUThrottleEvaded"), None)
