@@ -11,7 +11,7 @@ Usage::
 The config comes from ``--config FILE`` (re-read when the file changes) or the ``GPUFENCE_CONFIG``
 environment variable; a missing or invalid config is reported on stderr and exits with status 2
 before anything else happens. Flags default to the environment variables of the sidecar contract
-(docs/architecture.md): ``GPUFENCE_METRICS_PORT`` (9401; 0 picks a free port, logged in the
+(docs/internals/architecture.md): ``GPUFENCE_METRICS_PORT`` (9401; 0 picks a free port, logged in the
 ``started`` line), ``GPUFENCE_HOST_PROC``, ``GPUFENCE_STATE_DIR``, ``GPUFENCE_NVIDIA_DEVICE_PREFIX``;
 the pod identity from the service-account token the kubelet mounts, or ``GPUFENCE_POD_NAME`` /
 ``_NAMESPACE`` / ``_UID`` outside a pod (gpufence/enforcer/pod_identity.py).
@@ -31,7 +31,7 @@ the heartbeat file, not the port.
 Exit status: 0 after SIGTERM/SIGINT, 1 on a fatal startup error (the simulated NVML cannot be built), 2 for usage
 and configuration errors, 3 when the poll thread died (an exception the loop did not catch):
 nothing is enforced without it, so the enforcer continues what it holds stopped and exits non-zero,
-which the kubelet restarts under every restart policy but ``Never`` (docs/enforcer-internals.md).
+which the kubelet restarts under every restart policy but ``Never`` (docs/internals/enforcer-internals.md).
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 Every line carries ``time`` (RFC 3339, UTC, millisecond precision), ``level`` and ``event``, plus
 the pod's identity (``namespace``, ``pod``) and whatever the caller adds (``container``, ``pid``,
 ``uuid``, ``used_bytes``, ``limit_bytes``, ``sm_utilization``, ``compute_share``, ``action``,
-``mode`` ... see docs/architecture.md). Keys whose value is ``None`` are left out.
+``mode`` ... see docs/internals/architecture.md). Keys whose value is ``None`` are left out.
 
 Lines are written whole under a lock and flushed at once, so the log can be read line by line
 from a pipe (the tests do) and interleaves safely between the poll loop, the throttle thread and

@@ -1,4 +1,4 @@
-"""Prometheus metrics of the enforcer, on a registry of its own (docs/architecture.md, "Metrics").
+"""Prometheus metrics of the enforcer, on a registry of its own (docs/internals/architecture.md, "Metrics").
 
 Label names are joinable with DCGM-exporter: ``namespace``, ``pod``, ``container``, ``UUID``,
 ``gpu`` (the device index as a string). Per-container gauges are replaced wholesale each poll

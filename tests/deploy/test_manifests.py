@@ -34,7 +34,7 @@ from tests.support.prerequisites import missing
 
 ROOT = Path(__file__).resolve().parents[2]
 K8S = ROOT / "k8s"
-ARCHITECTURE = ROOT / "docs" / "architecture.md"
+ARCHITECTURE = ROOT / "docs" / "internals" / "architecture.md"
 DASHBOARD = K8S / "components" / "monitoring" / "dashboards" / "gpufence.json"
 K8S_VERSION = "1.30"
 
@@ -606,7 +606,7 @@ def test_certificate_jobs() -> None:
 
 
 # ---------------------------------------------------------------------------------------------
-# Monitoring: Prometheus Operator objects, alerts and dashboard against docs/architecture.md
+# Monitoring: Prometheus Operator objects, alerts and dashboard against docs/internals/architecture.md
 
 
 @functools.cache
@@ -628,7 +628,7 @@ def documented_metrics() -> dict[str, tuple[str, dict[str, set[str]]]]:
             assert label, f"cannot parse label {part!r} of {name}"
             labels[label.group(0)] = set(re.findall(r"`([^`]+)`", part))
         metrics[name] = (kind.split()[0], labels)
-    assert len(metrics) >= 10, "docs/architecture.md metric tables not found"
+    assert len(metrics) >= 10, "docs/internals/architecture.md metric tables not found"
     return metrics
 
 
@@ -667,7 +667,7 @@ def check_promql(expr: str, extra_labels: set[str] = frozenset()) -> list[str]:
     for name in re.findall(r"\b(gpufence_[a-z0-9_]+)\b", expr):
         resolved = _resolve(name)
         if resolved is None:
-            errors.append(f"metric {name} is not in docs/architecture.md")
+            errors.append(f"metric {name} is not in docs/internals/architecture.md")
     # Every selector names a documented metric (or a series Prometheus generates).
     for name in re.findall(r"\b([A-Za-z_:][A-Za-z0-9_:]*)\s*\{", stripped):
         if not name.startswith("gpufence_") and name not in PROMETHEUS_SERIES:
