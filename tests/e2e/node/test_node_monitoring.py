@@ -37,24 +37,23 @@ from tests.deploy.test_alerts import rule_groups
 from tests.e2e import kube
 from tests.e2e.binaries import GoMissing, prometheus_with_kubernetes_sd
 from tests.e2e.controlplane import ControlPlane
-from tests.e2e.node.test_node_enforcement import RENAMED
 from tests.integration.monitor.conftest import monitoring_object
 from tests.integration.monitor.test_prometheus import panels, substitute
+from tests.node.driver_hook import GPU_UUID
 from tests.node.node import NODE_NAME, Node
-from tests.node.simruntime import GPU_UUID
 from tests.node.workloads import (
+    RENAMED,
     get_pod,
     gpu_pod,
     host_pid,
-    statuses,
     wait_record,
     wait_running,
     workload_container,
     write_gpu_state,
 )
-from tests.support.ports import free_port
 from tests.support.prerequisites import missing
 from tests.support.prometheus import PrometheusServer, podmonitor_job
+from tests.support.server_process import free_port
 
 GIB = 1 << 30
 ROOT = Path(__file__).resolve().parents[3]
@@ -87,7 +86,6 @@ class Monitored:
     namespace: str
     pods: dict[str, str]  # role in the scenario -> pod name
     started: float
-    kubeconfig: Path
     objects: dict[str, dict[str, Any]] = field(default_factory=dict)
 
 
@@ -149,9 +147,7 @@ def monitored(admin: client.ApiClient, cluster: ControlPlane, node: Node, sim: N
         prom.root.mkdir()
         started = time.time()
         prom.start(config, str(binary))
-        scenario = Monitored(prom, namespace, names, started,
-                             cluster.workdir / "admin.kubeconfig" if (cluster.workdir / "admin.kubeconfig").exists()
-                             else cluster.admin_kubeconfig)
+        scenario = Monitored(prom, namespace, names, started)
 
         # -- the scenario, each step once Prometheus has seen the state before it -----------------
         prom.wait_for(f'up{{job="{ENFORCER_JOB}",namespace="{namespace}"}} == 1', DEADLINE,
@@ -235,8 +231,9 @@ def test_the_kill_alert_fires_for_the_terminated_container_only(monitored: Monit
     greedy = monitored.pods["greedy"]
 
     def killed() -> set[tuple[str, str, str]] | None:
+        query = f'ALERTS{{alertname="GpufenceContainerKilled",namespace="{monitored.namespace}"}}'
         found = {(a["metric"]["pod"], a["metric"]["container"], a["metric"]["alertstate"])
-                 for a in prom.query(f'ALERTS{{alertname="GpufenceContainerKilled",namespace="{monitored.namespace}"}}')}
+                 for a in prom.query(query)}
         return found or None
 
     alerts = prom.wait_until(killed, DEADLINE, "GpufenceContainerKilled")
