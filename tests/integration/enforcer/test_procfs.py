@@ -17,7 +17,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from gpufence.enforcer.procfs import (
+from gpufence.enforcer.observe.procfs import (
     ENV_NVIDIA_DEVICE_PREFIX,
     NVIDIA_DEVICE_PREFIX_DEFAULT,
     ProcFacts,

@@ -1,4 +1,4 @@
-"""The enforcer turns the webhook's recorded warnings into Events (gpufence/enforcer/admission_warnings.py)."""
+"""The enforcer turns the webhook's recorded warnings into Events (gpufence/enforcer/report/admission_warnings.py)."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import json
 
 import pytest
 
-from gpufence.enforcer.admission_warnings import REASON, report, warnings_from_status
-from gpufence.enforcer.decision_log import DecisionLog
+from gpufence.enforcer.report.admission_warnings import REASON, report, warnings_from_status
+from gpufence.enforcer.report.decision_log import DecisionLog
 
 
 class Recorder:

@@ -14,8 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from gpufence.contract import ContainerShare, EnforcerConfig, MemoryShare, Mode
-from gpufence.enforcer.attribution import Attribution, PodProcess
-from gpufence.enforcer.rules import (
+from gpufence.enforcer.decide.rules import (
     UNATTRIBUTED,
     ComputeTracker,
     memory_orders,
@@ -24,6 +23,7 @@ from gpufence.enforcer.rules import (
     pod_usage,
     usage_by_container,
 )
+from gpufence.enforcer.observe.attribution import Attribution, PodProcess
 from tests.support.examples import examples
 
 CONTAINERS = ("a", "b", "c")

@@ -8,7 +8,7 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from gpufence.enforcer.rules import TerminateOrder
+from gpufence.enforcer.decide.rules import TerminateOrder
 
 
 @dataclass(frozen=True)

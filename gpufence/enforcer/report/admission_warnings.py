@@ -13,7 +13,7 @@ import json
 from typing import Protocol
 
 from gpufence.contract import MAX_STATUS_WARNINGS, STATUS_WARNINGS
-from gpufence.enforcer.decision_log import DecisionLog
+from gpufence.enforcer.report.decision_log import DecisionLog
 
 REASON = "GpuShareSettings"
 _MAX_LENGTH = 1024

@@ -2,7 +2,7 @@
 
 ``record`` puts the event on a bounded queue and returns at once (a full queue drops the event and
 counts it in ``dropped``); a daemon thread posts core/v1 Events with the small standard-library
-client in :mod:`gpufence.enforcer.kube_events_api` (the ``kubernetes`` package is not loaded: the
+client in :mod:`gpufence.enforcer.report.kube_events_api` (the ``kubernetes`` package is not loaded: the
 sidecar runs in every GPU pod). Outside a cluster (no ``KUBERNETES_SERVICE_HOST`` or no
 service-account credentials) the recorder is off and says so in one log line. A 403 (the pod's
 service account may not create events) is logged once and turns the recorder off. A 429 or 5xx is
@@ -35,8 +35,8 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from gpufence.enforcer.decision_log import DecisionLog
-from gpufence.enforcer.kube_events_api import SERVICE_ACCOUNT_DIR, ApiError, CredentialsUnavailable, EventsApi
+from gpufence.enforcer.report.decision_log import DecisionLog
+from gpufence.enforcer.report.kube_events_api import SERVICE_ACCOUNT_DIR, ApiError, CredentialsUnavailable, EventsApi
 
 COMPONENT = "gpufence-enforcer"
 MAX_RETRY_WAIT = 10.0  # seconds one event may wait for a busy API server before it is dropped

@@ -32,18 +32,18 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from gpufence.contract import Mode
-from gpufence.enforcer.attribution import Attribution
-from gpufence.enforcer.compute import UNATTRIBUTED as COMPUTE_UNATTRIBUTED
-from gpufence.enforcer.decision_log import DecisionLog
-from gpufence.enforcer.events import EventRecorder
-from gpufence.enforcer.kill_deadlines import KillDeadlines, PendingKill
-from gpufence.enforcer.machine import Decisions
-from gpufence.enforcer.metrics import EnforcerMetrics
-from gpufence.enforcer.procfs import processes_in_cgroup
-from gpufence.enforcer.rules import TerminateOrder
-from gpufence.enforcer.signals import Outcome, SafeSignaller, SignalTarget
-from gpufence.enforcer.termination_why import Why
-from gpufence.enforcer.throttle import ThrottleExecutor
+from gpufence.enforcer.act.kill_deadlines import KillDeadlines, PendingKill
+from gpufence.enforcer.act.signals import Outcome, SafeSignaller, SignalTarget
+from gpufence.enforcer.act.termination_why import Why
+from gpufence.enforcer.act.throttle import ThrottleExecutor
+from gpufence.enforcer.decide.compute import UNATTRIBUTED as COMPUTE_UNATTRIBUTED
+from gpufence.enforcer.decide.machine import Decisions
+from gpufence.enforcer.decide.rules import TerminateOrder
+from gpufence.enforcer.observe.attribution import Attribution
+from gpufence.enforcer.observe.procfs import processes_in_cgroup
+from gpufence.enforcer.report.decision_log import DecisionLog
+from gpufence.enforcer.report.events import EventRecorder
+from gpufence.enforcer.report.metrics import EnforcerMetrics
 
 # The container label of actions taken against unattributed processes (pod budget).
 UNATTRIBUTED = COMPUTE_UNATTRIBUTED
