@@ -298,8 +298,7 @@ def _run(
     from gpufence.enforcer.loop import Enforcer
     from gpufence.enforcer.observe.attribution import Attributor, choose_mode
     from gpufence.enforcer.observe.procfs import NVIDIA_DEVICE_PREFIX_DEFAULT
-    from gpufence.enforcer.report.admission_warnings import report as report_admission_warnings
-    from gpufence.enforcer.report.events import EventRecorder, PodRef
+    from gpufence.enforcer.report.events import EventRecorder, PodRef, report_admission_warnings
     from gpufence.enforcer.report.health import Health
     from gpufence.enforcer.report.metrics import EnforcerMetrics
     from gpufence.enforcer.serve import serve
