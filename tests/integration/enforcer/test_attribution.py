@@ -1,4 +1,4 @@
-"""enforcer.attribution against real processes: NVML samples (enforcer.nvml's own dataclasses)
+"""enforcer.observe.attribution against real processes: NVML samples (enforcer.observe.nvml's own dataclasses)
 naming real child PIDs, our own PID, PIDs of exited processes and of another PID namespace."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""enforcer.procfs against real child processes (and one hand-made proc tree for unreadable files).
+"""enforcer.observe.procfs against real child processes (and one hand-made proc tree for unreadable files).
 
 Workloads are real Python children that open a file named like a GPU device node under a temp
 directory, print "ready" and block on stdin: the test waits on that line, never on a sleep, and

@@ -1,4 +1,4 @@
-"""enforcer.compute: the compute controller against a simulated plant (pure, no processes).
+"""enforcer.decide.compute: the compute controller against a simulated plant (pure, no processes).
 
 The plant is a container that wants ``demand`` of the GPU. Run a fraction f of each period it
 measures ``demand · r``, where r follows f with a first-order lag (time constant ``lag``): the

@@ -1,4 +1,4 @@
-"""enforcer.machine: the decision state machine, poll by poll, without processes or signals."""
+"""enforcer.decide.machine: the decision state machine, poll by poll, without processes or signals."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""enforcer.memory_mechanism: which mechanism holds a container's memory share, and the driver's
+"""enforcer.decide.memory_mechanism: which mechanism holds a container's memory share, and the driver's
 currentUsed as its usage (pure: no NVML, no processes)."""
 
 from __future__ import annotations

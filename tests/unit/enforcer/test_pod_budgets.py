@@ -1,4 +1,4 @@
-"""enforcer.rules / compute / machine: a claim is never a key, and what no container can be charged for
+"""enforcer.decide.rules / compute / machine: a claim is never a key, and what no container can be charged for
 counts against the pod's budgets (memory, compute, GPU count); throttle evasion gives a one-shot order.
 
 Pure: hand-built attributions, no processes (the attacks themselves run in

@@ -1,4 +1,4 @@
-"""enforcer.rules: table tests of the memory decisions and the compute duty-cycle math."""
+"""enforcer.decide.rules: table tests of the memory decisions and the compute duty-cycle math."""
 
 from __future__ import annotations
 

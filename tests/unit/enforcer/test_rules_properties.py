@@ -1,4 +1,4 @@
-"""Properties of enforcer.rules over arbitrary mixes of processes, shares and NVML gaps.
+"""Properties of enforcer.decide.rules over arbitrary mixes of processes, shares and NVML gaps.
 
 The invariant under test is the enforcer's hard one, as far as the pure core decides it: a victim
 is always a process of this pod, either of a container strictly over its share on that device (the
