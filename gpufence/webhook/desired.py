@@ -197,7 +197,7 @@ def is_service_account_token_volume(volume: Any) -> bool:
     """Whether ``volume`` holds the pod's own service-account token: projected, with a
     ``serviceAccountToken`` source at path ``token`` for the API server's audience, as the
     ServiceAccount plugin makes it. The enforcer names its pod by that token's claims
-    (gpufence/enforcer/pod_identity.py)."""
+    (gpufence/enforcer/observe/pod_identity.py)."""
     projected = volume.get("projected") if isinstance(volume, dict) else None
     sources = projected.get("sources") if isinstance(projected, dict) else None
     return isinstance(sources, list) and any(

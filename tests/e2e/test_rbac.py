@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 from kubernetes import client
 
-from gpufence.enforcer.decision_log import DecisionLog
-from gpufence.enforcer.events import EventRecorder, PodRef
+from gpufence.enforcer.report.decision_log import DecisionLog
+from gpufence.enforcer.report.events import EventRecorder, PodRef
 from tests.e2e import kube
 from tests.e2e.controlplane import ControlPlane
 from tests.e2e.gpufence_install import (
