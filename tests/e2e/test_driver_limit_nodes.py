@@ -113,3 +113,5 @@ def test_the_webhooks_token_lists_and_watches_nodes_as_metadata_only(webhook: We
                             resource_version=listed["metadata"]["resourceVersion"], _preload_content=False)
     assert stream.status == 200
     stream.release_conn()
+    # And the webhook's own cache did so without a failure (a 403 would be "node watch ended").
+    assert '"nodes_listed"' in webhook.log() and "node watch ended" not in webhook.log()
