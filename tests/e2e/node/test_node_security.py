@@ -59,11 +59,14 @@ USERS = {
     # The workload's image runs as a non-root user and the pod sets none: the sidecar is uid 0
     # with KILL + SYS_PTRACE, documented to reach "processes of any user".
     "image-user-workload": ({}, {}, True),
-    # Pod-level runAsUser: the sidecar inherits it and needs no capability (same uid).
+    # Pod-level runAsUser: the sidecar does not follow it (runAsUser: 0 of its own, KILL + SYS_PTRACE).
     "pod-run-as-user": ({"runAsUser": 1000, "runAsGroup": 1000}, {}, True),
-    # A container with a user of its own under a pod-level runAsUser: documented (and warned at
-    # admission) as out of a non-root sidecar's reach.
-    "container-own-user": ({"runAsUser": 1000, "runAsGroup": 1000}, {"runAsUser": 2000}, False),
+    # A container with a user of its own under a pod-level runAsUser: reached all the same.
+    "container-own-user": ({"runAsUser": 1000, "runAsGroup": 1000}, {"runAsUser": 2000}, True),
+    # Issue 32 row 3, as the tenant wrote it: the pod runs as 1000, the GPU container as root (the
+    # sidecar used to inherit uid 1000 and report the root process as uninspectable, 9 GiB untouched).
+    "root-container-under-pod-user": ({"runAsUser": 1000, "runAsGroup": 1000}, {"runAsUser": 0}, True),
+    "root-group-under-pod-user": ({"runAsUser": 1000, "runAsGroup": 1000}, {"runAsUser": 0, "runAsGroup": 0}, True),
 }
 
 
