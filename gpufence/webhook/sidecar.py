@@ -319,7 +319,7 @@ def sidecar_security_context(user: Mapping[str, Any], pod_security: str | None) 
         # fds of a workload running as another user (seen on the real node: image-user workloads).
         context["capabilities"] = {"drop": ["ALL"], "add": ["DAC_READ_SEARCH", "KILL", "SYS_PTRACE"]}
     elif pod_security == RESTRICTED:
-        # Only a non-root sidecar can pass: it shares the pod's user and needs no capability.
+        # Only a non-root sidecar can pass: it has the GPU containers' user and needs no capability.
         context["capabilities"] = {"drop": ["ALL"]}
         context["seccompProfile"] = {"type": "RuntimeDefault"}
     else:  # baseline, or a level this version does not know: the runtime's defaults and KILL
