@@ -88,17 +88,17 @@ def sim_state(pids: list[int], extra: tuple[Any, ...] = ()) -> Any:
 def measure_ticks(root: Path, counts: list[int], ticks: int) -> list[dict[str, Any]]:
     from gpufence import simnvml
     from gpufence.contract import EnforcerConfig
-    from gpufence.enforcer.attribution import Attributor, PidMode
-    from gpufence.enforcer.decision_log import DecisionLog
-    from gpufence.enforcer.events import EventRecorder, PodRef
-    from gpufence.enforcer.health import Health
+    from gpufence.enforcer.act.signals import SafeSignaller
+    from gpufence.enforcer.act.stopped_state import StoppedState
+    from gpufence.enforcer.act.throttle import ThrottleExecutor
+    from gpufence.enforcer.decide.rules import ComputeTracker, memory_orders, usage_by_container
     from gpufence.enforcer.loop import Enforcer
-    from gpufence.enforcer.metrics import EnforcerMetrics
-    from gpufence.enforcer.nvml import NvmlClient
-    from gpufence.enforcer.rules import ComputeTracker, memory_orders, usage_by_container
-    from gpufence.enforcer.signals import SafeSignaller
-    from gpufence.enforcer.stopped_state import StoppedState
-    from gpufence.enforcer.throttle import ThrottleExecutor
+    from gpufence.enforcer.observe.attribution import Attributor, PidMode
+    from gpufence.enforcer.observe.nvml import NvmlClient
+    from gpufence.enforcer.report.decision_log import DecisionLog
+    from gpufence.enforcer.report.events import EventRecorder, PodRef
+    from gpufence.enforcer.report.health import Health
+    from gpufence.enforcer.report.metrics import EnforcerMetrics
 
     lib = simnvml.build_library()
     device, state = root / "dev" / "nvidia0", root / "sim-state"

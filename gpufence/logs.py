@@ -13,7 +13,7 @@ Records from libraries (aiohttp, kubernetes, urllib3) become ``event: "log"`` wi
 ``message``. A collector can therefore parse all three programs with one rule and select on
 ``event``.
 
-The enforcer writes its lines itself (``enforcer.decision_log.DecisionLog``, with :func:`encode`); the
+The enforcer writes its lines itself (``enforcer.report.decision_log.DecisionLog``, with :func:`encode`); the
 webhook and the certs tool use :mod:`logging` with :class:`JsonFormatter` and :func:`log_event`.
 """
 

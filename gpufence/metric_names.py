@@ -1,5 +1,5 @@
 """The names and labels of the enforcer's Prometheus metrics, shared by the enforcer (which exports
-them, gpufence/enforcer/metrics.py) and the monitor (which reads them, gpufence/monitor/), so neither
+them, gpufence/enforcer/report/metrics.py) and the monitor (which reads them, gpufence/monitor/), so neither
 imports the other. Standard library only.
 
 Label names are joinable with DCGM-exporter: ``namespace``, ``pod``, ``container``, ``UUID``, ``gpu``.

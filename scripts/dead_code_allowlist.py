@@ -1,7 +1,7 @@
 """Names in gpufence/ used only by name or reflection, so vulture cannot see their use
 (scripts/dead_code.py). Each line is a use; say why."""
 
-# ctypes: the driver reads the record's field (gpufence/enforcer/nvml.py, nvmlGetMemoryLimits_v1).
+# ctypes: the driver reads the record's field (gpufence/enforcer/observe/nvml.py, nvmlGetMemoryLimits_v1).
 _.nameSpace  # noqa: F821, B018
 # prometheus_client calls a custom collector's collect() (gpufence/webhook/metrics.py).
 _.collect  # noqa: F821, B018

@@ -38,7 +38,7 @@ def _families(registry: Any) -> list[tuple[str, str, str, tuple[str, ...]]]:
 
 
 def enforcer_rows() -> list[tuple[str, str, str, tuple[str, ...]]]:
-    from gpufence.enforcer.metrics import EnforcerMetrics
+    from gpufence.enforcer.report.metrics import EnforcerMetrics
 
     return _families(EnforcerMetrics("ns", "pod").registry)
 

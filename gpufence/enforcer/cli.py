@@ -14,7 +14,7 @@ before anything else happens. Flags default to the environment variables of the 
 (docs/internals/architecture.md): ``GPUFENCE_METRICS_PORT`` (9401; 0 picks a free port, logged in the
 ``started`` line), ``GPUFENCE_HOST_PROC``, ``GPUFENCE_STATE_DIR``, ``GPUFENCE_NVIDIA_DEVICE_PREFIX``;
 the pod identity from the service-account token the kubelet mounts, or ``GPUFENCE_POD_NAME`` /
-``_NAMESPACE`` / ``_UID`` outside a pod (gpufence/enforcer/pod_identity.py).
+``_NAMESPACE`` / ``_UID`` outside a pod (gpufence/enforcer/observe/pod_identity.py).
 
 ``--simulate STATE_FILE`` builds the simulated NVML library (``simnvml``), points it at the state
 file and uses it instead of the driver: try policies on a laptop. Simulated processes do not hold
@@ -56,13 +56,13 @@ from gpufence.contract import (
     ConfigError,
     EnforcerConfig,
 )
-from gpufence.enforcer.compute import INEFFECTIVE_SECONDS
-from gpufence.enforcer.decision_log import LEVELS, DecisionLog, forward_stdlib_logging
+from gpufence.enforcer.decide.compute import INEFFECTIVE_SECONDS
+from gpufence.enforcer.observe.procfs import ENV_NVIDIA_DEVICE_PREFIX, ENV_NVIDIA_DEVICES
 from gpufence.enforcer.probe import probe
-from gpufence.enforcer.procfs import ENV_NVIDIA_DEVICE_PREFIX, ENV_NVIDIA_DEVICES
+from gpufence.enforcer.report.decision_log import LEVELS, DecisionLog, forward_stdlib_logging
 
 if TYPE_CHECKING:
-    from gpufence.enforcer.pod_identity import PodIdentity
+    from gpufence.enforcer.observe.pod_identity import PodIdentity
 
 PROG = "gpufence-enforcer"
 ENV_LOG_LEVEL = "GPUFENCE_LOG_LEVEL"
@@ -249,8 +249,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         write_termination_message(args.termination_log, f"config_invalid: {exc}")
         return EXIT_USAGE
 
-    from gpufence.enforcer.kube_events_api import SERVICE_ACCOUNT_DIR
-    from gpufence.enforcer.pod_identity import identify
+    from gpufence.enforcer.observe.pod_identity import identify
+    from gpufence.enforcer.report.kube_events_api import SERVICE_ACCOUNT_DIR
 
     identity = identify(SERVICE_ACCOUNT_DIR)
     log = DecisionLog(namespace=identity.namespace, pod=identity.name, level=args.log_level)
@@ -268,7 +268,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _client_factory(args: argparse.Namespace, log: DecisionLog) -> Callable[[], object] | None:
-    from gpufence.enforcer.nvml import NvmlClient
+    from gpufence.enforcer.observe.nvml import NvmlClient
 
     if args.simulate:
         try:
@@ -290,19 +290,18 @@ def _run(
     args: argparse.Namespace, config: EnforcerConfig, port: int, log: DecisionLog,
     identity: PodIdentity,
 ) -> int:
-    from gpufence.enforcer.admission_warnings import report as report_admission_warnings
-    from gpufence.enforcer.attribution import Attributor, choose_mode
-    from gpufence.enforcer.compute import UNATTRIBUTED
-    from gpufence.enforcer.events import EventRecorder, PodRef
-    from gpufence.enforcer.health import Health
-    from gpufence.enforcer.kill_deadlines import KillDeadlines
+    from gpufence.enforcer.act.kill_deadlines import KillDeadlines
+    from gpufence.enforcer.act.signals import SafeSignaller
+    from gpufence.enforcer.act.stopped_state import StoppedState
+    from gpufence.enforcer.act.throttle import ThrottleExecutor
+    from gpufence.enforcer.decide.compute import UNATTRIBUTED
     from gpufence.enforcer.loop import Enforcer
-    from gpufence.enforcer.metrics import EnforcerMetrics
-    from gpufence.enforcer.procfs import NVIDIA_DEVICE_PREFIX_DEFAULT
+    from gpufence.enforcer.observe.attribution import Attributor, choose_mode
+    from gpufence.enforcer.observe.procfs import NVIDIA_DEVICE_PREFIX_DEFAULT
+    from gpufence.enforcer.report.events import EventRecorder, PodRef, report_admission_warnings
+    from gpufence.enforcer.report.health import Health
+    from gpufence.enforcer.report.metrics import EnforcerMetrics
     from gpufence.enforcer.serve import serve
-    from gpufence.enforcer.signals import SafeSignaller
-    from gpufence.enforcer.stopped_state import StoppedState
-    from gpufence.enforcer.throttle import ThrottleExecutor
 
     own_pid = os.getpid()
     signaller = SafeSignaller(log, own_pid=own_pid)

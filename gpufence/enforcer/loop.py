@@ -10,7 +10,7 @@ waits on NVML. Each poll interval ``tick`` does, in order:
    ``gpufence_nvml_up`` is 0 and ``/readyz`` says 503; ``/healthz`` fails only while a call hangs);
 3. ``NvmlClient.sample()``; per-device errors are counted and logged (rate-limited), never fatal;
 4. ``Attributor.attribute`` and hand the pod's (pid, start time) pairs to the signaller;
-5. ``Core.step`` (``gpufence/enforcer/machine.py``, pure) decides everything for this poll; the loop is the
+5. ``Core.step`` (``gpufence/enforcer/decide/machine.py``, pure) decides everything for this poll; the loop is the
    driver that carries its ``Decisions`` out: metrics, log lines, the ``Terminator`` (unattributed
    processes while the pod is over its budget, then containers over their shares as a whole; in
    audit mode only the episode lines), and the throttle plan to the executor (with a lease);
@@ -36,22 +36,22 @@ from collections.abc import Callable
 from functools import partial
 
 from gpufence.contract import EnforcerConfig, Mode
-from gpufence.enforcer.attribution import Attribution, Attributor, PidMode
-from gpufence.enforcer.compute import INEFFECTIVE_SECONDS, UNATTRIBUTED
-from gpufence.enforcer.decision_log import DecisionLog
-from gpufence.enforcer.driver_limits import DriverLimits
-from gpufence.enforcer.events import EventRecorder
-from gpufence.enforcer.health import Health
-from gpufence.enforcer.kill_deadlines import KillDeadlines
-from gpufence.enforcer.machine import Core, Decisions
-from gpufence.enforcer.metrics import EnforcerMetrics
-from gpufence.enforcer.nvml import NvmlClient, NvmlSample, NvmlUnavailable
-from gpufence.enforcer.reporting import Reporter
-from gpufence.enforcer.signals import SafeSignaller, SignalTarget
-from gpufence.enforcer.stopped_state import Recovery, StoppedState, recover
-from gpufence.enforcer.terminate import Terminator
-from gpufence.enforcer.throttle import ThrottleExecutor, ThrottlePlan
-from gpufence.enforcer.watchdog import DeadlineRunner, NvmlHung
+from gpufence.enforcer.act.kill_deadlines import KillDeadlines
+from gpufence.enforcer.act.signals import SafeSignaller, SignalTarget
+from gpufence.enforcer.act.stopped_state import Recovery, StoppedState, recover
+from gpufence.enforcer.act.terminate import Terminator
+from gpufence.enforcer.act.throttle import ThrottleExecutor, ThrottlePlan
+from gpufence.enforcer.decide.compute import INEFFECTIVE_SECONDS, UNATTRIBUTED
+from gpufence.enforcer.decide.machine import Core, Decisions
+from gpufence.enforcer.observe.attribution import Attribution, Attributor, PidMode
+from gpufence.enforcer.observe.nvml import NvmlClient, NvmlSample, NvmlUnavailable
+from gpufence.enforcer.observe.watchdog import DeadlineRunner, NvmlHung
+from gpufence.enforcer.report.decision_log import DecisionLog
+from gpufence.enforcer.report.driver_limits import DriverLimits
+from gpufence.enforcer.report.events import EventRecorder
+from gpufence.enforcer.report.health import Health
+from gpufence.enforcer.report.metrics import EnforcerMetrics
+from gpufence.enforcer.report.reporter import Reporter
 
 NVML_BACKOFF_MAX_SECONDS = 30.0
 ERROR_LOG_REPEAT_SECONDS = 60.0

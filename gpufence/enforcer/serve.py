@@ -15,10 +15,22 @@ import signal
 import threading
 import time
 import traceback
+from collections.abc import Callable
+from pathlib import Path
+from typing import Protocol
 
 from gpufence import __version__
-from gpufence.enforcer.decision_log import DecisionLog
-from gpufence.enforcer.probe import own_start_time
+from gpufence.enforcer.act.state_files import write_text
+from gpufence.enforcer.probe import HEARTBEAT_FILE, heartbeat_text, own_start_time
+from gpufence.enforcer.probe import clock as probe_clock
+from gpufence.enforcer.report.decision_log import DecisionLog
+from gpufence.enforcer.report.health import (
+    HEARTBEAT_PAUSE_SECONDS,
+    HEARTBEAT_PERIOD_SECONDS,
+    HEARTBEAT_STALE_AFTER_SECONDS,
+    Health,
+    make_app,
+)
 
 EXIT_POLL_THREAD_DIED = 3  # the exit status cli.py documents
 
@@ -37,9 +49,8 @@ def serve(
     device_prefix: str, throttle,
 ) -> int:
     """Runs on the main thread (signal handlers need it) until a signal or the poll thread's death."""
-    from gpufence.enforcer.health import make_app, write_heartbeats
-    from gpufence.enforcer.http_server import start_server
-    from gpufence.enforcer.procfs import own_privileges, privilege_limits
+    from gpufence.enforcer.observe.procfs import own_privileges, privilege_limits
+    from gpufence.enforcer.report.http_server import start_server
 
     privileges = own_privileges()
     stop = threading.Event()
@@ -128,3 +139,53 @@ def serve(
         status = EXIT_POLL_THREAD_DIED if died else 0
         log.info("shutdown", signal=received[0] if received else None, exit_status=status)
     return status
+
+
+class _Log(Protocol):
+    def error(self, event: str, **fields: object) -> None: ...
+    def info(self, event: str, **fields: object) -> None: ...
+
+
+def write_heartbeats(health: Health, state_dir: str, log: _Log, stop: threading.Event, clock=probe_clock,
+                     on_pause: Callable[[float], None] | None = None) -> None:
+    """Rewrite ``<state_dir>/heartbeat`` every ``HEARTBEAT_PERIOD_SECONDS`` until ``stop`` is set
+    (a thread of its own).
+
+    A write that fails (the state volume full...) is logged once and retried: the probe then sees a
+    stale heartbeat and the kubelet restarts the sidecar, as it should for an enforcer that cannot
+    record what it stopped either.
+
+    A gap between two heartbeats longer than the period by ``HEARTBEAT_PAUSE_SECONDS`` means the
+    enforcer was held from outside (SIGSTOP by a workload, a freezer): it cannot see that while it
+    is held, but says so as soon as it runs again (``enforcer_was_paused``, with the seconds lost,
+    and ``on_pause(seconds)``: the loop's Event and metric).
+    """
+    path = Path(state_dir) / HEARTBEAT_FILE
+    pid, started = os.getpid(), own_start_time()
+    failing = False
+    last: float | None = None
+    while True:
+        live, detail = health.heartbeat()
+        now = clock()
+        if last is not None and now - last > HEARTBEAT_PERIOD_SECONDS + HEARTBEAT_PAUSE_SECONDS:
+            lost = now - last - HEARTBEAT_PERIOD_SECONDS
+            log.error("enforcer_was_paused", seconds=round(lost, 3),
+                      reason="the enforcer did not run for that long (stopped by another process, frozen or "
+                      "starved): nothing was enforced meanwhile")
+            if on_pause is not None:
+                on_pause(lost)
+        last = now
+        text = heartbeat_text(live, detail, now, HEARTBEAT_STALE_AFTER_SECONDS, pid, started)
+        try:
+            write_text(path, text)
+        except OSError as exc:
+            if not failing:
+                log.error("heartbeat_failed", path=str(path), error=str(exc),
+                          reason="the sidecar's probe fails on a stale heartbeat: the kubelet restarts it")
+            failing = True
+        else:
+            if failing:
+                log.info("heartbeat_resumed", path=str(path))
+            failing = False
+        if stop.wait(HEARTBEAT_PERIOD_SECONDS):
+            return

@@ -17,6 +17,7 @@ from gpufence.contract import MIRROR_POD_ANNOTATION, POD_OPT_OUT_LABEL, SIDECAR_
 from gpufence.webhook.desired import desired_plain_pod, desired_pod
 from gpufence.webhook.device_access import device_access_denial
 from gpufence.webhook.dra import DraObjects, check_claim_ceilings, claim_memory, claim_warnings
+from gpufence.webhook.driver_limits import KnownNodes, NodeLabels
 from gpufence.webhook.ephemeral import SUBRESOURCE as EPHEMERAL_SUBRESOURCE
 from gpufence.webhook.ephemeral import ephemeral_patch
 from gpufence.webhook.gpu_paths import PodGpuPaths, advised_resource
@@ -56,14 +57,17 @@ class _Denied(Exception):
 
 
 def review(payload: Any, settings: InjectionSettings, namespaces: NamespaceLookup,
-           claims: DraObjects | None = None) -> ReviewResult:
+           claims: DraObjects | None = None, nodes: KnownNodes | None = None) -> ReviewResult:
     """``claims``: the DRA objects (webhook.dra_cache) that claims are resolved through, for the
-    warnings of webhook.dra.claim_warnings; None where there are none (outside a cluster)."""
+    warnings of webhook.dra.claim_warnings; None where there are none (outside a cluster).
+    ``nodes``: the nodes' labels (webhook.nodes), for the driver limits under ``auto``; None where
+    none are known. Read once per review: one review sees one snapshot."""
     request = _request(payload)
     uid = request["uid"]
     warnings: list[str] = []
     try:
-        outcome, patch = _decide(request, settings, namespaces, warnings, claims)
+        outcome, patch = _decide(request, settings, namespaces, warnings, claims,
+                                 nodes.node_labels() if nodes is not None else None)
     except _Denied as denied:
         return _result(uid, OUTCOME_DENIED, warnings, denied=denied.message)
     except RecursionError:
@@ -79,7 +83,7 @@ OUTCOME_REFUSED = "refused"
 
 
 def verify(payload: Any, settings: InjectionSettings, namespaces: NamespaceLookup,
-           claims: DraObjects | None = None) -> ReviewResult:
+           claims: DraObjects | None = None, nodes: KnownNodes | None = None) -> ReviewResult:
     """The validating side of the same rules: is the pod the API server is about to store one that
     ``review`` leaves as it is?
 
@@ -91,7 +95,7 @@ def verify(payload: Any, settings: InjectionSettings, namespaces: NamespaceLooku
     """
     request = _request(payload)
     uid = request["uid"]
-    result = review(payload, settings, namespaces, claims)
+    result = review(payload, settings, namespaces, claims, nodes)
     response = result.review["response"]
     if result.outcome == OUTCOME_DENIED:
         return _result(uid, OUTCOME_REFUSED, [], denied=VERIFY_PREFIX + response["status"]["message"])
@@ -103,7 +107,8 @@ def verify(payload: Any, settings: InjectionSettings, namespaces: NamespaceLooku
         "gpufence: the pod differs from what gpufence admits at "
         f"{shown}: something after gpufence's webhook changed it (another mutating webhook, or the API "
         "server dropping fields of a feature it has off, such as DRA's resourceClaims), or the "
-        "webhook's policy changed meanwhile. Create the pod again; if this repeats, the cluster admin "
+        "webhook's policy or a node's gpufence.io/driver-memory-limits label changed meanwhile. "
+        "Create the pod again; if this repeats, the cluster admin "
         "must order the other mutating webhook before gpufence's or stop it changing GPU pods "
         "(docs/runbook.md, \"Pods refused by verify.gpufence.io\")"))
 
@@ -204,7 +209,7 @@ def _ephemeral(request: dict[str, Any], namespaces: NamespaceLookup) -> tuple[st
 
 def _decide(
     request: dict[str, Any], settings: InjectionSettings, namespaces: NamespaceLookup, warnings: list[str],
-    claims: DraObjects | None = None,
+    claims: DraObjects | None = None, nodes: NodeLabels | None = None,
 ) -> tuple[str, bytes | None]:
     if _is_ephemeral_request(request):
         return _ephemeral(request, namespaces)
@@ -309,7 +314,7 @@ def _decide(
         # In the status annotation too, so the enforcer posts them as Events on the pod: a pod a
         # controller creates never shows its author the admission warnings.
         plan = replace(plan, warnings=(*plan.warnings, *claim_notes))
-        patch, mutation_warnings = injection_patch(pod, plan, settings, pod_security, namespace_annotations)
+        patch, mutation_warnings = injection_patch(pod, plan, settings, pod_security, namespace_annotations, nodes)
     except (ShareError, MutationError) as exc:
         raise _Denied(str(exc)) from None
     warnings.extend(mutation_warnings)
@@ -318,13 +323,13 @@ def _decide(
 
 def injection_patch(
     pod: dict[str, Any], plan: SharePlan, settings: InjectionSettings, pod_security: str | None = None,
-    namespace_annotations: Mapping[str, object] | None = None,
+    namespace_annotations: Mapping[str, object] | None = None, nodes: NodeLabels | None = None,
 ) -> tuple[bytes | None, list[str]]:
     """The JSON Patch (compact UTF-8 JSON; None when the pod needs none) and the warnings.
 
     Raises ``MutationError`` (a denial). The pod must have passed ``podshape.check_shape``.
     """
-    new_pod, warnings = desired_pod(pod, plan, settings, pod_security, namespace_annotations)
+    new_pod, warnings = desired_pod(pod, plan, settings, pod_security, namespace_annotations, nodes)
     ops = diff(pod, new_pod)
     return (dumps(ops) if ops else None), warnings
 

@@ -120,6 +120,7 @@ async def run(args: argparse.Namespace) -> None:
     from gpufence.webhook.cluster_policy import ClusterPolicy, PolicyWatch
     from gpufence.webhook.dra_cache import DraCache
     from gpufence.webhook.namespaces import NamespaceCache, load_core_api
+    from gpufence.webhook.nodes import NodeCache
     from gpufence.webhook.server import ServerLimits, serve
     from gpufence.webhook.settings import AllNamespacesOptedIn
     from gpufence.webhook.tls import CertReloader
@@ -129,6 +130,8 @@ async def run(args: argparse.Namespace) -> None:
     namespaces = AllNamespacesOptedIn() if api is None else NamespaceCache(api)
     # DRA claims resolved through their DeviceClasses (webhook.dra); none outside a cluster.
     claims = None if api is None else DraCache(_custom_objects(api))
+    # The nodes' labels, for the driver limits under auto (webhook.driver_limits); none outside a cluster.
+    nodes = None if api is None else NodeCache(api)
     policy, policy_watch = ClusterPolicy(settings_from_args(args)), None
     if args.policy_configmap is not None:
         namespace, name = args.policy_configmap
@@ -143,7 +146,7 @@ async def run(args: argparse.Namespace) -> None:
         loop.add_signal_handler(sig, stop.set)  # graceful: stop accepting, finish in-flight requests
     limits = ServerLimits(shutdown_delay=args.shutdown_delay)
     await serve(policy, namespaces, reloader, stop, host=args.bind_address, port=args.port, limits=limits,
-                policy_watch=policy_watch, claims=claims)
+                policy_watch=policy_watch, claims=claims, nodes=nodes)
 
 
 def _custom_objects(core_api: Any) -> Any:

@@ -18,7 +18,7 @@ from typing import Any
 
 from gpufence.contract import ANNOTATION_STATUS, SIDECAR_NAME
 from gpufence.webhook.container_env import FrameworkRecord, gpu_container, void_container
-from gpufence.webhook.driver_limits import plan_driver_limits
+from gpufence.webhook.driver_limits import NodeLabels, plan_driver_limits
 from gpufence.webhook.frameworks import device_memory, pytorch_cap_enabled, recorded_warnings
 from gpufence.webhook.gpu_paths import PodGpuPaths
 from gpufence.webhook.podshape import MutationError
@@ -36,11 +36,13 @@ from gpufence.webhook.sidecar import (
 
 def desired_pod(pod: dict[str, Any], plan: SharePlan, settings: InjectionSettings,
                 pod_security: str | None = None,
-                namespace_annotations: Mapping[str, object] | None = None) -> tuple[dict[str, Any], list[str]]:
+                namespace_annotations: Mapping[str, object] | None = None,
+                nodes: NodeLabels | None = None) -> tuple[dict[str, Any], list[str]]:
     """The injected pod (sharing untouched subtrees with ``pod``) and warnings; raises MutationError.
 
     ``pod_security``: the namespace's enforced Pod Security level (its label), None if unlabelled.
     ``namespace_annotations``: the Namespace's (its opt-in to PyTorch's allocator cap).
+    ``nodes``: the known nodes' labels (driver limits under ``auto``), None where none are known.
 
     The pod's shape must have been checked (``podshape.check_shape``): dicts and lists where
     this function reads them.
@@ -80,7 +82,7 @@ def desired_pod(pod: dict[str, Any], plan: SharePlan, settings: InjectionSetting
     # (and through it the enforcer config) gets percentages resolved first.
     by_name = {c["name"]: c for key in ("initContainers", "containers") for c in spec.get(key) or ()}
     limits = plan_driver_limits(plan, pod["spec"], settings,
-                                lambda name: device_memory(pod["spec"], by_name.get(name, {}), settings))
+                                lambda name: device_memory(pod["spec"], by_name.get(name, {}), settings), nodes)
     plan = limits.plan
     shares = dict(plan.containers)
     if limits.warning is not None:
@@ -197,7 +199,7 @@ def is_service_account_token_volume(volume: Any) -> bool:
     """Whether ``volume`` holds the pod's own service-account token: projected, with a
     ``serviceAccountToken`` source at path ``token`` for the API server's audience, as the
     ServiceAccount plugin makes it. The enforcer names its pod by that token's claims
-    (gpufence/enforcer/pod_identity.py)."""
+    (gpufence/enforcer/observe/pod_identity.py)."""
     projected = volume.get("projected") if isinstance(volume, dict) else None
     sources = projected.get("sources") if isinstance(projected, dict) else None
     return isinstance(sources, list) and any(

@@ -30,6 +30,7 @@ from gpufence.webhook.admission import InvalidReview, ReviewResult, denial, requ
 from gpufence.webhook.cluster_policy import ClusterPolicy
 from gpufence.webhook.decisions import log_decision, log_review_failed
 from gpufence.webhook.dra import DraObjects
+from gpufence.webhook.driver_limits import KnownNodes
 from gpufence.webhook.metrics import WebhookMetrics
 from gpufence.webhook.patch import dumps, loads
 from gpufence.webhook.settings import AllNamespacesOptedIn, FreshReader, InjectionSettings, NamespaceLookup
@@ -74,6 +75,8 @@ WATCHES: web.AppKey[tuple[BackgroundLookup, ...]] = web.AppKey("watches")
 NAMESPACES = web.AppKey("namespaces", NamespaceLookup)
 # The DRA objects claims are resolved through (webhook.dra_cache), or None (outside a cluster).
 CLAIMS: web.AppKey[DraObjects | None] = web.AppKey("claims")
+# The nodes' labels (webhook.nodes), for the driver limits under auto, or None (outside a cluster).
+NODES: web.AppKey[KnownNodes | None] = web.AppKey("nodes")
 RELOADER = web.AppKey("reloader", CertReloader)
 METRICS = web.AppKey("metrics", WebhookMetrics)
 LIMITS = web.AppKey("limits", ServerLimits)
@@ -200,14 +203,14 @@ def _decode(body: bytes) -> Any:
         raise Rejected(400, f"malformed JSON: {exc}") from None
 
 
-Judge = Callable[[Any, InjectionSettings, NamespaceLookup, "DraObjects | None"], ReviewResult]
+Judge = Callable[[Any, InjectionSettings, NamespaceLookup, "DraObjects | None", "KnownNodes | None"], ReviewResult]
 
 
 def _answer(payload: Any, judge: Judge, settings: InjectionSettings, namespaces: NamespaceLookup,
-            claims: DraObjects | None = None) -> tuple[str, bytes]:
+            claims: DraObjects | None = None, nodes: KnownNodes | None = None) -> tuple[str, bytes]:
     """Reviews (``judge``: admission.review or admission.verify) and encodes one decoded request."""
     try:
-        result = judge(payload, settings, namespaces, claims)
+        result = judge(payload, settings, namespaces, claims, nodes)
     except InvalidReview as exc:
         raise Rejected(400, str(exc)) from None
     except Exception as exc:
@@ -274,9 +277,10 @@ async def _judge(request: web.Request, judge: Judge) -> web.Response:
         # loop that would stall every other request of this replica. In a worker thread the GIL
         # still serialises the Python work, but its switch interval lets the loop keep answering
         # small reviews meanwhile.
-        outcome, answer = await asyncio.to_thread(_answer, payload, judge, settings, namespaces, app[CLAIMS])
+        outcome, answer = await asyncio.to_thread(_answer, payload, judge, settings, namespaces, app[CLAIMS],
+                                                  app[NODES])
     else:
-        outcome, answer = _answer(payload, judge, settings, namespaces, app[CLAIMS])
+        outcome, answer = _answer(payload, judge, settings, namespaces, app[CLAIMS], app[NODES])
     request[OUTCOME] = outcome
     return web.Response(body=answer, content_type="application/json")
 
@@ -340,18 +344,22 @@ async def _run_watches(app: web.Application) -> AsyncIterator[None]:
 
 def create_app(settings: InjectionSettings | ClusterPolicy, namespaces: NamespaceLookup, reloader: CertReloader, *,
                limits: ServerLimits = ServerLimits(), metrics: WebhookMetrics | None = None,
-               policy_watch: BackgroundLookup | None = None, claims: DraObjects | None = None) -> web.Application:
+               policy_watch: BackgroundLookup | None = None, claims: DraObjects | None = None,
+               nodes: KnownNodes | None = None) -> web.Application:
     """The webhook application. ``reloader`` holds the serving certificate (see ``start_server``).
 
     ``settings``: fixed InjectionSettings (the flags), or a ClusterPolicy that ``policy_watch`` feeds.
     ``claims``: the DRA cache (started and stopped with the app; never part of /readyz: a claim it
     cannot resolve is taken for a GPU, see webhook.dra).
+    ``nodes``: the node cache (started and stopped with the app; never part of /readyz either: a
+    pod whose nodes it does not know gets no driver limits, see webhook.driver_limits).
     """
     app = web.Application(middlewares=[error_middleware], client_max_size=limits.max_body_bytes)
     policy = settings if isinstance(settings, ClusterPolicy) else ClusterPolicy(settings)
     app[POLICY] = policy
-    app[WATCHES] = tuple(w for w in (policy_watch, claims) if isinstance(w, BackgroundLookup))
+    app[WATCHES] = tuple(w for w in (policy_watch, claims, nodes) if isinstance(w, BackgroundLookup))
     app[CLAIMS] = claims
+    app[NODES] = nodes
     app[NAMESPACES] = namespaces
     app[RELOADER] = reloader
     app[LIMITS] = limits
@@ -439,9 +447,10 @@ async def start_webhook(cert_file: str | Path, key_file: str | Path, *,
 async def serve(settings: InjectionSettings | ClusterPolicy, namespaces: NamespaceLookup, reloader: CertReloader,
                 stop: asyncio.Event, *, host: str = "0.0.0.0", port: int = 8443,
                 limits: ServerLimits = ServerLimits(), policy_watch: BackgroundLookup | None = None,
-                claims: DraObjects | None = None) -> None:
+                claims: DraObjects | None = None, nodes: KnownNodes | None = None) -> None:
     """Run until ``stop`` is set, then shut down gracefully."""
-    app = create_app(settings, namespaces, reloader, limits=limits, policy_watch=policy_watch, claims=claims)
+    app = create_app(settings, namespaces, reloader, limits=limits, policy_watch=policy_watch, claims=claims,
+                     nodes=nodes)
     running = await start_server(app, host=host, port=port)
     log_event(log, "serving", address=host, port=running.port, serial=format(reloader.cert.serial_number, "x"),
               version=__version__)

@@ -340,7 +340,7 @@ def build_sidecar(plan: SharePlan, settings: InjectionSettings, *, user: Mapping
     port = settings.metrics_port if fixed_port else 0
     env = [
         # No pod name, namespace or uid: the enforcer reads them from the service-account token the
-        # kubelet mounts (gpufence/enforcer/pod_identity.py), which saves every pod three variables.
+        # kubelet mounts (gpufence/enforcer/observe/pod_identity.py), which saves every pod three variables.
         {"name": ENV_CONFIG, "value": config_json(plan, settings)},
     ]
     if status_warnings:

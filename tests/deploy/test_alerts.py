@@ -27,7 +27,7 @@ import pytest
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
-from gpufence.enforcer.metrics import ACTION_KINDS, EnforcerMetrics
+from gpufence.enforcer.report.metrics import ACTION_KINDS, EnforcerMetrics
 from gpufence.webhook.metrics import OUTCOMES, WebhookMetrics
 from tests.deploy.test_manifests import K8S, _kubectl_missing_reason, one, render
 from tests.support.prerequisites import missing

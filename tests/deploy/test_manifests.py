@@ -469,6 +469,8 @@ def test_rbac_is_least_privilege(directory: str) -> None:
     webhook_role = one(objects, "ClusterRole", "gpufence-webhook")
     assert webhook_role["rules"] == [
         {"apiGroups": [""], "resources": ["namespaces"], "verbs": ["get", "list", "watch"]},
+        # The nodes' names and labels, listed and watched (webhook.nodes), never read one by one or written.
+        {"apiGroups": [""], "resources": ["nodes"], "verbs": ["list", "watch"]},
         # Exactly the DRA objects a pod's claims lead to, read only (webhook.dra_cache).
         {"apiGroups": ["resource.k8s.io"], "resources": ["deviceclasses", "resourceclaims", "resourceclaimtemplates"],
          "verbs": ["get", "list", "watch"]},

@@ -50,6 +50,7 @@ class BuildRecipe:
     packages: tuple[str, ...]  # import paths of main packages
     ldflags: str
     cgo: bool = False  # the NVIDIA hook binds libnvidia-ml through cgo; the Kubernetes binaries are static
+    tags: str = ""  # go build -tags (Prometheus: which service discoveries it links)
 
     @property
     def key(self) -> str:
@@ -61,6 +62,8 @@ class BuildRecipe:
         digest.update(self.ldflags.encode())
         if self.cgo:  # only then, so the existing binaries' keys (and caches) stay as they were
             digest.update(b"cgo")
+        if self.tags:
+            digest.update(f"tags={self.tags}".encode())
         return f"{self.module_dir.name}-{digest.hexdigest()[:12]}"
 
     def outputs(self) -> dict[str, Path]:
@@ -118,6 +121,22 @@ def nvidia_cdi_hook() -> Path:
     return build(nvidia_cdi_hook_recipe())["nvidia-cdi-hook"]
 
 
+# Prometheus with Kubernetes service discovery, for the monitoring scenario on the node test bed
+# (tests/e2e/node/test_node_monitoring.py): Debian's build leaves that discovery out. Prometheus's
+# plugins/ files take build tags: remove_all_sd drops every discovery, enable_<name>_sd brings one
+# back, so the binary links client-go's but not the clouds' SDKs.
+PROMETHEUS_TAGS = "remove_all_sd,enable_kubernetes_sd"
+
+
+def prometheus_recipe() -> BuildRecipe:
+    return BuildRecipe(GOMOD / "prometheus", ("github.com/prometheus/prometheus/cmd/prometheus",), "-s -w",
+                       tags=PROMETHEUS_TAGS)
+
+
+def prometheus_with_kubernetes_sd() -> Path:
+    return build(prometheus_recipe())["prometheus"]
+
+
 def go_binary() -> str:
     go = shutil.which("go")
     if go is None:
@@ -145,7 +164,8 @@ def build(recipe: BuildRecipe, log=sys.stderr) -> dict[str, Path]:
             out = outputs[pkg.rsplit("/", 1)[-1]]
             print(f"building {pkg} into {out} (first time only)", file=log, flush=True)
             result = subprocess.run(
-                [go, "build", "-trimpath", "-ldflags", recipe.ldflags, "-o", f"{out}.tmp", pkg],
+                [go, "build", "-trimpath", "-ldflags", recipe.ldflags,
+                 *(("-tags", recipe.tags) if recipe.tags else ()), "-o", f"{out}.tmp", pkg],
                 cwd=recipe.module_dir, env=env, capture_output=True, text=True,
             )
             if result.returncode != 0:
@@ -219,10 +239,10 @@ def main(argv: list[str]) -> int:
                     continue
                 cost = path.parent / "BUILD-COST"
                 print(path, cost.read_text().strip() if cost.exists() else "")
-        if not argv:  # the node tests' real NVIDIA hook (cgo: needs a C compiler, as simnvml does)
-            hook = nvidia_cdi_hook()
-            cost = hook.parent / "BUILD-COST"
-            print(hook, cost.read_text().strip() if cost.exists() else "")
+        if not argv:  # the node tests' real NVIDIA hook (cgo: needs a C compiler) and Prometheus
+            for binary in (nvidia_cdi_hook(), prometheus_with_kubernetes_sd()):
+                cost = binary.parent / "BUILD-COST"
+                print(binary, cost.read_text().strip() if cost.exists() else "")
     except GoMissing as exc:
         # Not a failure: the e2e tests skip with this same reason, printed in pytest's summary.
         print(f"e2e: not building the control plane, the end-to-end tests will skip: {exc}", file=sys.stderr)

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 from kubernetes import client
 
-from gpufence.enforcer.decision_log import DecisionLog
-from gpufence.enforcer.events import EventRecorder, PodRef
+from gpufence.enforcer.report.decision_log import DecisionLog
+from gpufence.enforcer.report.events import EventRecorder, PodRef
 from tests.e2e import kube
 from tests.e2e.controlplane import ControlPlane
 from tests.e2e.gpufence_install import (
@@ -39,6 +39,11 @@ def can_i(cp: ControlPlane, user: str, verb: str, resource: str, namespace: str 
     (WEBHOOK_SA, "list", "namespaces", None, True),
     (WEBHOOK_SA, "watch", "namespaces", None, True),
     (WEBHOOK_SA, "update", "namespaces", None, False),
+    (WEBHOOK_SA, "list", "nodes", None, True),
+    (WEBHOOK_SA, "watch", "nodes", None, True),
+    (WEBHOOK_SA, "get", "nodes", None, False),
+    (WEBHOOK_SA, "patch", "nodes", None, False),
+    (WEBHOOK_SA, "get", "nodes/proxy", None, False),
     (WEBHOOK_SA, "get", "secrets", NAMESPACE, False),
     (WEBHOOK_SA, "create", "pods", "default", False),
     (WEBHOOK_SA, "patch", f"mutatingwebhookconfigurations/{WEBHOOK_CONFIGURATION}", None, False),

@@ -20,8 +20,8 @@ from tests.e2e.controlplane import ControlPlane
 from tests.node.node import Node
 from tests.node.simruntime import DEVICE_PATH
 from tests.node.workloads import (
+    RENAMED,
     SPINNER,
-    WORKLOAD,
     container_log,
     enforcer_records,
     events,
@@ -369,14 +369,6 @@ def test_gpu_work_running_while_its_process_is_stopped_gets_the_container_termin
 
 # The GPU process re-execs itself (same PID, same cgroup) with GPUFENCE_CONTAINER naming no
 # container of the pod, then holds the device like any workload.
-RENAMED = """
-import os
-if os.environ.get("GPUFENCE_CONTAINER") != "not-a-container":
-    argv = open("/proc/self/cmdline", "rb").read().rstrip(b"\\0").split(b"\\0")
-    os.execve("/proc/self/exe", argv, {**os.environ, "GPUFENCE_CONTAINER": "not-a-container"})
-""" + WORKLOAD
-
-
 def test_a_process_renamed_to_no_container_of_the_pod_is_held_to_the_pod_budget(admin: client.ApiClient,
                                                                                cluster: ControlPlane, node: Node,
                                                                                sim: Node, gpu_namespace: str):

@@ -1,4 +1,4 @@
-"""enforcer.attribution against real processes: NVML samples (enforcer.nvml's own dataclasses)
+"""enforcer.observe.attribution against real processes: NVML samples (enforcer.observe.nvml's own dataclasses)
 naming real child PIDs, our own PID, PIDs of exited processes and of another PID namespace."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from gpufence.enforcer.attribution import (
+from gpufence.enforcer.observe.attribution import (
     Attribution,
     Attributor,
     PidMode,
@@ -23,8 +23,8 @@ from gpufence.enforcer.attribution import (
     choose_mode,
     resolve_containers,
 )
-from gpufence.enforcer.nvml import DeviceSample, GpuProcess, NvmlSample
-from gpufence.enforcer.procfs import ProcFacts, read_start_time
+from gpufence.enforcer.observe.nvml import DeviceSample, GpuProcess, NvmlSample
+from gpufence.enforcer.observe.procfs import ProcFacts, read_start_time
 from tests.integration.enforcer.test_procfs import _CHILD, GpuDir, Spawn, gpu_dir, spawn
 from tests.support.prerequisites import needs
 
@@ -227,8 +227,8 @@ def test_host_proc_mode_rejects_another_pid_namespace(gpu_dir: GpuDir) -> None:
 
 _ENFORCER_IN_A_POD = """
 import json, os, subprocess, sys
-from gpufence.enforcer.attribution import Attributor, PidMode
-from gpufence.enforcer.nvml import DeviceSample, GpuProcess, NvmlSample
+from gpufence.enforcer.observe.attribution import Attributor, PidMode
+from gpufence.enforcer.observe.nvml import DeviceSample, GpuProcess, NvmlSample
 host_proc, device_file, child, outer_runner = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
 nvml_fd = open(device_file, "rb")  # as NVML would: the enforcer itself holds a device file
 env = {"GPUFENCE_CONTAINER": "train", "PATH": os.environ["PATH"]}

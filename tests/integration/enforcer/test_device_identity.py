@@ -19,9 +19,9 @@ from pathlib import Path
 
 import pytest
 
-from gpufence.enforcer.attribution import Attributor, PidMode
-from gpufence.enforcer.nvml import DeviceSample, GpuProcess, NvmlSample
-from gpufence.enforcer.procfs import DeviceIdentity, nvidia_majors
+from gpufence.enforcer.observe.attribution import Attributor, PidMode
+from gpufence.enforcer.observe.nvml import DeviceSample, GpuProcess, NvmlSample
+from gpufence.enforcer.observe.procfs import DeviceIdentity, nvidia_majors
 from tests.support.enforcer_harness import WORKLOAD, GpuSandbox, Workload
 from tests.support.prerequisites import needs
 

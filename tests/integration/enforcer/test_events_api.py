@@ -21,9 +21,9 @@ from typing import Any
 
 import pytest
 
-from gpufence.enforcer.decision_log import DecisionLog
-from gpufence.enforcer.events import COMPONENT, EventRecorder, PodRef
-from gpufence.enforcer.kube_events_api import EventsApi, parse_retry_after
+from gpufence.enforcer.report.decision_log import DecisionLog
+from gpufence.enforcer.report.events import COMPONENT, EventRecorder, PodRef
+from gpufence.enforcer.report.kube_events_api import EventsApi, parse_retry_after
 from tests.support.tlsutil import LocalPKI, make_pki
 
 REPO_ROOT = Path(__file__).resolve().parents[3]
@@ -316,12 +316,12 @@ def test_the_enforcer_never_imports_the_kubernetes_client(tmp_path: Path, pki: L
 import io, pkgutil, importlib, sys
 from pathlib import Path
 import gpufence.enforcer
-for module in pkgutil.iter_modules(gpufence.enforcer.__path__):
-    if module.name == "__main__":  # runs the CLI
+for module in pkgutil.walk_packages(gpufence.enforcer.__path__, "gpufence.enforcer."):
+    if module.name.endswith("__main__"):  # runs the CLI
         continue
-    importlib.import_module("gpufence.enforcer." + module.name)
-from gpufence.enforcer.events import EventRecorder, PodRef
-from gpufence.enforcer.decision_log import DecisionLog
+    importlib.import_module(module.name)
+from gpufence.enforcer.report.events import EventRecorder, PodRef
+from gpufence.enforcer.report.decision_log import DecisionLog
 log = DecisionLog(stream=io.StringIO())
 recorder = EventRecorder.from_environment(log, PodRef("team", "train-0", None), service_account_dir=Path(sys.argv[1]))
 assert recorder.enabled, log
@@ -357,16 +357,16 @@ def test_decisions_on_what_no_container_can_be_charged_for_and_on_evasion_are_ev
     evaded with SIGCONT: each decision reaches the API server as an Event saying why (the real
     recorder, the real terminator signalling real processes)."""
     from gpufence.contract import ContainerShare, EnforcerConfig, Mode
-    from gpufence.enforcer.attribution import Attribution, PodProcess
-    from gpufence.enforcer.machine import Core, ThrottleChange, Transition
-    from gpufence.enforcer.metrics import EnforcerMetrics
-    from gpufence.enforcer.procfs import read_start_time
-    from gpufence.enforcer.reporting import Reporter
-    from gpufence.enforcer.rules import UNATTRIBUTED, Evasion
-    from gpufence.enforcer.signals import SafeSignaller, SignalTarget
-    from gpufence.enforcer.stopped_state import StoppedState
-    from gpufence.enforcer.terminate import Terminator
-    from gpufence.enforcer.throttle import ThrottleExecutor
+    from gpufence.enforcer.act.signals import SafeSignaller, SignalTarget
+    from gpufence.enforcer.act.stopped_state import StoppedState
+    from gpufence.enforcer.act.terminate import Terminator
+    from gpufence.enforcer.act.throttle import ThrottleExecutor
+    from gpufence.enforcer.decide.machine import Core, ThrottleChange, Transition
+    from gpufence.enforcer.decide.rules import UNATTRIBUTED, Evasion
+    from gpufence.enforcer.observe.attribution import Attribution, PodProcess
+    from gpufence.enforcer.observe.procfs import read_start_time
+    from gpufence.enforcer.report.metrics import EnforcerMetrics
+    from gpufence.enforcer.report.reporter import Reporter
     from tests.support.enforcer_harness import WORKLOAD
 
     plain = tmp_path / "device"
@@ -417,10 +417,10 @@ def test_a_driver_limit_asked_for_and_absent_is_an_event_once(api: HttpsEventsAp
                                                                tmp_path: Path):
     """A container whose environment asks for a driver memory limit (NVIDIA_GPU_MEMORY_LIMIT, which
     the toolkit's hook applies) on a driver without the limit calls: one Warning Event, with why."""
-    from gpufence.enforcer.driver_limits import DriverLimits, DriverReading
-    from gpufence.enforcer.metrics import EnforcerMetrics
-    from gpufence.enforcer.nvml import DriverLimit, DriverLimitState
-    from gpufence.enforcer.rules import ContainerDeviceUsage
+    from gpufence.enforcer.decide.rules import ContainerDeviceUsage
+    from gpufence.enforcer.observe.nvml import DriverLimit, DriverLimitState
+    from gpufence.enforcer.report.driver_limits import DriverLimits, DriverReading
+    from gpufence.enforcer.report.metrics import EnforcerMetrics
     from tests.support.enforcer_harness import WORKLOAD
 
     plain = tmp_path / "device"
@@ -458,14 +458,14 @@ def test_an_ineffective_throttle_is_an_event(api: HttpsEventsApi, sa: ServiceAcc
     minimum run fraction ends in termination, and the Event says why (the real recorder and
     terminator, a real process)."""
     from gpufence.contract import ContainerShare, EnforcerConfig, Mode
-    from gpufence.enforcer.attribution import Attribution, PodProcess
-    from gpufence.enforcer.machine import Core
-    from gpufence.enforcer.metrics import EnforcerMetrics
-    from gpufence.enforcer.procfs import read_start_time
-    from gpufence.enforcer.signals import SafeSignaller, SignalTarget
-    from gpufence.enforcer.stopped_state import StoppedState
-    from gpufence.enforcer.terminate import Terminator
-    from gpufence.enforcer.throttle import ThrottleExecutor
+    from gpufence.enforcer.act.signals import SafeSignaller, SignalTarget
+    from gpufence.enforcer.act.stopped_state import StoppedState
+    from gpufence.enforcer.act.terminate import Terminator
+    from gpufence.enforcer.act.throttle import ThrottleExecutor
+    from gpufence.enforcer.decide.machine import Core
+    from gpufence.enforcer.observe.attribution import Attribution, PodProcess
+    from gpufence.enforcer.observe.procfs import read_start_time
+    from gpufence.enforcer.report.metrics import EnforcerMetrics
     from tests.support.enforcer_harness import WORKLOAD
 
     plain = tmp_path / "device"

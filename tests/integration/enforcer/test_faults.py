@@ -342,9 +342,9 @@ def test_a_dead_poll_thread_exits_non_zero_and_leaves_nothing_stopped(gpu, make_
 def test_healthz_fails_from_the_moment_the_poll_thread_died():
     """Between the poll thread's death and the exit (continuing what it held stopped, closing the
     server) the liveness probe must not pass."""
-    from gpufence.enforcer.health import Health, make_app
-    from gpufence.enforcer.http_server import start_server
-    from gpufence.enforcer.metrics import EnforcerMetrics
+    from gpufence.enforcer.report.health import Health, make_app
+    from gpufence.enforcer.report.http_server import start_server
+    from gpufence.enforcer.report.metrics import EnforcerMetrics
     from tests.support.enforcer_harness import enforcer_http
 
     health = Health(INTERVAL)

@@ -1,4 +1,4 @@
-"""The enforcer's own HTTP endpoint (gpufence/enforcer/http_server.py) over real sockets: what
+"""The enforcer's own HTTP endpoint (gpufence/enforcer/report/http_server.py) over real sockets: what
 Prometheus and curl send is answered; what a neighbour container could send to hold it is bounded."""
 
 from __future__ import annotations
@@ -10,10 +10,10 @@ from collections.abc import Iterator
 
 import pytest
 
-from gpufence.enforcer import http_server
-from gpufence.enforcer.health import Health, make_app
-from gpufence.enforcer.http_server import answer, start_server
-from gpufence.enforcer.metrics import EnforcerMetrics
+from gpufence.enforcer.report import http_server
+from gpufence.enforcer.report.health import Health, make_app
+from gpufence.enforcer.report.http_server import answer, start_server
+from gpufence.enforcer.report.metrics import EnforcerMetrics
 
 
 @pytest.fixture

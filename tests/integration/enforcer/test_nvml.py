@@ -1,4 +1,4 @@
-"""gpufence.enforcer.nvml.NvmlClient against the simulated driver, in-process.
+"""gpufence.enforcer.observe.nvml.NvmlClient against the simulated driver, in-process.
 
 pynvml loads libnvidia-ml.so.1 once per process, so every in-process test uses the same library
 file: ``simnvml.build_library()`` with the default cache directory (the file other in-process tests
@@ -25,7 +25,7 @@ from typing import Any
 import pynvml
 import pytest
 
-from gpufence.enforcer.nvml import (
+from gpufence.enforcer.observe.nvml import (
     DeviceSample,
     GpuProcess,
     NvmlClient,
@@ -396,7 +396,7 @@ def test_missing_library_is_a_clear_error(tmp_path: pathlib.Path) -> None:
     result = run_child(
         f"""
         import json
-        from gpufence.enforcer.nvml import NvmlClient, NvmlUnavailable
+        from gpufence.enforcer.observe.nvml import NvmlClient, NvmlUnavailable
         out = {{}}
         for key, path in (("path", {str(tmp_path / "nope" / "libnvidia-ml.so.1")!r}), ("system", None)):
             try:
@@ -425,7 +425,7 @@ def test_second_library_in_one_process_is_refused(lib: pathlib.Path, tmp_path: p
     result = run_child(
         f"""
         import json
-        from gpufence.enforcer.nvml import NvmlClient, NvmlUnavailable
+        from gpufence.enforcer.observe.nvml import NvmlClient, NvmlUnavailable
         first = NvmlClient({str(lib)!r})
         first.open()
         out = {{"first": [p.pid for p in first.sample().devices[0].processes]}}
@@ -449,7 +449,7 @@ def test_second_library_in_one_process_is_refused(lib: pathlib.Path, tmp_path: p
 
 def test_memory_limit_per_cgroup(client: NvmlClient, sim: Writer, tmp_path: pathlib.Path) -> None:
     """The driver's per-cgroup limit and currentUsed (NVML R615), each answer mapped to a state."""
-    from gpufence.enforcer.nvml import DriverLimit, DriverLimitState
+    from gpufence.enforcer.observe.nvml import DriverLimit, DriverLimitState
     from gpufence.simnvml import NO_LIMIT, SimLimit, preset_limits
 
     pod_a, pod_b = "/sys/fs/cgroup/kubepods/podA/c", "/sys/fs/cgroup/kubepods/podB/c"

@@ -23,9 +23,9 @@ from pathlib import Path
 import pytest
 
 from gpufence.contract import DEFAULT_STATE_DIR, ENV_STATE_DIR, POST_START_COMMAND, PROBE_COMMAND
-from gpufence.enforcer.health import HEARTBEAT_PERIOD_SECONDS, HEARTBEAT_STALE_AFTER_SECONDS
 from gpufence.enforcer.probe import HEARTBEAT_FILE
 from gpufence.enforcer.probe import clock as probe_clock
+from gpufence.enforcer.report.health import HEARTBEAT_PERIOD_SECONDS, HEARTBEAT_STALE_AFTER_SECONDS
 from tests.support.enforcer_harness import GpuSandbox, wait_state
 from tests.support.prerequisites import needs
 

@@ -1,4 +1,4 @@
-"""enforcer.procfs against real child processes (and one hand-made proc tree for unreadable files).
+"""enforcer.observe.procfs against real child processes (and one hand-made proc tree for unreadable files).
 
 Workloads are real Python children that open a file named like a GPU device node under a temp
 directory, print "ready" and block on stdin: the test waits on that line, never on a sleep, and
@@ -17,7 +17,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from gpufence.enforcer.procfs import (
+from gpufence.enforcer.observe.procfs import (
     ENV_NVIDIA_DEVICE_PREFIX,
     NVIDIA_DEVICE_PREFIX_DEFAULT,
     ProcFacts,

@@ -16,10 +16,10 @@ from typing import Any
 
 import pytest
 
-from gpufence.enforcer.decision_log import DecisionLog
-from gpufence.enforcer.procfs import read_stat
-from gpufence.enforcer.signals import SignalTarget
-from gpufence.enforcer.stopped_state import StoppedState
+from gpufence.enforcer.act.signals import SignalTarget
+from gpufence.enforcer.act.stopped_state import StoppedState
+from gpufence.enforcer.observe.procfs import read_stat
+from gpufence.enforcer.report.decision_log import DecisionLog
 from tests.support.enforcer_harness import proc_state, wait_state
 from tests.support.prerequisites import needs
 

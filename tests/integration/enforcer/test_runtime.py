@@ -12,8 +12,8 @@ from typing import Any
 
 import pytest
 
-from gpufence.enforcer.decision_log import DecisionLog
-from gpufence.enforcer.events import EventRecorder, PodRef
+from gpufence.enforcer.report.decision_log import DecisionLog
+from gpufence.enforcer.report.events import EventRecorder, PodRef
 
 GIB = 1 << 30
 

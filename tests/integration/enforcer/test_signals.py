@@ -16,11 +16,11 @@ from pathlib import Path
 
 import pytest
 
-from gpufence.enforcer.decision_log import DecisionLog
-from gpufence.enforcer.procfs import read_stat
-from gpufence.enforcer.signals import Outcome, SafeSignaller, SignalTarget
-from gpufence.enforcer.stopped_state import StoppedState, recover
-from gpufence.enforcer.throttle import PERIOD_JITTER, ThrottleExecutor, ThrottlePlan
+from gpufence.enforcer.act.signals import Outcome, SafeSignaller, SignalTarget
+from gpufence.enforcer.act.stopped_state import StoppedState, recover
+from gpufence.enforcer.act.throttle import PERIOD_JITTER, ThrottleExecutor, ThrottlePlan
+from gpufence.enforcer.observe.procfs import read_stat
+from gpufence.enforcer.report.decision_log import DecisionLog
 from tests.support.enforcer_harness import WORKLOAD, LineReader, proc_state, wait_state
 from tests.support.prerequisites import needs
 

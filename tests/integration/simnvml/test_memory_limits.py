@@ -20,7 +20,7 @@ from typing import Any
 
 import pytest
 
-from gpufence.enforcer.procfs import read_start_time
+from gpufence.enforcer.observe.procfs import read_start_time
 from gpufence.simnvml import (
     NO_LIMIT,
     SimAllocation,

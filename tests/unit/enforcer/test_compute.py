@@ -1,4 +1,4 @@
-"""enforcer.compute: the compute controller against a simulated plant (pure, no processes).
+"""enforcer.decide.compute: the compute controller against a simulated plant (pure, no processes).
 
 The plant is a container that wants ``demand`` of the GPU. Run a fraction f of each period it
 measures ``demand · r``, where r follows f with a first-order lag (time constant ``lag``): the
@@ -16,9 +16,9 @@ import pytest
 
 from bench.compute_sampling import CASES, simulate
 from gpufence.contract import ContainerShare, EnforcerConfig, MemoryShare, Mode
-from gpufence.enforcer.attribution import Attribution, PodProcess
-from gpufence.enforcer.compute import HOLD_RUN_FRACTION, START_MARGIN, ComputeTracker
-from gpufence.enforcer.throttle import PERIOD_JITTER
+from gpufence.enforcer.act.throttle import PERIOD_JITTER
+from gpufence.enforcer.decide.compute import HOLD_RUN_FRACTION, START_MARGIN, ComputeTracker
+from gpufence.enforcer.observe.attribution import Attribution, PodProcess
 
 HALF = EnforcerConfig(containers={"train": ContainerShare(compute_percent=50)})
 TOLERANCE = 0.05  # measured use within ±5 points of the share once settled

@@ -3,7 +3,7 @@ mechanism holding each container's memory share, by container name."""
 
 from __future__ import annotations
 
-from gpufence.enforcer.health import Health, healthz_body
+from gpufence.enforcer.report.health import Health, healthz_body
 
 
 def test_liveness_line_then_one_line_per_container_sorted():

@@ -1,12 +1,12 @@
-"""enforcer.machine: the decision state machine, poll by poll, without processes or signals."""
+"""enforcer.decide.machine: the decision state machine, poll by poll, without processes or signals."""
 
 from __future__ import annotations
 
 import itertools
 
 from gpufence.contract import ContainerShare, EnforcerConfig, MemoryShare, Mode
-from gpufence.enforcer.attribution import Attribution, PodProcess
-from gpufence.enforcer.machine import UTILISATION_REFRESH_SECONDS, Core, Transition
+from gpufence.enforcer.decide.machine import UTILISATION_REFRESH_SECONDS, Core, Transition
+from gpufence.enforcer.observe.attribution import Attribution, PodProcess
 
 GiB = 1 << 30
 CONFIG = EnforcerConfig(

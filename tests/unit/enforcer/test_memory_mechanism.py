@@ -1,4 +1,4 @@
-"""enforcer.memory_mechanism: which mechanism holds a container's memory share, and the driver's
+"""enforcer.decide.memory_mechanism: which mechanism holds a container's memory share, and the driver's
 currentUsed as its usage (pure: no NVML, no processes)."""
 
 from __future__ import annotations
@@ -6,9 +6,8 @@ from __future__ import annotations
 import pytest
 
 from gpufence.contract import ContainerShare, EnforcerConfig, MemoryShare
-from gpufence.enforcer.attribution import Attribution, PodProcess
-from gpufence.enforcer.machine import Core
-from gpufence.enforcer.memory_mechanism import (
+from gpufence.enforcer.decide.machine import Core
+from gpufence.enforcer.decide.memory_mechanism import (
     EnvHints,
     Mechanism,
     apply_driver_usage,
@@ -17,8 +16,9 @@ from gpufence.enforcer.memory_mechanism import (
     driver_usage,
     hidden_by_cgroup_namespace,
 )
-from gpufence.enforcer.nvml import DriverLimit, DriverLimitState
-from gpufence.enforcer.rules import ContainerDeviceUsage
+from gpufence.enforcer.decide.rules import ContainerDeviceUsage
+from gpufence.enforcer.observe.attribution import Attribution, PodProcess
+from gpufence.enforcer.observe.nvml import DriverLimit, DriverLimitState
 
 GiB = 1 << 30
 NS = "/sys/fs/cgroup/kubepods/pod1/train"

@@ -1,4 +1,4 @@
-"""enforcer.rules / compute / machine: a claim is never a key, and what no container can be charged for
+"""enforcer.decide.rules / compute / machine: a claim is never a key, and what no container can be charged for
 counts against the pod's budgets (memory, compute, GPU count); throttle evasion gives a one-shot order.
 
 Pure: hand-built attributions, no processes (the attacks themselves run in
@@ -9,10 +9,9 @@ from __future__ import annotations
 import pytest
 
 from gpufence.contract import ContainerShare, EnforcerConfig, MemoryShare
-from gpufence.enforcer.attribution import Attribution, PodProcess
-from gpufence.enforcer.compute import share_of, unattributed_sm_utilization
-from gpufence.enforcer.machine import Core, Transition
-from gpufence.enforcer.rules import (
+from gpufence.enforcer.decide.compute import share_of, unattributed_sm_utilization
+from gpufence.enforcer.decide.machine import Core, Transition
+from gpufence.enforcer.decide.rules import (
     UNATTRIBUTED,
     ComputeTracker,
     Evasion,
@@ -22,6 +21,7 @@ from gpufence.enforcer.rules import (
     pod_gpus_requested,
     screen_claims,
 )
+from gpufence.enforcer.observe.attribution import Attribution, PodProcess
 
 GiB = 1 << 30
 TOTALS = {0: 80 * GiB, 1: 80 * GiB}

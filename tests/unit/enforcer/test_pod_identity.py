@@ -1,4 +1,4 @@
-"""The enforcer names its pod from the kubelet's service-account token (gpufence/enforcer/pod_identity.py)."""
+"""The enforcer names its pod from the kubelet's service-account token (gpufence/enforcer/observe/pod_identity.py)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from gpufence.enforcer.pod_identity import from_token, identify
+from gpufence.enforcer.observe.pod_identity import from_token, identify
 
 
 def jwt(claims: dict[str, Any]) -> str:

@@ -13,7 +13,7 @@ import pytest
 
 from gpufence import contract
 from gpufence.enforcer import probe
-from gpufence.enforcer.health import HEARTBEAT_STALE_AFTER_SECONDS, Health
+from gpufence.enforcer.report.health import HEARTBEAT_STALE_AFTER_SECONDS, Health
 
 
 def start_time(pid: int) -> int:

@@ -1,12 +1,11 @@
-"""enforcer.rules: table tests of the memory decisions and the compute duty-cycle math."""
+"""enforcer.decide.rules: table tests of the memory decisions and the compute duty-cycle math."""
 
 from __future__ import annotations
 
 import pytest
 
 from gpufence.contract import ContainerShare, EnforcerConfig, LimitUnit, MemoryShare
-from gpufence.enforcer.attribution import Attribution, PodProcess
-from gpufence.enforcer.rules import (
+from gpufence.enforcer.decide.rules import (
     ContainerDeviceUsage,
     TerminateOrder,
     container_sm_utilization,
@@ -15,6 +14,7 @@ from gpufence.enforcer.rules import (
     pod_usage,
     usage_by_container,
 )
+from gpufence.enforcer.observe.attribution import Attribution, PodProcess
 
 GiB = 1 << 30
 

@@ -1,4 +1,4 @@
-"""Properties of enforcer.rules over arbitrary mixes of processes, shares and NVML gaps.
+"""Properties of enforcer.decide.rules over arbitrary mixes of processes, shares and NVML gaps.
 
 The invariant under test is the enforcer's hard one, as far as the pure core decides it: a victim
 is always a process of this pod, either of a container strictly over its share on that device (the
@@ -14,8 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from gpufence.contract import ContainerShare, EnforcerConfig, MemoryShare, Mode
-from gpufence.enforcer.attribution import Attribution, PodProcess
-from gpufence.enforcer.rules import (
+from gpufence.enforcer.decide.rules import (
     UNATTRIBUTED,
     ComputeTracker,
     memory_orders,
@@ -24,6 +23,7 @@ from gpufence.enforcer.rules import (
     pod_usage,
     usage_by_container,
 )
+from gpufence.enforcer.observe.attribution import Attribution, PodProcess
 from tests.support.examples import examples
 
 CONTAINERS = ("a", "b", "c")

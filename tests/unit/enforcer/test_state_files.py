@@ -13,10 +13,10 @@ from pathlib import Path
 import pytest
 
 from gpufence.contract import MAX_GRACE_PERIOD_SECONDS
-from gpufence.enforcer.decision_log import DecisionLog
-from gpufence.enforcer.kill_deadlines import FILE_NAME, KillDeadlines, PendingKill, boot_clock, boot_id
-from gpufence.enforcer.signals import SignalTarget
-from gpufence.enforcer.stopped_state import StoppedState
+from gpufence.enforcer.act.kill_deadlines import FILE_NAME, KillDeadlines, PendingKill, boot_clock, boot_id
+from gpufence.enforcer.act.signals import SignalTarget
+from gpufence.enforcer.act.stopped_state import StoppedState
+from gpufence.enforcer.report.decision_log import DecisionLog
 
 
 class Clock:

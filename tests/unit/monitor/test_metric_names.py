@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from gpufence import metric_names as m
-from gpufence.enforcer.metrics import EnforcerMetrics
+from gpufence.enforcer.report.metrics import EnforcerMetrics
 
 
 def test_the_names_are_the_enforcers_metrics() -> None:

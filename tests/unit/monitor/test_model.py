@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-from gpufence.enforcer.metrics import EnforcerMetrics, UsageSample
+from gpufence.enforcer.report.metrics import EnforcerMetrics, UsageSample
 from gpufence.monitor.model import NO_DEVICE, build_view, with_target_labels
 from gpufence.monitor.sources import parse_metrics
 

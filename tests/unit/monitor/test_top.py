@@ -65,7 +65,7 @@ def test_frame_redraws_in_place() -> None:
 
 
 def test_a_container_with_no_gpu_process_now() -> None:
-    from gpufence.enforcer.metrics import EnforcerMetrics
+    from gpufence.enforcer.report.metrics import EnforcerMetrics
     from gpufence.monitor.model import build_view
     from gpufence.monitor.sources import parse_metrics
 

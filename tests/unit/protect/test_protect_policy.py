@@ -1,8 +1,9 @@
 """The protect ValidatingAdmissionPolicy (k8s/base/protect-policy.yaml), evaluated with cel-python.
 
-Running pods of opted-in namespaces: an UPDATE may not change the gpufence-enforcer container or
-the gpufence.io/status annotation, a new ephemeral container must carry the webhook's
-NVIDIA_VISIBLE_DEVICES=void and leave the enforcer alone, and exec/attach may not name the sidecar;
+Running pods of opted-in namespaces: an UPDATE may not change the gpufence-enforcer container, the
+gpufence.io/status annotation or the annotations the GPU share was admitted with, a new ephemeral
+container must carry the webhook's NVIDIA_VISIBLE_DEVICES=void and leave the enforcer alone, and
+exec/attach may not name the sidecar;
 members of admin-groups pass. The real kube-apiserver (1.30 and 1.37) evaluates the same policy in
 tests/e2e/test_running_pod_attacks.py; this is the fast loop over the cases, with the policy's CEL
 in the subset cel-python supports (tests/support/k8s_cel.py stands in for Kubernetes' CEL libraries).
@@ -216,6 +217,58 @@ def test_the_status_annotation_cannot_be_added() -> None:
     new = changed(old, lambda p: p["metadata"].update(annotations={ANNOTATION_STATUS: STATUS}))
     allowed, message = PROTECT.update(old, new)
     assert not allowed and "adds the annotation gpufence.io/status" in message
+
+
+# --- the annotations the pod's GPU share was admitted with (issue 32 row 7) ------------------------
+
+NV_LIMIT = "nvidia.com/container.trainer.gpu-memory.limit"
+SHARE_ANNOTATIONS = {"gpu-fraction": "0.25", "gpu-fraction-num-devices": "2",
+                     "gpu-fraction-container-name": "trainer", NV_LIMIT: "8Gi",
+                     "nvidia.com/container.trainer.gpu-compute.mode": "sm-sharing",
+                     "gpufence.io/memory": "8Gi", "gpufence.io/compute.trainer": "25"}
+
+
+def share_pod() -> dict[str, Any]:
+    return changed(injected_pod(), lambda p: p["metadata"]["annotations"].update(SHARE_ANNOTATIONS))
+
+
+@pytest.mark.parametrize("key", sorted(SHARE_ANNOTATIONS))
+@pytest.mark.parametrize("verb", ["changes", "removes"])
+def test_a_share_annotation_cannot_change_or_go(key: str, verb: str) -> None:
+    old = share_pod()
+    annotations = lambda p: p["metadata"]["annotations"]  # noqa: E731
+    change = (lambda p: annotations(p).pop(key)) if verb == "removes" else \
+        (lambda p: annotations(p).update({key: "1"}))
+    allowed, message = PROTECT.update(old, changed(old, change))
+    assert not allowed
+    assert f"{verb} the annotation {key}, which a scheduler" in message
+    assert "kubectl annotate pod train-1 example.com/note=x" in message and "admin-groups" in message
+
+
+@pytest.mark.parametrize("key", ["gpu-memory", "gpu-fraction", "nvidia.com/container.trainer.gpu-memory.request",
+                                 "gpufence.io/memory.trainer", "gpufence.io/mode"])
+def test_a_share_annotation_cannot_be_added(key: str) -> None:
+    old = injected_pod()
+    allowed, message = PROTECT.update(old, changed(old, lambda p: p["metadata"]["annotations"].update({key: "1"})))
+    assert not allowed and f"adds the annotation {key}," in message
+
+
+@pytest.mark.parametrize("change", [
+    # KAI's binder writes the device it chose on the bound pod (KAI's own admission limits who may).
+    lambda p: p["metadata"]["annotations"].update({"nvidia.com/container.trainer.gpus.devices": "GPU-0"}),
+    lambda p: p["metadata"]["annotations"].update({"example.com/gpu-fraction": "0.1"}),
+    lambda p: p["metadata"]["annotations"].update({"runai/shared-gpu-configmap": "train-1-shared-gpu"}),
+    lambda p: p["metadata"]["labels"].update({"gpu-fraction": "0.1"}),
+], ids=["kai-binder-devices", "look-alike-key", "kai-binder-configmap", "a-label-of-that-name"])
+def test_other_annotations_beside_the_share_pass(change: Any) -> None:
+    old = share_pod()
+    assert PROTECT.update(old, changed(old, change)) == (True, "allowed")
+
+
+def test_admins_may_change_a_share_annotation() -> None:
+    old = share_pod()
+    new = changed(old, lambda p: p["metadata"]["annotations"].update({"gpu-fraction": "0.5"}))
+    assert PROTECT.update(old, new, groups=("gpufence:admins",)) == (True, "allowed")
 
 
 @pytest.mark.parametrize("groups", [("system:masters", "system:authenticated"), ("gpufence:admins",)])

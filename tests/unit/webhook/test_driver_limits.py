@@ -20,7 +20,11 @@ from gpufence.contract import (
 )
 from gpufence.webhook.cluster_policy import PolicyError, parse_policy
 from gpufence.webhook.desired import desired_pod
-from gpufence.webhook.driver_limits import driver_limits_apply, pinned_to_driver_limit_nodes
+from gpufence.webhook.driver_limits import (
+    confined_to_driver_limit_nodes,
+    driver_limits_apply,
+    pinned_to_driver_limit_nodes,
+)
 from gpufence.webhook.patch import diff
 from gpufence.webhook.settings import InjectionSettings
 from gpufence.webhook.shares import SharePlan
@@ -208,3 +212,114 @@ def test_an_authors_value_equal_to_the_share_passes_silently() -> None:
     env = [{"name": ENV_DRIVER_MEMORY_LIMIT, "value": "1024"}]
     pod, warnings = desired_pod(gpu_pod("train", env=env), plan_of(("train", MemoryShare(bytes=GiB))), ON)
     assert ours(warnings) == [] and env_of(pod, "train")[0] == {"name": ENV_DRIVER_MEMORY_LIMIT, "value": "1024"}
+
+
+# --- pods confined to labelled nodes by any constraint the scheduler honours (issue 32 row 8) ------
+
+LABELLED = {DRIVER_LIMITS_NODE_LABEL: "true"}
+NODES: dict[str, dict[str, str]] = {
+    "gpu-a": {"kubernetes.io/hostname": "gpu-a", "pool": "r615", "gpus": "8", **LABELLED},
+    "gpu-b": {"kubernetes.io/hostname": "gpu-b", "pool": "r615", "gpus": "4", **LABELLED},
+    "gpu-old": {"kubernetes.io/hostname": "gpu-old", "pool": "r595", "gpus": "8"},
+    "gpu-off": {"kubernetes.io/hostname": "gpu-off", "pool": "r615", DRIVER_LIMITS_NODE_LABEL: "false"},
+}
+
+
+def _fields(operator: str, *names: str) -> dict[str, Any]:
+    return {"matchFields": [{"key": "metadata.name", "operator": operator, "values": list(names)}]}
+
+
+def _expr(key: str, operator: str, *values: str) -> dict[str, Any]:
+    return {"key": key, "operator": operator, "values": list(values)}
+
+
+# (pod spec, every known node it may land on is labelled, and there is one).
+CONFINED_CASES: list[tuple[str, dict[str, Any], bool]] = [
+    ("nodeName", {"nodeName": "gpu-a"}, True),
+    ("nodeName-unlabelled", {"nodeName": "gpu-old"}, False),
+    ("nodeName-label-false", {"nodeName": "gpu-off"}, False),
+    ("nodeName-unknown", {"nodeName": "gpu-new"}, False),
+    ("hostname", {"nodeSelector": {"kubernetes.io/hostname": "gpu-b"}}, True),
+    ("hostname-unlabelled", {"nodeSelector": {"kubernetes.io/hostname": "gpu-old"}}, False),
+    ("matchFields", _affinity(_fields("In", "gpu-a")), True),
+    ("matchFields-two-terms", _affinity(_fields("In", "gpu-a"), _fields("In", "gpu-b")), True),
+    ("matchFields-one-unlabelled", _affinity(_fields("In", "gpu-a"), _fields("In", "gpu-old")), False),
+    ("matchFields-NotIn", _affinity({"matchFields": [_expr("metadata.name", "NotIn", "gpu-old"),
+                                                     _expr("metadata.name", "NotIn", "gpu-off")]}), True),
+    ("matchFields-or-hostname", _affinity(_fields("In", "gpu-a"), _term(_expr("kubernetes.io/hostname", "In",
+                                                                              "gpu-b"))), True),
+    ("terms-one-unlabelled", _affinity(_fields("In", "gpu-a"), _term(_expr("pool", "In", "r595"))), False),
+    ("selector-pool", {"nodeSelector": {"pool": "r615", "gpus": "8"}}, True),
+    ("selector-pool-with-off", {"nodeSelector": {"pool": "r615"}}, False),
+    ("Gt", _affinity(_term(_expr("gpus", "Gt", "4"), _expr("pool", "In", "r615"))), True),
+    ("Lt", _affinity(_term(_expr("gpus", "Lt", "8"))), True),
+    ("Exists-and-NotIn", _affinity(_term(_expr("pool", "Exists"), _expr("pool", "NotIn", "r595"),
+                                         _expr(DRIVER_LIMITS_NODE_LABEL, "NotIn", "false"))), True),
+    ("DoesNotExist", _affinity(_term(_expr(DRIVER_LIMITS_NODE_LABEL, "DoesNotExist"))), False),
+    ("nodeName-and-selector", {"nodeName": "gpu-a", "nodeSelector": {"pool": "r595"}}, False),  # lands nowhere
+    ("no-constraint", {}, False),  # may land on gpu-old
+    ("empty-term", _affinity({}), False),  # admits no node: no candidate, no variables
+    ("unknown-operator", _affinity(_term(_expr("pool", "Near", "r615"))), False),
+    ("unknown-field", _affinity({"matchFields": [_expr("spec.unschedulable", "In", "false")]}), False),
+    ("unreadable-terms", {"affinity": {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {
+        "nodeSelectorTerms": "gpu-a"}}}}, False),
+    ("unreadable-term-besides-a-pin", _affinity(_fields("In", "gpu-a"), {"matchExpressions": "pool"}), False),
+    ("preferred-only", {"nodeName": "gpu-a", "affinity": {"nodeAffinity": {
+        "preferredDuringSchedulingIgnoredDuringExecution": [
+            {"weight": 1, "preference": _term(_expr("pool", "In", "r595"))}]}}}, True),
+]
+
+
+@pytest.mark.parametrize(("spec", "confined"), [(s, c) for _, s, c in CONFINED_CASES],
+                         ids=[name for name, _, _ in CONFINED_CASES])
+def test_a_pod_is_confined_where_every_node_it_may_land_on_is_labelled(spec: dict[str, Any],
+                                                                       confined: bool) -> None:
+    assert confined_to_driver_limit_nodes(spec, NODES) is confined
+    assert driver_limits_apply(spec, AUTO, Mode.ENFORCE, NODES) is confined
+
+
+@pytest.mark.parametrize("spec", [{"nodeName": "gpu-a"}, {"nodeSelector": {"kubernetes.io/hostname": "gpu-a"}},
+                                  _affinity(_fields("In", "gpu-a"))])
+def test_without_known_nodes_a_pinned_pod_gets_no_variables(spec: dict[str, Any]) -> None:
+    assert confined_to_driver_limit_nodes(spec, None) is False
+    assert confined_to_driver_limit_nodes(spec, {}) is False
+    assert driver_limits_apply(spec, AUTO, Mode.ENFORCE, None) is False
+    assert driver_limits_apply(spec, OFF, Mode.ENFORCE, NODES) is False
+    assert driver_limits_apply(spec, AUTO, Mode.AUDIT, NODES) is False
+
+
+def test_the_label_rule_needs_no_known_nodes() -> None:
+    assert driver_limits_apply(PINNED, AUTO, Mode.ENFORCE, None) is True
+
+
+def test_a_pod_pinned_by_name_gets_the_variables_and_reviews_again_to_itself() -> None:
+    plan = plan_of(("train", MemoryShare(bytes=8 * GiB)))
+    pod = gpu_pod("train", nodeName="gpu-a")
+    injected, _ = desired_pod(pod, plan, AUTO, nodes=NODES)
+    assert driver_env(injected, "train") == {ENV_DRIVER_MEMORY_LIMIT: "8192", ENV_DRIVER_MEMORY_REQUEST: "8192"}
+    assert diff(injected, desired_pod(injected, plan, AUTO, nodes=NODES)[0]) == []
+    assert driver_env(desired_pod(gpu_pod("train", nodeName="gpu-old"), plan, AUTO, nodes=NODES)[0], "train") == {}
+
+
+def test_the_node_cache_keeps_names_and_labels_and_publishes_a_new_snapshot_per_change() -> None:
+    from gpufence.webhook.nodes import NodeCache
+
+    class Api:
+        def list_node(self, **kwargs: Any) -> Any:
+            raise AssertionError("not called")
+
+    cache = NodeCache(Api())
+    assert cache.node_labels() is None  # not listed yet: unknown, not empty
+    node = {"metadata": {"name": "gpu-a", "labels": dict(NODES["gpu-a"]), "resourceVersion": "1"}}
+    cache._replace([node, {"metadata": {"name": "gpu-old", "labels": NODES["gpu-old"]}}])
+    cache._synced.set()
+    first = cache.node_labels()
+    assert first is not None and dict(first["gpu-a"]) == NODES["gpu-a"] and set(first) == {"gpu-a", "gpu-old"}
+    cache._apply("MODIFIED", {**node, "metadata": {**node["metadata"], "resourceVersion": "2"}})
+    assert cache.node_labels() is first  # a status write, labels as they were: nothing published
+    cache._apply("MODIFIED", {"metadata": {"name": "gpu-old", "labels": {**NODES["gpu-old"], **LABELLED}}})
+    second = cache.node_labels()
+    assert second is not first and second is not None and second["gpu-old"][DRIVER_LIMITS_NODE_LABEL] == "true"
+    assert DRIVER_LIMITS_NODE_LABEL not in first["gpu-old"]  # a published snapshot never changes
+    cache._apply("DELETED", {"metadata": {"name": "gpu-a"}})
+    assert set(cache.node_labels() or {}) == {"gpu-old"} and "gpu-a" in second

@@ -91,7 +91,7 @@ def test_sidecar_contract() -> None:
     assert EnforcerConfig.from_json(env["GPUFENCE_CONFIG"]) == EnforcerConfig(
         containers=dict(PLAN.containers), mode=Mode.ENFORCE, grace_period_seconds=10.0
     )
-    # The pod's identity is the service-account token's (gpufence/enforcer/pod_identity.py).
+    # The pod's identity is the service-account token's (gpufence/enforcer/observe/pod_identity.py).
     assert not {"GPUFENCE_POD_NAME", "GPUFENCE_POD_NAMESPACE", "GPUFENCE_POD_UID"} & env.keys()
     assert env["GPUFENCE_HOST_PROC"] == "/host/proc"
     # The enforcer's and the probe's defaults: the state volume's mount, the default port, no warnings.

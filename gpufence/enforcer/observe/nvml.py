@@ -41,7 +41,7 @@ from typing import Any
 
 import pynvml
 
-from gpufence.enforcer.nvml_library import (
+from gpufence.enforcer.observe.nvml_library import (
     DEVICE_GONE,
     FATAL,
     FUNCTION_NOT_FOUND,
@@ -65,7 +65,7 @@ from gpufence.enforcer.nvml_library import (
     shutdown_quietly,
     text,
 )
-from gpufence.enforcer.nvml_types import (
+from gpufence.enforcer.observe.nvml_types import (
     NVML_VALUE_NOT_AVAILABLE,
     DeviceSample,
     DriverLimit,

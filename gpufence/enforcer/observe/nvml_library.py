@@ -1,6 +1,6 @@
 """The NVML library as pynvml loads it: error codes and their policy, raw record buffers, loading.
 
-The parts of :class:`gpufence.enforcer.nvml.NvmlClient` that are about the library rather than the
+The parts of :class:`gpufence.enforcer.observe.nvml.NvmlClient` that are about the library rather than the
 session: which codes mean "NVML as a whole stopped answering" (``FATAL``) or "this device is gone"
 (``DEVICE_GONE``), the C record layouts decoded with :mod:`struct`, which symbols this driver has,
 and the soname trick that makes pynvml use a given library file.
@@ -19,7 +19,7 @@ from typing import Any
 
 import pynvml
 
-from gpufence.enforcer.nvml_types import NvmlUnavailable
+from gpufence.enforcer.observe.nvml_types import NvmlUnavailable
 
 SONAME = "libnvidia-ml.so.1"
 

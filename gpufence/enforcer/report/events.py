@@ -2,7 +2,7 @@
 
 ``record`` puts the event on a bounded queue and returns at once (a full queue drops the event and
 counts it in ``dropped``); a daemon thread posts core/v1 Events with the small standard-library
-client in :mod:`gpufence.enforcer.kube_events_api` (the ``kubernetes`` package is not loaded: the
+client in :mod:`gpufence.enforcer.report.kube_events_api` (the ``kubernetes`` package is not loaded: the
 sidecar runs in every GPU pod). Outside a cluster (no ``KUBERNETES_SERVICE_HOST`` or no
 service-account credentials) the recorder is off and says so in one log line. A 403 (the pod's
 service account may not create events) is logged once and turns the recorder off. A 429 or 5xx is
@@ -20,11 +20,18 @@ with ``edit``, or anyone holding a token of the pod's service account) can post 
 in its ``events_enabled`` log line. An Event whose instance names no incarnation's log line, or
 whose decision has no line in that log, is not the enforcer's. The decision log and the metrics
 stay the record (docs/threat-model.md).
+
+The webhook's share-aware warnings become Events too (``report_admission_warnings``): admission
+warnings reach only whoever created the pod (for a Deployment, the ReplicaSet controller), so the
+webhook also records them in the ``gpufence.io/status`` annotation; the sidecar gets that annotation
+through the downward API (``GPUFENCE_POD_STATUS``) and posts each warning once, at start, as a
+Warning Event (reason ``GpuShareSettings``) and a log line.
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import queue
 import secrets
@@ -33,10 +40,11 @@ import time
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
-from gpufence.enforcer.decision_log import DecisionLog
-from gpufence.enforcer.kube_events_api import SERVICE_ACCOUNT_DIR, ApiError, CredentialsUnavailable, EventsApi
+from gpufence.contract import MAX_STATUS_WARNINGS, STATUS_WARNINGS
+from gpufence.enforcer.report.decision_log import DecisionLog
+from gpufence.enforcer.report.kube_events_api import SERVICE_ACCOUNT_DIR, ApiError, CredentialsUnavailable, EventsApi
 
 COMPONENT = "gpufence-enforcer"
 MAX_RETRY_WAIT = 10.0  # seconds one event may wait for a busy API server before it is dropped
@@ -231,3 +239,36 @@ class EventRecorder:
         if now - self._last_error_log >= ERROR_LOG_INTERVAL:
             self._last_error_log = now
             self._log.warning("event_post_failed", error=error, failed=self.failed)
+
+
+# --- the webhook's warnings, as Events on the pod -------------------------------------------------
+
+ADMISSION_WARNING_REASON = "GpuShareSettings"
+_MAX_WARNING_LENGTH = 1024
+
+
+class _Recorder(Protocol):
+    def record(self, reason: str, message: str, *, event_type: str = "Warning", action: str = "") -> None: ...
+
+
+def warnings_from_status(text: str | None) -> list[str]:
+    """The ``warnings`` of a status annotation; [] for none, or for a value that is not one."""
+    if not text:
+        return []
+    try:
+        status = json.loads(text)
+    except ValueError:
+        return []
+    found = status.get(STATUS_WARNINGS) if isinstance(status, dict) else None
+    if not isinstance(found, list):
+        return []
+    return [w[:_MAX_WARNING_LENGTH] for w in found if isinstance(w, str) and w][:MAX_STATUS_WARNINGS]
+
+
+def report_admission_warnings(log: DecisionLog, events: _Recorder, status_text: str | None) -> int:
+    """Logs and records each warning of the pod's status annotation; returns how many."""
+    found = warnings_from_status(status_text)
+    for warning in found:
+        log.warning("admission_warning", detail=warning)
+        events.record(ADMISSION_WARNING_REASON, warning)
+    return len(found)

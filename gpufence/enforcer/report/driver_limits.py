@@ -18,11 +18,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 from gpufence.contract import EnforcerConfig
-from gpufence.enforcer.attribution import Attribution
-from gpufence.enforcer.decision_log import DecisionLog
-from gpufence.enforcer.events import EventRecorder
-from gpufence.enforcer.health import Health
-from gpufence.enforcer.memory_mechanism import (
+from gpufence.enforcer.decide.memory_mechanism import (
     HINT_VARIABLES,
     Discrepancy,
     EnvHints,
@@ -32,10 +28,14 @@ from gpufence.enforcer.memory_mechanism import (
     driver_usage,
     hidden_by_cgroup_namespace,
 )
-from gpufence.enforcer.metrics import EnforcerMetrics
-from gpufence.enforcer.nvml import DriverLimit, DriverLimitState, NvmlClient, NvmlUnavailable
-from gpufence.enforcer.procfs import read_environ
-from gpufence.enforcer.rules import ContainerDeviceUsage
+from gpufence.enforcer.decide.rules import ContainerDeviceUsage
+from gpufence.enforcer.observe.attribution import Attribution
+from gpufence.enforcer.observe.nvml import DriverLimit, DriverLimitState, NvmlClient, NvmlUnavailable
+from gpufence.enforcer.observe.procfs import read_environ
+from gpufence.enforcer.report.decision_log import DecisionLog
+from gpufence.enforcer.report.events import EventRecorder
+from gpufence.enforcer.report.health import Health
+from gpufence.enforcer.report.metrics import EnforcerMetrics
 
 _HINTS_MAX = 1024
 _NO_CALL = DriverLimit(DriverLimitState.NO_CALL, error="FUNCTION_NOT_FOUND")

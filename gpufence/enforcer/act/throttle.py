@@ -58,10 +58,10 @@ from collections import deque
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 
-from gpufence.enforcer.decision_log import DecisionLog
-from gpufence.enforcer.rules import Evasion
-from gpufence.enforcer.signals import Outcome, SafeSignaller, SignalTarget
-from gpufence.enforcer.stopped_state import StoppedState
+from gpufence.enforcer.act.signals import Outcome, SafeSignaller, SignalTarget
+from gpufence.enforcer.act.stopped_state import StoppedState
+from gpufence.enforcer.decide.rules import Evasion
+from gpufence.enforcer.report.decision_log import DecisionLog
 
 # Each cycle lasts the period times a factor drawn from [1 - PERIOD_JITTER, 1 + PERIOD_JITTER].
 PERIOD_JITTER = 0.1

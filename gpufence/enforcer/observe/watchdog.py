@@ -18,7 +18,7 @@ import time
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from gpufence.enforcer.nvml import NvmlUnavailable
+from gpufence.enforcer.observe.nvml import NvmlUnavailable
 
 T = TypeVar("T")
 

@@ -1,5 +1,5 @@
 """The enforcer's health: one rule (:class:`Health`), told to the kubelet by a heartbeat file and to
-people and Prometheus over HTTP (``/metrics``, ``/healthz``, ``/readyz``: gpufence/enforcer/http_server.py).
+people and Prometheus over HTTP (``/metrics``, ``/healthz``, ``/readyz``: gpufence/enforcer/report/http_server.py).
 
 * liveness (``Health.liveness``) — fails when an NVML call has hung past its deadline (only a new
   process can use NVML again: the kubelet restarts the sidecar, which continues what this one
@@ -7,7 +7,7 @@ people and Prometheus over HTTP (``/metrics``, ``/healthz``, ``/readyz``: gpufen
   (stuck), or once the poll thread died (until the process, which then exits non-zero, is gone).
   NVML merely unavailable (an error, not a hang) stays live: the poll loop retries by itself and a
   restart loop would not help.
-* the heartbeat (``write_heartbeats``) — about once a second a thread of its own writes that decision,
+* the heartbeat (``serve.write_heartbeats``) — about once a second a thread of its own writes that decision,
   with its detail, into ``heartbeat`` in the state directory; the sidecar's exec probe
   (``enforcer.probe``) passes only on a fresh one from a running enforcer of its own container. A
   stopped or frozen process writes nothing, so its heartbeat goes stale and the kubelet restarts it.
@@ -27,19 +27,13 @@ the poll loop updates), so they never wait on NVML.
 
 from __future__ import annotations
 
-import os
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Protocol
 
-from gpufence.enforcer.http_server import Route
-from gpufence.enforcer.metrics import EnforcerMetrics
-from gpufence.enforcer.probe import HEARTBEAT_FILE, heartbeat_text, own_start_time
-from gpufence.enforcer.probe import clock as probe_clock
-from gpufence.enforcer.state_files import write_text
+from gpufence.enforcer.report.http_server import Route
+from gpufence.enforcer.report.metrics import EnforcerMetrics
 
 READY_STALENESS_INTERVALS = 3
 # The poll loop is stuck when no tick completed for this many intervals plus the NVML deadline
@@ -163,56 +157,6 @@ class Health:
         return True, "ok"
 
 
-class _Log(Protocol):
-    def error(self, event: str, **fields: object) -> None: ...
-    def info(self, event: str, **fields: object) -> None: ...
-
-
-def write_heartbeats(health: Health, state_dir: str, log: _Log, stop: threading.Event, clock=probe_clock,
-                     on_pause: Callable[[float], None] | None = None) -> None:
-    """Rewrite ``<state_dir>/heartbeat`` every ``HEARTBEAT_PERIOD_SECONDS`` until ``stop`` is set
-    (a thread of its own).
-
-    A write that fails (the state volume full...) is logged once and retried: the probe then sees a
-    stale heartbeat and the kubelet restarts the sidecar, as it should for an enforcer that cannot
-    record what it stopped either.
-
-    A gap between two heartbeats longer than the period by ``HEARTBEAT_PAUSE_SECONDS`` means the
-    enforcer was held from outside (SIGSTOP by a workload, a freezer): it cannot see that while it
-    is held, but says so as soon as it runs again (``enforcer_was_paused``, with the seconds lost,
-    and ``on_pause(seconds)``: the loop's Event and metric).
-    """
-    path = Path(state_dir) / HEARTBEAT_FILE
-    pid, started = os.getpid(), own_start_time()
-    failing = False
-    last: float | None = None
-    while True:
-        live, detail = health.heartbeat()
-        now = clock()
-        if last is not None and now - last > HEARTBEAT_PERIOD_SECONDS + HEARTBEAT_PAUSE_SECONDS:
-            lost = now - last - HEARTBEAT_PERIOD_SECONDS
-            log.error("enforcer_was_paused", seconds=round(lost, 3),
-                      reason="the enforcer did not run for that long (stopped by another process, frozen or "
-                      "starved): nothing was enforced meanwhile")
-            if on_pause is not None:
-                on_pause(lost)
-        last = now
-        text = heartbeat_text(live, detail, now, HEARTBEAT_STALE_AFTER_SECONDS, pid, started)
-        try:
-            write_text(path, text)
-        except OSError as exc:
-            if not failing:
-                log.error("heartbeat_failed", path=str(path), error=str(exc),
-                          reason="the sidecar's probe fails on a stale heartbeat: the kubelet restarts it")
-            failing = True
-        else:
-            if failing:
-                log.info("heartbeat_resumed", path=str(path))
-            failing = False
-        if stop.wait(HEARTBEAT_PERIOD_SECONDS):
-            return
-
-
 _TEXT = "text/plain; charset=utf-8"
 
 
@@ -222,7 +166,7 @@ def healthz_body(reason: str, mechanisms: dict[str, str]) -> str:
 
 
 def make_app(metrics: EnforcerMetrics, health: Health) -> dict[str, Route]:
-    """The routes of the enforcer's HTTP endpoint (gpufence/enforcer/http_server.py)."""
+    """The routes of the enforcer's HTTP endpoint (gpufence/enforcer/report/http_server.py)."""
 
     def metrics_page() -> tuple[int, str, bytes]:
         body, content_type = metrics.render()

@@ -20,7 +20,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, replace
 
 from gpufence.contract import EnforcerConfig, LimitUnit
-from gpufence.enforcer.attribution import Attribution, PodProcess
+from gpufence.enforcer.observe.attribution import Attribution, PodProcess
 
 # -- memory ----------------------------------------------------------------------------------------
 
@@ -396,9 +396,9 @@ def _largest_newest(p: PodProcess) -> tuple[int, int, int]:
 
 
 # -- compute ---------------------------------------------------------------------------------------
-# The compute decisions live in gpufence/enforcer/compute.py (a controller with state of its own); they are
+# The compute decisions live in gpufence/enforcer/decide/compute.py (a controller with state of its own); they are
 # re-exported here so "the pure core" stays one import for its callers.
-from gpufence.enforcer.compute import (  # noqa: E402
+from gpufence.enforcer.decide.compute import (  # noqa: E402
     START_MARGIN,
     UNATTRIBUTED,
     ComputeTracker,

@@ -35,9 +35,9 @@ from pathlib import Path
 from typing import Any, TypeGuard
 
 from gpufence.contract import MAX_GRACE_PERIOD_SECONDS
-from gpufence.enforcer.decision_log import DecisionLog
-from gpufence.enforcer.signals import SignalTarget
-from gpufence.enforcer.state_files import read_json, write_json
+from gpufence.enforcer.act.signals import SignalTarget
+from gpufence.enforcer.act.state_files import read_json, write_json
+from gpufence.enforcer.report.decision_log import DecisionLog
 
 FILE_NAME = "kill_deadlines.json"
 VERSION = 1

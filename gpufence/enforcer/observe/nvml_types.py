@@ -1,6 +1,6 @@
 """What NVML tells the enforcer, as plain values: no driver, no pynvml needed to use them.
 
-:mod:`gpufence.enforcer.nvml` produces these (and re-exports them, so callers keep importing from
+:mod:`gpufence.enforcer.observe.nvml` produces these (and re-exports them, so callers keep importing from
 there); the policy, attribution and reporting code only reads them.
 """
 

@@ -35,8 +35,8 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
 
-from gpufence.enforcer.decision_log import DecisionLog
-from gpufence.enforcer.procfs import read_stat
+from gpufence.enforcer.observe.procfs import read_stat
+from gpufence.enforcer.report.decision_log import DecisionLog
 
 
 @dataclass(frozen=True)

@@ -7,13 +7,13 @@ from collections.abc import Iterable
 from typing import Any
 
 from gpufence.contract import EnforcerConfig, LimitUnit, Mode
-from gpufence.enforcer.attribution import Attribution, PodProcess
-from gpufence.enforcer.compute import UNATTRIBUTED
-from gpufence.enforcer.decision_log import DecisionLog
-from gpufence.enforcer.events import EventRecorder
-from gpufence.enforcer.machine import ThrottleChange, Transition
-from gpufence.enforcer.metrics import EnforcerMetrics, UsageSample
-from gpufence.enforcer.nvml import NvmlSample
+from gpufence.enforcer.decide.compute import UNATTRIBUTED
+from gpufence.enforcer.decide.machine import ThrottleChange, Transition
+from gpufence.enforcer.observe.attribution import Attribution, PodProcess
+from gpufence.enforcer.observe.nvml import NvmlSample
+from gpufence.enforcer.report.decision_log import DecisionLog
+from gpufence.enforcer.report.events import EventRecorder
+from gpufence.enforcer.report.metrics import EnforcerMetrics, UsageSample
 
 
 class Reporter:

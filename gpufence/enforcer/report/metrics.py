@@ -18,7 +18,7 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from gpufence import metric_names as names
 
 if TYPE_CHECKING:
-    from gpufence.enforcer.rules import PodDeviceUsage
+    from gpufence.enforcer.decide.rules import PodDeviceUsage
 
 # The (action, resource) pairs the loop can count for a container. Created at zero per configured
 # container so that the first kill is an increase from 0 to 1: a counter series that appears at 1

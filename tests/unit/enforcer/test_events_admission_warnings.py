@@ -1,4 +1,4 @@
-"""The enforcer turns the webhook's recorded warnings into Events (gpufence/enforcer/admission_warnings.py)."""
+"""The enforcer turns the webhook's recorded warnings into Events (gpufence/enforcer/report/events.py)."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import json
 
 import pytest
 
-from gpufence.enforcer.admission_warnings import REASON, report, warnings_from_status
-from gpufence.enforcer.decision_log import DecisionLog
+from gpufence.enforcer.report.decision_log import DecisionLog
+from gpufence.enforcer.report.events import ADMISSION_WARNING_REASON, report_admission_warnings, warnings_from_status
 
 
 class Recorder:
@@ -28,8 +28,9 @@ def test_each_recorded_warning_becomes_a_warning_event_and_a_log_line() -> None:
     status = json.dumps({"containers": ["llm"], "warnings": ["container \"llm\": vLLM ... use 0.25", 7, "second"]})
     out = io.StringIO()
     recorder = Recorder()
-    assert report(DecisionLog(namespace="ns", pod="p", stream=out), recorder, status) == 2
-    assert recorder.events == [(REASON, 'container "llm": vLLM ... use 0.25', "Warning"), (REASON, "second", "Warning")]
+    assert report_admission_warnings(DecisionLog(namespace="ns", pod="p", stream=out), recorder, status) == 2
+    assert recorder.events == [(ADMISSION_WARNING_REASON, 'container "llm": vLLM ... use 0.25', "Warning"),
+                               (ADMISSION_WARNING_REASON, "second", "Warning")]
     lines = [json.loads(line) for line in out.getvalue().splitlines()]
     assert [line["event"] for line in lines] == ["admission_warning", "admission_warning"]
     assert lines[1]["detail"] == "second"

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections import defaultdict
 from collections.abc import Iterable, Mapping
 
-from gpufence.enforcer.procfs import ProcFacts
+from gpufence.enforcer.observe.procfs import ProcFacts
 
 __all__ = ["assign", "bind_names", "cgroup_names", "claims_by_cgroup", "informative", "resolve_containers"]
 

@@ -27,9 +27,9 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
-from gpufence.enforcer.decision_log import DecisionLog
-from gpufence.enforcer.signals import Outcome, SafeSignaller, SignalTarget
-from gpufence.enforcer.state_files import read_json, write_json
+from gpufence.enforcer.act.signals import Outcome, SafeSignaller, SignalTarget
+from gpufence.enforcer.act.state_files import read_json, write_json
+from gpufence.enforcer.report.decision_log import DecisionLog
 
 FILE_NAME = "stopped.json"
 VERSION = 1

@@ -29,7 +29,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from enum import StrEnum
 
-from gpufence.enforcer.identity import (
+from gpufence.enforcer.observe.container_identity import (
     assign,
     bind_names,
     cgroup_names,
@@ -37,8 +37,8 @@ from gpufence.enforcer.identity import (
     informative,
     resolve_containers,
 )
-from gpufence.enforcer.nvml_types import DeviceSample, NvmlSample
-from gpufence.enforcer.procfs import (
+from gpufence.enforcer.observe.nvml_types import DeviceSample, NvmlSample
+from gpufence.enforcer.observe.procfs import (
     ENV_NVIDIA_DEVICES,
     NVIDIA_DEVICE_PREFIX_DEFAULT,
     DeviceIdentity,

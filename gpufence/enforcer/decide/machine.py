@@ -23,8 +23,7 @@ from enum import StrEnum
 from types import MappingProxyType
 
 from gpufence.contract import MIN_POLL_INTERVAL_SECONDS, EnforcerConfig
-from gpufence.enforcer.attribution import Attribution, PodProcess
-from gpufence.enforcer.compute import (
+from gpufence.enforcer.decide.compute import (
     INEFFECTIVE_SECONDS,
     UNATTRIBUTED,
     ComputeTracker,
@@ -32,8 +31,8 @@ from gpufence.enforcer.compute import (
     share_of,
     unattributed_sm_utilization,
 )
-from gpufence.enforcer.memory_mechanism import Discrepancy, apply_driver_usage
-from gpufence.enforcer.rules import (
+from gpufence.enforcer.decide.memory_mechanism import Discrepancy, apply_driver_usage
+from gpufence.enforcer.decide.rules import (
     ContainerDeviceUsage,
     Evasion,
     PodDeviceUsage,
@@ -47,6 +46,7 @@ from gpufence.enforcer.rules import (
     screen_claims,
     usage_by_container,
 )
+from gpufence.enforcer.observe.attribution import Attribution, PodProcess
 
 # Bounds the memory of "unattributed processes already logged" (a process churns PIDs for ever).
 _SEEN_MAX = 10_000

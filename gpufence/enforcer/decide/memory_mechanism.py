@@ -30,8 +30,8 @@ from gpufence.contract import (
     ENV_MPS_MEMORY_LIMIT,
     ENV_PRELOAD_MEMORY_LIMIT,
 )
-from gpufence.enforcer.nvml_types import DriverLimit, DriverLimitState
-from gpufence.enforcer.rules import ContainerDeviceUsage
+from gpufence.enforcer.decide.rules import ContainerDeviceUsage
+from gpufence.enforcer.observe.nvml_types import DriverLimit, DriverLimitState
 
 CGROUP_ROOT = "/sys/fs/cgroup"
 HINT_VARIABLES = frozenset({ENV_DRIVER_MEMORY_LIMIT, ENV_MPS_MEMORY_LIMIT, ENV_PRELOAD_MEMORY_LIMIT, ENV_LD_PRELOAD})
