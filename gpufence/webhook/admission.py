@@ -15,6 +15,7 @@ from typing import Any
 
 from gpufence.contract import MIRROR_POD_ANNOTATION, POD_OPT_OUT_LABEL, SIDECAR_NAME, SIDECAR_PORT_NAME
 from gpufence.webhook.desired import desired_plain_pod, desired_pod
+from gpufence.webhook.device_access import device_access_denial
 from gpufence.webhook.dra import DraObjects, check_claim_ceilings, claim_memory, claim_warnings
 from gpufence.webhook.driver_limits import KnownNodes, NodeLabels
 from gpufence.webhook.ephemeral import SUBRESOURCE as EPHEMERAL_SUBRESOURCE
@@ -26,7 +27,7 @@ from gpufence.webhook.patch import diff, dumps, loads
 from gpufence.webhook.podshape import MutationError, check_shape, nvidia_side_door, sidecar_resource_use
 from gpufence.webhook.settings import InjectionSettings, NamespaceLookup
 from gpufence.webhook.shares import ClaimMemory, ShareError, SharePlan, quote, resolve_shares, with_gpu_counts
-from gpufence.webhook.sidecar import HOST_PROC_VOLUME, POD_SECURITY_LABEL, PRELOAD_VOLUME, STATE_VOLUME
+from gpufence.webhook.sidecar import HOST_PROC_VOLUME, POD_SECURITY_LABEL, PRELOAD_VOLUME, STATE_VOLUME, pod_volumes
 
 API_VERSION = "admission.k8s.io/v1"
 KIND = "AdmissionReview"
@@ -258,7 +259,15 @@ def _decide(
     if side_door is not None:
         raise _Denied(side_door)  # GPU pod or not, opted out or not
     # KAI's binder writes a container's gpus.devices after allocation; its author, at CREATE, must not.
-    side_door = nv_devices_denial(pod, _dict(request.get("userInfo")).get("groups"), settings.admin_groups)
+    groups = _dict(request.get("userInfo")).get("groups")
+    side_door = nv_devices_denial(pod, groups, settings.admin_groups)
+    if side_door is not None:
+        raise _Denied(side_door)
+    # Devices without a device request (privileged, hostPath of /dev and the driver's paths): GPU
+    # pod or not, opted out or not, unless the admin allows it (docs/install.md, Pod Security).
+    side_door = device_access_denial(pod.get("spec"), namespace or "", groups, settings.admin_groups,
+                                     settings.device_access_namespaces,
+                                     pod_volumes(settings) if gpu_names else (), advised_resource(settings))
     if side_door is not None:
         raise _Denied(side_door)
     opted_out = labels.get(POD_OPT_OUT_LABEL) == "false"

@@ -29,7 +29,7 @@ from gpufence.webhook.sidecar import (
     build_sidecar,
     pod_volumes,
     preload_library_path,
-    sidecar_runs_as_root,
+    sidecar_user,
     status_annotation,
 )
 
@@ -140,13 +140,13 @@ def desired_pod(pod: dict[str, Any], plan: SharePlan, settings: InjectionSetting
             f"gpufence: {why}, so the enforcer serves its metrics on a free port it picks at start and "
             "Prometheus does not scrape it; its decisions still reach the log and the pod's Events"
         )
-    run_as_root = sidecar_runs_as_root(pod["spec"], shares, warnings)
+    user = sidecar_user(pod["spec"], shares, pod_security, warnings)
     if not settings.native_sidecar:
         _warn_plain_sidecar(spec, shares, warnings)
     # Warnings reach only whoever created the pod (for a Deployment its ReplicaSet controller), so
     # the enforcer turns those about the pod and itself into Events on the pod.
     recorded = recorded_warnings([*plan.warnings, *warnings])
-    sidecar = build_sidecar(plan, settings, run_as_root=run_as_root, pod_security=pod_security,
+    sidecar = build_sidecar(plan, settings, user=user, pod_security=pod_security,
                             fixed_port=fixed_port, status_warnings=bool(recorded))
     sidecar = with_service_account_token(sidecar, previous_sidecar, pod["spec"])
     sidecar = with_claims(sidecar, paths.sidecar_claims([name for name, _ in plan.containers]))

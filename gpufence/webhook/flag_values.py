@@ -138,6 +138,13 @@ _DNS_LABEL = re.compile(r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?")
 _DNS_SUBDOMAIN = re.compile(r"[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?")
 
 
+def namespace_name(text: str) -> str:
+    """A Namespace's name (a DNS label), e.g. "gpu-operator"."""
+    if not _DNS_LABEL.fullmatch(text.strip()):
+        raise ValueError('use a namespace name in lower case such as "gpu-operator"')
+    return text.strip()
+
+
 def namespaced_name(text: str) -> tuple[str, str]:
     """NAMESPACE/NAME of an object, e.g. "gpufence/gpufence-policy": Kubernetes' rules for both names."""
     namespace, sep, name = text.strip().partition("/")
@@ -307,6 +314,11 @@ POLICY_FLAGS: tuple[Flag, ...] = (
          f"{','.join(DEFAULT_ADMIN_GROUPS)}); enforced by the gpufence-protect admission policy, which reads "
          "the policy ConfigMap: the webhook only checks the value",
          repeat=True, example=",".join(DEFAULT_ADMIN_GROUPS)),
+    Flag("device-access-namespaces", namespace_name, None,
+         "opted-in namespaces whose pods may reach the node's devices without a device request: privileged "
+         "containers, hostPath volumes of devices or at, under or above /dev, /proc, /sys, /run/nvidia or the "
+         "driver's library directories; elsewhere only members of admin-groups may create such pods "
+         "(repeatable; default none)", repeat=True, example="gpu-operator"),
 )
 FLAGS: tuple[Flag, ...] = SERVER_FLAGS + POLICY_FLAGS
 
@@ -353,4 +365,5 @@ def settings_from_args(args: argparse.Namespace) -> InjectionSettings:
         pytorch_memory_fraction=args.pytorch_memory_fraction,
         framework_memory_headroom_bytes=args.framework_memory_headroom,
         admin_groups=args.admin_groups or DEFAULT_ADMIN_GROUPS,
+        device_access_namespaces=tuple(args.device_access_namespaces or ()),
     )

@@ -158,3 +158,7 @@ class InjectionSettings:
     # Read by the gpufence-protect ValidatingAdmissionPolicy (k8s/base/protect-policy.yaml) through the
     # policy ConfigMap; the webhook only validates the key. Its members pass that policy.
     admin_groups: tuple[str, ...] = DEFAULT_ADMIN_GROUPS
+    # Namespaces whose pods may reach the node's devices without a device request (privileged
+    # containers, hostPath of /dev, /proc, the driver's paths: webhook.device_access); elsewhere in
+    # opted-in namespaces only members of admin_groups may create such pods.
+    device_access_namespaces: tuple[str, ...] = ()

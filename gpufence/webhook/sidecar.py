@@ -15,7 +15,7 @@ from __future__ import annotations
 import functools
 import json
 import posixpath
-from collections.abc import Container, Sequence
+from collections.abc import Container, Mapping, Sequence
 from types import MappingProxyType
 from typing import Any
 
@@ -37,6 +37,7 @@ from gpufence.contract import (
     Mode,
     status_document,
 )
+from gpufence.webhook.podshape import MutationError
 from gpufence.webhook.settings import InjectionSettings
 from gpufence.webhook.shares import SharePlan, quote
 
@@ -142,57 +143,107 @@ def _config_json_cached(key: tuple[Any, ...]) -> str:
 
 # --- the sidecar ---------------------------------------------------------------------------------
 
-# Which user the enforcer runs as. It must signal (KILL) the GPU containers' processes and read
-# their /proc/<pid>/environ (SYS_PTRACE to read another user's). The image's user is uid 65532, and
-# Kubernetes puts added capabilities in a non-root process's bounding set only, never its effective
-# set, so a sidecar running as 65532 could act on uid-65532 processes only: not on the root
-# processes of most CUDA images. Hence:
-# * a pod-level runAsUser is inherited: the sidecar shares the workloads' user and needs no
-#   capability for them (kill(2) and ptrace read access compare real/effective/saved ids; reading
-#   environ also needs the same group). A GPU container that sets another runAsUser or runAsGroup
-#   of its own is out of a non-root sidecar's reach: warned about, as nothing else can be done;
-# * otherwise the sidecar runs as uid 0 with every capability dropped but KILL, SYS_PTRACE and
-#   DAC_READ_SEARCH (read-only; no DAC_OVERRIDE, SETUID, ...), which reaches processes of any user;
-# * except under a pod-level runAsNonRoot: true, where uid 0 would keep the pod from starting; the
-#   sidecar then runs as its image's user, and the pod is admitted with a warning.
-# No runAsNonRoot: false beside it: the sidecar runs as root only where the pod does not set
-# runAsNonRoot (see below), so there is nothing to override.
-_ROOT_USER = MappingProxyType({"runAsUser": 0})
+# The namespace's enforced Pod Security level (the label's value; unlabelled: `privileged`, as
+# Kubernetes treats it) decides the sidecar's user and capabilities.
+POD_SECURITY_LABEL = "pod-security.kubernetes.io/enforce"
+PRIVILEGED = "privileged"
+RESTRICTED = "restricted"
+
+# Which user the enforcer runs as. It must signal the GPU containers' processes and read their
+# /proc/<pid>/fd and environ. kill(2) needs the target's uid or CAP_KILL; reading those files needs
+# ptrace read access, which the kernel grants a process of the same uid and gid whose capabilities
+# include the target's, or one holding CAP_SYS_PTRACE. Kubernetes puts the capabilities a non-root
+# container adds in its bounding set only, never its effective set, so only a root sidecar holds
+# them. The sidecar is the admin's container, not the author's: its user never follows the pod's
+# runAsUser or runAsNonRoot (a tenant who set them apart from a GPU container's user used to leave
+# the enforcer unable to read or signal that container's processes). By the namespace's enforced
+# Pod Security level:
+# * `privileged` or unlabelled: uid 0 with KILL, SYS_PTRACE and DAC_READ_SEARCH reaches every user,
+#   so the sidecar sets runAsUser: 0, and runAsNonRoot: false where the pod sets runAsNonRoot: true;
+# * `baseline` (and a level this version does not know): no SYS_PTRACE, so the sidecar runs as the
+#   GPU containers' one user and group (uid 0 where they set none: the image's user, most often
+#   root; as root it still signals any user by CAP_KILL). GPU containers of different users or groups
+#   cannot all be reached: denied, naming the field;
+# * `restricted`: no root and no capability at all, so the same, and besides a GPU container must
+#   run as a stated non-root user: one whose user is the image's (unknown here) is denied.
+# A process the enforcer still cannot inspect (one granted more capabilities than the sidecar holds)
+# is charged to the pod's budget by the enforcer, not skipped.
+_USER_KEYS = ("runAsUser", "runAsGroup")
+ROOT_USER = MappingProxyType({"runAsUser": 0})
 
 
-def sidecar_runs_as_root(spec: dict[str, Any], gpu_containers: Container[str], warnings: list[str]) -> bool:
-    """Whether the sidecar sets ``runAsUser: 0`` (``_ROOT_USER``); appends warnings.
+def sidecar_user(spec: dict[str, Any], gpu_containers: Container[str], pod_security: str | None,
+                 warnings: list[str]) -> dict[str, Any]:
+    """The user fields of the sidecar's securityContext (``runAsUser``, and ``runAsGroup`` and
+    ``runAsNonRoot`` where the pod's would be wrong for it); raises ``MutationError`` where no user
+    the namespace's Pod Security level allows the sidecar can act on every GPU container.
 
     ``gpu_containers`` holds the names of the GPU containers; ``spec`` has been shape-checked
-    (``podshape.check_shape``).
+    (``podshape.check_shape``); ``pod_security`` as for ``sidecar_security_context``.
     """
     pod_context = spec.get("securityContext") or {}
-    pod_user = pod_context.get("runAsUser")
-    if pod_user is None:
-        if pod_context.get("runAsNonRoot") is True:
-            warnings.append(
-                "gpufence: the pod sets runAsNonRoot but no runAsUser, so the enforcer runs as its image's "
-                "user (uid 65532) and can only stop and attribute processes of that user; set "
-                "spec.securityContext.runAsUser to the user the GPU containers run as"
-            )
-            return False
-        return True
-    if pod_user != 0:
-        pod_group = pod_context.get("runAsGroup")
-        for key in ("initContainers", "containers"):
-            for container in spec.get(key) or ():
-                if container["name"] not in gpu_containers:
-                    continue
-                context = container.get("securityContext") or {}
-                user, group = context.get("runAsUser", pod_user), context.get("runAsGroup", pod_group)
-                if user != pod_user or group != pod_group:
-                    what = f"runAsUser {user}" if user != pod_user else f"runAsGroup {group}"
-                    warnings.append(
-                        f"container {quote(container['name'])} sets {what}, but the gpufence enforcer runs as "
-                        f"the pod's runAsUser {pod_user} without capabilities (non-root), so it cannot stop or "
-                        "attribute that container's processes; set the user and group at pod level only"
+    pod_non_root = pod_context.get("runAsNonRoot") is True
+    if pod_security in (None, PRIVILEGED):
+        return {"runAsUser": 0, **({"runAsNonRoot": False} if pod_non_root else {})}
+    level = pod_security
+    # The first GPU container's name, user and group, and the fields they come from.
+    first: tuple[str, int | None, int | None, tuple[str, str]] | None = None
+    non_root_image = False
+    for key in ("initContainers", "containers"):
+        for i, container in enumerate(spec.get(key) or ()):
+            if container["name"] not in gpu_containers:
+                continue
+            context = container.get("securityContext") or {}
+            user, group = (context.get(k, pod_context.get(k)) for k in _USER_KEYS)
+            where = f"spec.{key}[{i}].securityContext"
+            if user is None and level == RESTRICTED:
+                raise MutationError(
+                    f"container {quote(container['name'])} sets no runAsUser ({where}.runAsUser) and neither does the "
+                    "pod (spec.securityContext.runAsUser), so it runs as its image's user, which gpufence cannot know: "
+                    f"under Pod Security {quote(level)} the gpufence enforcer must run as the GPU containers' own user "
+                    "to stop or terminate their processes; set the user at pod level, e.g. "
+                    "spec.securityContext.runAsUser: 1000"
+                )
+            fields = tuple(f"{where}.{k}" if k in context else f"spec.securityContext.{k}" for k in _USER_KEYS)
+            if first is None:
+                first = (container["name"], user, group, (fields[0], fields[1]))
+                non_root_image = user is None and context.get("runAsNonRoot", pod_non_root) is True
+                continue
+            for n, (value, wanted) in enumerate(zip((user, group), first[1:3], strict=True)):
+                if value != wanted:
+                    raise MutationError(
+                        f"container {quote(container['name'])} runs with {_USER_KEYS[n]} {_shown(value)} "
+                        f"({fields[n]}), container {quote(first[0])} with {_shown(wanted)} ({first[3][n]}): "
+                        f"under Pod Security {quote(level)} the gpufence "
+                        "enforcer has no capability to act on another user's processes, so it runs as the GPU "
+                        "containers' one user and group; give every GPU container the same runAsUser and runAsGroup, "
+                        "e.g. at pod level only: spec.securityContext.runAsUser: 1000"
                     )
-    return False
+    user, group = (first[1], first[2]) if first is not None else (None, None)
+    if first is not None and user == 0 and level == RESTRICTED:
+        raise MutationError(
+            f"{first[3][0]} is 0 (container {quote(first[0])}): Pod Security {quote(level)} admits no "
+            "root container, and the gpufence enforcer must run as the GPU containers' user; run them as a "
+            "non-root user, e.g. spec.securityContext.runAsUser: 1000"
+        )
+    if non_root_image:
+        warnings.append(
+            "gpufence: the GPU containers run as their image's user (runAsNonRoot without runAsUser); the "
+            f"enforcer (root, no SYS_PTRACE under {level}) stops them but charges their GPU use to the "
+            "pod, not a container; set spec.securityContext.runAsUser"
+        )
+    own: dict[str, Any] = {"runAsUser": 0 if user is None else user}
+    if group is not None and group != pod_context.get("runAsGroup"):
+        own["runAsGroup"] = group
+    if own["runAsUser"] == 0 and pod_non_root:
+        own["runAsNonRoot"] = False
+    elif level == RESTRICTED and not pod_non_root:
+        own["runAsNonRoot"] = True  # restricted requires it of every container where the pod does not say it
+    return own
+
+
+def _shown(value: int | None) -> str:
+    return "unset" if value is None else str(value)
 
 
 def _field_env(name: str, field_path: str) -> dict[str, Any]:
@@ -245,7 +296,7 @@ def api_defaulted(container: dict[str, Any]) -> dict[str, Any]:
     return defaulted
 
 
-# The namespace's Pod Security level decides how the root sidecar reads other users' processes.
+# The namespace's Pod Security level decides the sidecar's capabilities (its user: ``sidecar_user``).
 # Reading /proc/<pid>/environ and /proc/<pid>/fd needs ptrace read access: the kernel grants it
 # when the reader holds every capability the target holds, or CAP_SYS_PTRACE. Pod Security
 # `baseline` forbids adding SYS_PTRACE but allows KILL and the runtime's default set, so there the
@@ -253,27 +304,22 @@ def api_defaulted(container: dict[str, Any]) -> dict[str, Any]:
 # reads and signals workloads with default capabilities; one granted more (IPC_LOCK, SYS_ADMIN) is
 # reported as out of reach by the enforcer (process_uninspectable). Only a namespace that enforces
 # `privileged` explicitly gets the narrower and stronger "drop everything, add KILL, SYS_PTRACE
-# and DAC_READ_SEARCH", which reaches every process. `restricted` allows no root sidecar at all: it works
-# when the pod sets a non-root runAsUser, which the sidecar then shares (drop ALL, RuntimeDefault
-# seccomp, as `restricted` requires).
-POD_SECURITY_LABEL = "pod-security.kubernetes.io/enforce"
-PRIVILEGED = "privileged"
-RESTRICTED = "restricted"
+# and DAC_READ_SEARCH", which reaches every process. `restricted` allows no root sidecar: it
+# runs as the GPU containers' non-root user (``sidecar_user``), drop ALL, RuntimeDefault seccomp.
 
 
-def sidecar_security_context(run_as_root: bool, pod_security: str | None) -> dict[str, Any]:
-    """The sidecar's securityContext for its user (``sidecar_runs_as_root``: uid 0, else the pod's
-    user is inherited) and the namespace's enforced Pod Security level (the label's value; None when
-    unlabelled, which Kubernetes treats as `privileged`)."""
-    context: dict[str, Any] = {**(_ROOT_USER if run_as_root else {}), "allowPrivilegeEscalation": False,
-                               "readOnlyRootFilesystem": True}
+def sidecar_security_context(user: Mapping[str, Any], pod_security: str | None) -> dict[str, Any]:
+    """The sidecar's securityContext for its user (``sidecar_user``'s fields) and the namespace's
+    enforced Pod Security level (the label's value; None when unlabelled, which Kubernetes treats as
+    `privileged`)."""
+    context: dict[str, Any] = {**user, "allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True}
     if pod_security in (None, PRIVILEGED):
         # SYS_PTRACE passes the ptrace check on /proc/<pid>/fd and environ; DAC_READ_SEARCH passes the
         # file mode (0500/0400, owned by the process's uid): without it a root sidecar cannot list the
         # fds of a workload running as another user (seen on the real node: image-user workloads).
         context["capabilities"] = {"drop": ["ALL"], "add": ["DAC_READ_SEARCH", "KILL", "SYS_PTRACE"]}
     elif pod_security == RESTRICTED:
-        # Only a non-root sidecar can pass: it shares the pod's user and needs no capability.
+        # Only a non-root sidecar can pass: it has the GPU containers' user and needs no capability.
         context["capabilities"] = {"drop": ["ALL"]}
         context["seccompProfile"] = {"type": "RuntimeDefault"}
     else:  # baseline, or a level this version does not know: the runtime's defaults and KILL
@@ -282,10 +328,10 @@ def sidecar_security_context(run_as_root: bool, pod_security: str | None) -> dic
     return context
 
 
-def build_sidecar(plan: SharePlan, settings: InjectionSettings, *, run_as_root: bool = True,
+def build_sidecar(plan: SharePlan, settings: InjectionSettings, *, user: Mapping[str, Any] = ROOT_USER,
                   pod_security: str | None = None, fixed_port: bool = True,
                   status_warnings: bool = False) -> dict[str, Any]:
-    """The enforcer container; ``run_as_root`` from ``sidecar_runs_as_root`` (see there why),
+    """The enforcer container; ``user`` from ``sidecar_user`` (see there why),
     ``pod_security`` the namespace's enforced Pod Security level (see ``sidecar_security_context``);
     ``fixed_port`` False where the pod's network namespace may already hold the metrics port (host
     network, or a container declaring it): the enforcer then serves its metrics on any free port (0)
@@ -338,7 +384,7 @@ def build_sidecar(plan: SharePlan, settings: InjectionSettings, *, run_as_root: 
             # container once the hook returns, not on its next one-second probe tick as a
             # startupProbe would (gpufence/enforcer/probe.py).
             "lifecycle": {"postStart": {"exec": {"command": list(POST_START_COMMAND)}}},
-            "securityContext": sidecar_security_context(run_as_root, pod_security),
+            "securityContext": sidecar_security_context(user, pod_security),
             "volumeMounts": mounts,
             # No terminationMessagePolicy: the enforcer writes why it exited into the kubelet's
             # /dev/termination-log itself (gpufence/enforcer/cli.py).

@@ -297,7 +297,8 @@ def test_the_webhook_configurations_fail_closed_for_pods(helm: Path, tmp_path: P
      "policy.sidecar-image: example.com/x:1: the sidecar runs the chart's image; set image.repository and image.tag"),
     ({"policy": {"max-memory": ["8Gi", "16Gi"]}},
      "policy.max-memory: [8Gi 16Gi]: a list, but only gpu-resource-name, exclusive-gpu-resource-name, "
-     "non-gpu-resource-claims, dra-gpu-driver-name, gpu-memory, admin-groups, kai-scheduler-name take several values; "
+     "non-gpu-resource-claims, dra-gpu-driver-name, gpu-memory, admin-groups, kai-scheduler-name, "
+     "device-access-namespaces take several values; "
      "give one, e.g. policy.max-memory: 8Gi"),
     ({"webhook": {"flags": {"default-memory": "25%"}}},
      "webhook.flags.default-memory: 25%: a policy setting, which the webhook reads from the ConfigMap "

@@ -50,9 +50,10 @@ class Tenant:
 
 
 def make_tenant(cp: ControlPlane, admin: client.ApiClient, workdir: Path,
-                annotations: dict[str, str] | None = None) -> Tenant:
-    """An opted-in namespace with ``TENANT_CEILINGS`` (or ``annotations``) and its ``edit`` account."""
-    namespace = kube.create_namespace(admin, "tenant", kube.OPT_IN,
+                annotations: dict[str, str] | None = None, labels: dict[str, str] | None = None) -> Tenant:
+    """An opted-in namespace with ``TENANT_CEILINGS`` (or ``annotations``), and ``labels`` besides
+    (e.g. a Pod Security level), and its ``edit`` account."""
+    namespace = kube.create_namespace(admin, "tenant", {**kube.OPT_IN, **(labels or {})},
                                       TENANT_CEILINGS if annotations is None else annotations)
     core = client.CoreV1Api(admin)
     core.create_namespaced_service_account(namespace, {"metadata": {"name": TENANT_ACCOUNT}})

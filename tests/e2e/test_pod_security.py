@@ -17,11 +17,12 @@ from tests.e2e.gpufence_install import WebhookProcess
 # docs/install.md.
 DOCUMENTED = {
     ("privileged", False): True,  # root sidecar: drop ALL, add KILL and SYS_PTRACE
-    ("privileged", True): True,
+    ("privileged", True): True,  # root sidecar too (runAsUser: 0, runAsNonRoot: false of its own)
     ("baseline", False): True,  # root sidecar: the runtime's defaults plus KILL, no SYS_PTRACE
-    ("baseline", True): True,  # the pod's user, defaults plus KILL
-    ("restricted", False): False,  # a root workload is not restricted (nor is a root sidecar)
-    ("restricted", True): True,  # the pod's non-root user, drop ALL, RuntimeDefault seccomp
+    ("baseline", True): True,  # the GPU containers' user, defaults plus KILL
+    # The image's user (no runAsUser): gpufence refuses it itself, before Pod Security would.
+    ("restricted", False): False,
+    ("restricted", True): True,  # the GPU containers' non-root user, drop ALL, RuntimeDefault seccomp
 }
 
 
@@ -48,5 +49,5 @@ def test_mutated_pod_meets_the_documented_pod_security_level(
         assert kube.is_mutated(created.obj)
     else:
         assert not created.admitted, "docs/install.md says this level rejects mutated pods: update it"
-        assert created.status == 403 and "violates PodSecurity" in created.message, created.message
-        assert "gpufence-enforcer" in created.message, created.message
+        # gpufence's own denial, naming the field: the non-root sidecar cannot be given an unknown user.
+        assert created.status == 400 and "spec.securityContext.runAsUser" in created.message, created.message

@@ -46,12 +46,12 @@ default-memory default-compute max-memory max-compute default-mode allow-audit a
 default-grace-period sidecar-poll-interval sidecar-nvidia-visible-devices
 sidecar-nvidia-driver-capabilities sidecar-mount-host-proc sidecar-host-proc-mount-path
 void-non-gpu-containers driver-memory-limits mps-limits preload-library preload-library-mount-dir gpu-memory
-pytorch-memory-fraction framework-memory-headroom admin-groups
+pytorch-memory-fraction framework-memory-headroom admin-groups device-access-namespaces
 {{- end -}}
 
 {{- /* The policy flags that repeat; their ConfigMap value is the list, comma-separated. */ -}}
 {{- define "gpufence.repeatedPolicyKeys" -}}
-gpu-resource-name exclusive-gpu-resource-name non-gpu-resource-claims dra-gpu-driver-name gpu-memory admin-groups kai-scheduler-name
+gpu-resource-name exclusive-gpu-resource-name non-gpu-resource-claims dra-gpu-driver-name gpu-memory admin-groups kai-scheduler-name device-access-namespaces
 {{- end -}}
 
 {{- /* The webhook's other flags, which webhook.flags may set (the chart sets port, the TLS files

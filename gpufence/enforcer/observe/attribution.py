@@ -101,8 +101,8 @@ class PodProcess:
 class Attribution:
     processes: tuple[PodProcess, ...]  # this pod's GPU processes (one entry per pid and device)
     foreign_pids: tuple[int, ...]  # NVML PIDs judged not in this pod: ignored
-    # NVML PIDs of local processes whose descriptors we may not read (no ptrace access): neither
-    # accepted nor signalled, reported (a sidecar with fewer capabilities than the workload).
+    # NVML PIDs of local processes whose descriptors we may not read (no ptrace access; a sidecar
+    # with fewer capabilities than the workload): in ``processes`` too, reported besides.
     uninspectable: tuple[int, ...] = ()
 
 
@@ -185,7 +185,11 @@ class Attributor:
         for nvml_pid in _nvml_pids(sample):
             known = self._resolve(nvml_pid)
             if known is not None and known.facts is not None and not known.facts.inspectable:
+                # NVML lists it, in our PID namespace, and its descriptors are closed to us (a workload
+                # with more rights than the sidecar): a reason to act, not to skip. It is the pod's GPU
+                # process, charged to the pod's budget unless its cgroup names a container (issue 32).
                 uninspectable.add(nvml_pid)
+                facts_by_nvml_pid[nvml_pid] = known.facts
             elif known is None or known.facts is None or not known.facts.holds_nvidia_device:
                 foreign.add(nvml_pid)
             elif not self._is_enforcer(known):

@@ -125,7 +125,7 @@ class EnforcerMetrics:
         )
         self.uninspectable = Gauge(
             names.UNINSPECTABLE_PROCESSES,
-            "GPU processes NVML lists whose /proc/<pid>/fd the enforcer may not read: not enforced",
+            "GPU processes NVML lists whose /proc/<pid>/fd the enforcer may not read: charged to the pod's budget",
             registry=r,
         )
         self.paused = Counter(

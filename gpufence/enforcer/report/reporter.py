@@ -56,12 +56,13 @@ class Reporter:
 
     def uninspectable(self, nvml_pids: Iterable[int]) -> None:
         for pid in nvml_pids:
-            self.log.error(
-                "process_uninspectable", nvml_pid=pid,
-                reason="NVML lists it but /proc/<pid>/fd is not readable (no ptrace access): the sidecar has "
-                "fewer capabilities than the workload or another user; it is neither counted nor signalled",
-                remedy="run the sidecar as the workload's user with the workload's capabilities (docs/install.md)",
-            )
+            why = ("NVML lists it but /proc/<pid>/fd is not readable (no ptrace access): the sidecar has fewer "
+                   "capabilities than the workload or another user; it counts against the pod's budget and is "
+                   "terminated as the pod's when the pod is over it")
+            self.log.error("process_uninspectable", nvml_pid=pid, reason=why,
+                           remedy="run the workload with the runtime's default capabilities (docs/install.md)")
+            self.events.record("GPUProcessUninspectable", f"GPU process {pid}: {why}", event_type="Warning",
+                               action="Charged")
 
     def usage(self, usages: Iterable[Any], attribution: Attribution) -> None:
         sm: dict[tuple[str, int], int] = {}

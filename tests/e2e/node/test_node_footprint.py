@@ -1,7 +1,8 @@
 """The sidecar as it runs in a pod on the real node: resident memory in its own cgroup and its start-up.
 
 For each kind of pod the test bed runs (a memory share with the root sidecar; memory and compute
-shares, which add the throttle; a pod-level ``runAsUser``, which runs the sidecar as that user),
+shares, which add the throttle; a pod-level ``runAsUser``, whose non-root workload the root sidecar
+reaches by SYS_PTRACE where Pod Security is unset),
 the figures docs/PERFORMANCE.md quotes, printed with ``-s``:
 
 * resident memory: the sidecar container's memory cgroup (v1 ``memory.stat`` rss + rss_huge, v2

@@ -19,7 +19,8 @@ from kubernetes import client
 from gpufence.contract import SIDECAR_NAME
 from tests.e2e import kube
 from tests.e2e.controlplane import ControlPlane
-from tests.e2e.tenant import Tenant
+from tests.e2e.gpufence_install import WebhookProcess
+from tests.e2e.tenant import Tenant, make_tenant
 from tests.node.node import Node
 from tests.node.workloads import (
     SABOTEUR,
@@ -39,6 +40,7 @@ from tests.node.workloads import (
 )
 
 GIB = 1 << 30
+POD_SECURITY = "pod-security.kubernetes.io/enforce"
 DOCUMENTED_SETUP = {"pod-security.kubernetes.io/enforce": "privileged",
                     "pod-security.kubernetes.io/warn": "baseline", "pod-security.kubernetes.io/audit": "baseline"}
 
@@ -59,11 +61,14 @@ USERS = {
     # The workload's image runs as a non-root user and the pod sets none: the sidecar is uid 0
     # with KILL + SYS_PTRACE, documented to reach "processes of any user".
     "image-user-workload": ({}, {}, True),
-    # Pod-level runAsUser: the sidecar inherits it and needs no capability (same uid).
+    # Pod-level runAsUser: the sidecar does not follow it (runAsUser: 0 of its own, KILL + SYS_PTRACE).
     "pod-run-as-user": ({"runAsUser": 1000, "runAsGroup": 1000}, {}, True),
-    # A container with a user of its own under a pod-level runAsUser: documented (and warned at
-    # admission) as out of a non-root sidecar's reach.
-    "container-own-user": ({"runAsUser": 1000, "runAsGroup": 1000}, {"runAsUser": 2000}, False),
+    # A container with a user of its own under a pod-level runAsUser: reached all the same.
+    "container-own-user": ({"runAsUser": 1000, "runAsGroup": 1000}, {"runAsUser": 2000}, True),
+    # Issue 32 row 3, as the tenant wrote it: the pod runs as 1000, the GPU container as root (the
+    # sidecar used to inherit uid 1000 and report the root process as uninspectable, 9 GiB untouched).
+    "root-container-under-pod-user": ({"runAsUser": 1000, "runAsGroup": 1000}, {"runAsUser": 0}, True),
+    "root-group-under-pod-user": ({"runAsUser": 1000, "runAsGroup": 1000}, {"runAsUser": 0, "runAsGroup": 0}, True),
 }
 
 
@@ -467,3 +472,38 @@ def test_a_decoy_chrooted_into_the_sidecars_root_cannot_keep_a_stopped_enforcer_
                 "the restarted enforcer terminating greedy", timeout=40)
     print(f"chroot decoy: stopped sidecar restarted after {elapsed:.1f}s; probe said {unhealthy[-1]!r}; "
           f"decoy said {said.strip().splitlines()[:2]}")
+
+
+@pytest.mark.parametrize("level", [None, "baseline"])
+def test_a_root_gpu_container_under_a_pod_user_is_enforced_for_the_tenant(
+        cluster: ControlPlane, admin: client.ApiClient, node: Node, sim: Node, gpufence: WebhookProcess,
+        tmp_path: Path, level: str | None):
+    """Issue 32 row 3 as the tenant wrote it: pod-level ``runAsUser: 1000`` / ``runAsGroup: 1000``,
+    the GPU container ``runAsUser: 0``, 9 GiB on an 8 GiB share. The sidecar used to inherit uid 1000
+    and report the root process as uninspectable, untouched. Now it is uid 0 of its own: with
+    SYS_PTRACE where Pod Security is unset, and under ``baseline`` (no SYS_PTRACE) as the GPU
+    container's user, root, with the pod's group: either way it reads the process and terminates it."""
+    tenant = make_tenant(cluster, admin, tmp_path, labels={} if level is None else {POD_SECURITY: level})
+    cluster.kubectl("-n", tenant.namespace, "create", "rolebinding", "gpufence-enforcer-events",
+                    "--clusterrole=gpufence-enforcer-events", f"--group=system:serviceaccounts:{tenant.namespace}")
+    gpufence.wait_until_known(tenant.namespace)  # the webhook must know the level before the pod
+    try:
+        greedy = workload_container("greedy", user=0)
+        created = kube.create_pod(tenant.api, tenant.namespace, gpu_pod(
+            [greedy], {"gpufence.io/memory": "8Gi", "gpufence.io/grace-period": "3"},
+            securityContext={"runAsUser": 1000, "runAsGroup": 1000}))
+        assert created.admitted, created.message
+        name = created.obj["metadata"]["name"]
+        assert kube.container(created.obj, SIDECAR_NAME)["securityContext"]["runAsUser"] == 0
+        running = wait_running(cluster, node, tenant.namespace, name)
+        write_gpu_state(node, [(host_pid(node, running, "greedy"), 9 * GIB, 10)])
+        wait_record(running, lambda r: r.get("event") == "sigterm" and r.get("container") == "greedy",
+                    "the enforcer terminating the root GPU container", timeout=40)
+        assert not [r for r in enforcer_records(running) if r.get("event") == "process_uninspectable"]
+        kube.wait_for(lambda: statuses(get_pod(cluster, tenant.namespace, name))["greedy"]["restartCount"] >= 1,
+                      "greedy restarted", 60, 0.3)
+    finally:
+        write_gpu_state(node, ())
+        cluster.kubectl("-n", tenant.namespace, "delete", "pods", "--all", "--wait=true", "--timeout=90s",
+                        check=False)
+        cluster.kubectl("delete", "namespace", tenant.namespace, "--wait=false", check=False)

@@ -44,7 +44,7 @@ EVERY_FIELD = [
     "--pytorch-memory-fraction", "--framework-memory-headroom=1Gi",
     "--exclusive-gpu-resource-name=nvidia.com/mig-3g.*", "--non-gpu-resource-claims=nic",
     "--admin-groups=ops:gpu", "--driver-memory-limits=on", "--kai-scheduler-name=team-kai",
-    "--dra-gpu-driver-name=gpu.example.com",
+    "--dra-gpu-driver-name=gpu.example.com", "--device-access-namespaces=gpu-tools",
 ]
 
 
@@ -59,6 +59,7 @@ def test_every_settings_field_has_a_flag():
     assert settings.non_gpu_resource_claims == ("nic",)
     assert settings.kai_scheduler_names == ("team-kai",)
     assert settings.dra_gpu_drivers == ("gpu.example.com",)
+    assert settings.device_access_namespaces == ("gpu-tools",)
     assert settings.native_sidecar is False and settings.mount_host_proc is True
     assert (settings.default_grace_period_seconds, settings.poll_interval_seconds) == (30.0, 0.25)
     assert settings.gpu_memory == (("nvidia.com/gpu", 80 << 30), ("nvidia.com/mig-1g.10gb", 10 << 30))

@@ -38,7 +38,7 @@ EVERY_KEY = {
     "gpu-memory": "nvidia.com/gpu=80Gi,nvidia.com/mig-1g.10gb=10Gi", "pytorch-memory-fraction": "true",
     "framework-memory-headroom": "1Gi", "admin-groups": "platform:gpu-admins, system:masters",
     "driver-memory-limits": "on",
-    "kai-scheduler-name": "kai-scheduler, team-kai",
+    "kai-scheduler-name": "kai-scheduler, team-kai", "device-access-namespaces": "gpu-operator, monitoring",
 }
 
 

@@ -78,7 +78,8 @@ def load_case(case: str) -> tuple[dict[str, Any], InjectionSettings, _Lookup, st
     doc = yaml.safe_load((GOLDEN / f"{case}.in.yaml").read_text())
     pod = doc["pod"]
     overrides = dict(doc.get("settings") or {})
-    for name in ("gpu_resource_names", "exclusive_gpu_resource_names", "non_gpu_resource_claims"):
+    for name in ("gpu_resource_names", "exclusive_gpu_resource_names", "non_gpu_resource_claims",
+                 "device_access_namespaces"):
         if name in overrides:
             overrides[name] = tuple(overrides[name])
     if "gpu_memory" in overrides:

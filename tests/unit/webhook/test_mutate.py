@@ -33,7 +33,7 @@ from gpufence.webhook.sidecar import (
     default_pull_policy,
     enforcer_config,
     preload_library_path,
-    sidecar_runs_as_root,
+    sidecar_user,
     status_annotation,
 )
 
@@ -83,8 +83,8 @@ def test_sidecar_contract() -> None:
     assert sidecar["name"] == SIDECAR_NAME and sidecar["restartPolicy"] == "Always"
     assert sidecar["command"] == ["gpufence-enforcer"]
     assert sidecar["securityContext"]["runAsUser"] == 0 and "runAsNonRoot" not in sidecar["securityContext"]
-    inheriting = build_sidecar(PLAN, InjectionSettings(), run_as_root=False)["securityContext"]
-    assert "runAsUser" not in inheriting and "runAsNonRoot" not in inheriting
+    shared = build_sidecar(PLAN, InjectionSettings(), user={"runAsUser": 1000})["securityContext"]
+    assert shared["runAsUser"] == 1000 and "runAsNonRoot" not in shared
     capabilities = sidecar["securityContext"]["capabilities"]
     assert capabilities == {"drop": ["ALL"], "add": ["DAC_READ_SEARCH", "KILL", "SYS_PTRACE"]}
     env = env_of(sidecar)
@@ -102,54 +102,110 @@ def test_sidecar_contract() -> None:
     assert "restartPolicy" not in build_sidecar(PLAN, InjectionSettings(native_sidecar=False))
 
 
-def sidecar_context(pod: dict) -> tuple[dict, list[str]]:
+def sidecar_context(pod: dict, pod_security: str | None = None) -> tuple[dict, list[str]]:
     # The GPU's memory is known, so PLAN's byte share adds no framework warning to the sidecar's.
-    new, warnings = desired_pod(pod, PLAN, InjectionSettings(gpu_memory=(("nvidia.com/gpu", 80 << 30),)))
+    new, warnings = desired_pod(pod, PLAN, InjectionSettings(gpu_memory=(("nvidia.com/gpu", 80 << 30),)),
+                                pod_security)
     (sidecar,) = [c for c in new["spec"]["initContainers"] if c["name"] == SIDECAR_NAME]
     return sidecar["securityContext"], warnings
 
 
+USER_KEYS = ("runAsUser", "runAsGroup", "runAsNonRoot")
+
+
 @pytest.mark.parametrize(
-    ("pod_context", "container_context", "root", "warning"),
+    ("pod_context", "container_context", "user"),
     [
-        (None, None, True, None),
-        ({}, {"runAsUser": 1000}, True, None),  # root with KILL/SYS_PTRACE reaches any user
-        ({"runAsNonRoot": False}, None, True, None),
-        ({"runAsUser": 1000, "runAsNonRoot": True}, None, False, None),  # inherited: same user
-        ({"runAsUser": 1000}, {"runAsUser": 1000}, False, None),
-        ({"runAsUser": 0}, {"runAsUser": 1000}, False, None),  # inherited root keeps its capabilities
-        ({"runAsUser": 1000}, {"runAsUser": 0}, False, 'container "train" sets runAsUser 0'),
-        ({"runAsUser": 1000, "runAsGroup": 1}, {"runAsGroup": 2}, False, 'container "train" sets runAsGroup 2'),
-        ({"runAsNonRoot": True}, None, False, "runs as its image's user"),
-        ({"runAsNonRoot": True}, {"runAsUser": 1000}, False, "set spec.securityContext.runAsUser"),
+        (None, None, {"runAsUser": 0}),
+        ({}, {"runAsUser": 1000}, {"runAsUser": 0}),  # root with KILL/SYS_PTRACE reaches any user
+        ({"runAsNonRoot": False}, None, {"runAsUser": 0}),
+        # Issue 32 row 3: the sidecar never follows the pod's user, whatever the GPU container's is.
+        ({"runAsUser": 1000, "runAsNonRoot": True}, None, {"runAsUser": 0, "runAsNonRoot": False}),
+        ({"runAsUser": 1000}, {"runAsUser": 0}, {"runAsUser": 0}),
+        ({"runAsUser": 1000, "runAsGroup": 1}, {"runAsGroup": 2}, {"runAsUser": 0}),
+        ({"runAsNonRoot": True}, None, {"runAsUser": 0, "runAsNonRoot": False}),
     ],
 )
-def test_sidecar_user(pod_context, container_context, root: bool, warning: str | None) -> None:
+def test_sidecar_user_where_root_reaches_every_user(pod_context, container_context, user: dict) -> None:
+    """Unlabelled (Kubernetes' `privileged`): the sidecar is root with SYS_PTRACE, no warning."""
     pod = gpu_pod(**({} if pod_context is None else {"securityContext": pod_context}))
     if container_context is not None:
         pod["spec"]["containers"][0]["securityContext"] = container_context
-    context, warnings = sidecar_context(pod)
-    assert ("runAsUser" in context) is root
-    if root:
-        assert context["runAsUser"] == 0 and "runAsNonRoot" not in context
-    assert context["capabilities"] == {"drop": ["ALL"], "add": ["DAC_READ_SEARCH", "KILL", "SYS_PTRACE"]}
-    if warning is None:
+    for level in (None, "privileged"):
+        context, warnings = sidecar_context(pod, level)
+        assert {k: context[k] for k in USER_KEYS if k in context} == user
+        assert context["capabilities"] == {"drop": ["ALL"], "add": ["DAC_READ_SEARCH", "KILL", "SYS_PTRACE"]}
         assert warnings == []
-    else:
-        assert len(warnings) == 1 and warning in warnings[0] and len(warnings[0]) <= 256
     # Idempotent: the injected pod gets the same sidecar again.
     injected = apply(pod)
     assert diff(injected, desired_pod(injected, PLAN, InjectionSettings())[0]) == []
 
 
+@pytest.mark.parametrize(
+    ("level", "pod_context", "container_context", "user"),
+    [
+        ("baseline", None, None, {"runAsUser": 0}),  # the image's user: root, which signals any user
+        ("baseline", {"runAsUser": 1000}, None, {"runAsUser": 1000}),
+        ("baseline", {"runAsUser": 1000, "runAsGroup": 1000}, {"runAsUser": 0}, {"runAsUser": 0}),
+        ("baseline", {"runAsUser": 1000, "runAsNonRoot": True}, {"runAsGroup": 5},
+         {"runAsUser": 1000, "runAsGroup": 5}),
+        ("baseline", {"runAsNonRoot": True}, {"runAsNonRoot": False, "runAsUser": 0},
+         {"runAsUser": 0, "runAsNonRoot": False}),
+        ("restricted", {"runAsUser": 1000, "runAsNonRoot": True}, None, {"runAsUser": 1000}),
+        ("restricted", None, {"runAsUser": 1000, "runAsNonRoot": True}, {"runAsUser": 1000, "runAsNonRoot": True}),
+    ],
+)
+def test_sidecar_user_is_the_gpu_containers_where_it_has_no_capability(
+        level: str, pod_context, container_context, user: dict) -> None:
+    pod = gpu_pod(**({} if pod_context is None else {"securityContext": pod_context}))
+    if container_context is not None:
+        pod["spec"]["containers"][0]["securityContext"] = container_context
+    context, warnings = sidecar_context(pod, level)
+    assert {k: context[k] for k in USER_KEYS if k in context} == user
+    assert warnings == []
+
+
+@pytest.mark.parametrize(
+    ("level", "pod_context", "contexts", "field"),
+    [
+        # Issue 32 row 3 where the sidecar may hold no capability: one GPU container of another user.
+        ("restricted", {"runAsUser": 1000}, [None, {"runAsUser": 2000}],
+         "spec.containers[1].securityContext.runAsUser"),
+        ("baseline", {"runAsUser": 1000}, [None, {"runAsUser": 0}], "spec.containers[1].securityContext.runAsUser"),
+        ("baseline", {"runAsGroup": 1}, [None, {"runAsGroup": 0}], "spec.containers[1].securityContext.runAsGroup"),
+        ("baseline", None, [{"runAsUser": 0}, None], "spec.securityContext.runAsUser"),
+        ("restricted", None, [None], "spec.containers[0].securityContext.runAsUser"),  # the image's user
+        ("restricted", {"runAsUser": 0}, [None], "spec.securityContext.runAsUser"),
+    ],
+)
+def test_gpu_containers_the_sidecar_cannot_act_on_are_denied(level: str, pod_context, contexts, field: str) -> None:
+    pod = gpu_pod(**({} if pod_context is None else {"securityContext": pod_context}))
+    second = copy.deepcopy(pod["spec"]["containers"][0]) | {"name": "eval"}
+    pod["spec"]["containers"] = [pod["spec"]["containers"][0], second][: len(contexts)]
+    for container, context in zip(pod["spec"]["containers"], contexts, strict=True):
+        if context is not None:
+            container["securityContext"] = context
+    plan = SharePlan(containers=tuple((c["name"], PLAN.containers[0][1]) for c in pod["spec"]["containers"]),
+                     mode=PLAN.mode, grace_period_seconds=PLAN.grace_period_seconds)
+    with pytest.raises(MutationError) as raised:
+        desired_pod(pod, plan, DEFAULT, level)
+    message = str(raised.value)
+    assert field in message and f'Pod Security "{level}"' in message
+    assert "spec.securityContext.runAsUser: 1000" in message
+
+
+def test_a_non_root_image_user_under_baseline_is_warned_about() -> None:
+    context, warnings = sidecar_context(gpu_pod(securityContext={"runAsNonRoot": True}), "baseline")
+    assert context["runAsUser"] == 0 and context["runAsNonRoot"] is False
+    assert len(warnings) == 1 and "set spec.securityContext.runAsUser" in warnings[0] and len(warnings[0]) <= 256
+
+
 def test_sidecar_user_ignores_non_gpu_containers() -> None:
     spec = gpu_pod(securityContext={"runAsUser": 1000})["spec"]
     spec["containers"].append({"name": "proxy", "image": "i", "securityContext": {"runAsUser": 101}})
-    warnings: list[str] = []
-    assert sidecar_runs_as_root(spec, {"train"}, warnings) is False
-    assert warnings == []
-    assert sidecar_runs_as_root(spec, {"train", "proxy"}, warnings) is False
-    assert len(warnings) == 1 and '"proxy"' in warnings[0]
+    assert sidecar_user(spec, {"train"}, "restricted", []) == {"runAsUser": 1000, "runAsNonRoot": True}
+    with pytest.raises(MutationError, match='"proxy"'):
+        sidecar_user(spec, {"train", "proxy"}, "restricted", [])
 
 
 def test_a_users_hint_is_kept_and_a_limit_variable_replaced() -> None:
@@ -393,20 +449,19 @@ def test_a_reinvocation_on_the_defaulted_pod_patches_nothing() -> None:
 
 def test_the_status_records_the_pods_warnings_not_the_containers_own() -> None:
     """A GPU container's framework advice goes back with the admission response only; what limits
-    the enforcer (here: a container of another user) is also recorded, for its Events, and only then
-    does the sidecar read the status annotation."""
+    the enforcer (here: a GPU container of an unknown non-root user under baseline) is also recorded,
+    for its Events, and only then does the sidecar read the status annotation."""
     plain = gpu_pod()
     new, warnings = desired_pod(plain, PLAN, DEFAULT)  # a byte share, the GPU's memory unknown: advice
     assert any("framework cap" in w for w in warnings)
     assert "warnings" not in json.loads(new["metadata"]["annotations"][ANNOTATION_STATUS])
     assert "GPUFENCE_POD_STATUS" not in env_of(new["spec"]["initContainers"][0])
 
-    other_user = gpu_pod(securityContext={"runAsUser": 1000})
-    other_user["spec"]["containers"][0]["securityContext"] = {"runAsUser": 0}
-    new, warnings = desired_pod(other_user, PLAN, DEFAULT)
+    image_user = gpu_pod(securityContext={"runAsNonRoot": True})
+    new, warnings = desired_pod(image_user, PLAN, DEFAULT, "baseline")
     recorded = json.loads(new["metadata"]["annotations"][ANNOTATION_STATUS])["warnings"]
     assert recorded == [w for w in warnings if "framework cap" not in w] and len(recorded) == 1
-    assert "sets runAsUser 0" in recorded[0]
+    assert "runAsNonRoot without runAsUser" in recorded[0]
     assert env_of(new["spec"]["initContainers"][0])["GPUFENCE_POD_STATUS"] == {
         "fieldRef": {"fieldPath": f"metadata.annotations['{ANNOTATION_STATUS}']"}}
 

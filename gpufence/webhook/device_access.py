@@ -1,0 +1,124 @@
+"""Device access without a device request (pure): privileged containers and hostPath volumes that
+reach the node's GPUs outside the scheduler's count and gpufence's shares.
+
+A GPU reaches a container through a device request (a GPU resource, a DRA claim, KAI's fraction),
+which the webhook turns into a share and a sidecar. A pod can also reach the node's devices around
+any request: a privileged container sees every device node of the node and no device cgroup stops
+it opening one; a hostPath volume of ``/dev`` (or a ``CharDevice`` anywhere) hands it the NVIDIA
+device nodes, and the node's ``/proc`` and ``/sys`` the driver's files and other containers' roots
+(``/proc/<pid>/root/dev/nvidia0``). Pod Security ``baseline`` forbids all of these; a namespace
+without a Pod Security label (``privileged`` to Kubernetes) does not, and the webhook used to store
+such a pod with ``NVIDIA_VISIBLE_DEVICES=void`` only: no share, no sidecar, no GPU count.
+
+So in an opted-in namespace the webhook refuses them, GPU pod or not, opted out or not, unless the
+admin allows it: the namespace is in the policy's ``device-access-namespaces``, or the request comes
+from a member of ``admin-groups`` (``device_access_denial``). gpufence's own hostPath volumes
+(``sidecar.pod_volumes``: the host's ``/proc`` for the enforcer of a legacy driver, the preload
+library) are the admin's and pass in a GPU pod, where the injection rebuilds them.
+
+Tolerant of garbage: the pod may be any pod of an opted-in namespace, not shape-checked.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Iterable, Mapping
+from typing import Any
+
+from gpufence.webhook.shares import quote
+
+# Where a hostPath reaches a GPU or its driver without a device request. A hostPath at one of these,
+# under one, or above one (``/``, ``/run``, ``/usr``) is refused:
+# * /dev: the device nodes (/dev/nvidia*, /dev/nvidia-caps, /dev/dri);
+# * /proc: /proc/driver/nvidia, and every process's /proc/<pid>/root, through which a root process
+#   of default capabilities reaches another root container's /dev;
+# * /sys: the GPUs' PCI device files (/sys/bus/pci/devices/*/resource*, config);
+# * /run/nvidia, /var/run/nvidia: the GPU Operator's driver root and toolkit (its /dev and libraries);
+# * the multiarch library directories: where the driver's user-space libraries (libcuda,
+#   libnvidia-ml) live on the node, which the NVIDIA container toolkit mounts for a GPU container.
+# Paths are compared as written: a symlink on the node that leads into one of these is resolved by
+# the kubelet, not seen here. Pod Security `baseline`, which refuses every hostPath, covers that
+# (docs/install.md, "Pod Security of the namespaces you opt in").
+DEVICE_PATHS = (
+    "/dev",
+    "/proc",
+    "/sys",
+    "/run/nvidia",
+    "/var/run/nvidia",
+    "/usr/lib/x86_64-linux-gnu",
+    "/usr/lib/aarch64-linux-gnu",
+    "/usr/lib64",
+    "/lib/x86_64-linux-gnu",
+    "/lib/aarch64-linux-gnu",
+    "/lib64",
+)
+# hostPath types that are a device whatever the path.
+DEVICE_TYPES = ("CharDevice", "BlockDevice")
+
+
+def _normal(path: str) -> str:
+    """``path`` without repeated or trailing slashes and ``.`` components (the API server refuses
+    ``..`` in a hostPath path)."""
+    parts = [p for p in path.split("/") if p not in ("", ".")]
+    return "/" + "/".join(parts)
+
+
+def reaches_devices(path: str) -> bool:
+    """Whether a hostPath of ``path`` is, is under or contains one of ``DEVICE_PATHS``."""
+    if not path.startswith("/"):
+        return False  # the API server refuses a relative hostPath
+    normal = _normal(path)
+    for device in DEVICE_PATHS:
+        if normal == device or normal.startswith(device + "/") or device.startswith(normal.rstrip("/") + "/"):
+            return True
+    return False
+
+
+def device_access_denial(spec: Any, namespace: str, groups: Any, admin_groups: Collection[str],
+                         allowed_namespaces: Collection[str], own_volumes: Iterable[Mapping[str, Any]] = (),
+                         gpu_resource: str = "nvidia.com/gpu") -> str | None:
+    """The denial for the first privileged container or device-reaching hostPath volume of ``spec``,
+    else None (and None for the admin's exemptions: ``namespace`` in ``allowed_namespaces``, or one of
+    the request's ``groups`` in ``admin_groups``).
+
+    ``own_volumes``: gpufence's own volumes in a GPU pod (``sidecar.pod_volumes``), which pass where
+    the pod holds them exactly as gpufence makes them. ``gpu_resource``: advised in the denial.
+    """
+    if not isinstance(spec, dict) or namespace in allowed_namespaces:
+        return None
+    if isinstance(groups, list) and any(g in admin_groups for g in groups if isinstance(g, str)):
+        return None
+    allowed = ", ".join(quote(n) for n in allowed_namespaces) or "none"
+    how = (f"only the cluster admin allows it, by listing the namespace in device-access-namespaces of "
+           f"ConfigMap gpufence/gpufence-policy (now: {allowed}) or by creating the pod as a member of admin-groups")
+    for key in ("initContainers", "containers"):
+        containers = spec.get(key)
+        for i, container in enumerate(containers if isinstance(containers, list) else ()):
+            context = container.get("securityContext") if isinstance(container, dict) else None
+            if isinstance(context, dict) and context.get("privileged") is True:
+                return (
+                    f"container {quote(container.get('name'))} sets privileged: true "
+                    f"(spec.{key}[{i}].securityContext.privileged): a privileged container opens every device "
+                    "of the node, every GPU among them, outside the scheduler's count and gpufence's shares; "
+                    f"in namespace {quote(namespace)} {how}; remove it, and request a GPU with "
+                    f'resources.limits["{gpu_resource}"]'
+                )
+    ours = [dict(v) for v in own_volumes]
+    volumes = spec.get("volumes")
+    for i, volume in enumerate(volumes if isinstance(volumes, list) else ()):
+        host = volume.get("hostPath") if isinstance(volume, dict) else None
+        if not isinstance(host, dict) or volume in ours:
+            continue
+        path = host.get("path")
+        kind = host.get("type")
+        device_type = kind in DEVICE_TYPES
+        if device_type or (isinstance(path, str) and reaches_devices(path)):
+            field = f"spec.volumes[{i}].hostPath.{'type' if device_type else 'path'}"
+            shown = f"type {kind}" if device_type else quote(path if isinstance(path, str) else "")
+            return (
+                f"volume {quote(volume.get('name'))} is hostPath {shown} ({field}): a hostPath "
+                "of a device, or at, under or above /dev, /proc, /sys, NVIDIA's driver root (/run/nvidia) or the "
+                "driver's library directories, reaches the node's GPUs outside the scheduler's count and "
+                f"gpufence's shares; in namespace {quote(namespace)} {how}; use another volume, e.g. an "
+                f'emptyDir, and request a GPU with resources.limits["{gpu_resource}"]'
+            )
+    return None

@@ -1,0 +1,113 @@
+"""Device access without a device request (issue 32 row 4): privileged containers and hostPath volumes
+that reach the node's devices are refused in opted-in namespaces, unless the admin allows them."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from gpufence.contract import INJECTION_ENABLED, INJECTION_LABEL
+from gpufence.webhook.admission import review
+from gpufence.webhook.client import pod_admission_review
+from gpufence.webhook.device_access import device_access_denial, reaches_devices
+from gpufence.webhook.settings import InjectionSettings, NamespaceInfo
+from gpufence.webhook.sidecar import pod_volumes
+
+ADMINS = ("system:masters", "gpufence:admins")
+
+
+@pytest.mark.parametrize("path", [
+    "/", "/dev", "/dev/", "/dev/nvidia0", "//dev//nvidia-caps", "/dev/./nvidiactl", "/proc", "/proc/driver/nvidia",
+    "/sys/bus/pci/devices", "/run", "/run/nvidia", "/run/nvidia/driver", "/var/run/nvidia", "/var", "/usr",
+    "/usr/lib", "/usr/lib/x86_64-linux-gnu", "/usr/lib/x86_64-linux-gnu/libcuda.so.1", "/usr/lib64", "/lib64",
+])
+def test_paths_that_reach_the_devices_or_the_driver(path: str) -> None:
+    assert reaches_devices(path)
+
+
+@pytest.mark.parametrize("path", [
+    "/var/cache/models", "/data", "/devices", "/dev-cache", "/run/nvidia-persistenced-not", "/usr/local/lib/libvgpu.so",
+    "/opt", "/home/user", "/processes", "relative/dev",
+])
+def test_paths_that_do_not(path: str) -> None:
+    assert not reaches_devices(path)
+
+
+def spec(**extra: Any) -> dict[str, Any]:
+    return {"containers": [{"name": "c", "image": "i"}], **extra}
+
+
+def test_privileged_containers_are_denied_naming_the_field() -> None:
+    for key in ("initContainers", "containers"):
+        pod = spec(**{key: [{"name": "ok", "image": "i"}, {"name": "p", "image": "i",
+                                                             "securityContext": {"privileged": True}}]})
+        denial = device_access_denial(pod, "team", [], ADMINS, ())
+        assert denial is not None and f"spec.{key}[1].securityContext.privileged" in denial
+        assert '"team"' in denial and "device-access-namespaces" in denial and 'resources.limits["' in denial
+    assert device_access_denial(spec(containers=[{"name": "c", "securityContext": {"privileged": False}}]),
+                                "team", [], ADMINS, ()) is None
+
+
+def test_device_volumes_are_denied_and_other_volumes_are_not() -> None:
+    device = spec(volumes=[{"name": "x", "emptyDir": {}}, {"name": "d", "hostPath": {"path": "/opt/gpu0",
+                                                                                     "type": "CharDevice"}}])
+    denial = device_access_denial(device, "team", [], ADMINS, ())
+    assert denial is not None and "spec.volumes[1].hostPath.type" in denial and "CharDevice" in denial
+    nvidia = spec(volumes=[{"name": "n", "hostPath": {"path": "/dev/nvidia0"}}])
+    assert "spec.volumes[0].hostPath.path" in (device_access_denial(nvidia, "team", [], ADMINS, ()) or "")
+    harmless = spec(volumes=[{"name": "m", "hostPath": {"path": "/var/cache/models"}}, {"name": "e", "emptyDir": {}}])
+    assert device_access_denial(harmless, "team", [], ADMINS, ()) is None
+
+
+def test_the_admins_exemptions() -> None:
+    pod = spec(containers=[{"name": "c", "securityContext": {"privileged": True}}],
+               volumes=[{"name": "d", "hostPath": {"path": "/dev"}}])
+    assert device_access_denial(pod, "tools", [], ADMINS, ("tools",)) is None
+    assert device_access_denial(pod, "team", ["system:authenticated", "gpufence:admins"], ADMINS, ()) is None
+    assert device_access_denial(pod, "team", ["system:authenticated"], ADMINS, ("tools",)) is not None
+
+
+def test_gpufences_own_volumes_pass_only_as_gpufence_makes_them() -> None:
+    settings = InjectionSettings(mount_host_proc=True, preload_library_host_path="/usr/lib64/libvgpu.so")
+    ours = pod_volumes(settings)
+    pod = spec(volumes=ours)
+    assert device_access_denial(pod, "team", [], ADMINS, (), ours) is None
+    assert device_access_denial(pod, "team", [], ADMINS, ()) is not None  # a pod without a GPU: not ours
+    changed = [{**v, "hostPath": {**v["hostPath"], "type": "DirectoryOrCreate"}} if "hostPath" in v else v
+               for v in ours]
+    assert device_access_denial(spec(volumes=changed), "team", [], ADMINS, (), ours) is not None
+
+
+def test_garbage_is_tolerated() -> None:
+    for pod in (None, [], {"containers": "x"}, {"containers": [None, 1]}, {"volumes": [None, {"hostPath": 1}]},
+                {"volumes": [{"hostPath": {"path": 7}}]}):
+        assert device_access_denial(pod, "team", None, ADMINS, ()) is None
+
+
+DEFAULT = InjectionSettings()
+
+
+def _review(pod_spec: dict[str, Any], groups: list[str], settings: InjectionSettings = DEFAULT) -> Any:
+    pod = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "p", "namespace": "team",
+                                                          "labels": {"gpufence.io/inject": "false"}},
+           "spec": pod_spec}
+    payload = pod_admission_review(pod, uid="u", namespace="team")
+    payload["request"]["userInfo"]["groups"] = groups
+
+    class Lookup:
+        def get(self, name: str) -> NamespaceInfo:
+            return NamespaceInfo(name, labels={INJECTION_LABEL: INJECTION_ENABLED},
+                                 annotations={"gpufence.io/allow-opt-out": "true"})
+
+    return review(payload, settings, Lookup())
+
+
+def test_the_review_denies_opted_out_pods_too_and_exempts_admins() -> None:
+    """Opting out of the sidecar does not opt out of the node's devices: the GPUs are other pods' too."""
+    privileged = spec(containers=[{"name": "c", "image": "i", "securityContext": {"privileged": True}}])
+    assert _review(privileged, ["system:authenticated"]).outcome == "denied"
+    assert _review(privileged, ["system:authenticated"], InjectionSettings(void_non_gpu_containers=False)
+                   ).outcome == "denied"
+    assert _review(privileged, ["gpufence:admins"]).outcome == "skipped"
+    assert _review(privileged, [], InjectionSettings(device_access_namespaces=("team",))).outcome == "skipped"
