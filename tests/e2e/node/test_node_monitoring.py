@@ -305,3 +305,22 @@ def test_gpufence_top_through_prometheus_and_through_the_pod_proxy(monitored: Mo
         for name in monitored.pods.values():
             assert name in text, (name, view)
         assert NODE_NAME in text and GPU_UUID in text, view
+
+
+def test_gpufence_recommend_on_the_nodes_history(monitored: Monitored) -> None:
+    result = _gpufence("recommend", "--prometheus", monitored.prometheus.url, "--window", "10m",
+                       "-n", monitored.namespace, "-o", "json")
+    assert result.returncode == 0, result.stderr
+    recs = {r["container"]: r for r in json.loads(result.stdout)["recommendations"]}
+    # The stray's process is no container's: nothing to size a container's share from.
+    assert set(recs) == {"trainer", "loader", "hog"}, recs
+    trainer = recs["trainer"]
+    # Peak 2Gi x 1.2 = 2.4Gi -> 3Gi; SM 10 % x 1.2 = 12 -> 15.
+    assert (trainer["memory_peak_bytes"], trainer["memory_share"], trainer["compute_share_percent"]) == \
+        (2 * GIB, "3Gi", 15), trainer
+    assert trainer["annotations"] == {"gpufence.io/memory": "3Gi", "gpufence.io/compute": "15"}
+    # It held 3Gi only until its SIGTERM (a scrape may or may not have seen it): the note says the
+    # share it was sized from is a floor, the container having been terminated.
+    loader = recs["loader"]
+    assert loader["memory_peak_bytes"] in (1 * GIB, 3 * GIB) and "terminated" in loader["notes"][0], loader
+    assert any("throttled" in note for note in recs["hog"]["notes"]), recs["hog"]
