@@ -98,12 +98,33 @@ def runtime_class(cluster: ControlPlane, node: Node) -> Any:
 
 
 @pytest.fixture(scope="module")
-def driver_limit_node(cluster: ControlPlane, node: Node) -> Any:
+def driver_limit_node(admin: client.ApiClient, cluster: ControlPlane, node: Node) -> Any:
     """The node labelled as an admin labels one that can apply the driver's limit (the kubelet
-    admits a pinned pod only there); unlabelled afterwards, as the other node tests expect it."""
-    cluster.kubectl("label", "node", NODE_NAME, f"{DRIVER_LIMITS_NODE_LABEL}=true", "--overwrite")
-    yield
-    cluster.kubectl("label", "node", NODE_NAME, f"{DRIVER_LIMITS_NODE_LABEL}-", check=False)
+    admits a pinned pod only there); unlabelled afterwards, as the other node tests expect it, and
+    only once the webhook's Node cache shows it unlabelled (else the next module's pods, bound to
+    the node by name, would still get the variables, which this cgroup v1 node's hook refuses)."""
+    probe_namespace = kube.create_namespace(admin, "driverlabel", kube.OPT_IN)
+    set_node_label(admin, cluster, probe_namespace, labelled=True)
+    yield probe_namespace
+    set_node_label(admin, cluster, probe_namespace, labelled=False)
+    cluster.kubectl("delete", "namespace", probe_namespace, "--wait=false", check=False)
+
+
+def set_node_label(admin: client.ApiClient, cluster: ControlPlane, probe_namespace: str, *, labelled: bool) -> None:
+    """Label or unlabel the node, then wait until the webhook says so: under ``auto`` a GPU pod bound
+    to the node by ``nodeName`` gets the driver variables exactly when the node is labelled (the
+    webhook's Node cache, issue 32 row 8), which a dry run shows without creating anything."""
+    label = f"{DRIVER_LIMITS_NODE_LABEL}=true" if labelled else f"{DRIVER_LIMITS_NODE_LABEL}-"
+    cluster.kubectl("label", "node", NODE_NAME, label, "--overwrite")
+
+    def webhook_agrees() -> bool | None:
+        created = kube.create_pod(admin, probe_namespace, gpu_pod([workload_container("probe")], dict(SHARE)),
+                                  dry_run=True)
+        assert created.admitted, created.message
+        return ((_stored_env(created.obj, "probe") == DRIVER_ENV) == labelled) or None
+
+    kube.wait_for(webhook_agrees, f"the webhook seeing {NODE_NAME} {'labelled' if labelled else 'unlabelled'}",
+                  30, 0.2)
 
 
 def _pod(containers: list[dict[str, Any]], handler: str, *, pinned: bool = True) -> dict[str, Any]:
@@ -189,7 +210,8 @@ def test_a_pinned_pod_does_not_start_where_the_hook_cannot_apply_the_limit_and_u
     """The safety decision and the proof of the default. A pod pinned to driver-limit nodes gets the
     variables from the webhook; on a node whose hook cannot apply them (here: cgroup v1) its GPU
     container does not start at all (an OCI createRuntime hook that fails fails runc's create).
-    The same pod unpinned gets no variables under ``auto`` and runs on the same node and handler."""
+    The same pod on the same node once the admin has taken the label off gets no variables under
+    ``auto`` and runs with the same handler."""
     if cgroup_version() == "v2":
         skip_by_design("cgroup-v2-node", "on a cgroup v2 node the hook applies the limit: nothing fails here")
     pod = _create(admin, gpu_namespace, _pod([workload_container("limited")], HOOK_HANDLER))
@@ -205,9 +227,16 @@ def test_a_pinned_pod_does_not_start_where_the_hook_cannot_apply_the_limit_and_u
     assert "running" in (statuses(current)[SIDECAR_NAME].get("state") or {}), statuses(current)[SIDECAR_NAME]
     assert any(V2_ONLY in (e.get("message") or "") for e in events(cluster, gpu_namespace, name))
 
-    unpinned = _create(admin, gpu_namespace, _pod([workload_container("limited")], HOOK_HANDLER, pinned=False))
-    assert _stored_env(unpinned, "limited") == {}, unpinned["spec"]["containers"]
-    running = wait_running(cluster, node, gpu_namespace, unpinned["metadata"]["name"])
+    # The same pod on the same node once the admin has taken the label off: bound by nodeName to a
+    # node the webhook knows as unlabelled, it gets no variables under `auto` and runs.
+    set_node_label(admin, cluster, driver_limit_node, labelled=False)
+    try:
+        unpinned = _create(admin, gpu_namespace, _pod([workload_container("limited")], HOOK_HANDLER,
+                                                      pinned=False))
+        assert _stored_env(unpinned, "limited") == {}, unpinned["spec"]["containers"]
+        running = wait_running(cluster, node, gpu_namespace, unpinned["metadata"]["name"])
+    finally:
+        set_node_label(admin, cluster, driver_limit_node, labelled=True)
     spec = _bundle_spec(node, statuses(running)["limited"]["containerID"])
     assert _spec_env(spec) == {}, spec["process"]["env"]
     hooks = spec["hooks"]["createRuntime"]
