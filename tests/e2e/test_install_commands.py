@@ -273,6 +273,14 @@ class Bed:
         result = self.cp.kubectl("get", *args, *ns, "-o", "json", check=False)
         return json.loads(result.stdout) if result.returncode == 0 else None
 
+    def start_clean(self) -> None:
+        """No gpufence in the cluster: what an earlier test that failed half-way left is removed."""
+        if self.get("namespace", NAMESPACE) is not None or self.get("mutatingwebhookconfiguration", "gpufence"):
+            subprocess.run([str(self.helm), "uninstall", "gpufence"], env=self.env, capture_output=True, timeout=120,
+                           check=False)  # fmt: skip
+            self.cp.kubectl("delete", "-k", str(REPO / "k8s"), "--ignore-not-found", check=False)
+        self.wait_uninstalled()
+
     def wait_uninstalled(self) -> None:
         kube.wait_for(lambda: self.get("namespace", NAMESPACE) is None, "namespace gpufence to be deleted",
                       timeout=180, interval=0.5)
@@ -312,6 +320,7 @@ def bed(helm: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Bed]:
 
 def test_kustomize_install_opt_in_verify_upgrade_and_uninstall_blocks(bed: Bed) -> None:
     cp = bed.cp
+    bed.start_clean()
     cp.kubectl("create", "namespace", USER_NAMESPACE)  # the operator's namespace, which the doc assumes
 
     bed.run(KUSTOMIZE_STEPS[0])
@@ -403,7 +412,7 @@ def _runs_the_image(bed: Bed) -> None:
 
 
 def test_helm_block_pointing_at_your_image(bed: Bed) -> None:
-    bed.wait_uninstalled()  # after the kustomize test, or on its own
+    bed.start_clean()
     bed.run(HELM_STEPS[0])
     try:
         assert _helm_release(bed)["info"]["status"] == "deployed"
@@ -413,7 +422,7 @@ def test_helm_block_pointing_at_your_image(bed: Bed) -> None:
 
 
 def test_helm_install_block_with_monitoring(bed: Bed) -> None:
-    bed.wait_uninstalled()
+    bed.start_clean()
     # The prerequisite the doc names for monitoring: the Prometheus Operator's CRDs.
     try:
         crds = crd_files("prometheus-operator")
