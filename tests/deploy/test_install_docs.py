@@ -50,3 +50,18 @@ def test_image_kustomization_example_renders_the_new_image_everywhere(tmp_path: 
     # The sidecar image the webhook injects comes from the policy ConfigMap.
     (policy,) = [o for o in objects if o["kind"] == "ConfigMap" and o["metadata"]["name"] == "gpufence-policy"]
     assert policy["data"]["sidecar-image"] == wanted
+
+
+def test_the_image_build_blocks_name_what_the_checkout_has() -> None:
+    """The build blocks need a Docker engine (tests/e2e/test_install_commands.py leaves them out, marked):
+    their version line runs here, and every ``--target`` they build is a stage of the Dockerfile."""
+    blocks = re.findall(r"```sh\n(.*?)```", section("Build and push the image"), re.DOTALL)
+    script = "\n".join(blocks)
+    (version_line,) = [line for line in script.splitlines() if line.startswith("VERSION=")]
+    result = subprocess.run(["bash", "-euo", "pipefail", "-c", f"{version_line.split('#')[0]}\necho \"$VERSION\""],
+                            cwd=ROOT, capture_output=True, text=True, timeout=60, check=False)  # fmt: skip
+    assert result.returncode == 0 and result.stdout.strip() == __version__, result.stdout + result.stderr
+    stages = set(re.findall(r"^FROM \S+ AS (\S+)$", (ROOT / "Dockerfile").read_text(), re.MULTILINE))
+    targets = set(re.findall(r"--target (\S+)", script))
+    assert targets and targets <= stages, f"--target {targets - stages} is no stage of the Dockerfile ({stages})"
+    assert re.search(r"^docker build -t \"\$IMAGE\" \.", script, re.MULTILINE), "the default build is the last stage"

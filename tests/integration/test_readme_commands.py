@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import selectors
 import signal
 import subprocess
@@ -162,6 +163,22 @@ def test_a_runnable_readme_block_does_what_it_says(block: Block, tmp_path: Path)
         assert status == 0, f"README.md:{block.line} exited {status}:\n{output}"
     for fields in block.expected:
         assert any(_matches(line, fields) for line in lines), f"README.md:{block.line}: no line with {fields}"
+
+
+def test_every_readme_shell_block_is_run_or_says_why_not() -> None:
+    """A new block cannot go untested silently: it is marked runnable (and run above) or carries the
+    reason it is not (``<!-- not-runnable: REASON -->`` on the line before it)."""
+    lines = README.read_text().splitlines()
+    unmarked = [f"README.md:{i + 1}" for i, line in enumerate(lines) if line.strip() == "```sh"
+                and not lines[i - 1].startswith((MARKER, "<!-- not-runnable: "))]
+    assert not unmarked, f"a ```sh block neither marked runnable nor not-runnable with a reason: {unmarked}"
+
+
+def test_the_make_targets_the_readme_names_exist() -> None:
+    """The set-up block is not run here (``make test`` is this suite); a renamed target still breaks it."""
+    named = set(re.findall(r"^make (\S+)", README.read_text(), re.MULTILINE))
+    targets = set(re.findall(r"^([a-z][\w-]*):", (REPO / "Makefile").read_text(), re.MULTILINE))
+    assert named and named <= targets, f"the README names make targets the Makefile lacks: {named - targets}"
 
 
 def test_a_documented_line_lists_the_fields_it_shows() -> None:
