@@ -8,7 +8,7 @@ raised. Each line carries ``namespace``, ``pod`` (empty at admission for pods a 
 hence ``generate_name``), the request ``uid`` (the API server's audit log has the same uid),
 ``decision``, ``reason`` for a denial, the admission ``warnings`` and the requesting ``user``.
 
-Kept out of ``webhook.admission`` so the review stays a pure function: the server calls these
+Kept out of ``webhook.core.admission`` so the review stays a pure function: the server calls these
 after a review, and a line is built only when its level is enabled.
 """
 
@@ -18,7 +18,7 @@ import logging
 from typing import Any
 
 from gpufence.logs import log_event
-from gpufence.webhook.admission import ReviewResult
+from gpufence.webhook.core.admission import ReviewResult
 
 log = logging.getLogger("webhook.decisions")
 

@@ -1,4 +1,4 @@
-"""The HTTPS edge around ``webhook.admission.review``: routes, limits, TLS listener, lifecycle.
+"""The HTTPS edge around ``webhook.core.admission.review``: routes, limits, TLS listener, lifecycle.
 
 Every way a client can misbehave is bounded (each bound is exercised by
 tests/integration/webhook/test_server_limits.py): a TLS handshake by ``ssl_handshake_timeout``; a
@@ -26,16 +26,16 @@ from aiohttp.web_protocol import RequestPayloadError
 
 from gpufence import __version__
 from gpufence.logs import log_event
-from gpufence.webhook.admission import InvalidReview, ReviewResult, denial, request_namespace, review, verify
-from gpufence.webhook.cluster_policy import ClusterPolicy
+from gpufence.webhook.cluster.policy import ClusterPolicy
+from gpufence.webhook.cluster.watch import BackgroundLookup
+from gpufence.webhook.core.admission import InvalidReview, ReviewResult, denial, request_namespace, review, verify
+from gpufence.webhook.core.dra import DraObjects
+from gpufence.webhook.core.driver_limits import KnownNodes
+from gpufence.webhook.core.patch import dumps, loads
+from gpufence.webhook.core.settings import AllNamespacesOptedIn, FreshReader, InjectionSettings, NamespaceLookup
 from gpufence.webhook.decisions import log_decision, log_review_failed
-from gpufence.webhook.dra import DraObjects
-from gpufence.webhook.driver_limits import KnownNodes
 from gpufence.webhook.metrics import WebhookMetrics
-from gpufence.webhook.patch import dumps, loads
-from gpufence.webhook.settings import AllNamespacesOptedIn, FreshReader, InjectionSettings, NamespaceLookup
 from gpufence.webhook.tls import DEFAULT_RELOAD_INTERVAL_SECONDS, CertReloader
-from gpufence.webhook.watch import BackgroundLookup
 
 log = logging.getLogger(__name__)
 
@@ -73,9 +73,9 @@ POLICY = web.AppKey("policy", ClusterPolicy)
 # Background watches besides the namespace cache (the policy ConfigMap's), started and stopped with the app.
 WATCHES: web.AppKey[tuple[BackgroundLookup, ...]] = web.AppKey("watches")
 NAMESPACES = web.AppKey("namespaces", NamespaceLookup)
-# The DRA objects claims are resolved through (webhook.dra_cache), or None (outside a cluster).
+# The DRA objects claims are resolved through (webhook.cluster.dra_cache), or None (outside a cluster).
 CLAIMS: web.AppKey[DraObjects | None] = web.AppKey("claims")
-# The nodes' labels (webhook.nodes), for the driver limits under auto, or None (outside a cluster).
+# The nodes' labels (webhook.cluster.nodes), for the driver limits under auto, or None (outside a cluster).
 NODES: web.AppKey[KnownNodes | None] = web.AppKey("nodes")
 RELOADER = web.AppKey("reloader", CertReloader)
 METRICS = web.AppKey("metrics", WebhookMetrics)
@@ -350,9 +350,9 @@ def create_app(settings: InjectionSettings | ClusterPolicy, namespaces: Namespac
 
     ``settings``: fixed InjectionSettings (the flags), or a ClusterPolicy that ``policy_watch`` feeds.
     ``claims``: the DRA cache (started and stopped with the app; never part of /readyz: a claim it
-    cannot resolve is taken for a GPU, see webhook.dra).
+    cannot resolve is taken for a GPU, see webhook.core.dra).
     ``nodes``: the node cache (started and stopped with the app; never part of /readyz either: a
-    pod whose nodes it does not know gets no driver limits, see webhook.driver_limits).
+    pod whose nodes it does not know gets no driver limits, see webhook.core.driver_limits).
     """
     app = web.Application(middlewares=[error_middleware], client_max_size=limits.max_body_bytes)
     policy = settings if isinstance(settings, ClusterPolicy) else ClusterPolicy(settings)

@@ -14,20 +14,26 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from gpufence.contract import MIRROR_POD_ANNOTATION, POD_OPT_OUT_LABEL, SIDECAR_NAME, SIDECAR_PORT_NAME
-from gpufence.webhook.desired import desired_plain_pod, desired_pod
-from gpufence.webhook.device_access import device_access_denial
-from gpufence.webhook.dra import DraObjects, check_claim_ceilings, claim_memory, claim_warnings
-from gpufence.webhook.driver_limits import KnownNodes, NodeLabels
-from gpufence.webhook.ephemeral import SUBRESOURCE as EPHEMERAL_SUBRESOURCE
-from gpufence.webhook.ephemeral import ephemeral_patch
-from gpufence.webhook.gpu_paths import PodGpuPaths, advised_resource
-from gpufence.webhook.kai import kai_fraction, kai_memory, nv_devices_denial, nv_fractions, nv_memory
-from gpufence.webhook.namespace_policy import namespace_policy, opt_out_allowed, opt_out_denial
-from gpufence.webhook.patch import diff, dumps, loads
-from gpufence.webhook.podshape import MutationError, check_shape, nvidia_side_door, sidecar_resource_use
-from gpufence.webhook.settings import InjectionSettings, NamespaceLookup
-from gpufence.webhook.shares import ClaimMemory, ShareError, SharePlan, quote, resolve_shares, with_gpu_counts
-from gpufence.webhook.sidecar import HOST_PROC_VOLUME, POD_SECURITY_LABEL, PRELOAD_VOLUME, STATE_VOLUME, pod_volumes
+from gpufence.webhook.core.desired import desired_plain_pod, desired_pod
+from gpufence.webhook.core.device_access import device_access_denial
+from gpufence.webhook.core.dra import DraObjects, check_claim_ceilings, claim_memory, claim_warnings
+from gpufence.webhook.core.driver_limits import KnownNodes, NodeLabels
+from gpufence.webhook.core.ephemeral import SUBRESOURCE as EPHEMERAL_SUBRESOURCE
+from gpufence.webhook.core.ephemeral import ephemeral_patch
+from gpufence.webhook.core.gpu_paths import PodGpuPaths, advised_resource
+from gpufence.webhook.core.kai import kai_fraction, kai_memory, nv_devices_denial, nv_fractions, nv_memory
+from gpufence.webhook.core.namespace_policy import namespace_policy, opt_out_allowed, opt_out_denial
+from gpufence.webhook.core.patch import diff, dumps, loads
+from gpufence.webhook.core.podshape import MutationError, check_shape, nvidia_side_door, sidecar_resource_use
+from gpufence.webhook.core.settings import InjectionSettings, NamespaceLookup
+from gpufence.webhook.core.shares import ClaimMemory, ShareError, SharePlan, quote, resolve_shares, with_gpu_counts
+from gpufence.webhook.core.sidecar import (
+    HOST_PROC_VOLUME,
+    POD_SECURITY_LABEL,
+    PRELOAD_VOLUME,
+    STATE_VOLUME,
+    pod_volumes,
+)
 
 API_VERSION = "admission.k8s.io/v1"
 KIND = "AdmissionReview"
@@ -58,9 +64,9 @@ class _Denied(Exception):
 
 def review(payload: Any, settings: InjectionSettings, namespaces: NamespaceLookup,
            claims: DraObjects | None = None, nodes: KnownNodes | None = None) -> ReviewResult:
-    """``claims``: the DRA objects (webhook.dra_cache) that claims are resolved through, for the
-    warnings of webhook.dra.claim_warnings; None where there are none (outside a cluster).
-    ``nodes``: the nodes' labels (webhook.nodes), for the driver limits under ``auto``; None where
+    """``claims``: the DRA objects (webhook.cluster.dra_cache) that claims are resolved through, for the
+    warnings of webhook.core.dra.claim_warnings; None where there are none (outside a cluster).
+    ``nodes``: the nodes' labels (webhook.cluster.nodes), for the driver limits under ``auto``; None where
     none are known. Read once per review: one review sees one snapshot."""
     request = _request(payload)
     uid = request["uid"]

@@ -20,9 +20,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from gpufence.webhook.container_env import with_void
-from gpufence.webhook.patch import diff, dumps
-from gpufence.webhook.podshape import MutationError
+from gpufence.webhook.core.container_env import with_void
+from gpufence.webhook.core.patch import diff, dumps
+from gpufence.webhook.core.podshape import MutationError
 
 SUBRESOURCE = "ephemeralcontainers"
 _KEY = "ephemeralContainers"
