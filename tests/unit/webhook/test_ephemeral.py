@@ -13,8 +13,7 @@ import jsonpatch
 import pytest
 
 from gpufence.webhook.client import decode_patch, pod_admission_review
-from gpufence.webhook.core.admission import review
-from gpufence.webhook.core.ephemeral import new_ephemeral_names
+from gpufence.webhook.core.admission import new_ephemeral_names, review
 from gpufence.webhook.core.settings import AllNamespacesOptedIn, InjectionSettings, NamespaceInfo
 
 S = InjectionSettings()
