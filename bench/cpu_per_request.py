@@ -48,7 +48,7 @@ from typing import Any
 import jsonpatch
 
 from bench.common import floor_server, run_loadgen, table, write_section
-from gpufence.webhook.desired import SERVICE_ACCOUNT_MOUNT_PATH as SA_PATH
+from gpufence.webhook.core.desired import SERVICE_ACCOUNT_MOUNT_PATH as SA_PATH
 from tests.e2e.binaries import GoMissing, build, refwebhook_recipe
 from tests.support.sample_pods import admission_review, typical_pod
 from tests.support.server_process import cpu_plan, free_port, gpufence_server, serve
@@ -67,8 +67,8 @@ def _cpu_seconds(pid: int) -> float:
 
 
 def _answer(judge: str, body: bytes) -> dict[str, Any]:
-    from gpufence.webhook.admission import review, verify
-    from gpufence.webhook.settings import AllNamespacesOptedIn, InjectionSettings
+    from gpufence.webhook.core.admission import review, verify
+    from gpufence.webhook.core.settings import AllNamespacesOptedIn, InjectionSettings
 
     fn = review if judge == "/mutate" else verify
     return fn(json.loads(body), InjectionSettings(), AllNamespacesOptedIn()).review

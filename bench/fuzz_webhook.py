@@ -1,4 +1,4 @@
-"""Fuzz ``webhook.admission.review()`` in process and the server over HTTPS.
+"""Fuzz ``webhook.core.admission.review()`` in process and the server over HTTPS.
 
     python -m bench.fuzz_webhook [--count 100000] [--hypothesis 2000] [--https 1000] [--seed 1] [--no-write]
 
@@ -163,7 +163,7 @@ class Tally:
         self.slow = 0
 
     def run_one(self, payload: Any, settings: Any, namespaces: Any) -> None:
-        from gpufence.webhook.admission import InvalidReview, review
+        from gpufence.webhook.core.admission import InvalidReview, review
 
         self.counts["total"] += 1
         t = time.perf_counter()
@@ -204,7 +204,7 @@ def _describe(payload: Any) -> str:
 
 
 def fuzz_in_process(count: int, seed: int) -> Tally:
-    from gpufence.webhook.settings import AllNamespacesOptedIn, InjectionSettings
+    from gpufence.webhook.core.settings import AllNamespacesOptedIn, InjectionSettings
 
     settings, namespaces = InjectionSettings(), AllNamespacesOptedIn()
     rng = random.Random(seed)
@@ -219,7 +219,7 @@ def fuzz_hypothesis(count: int, seed: int) -> Tally:
     from hypothesis import seed as hseed
     from hypothesis import settings as hsettings
 
-    from gpufence.webhook.settings import AllNamespacesOptedIn, InjectionSettings
+    from gpufence.webhook.core.settings import AllNamespacesOptedIn, InjectionSettings
 
     settings, namespaces = InjectionSettings(), AllNamespacesOptedIn()
     tally = Tally()

@@ -1,11 +1,11 @@
-"""Microseconds per ``webhook.admission.review()`` in process, for three pod sizes.
+"""Microseconds per ``webhook.core.admission.review()`` in process, for three pod sizes.
 
     python -m bench.mutation_core [--repeats 7] [--budget 0.3] [--no-write]
 
 Each repeat times a loop of calls lasting about ``--budget`` seconds (the loop count is fixed per
 pod after a calibration run); the table shows the median over repeats and the spread. "review"
 is ``review()`` alone; "+codec" adds decoding the request body and encoding the answer with
-``webhook.patch``'s encoding (orjson), what the server does around it. Target: < 200 µs for the typical pod.
+``webhook.core.patch``'s encoding (orjson), what the server does around it. Target: < 200 µs for the typical pod.
 The decision log's cost is the server's own ``_answer`` for the typical pod with the
 ``webhook.decisions`` logger at ``warning`` (no line) and at ``info`` (one JSON line to /dev/null).
 """
@@ -33,9 +33,9 @@ def _time_loop(fn: Callable[[], Any], n: int) -> float:
 
 
 def measure(repeats: int = 7, budget: float = 0.3) -> list[dict[str, Any]]:
-    from gpufence.webhook.admission import review
-    from gpufence.webhook.patch import dumps, loads
-    from gpufence.webhook.settings import AllNamespacesOptedIn, InjectionSettings
+    from gpufence.webhook.core.admission import review
+    from gpufence.webhook.core.patch import dumps, loads
+    from gpufence.webhook.core.settings import AllNamespacesOptedIn, InjectionSettings
 
     settings, namespaces = InjectionSettings(), AllNamespacesOptedIn()
     rows = []
@@ -70,8 +70,8 @@ def measure_decision_log(repeats: int = 7, budget: float = 0.3) -> dict[str, flo
     import os
 
     from gpufence.logs import JsonFormatter
+    from gpufence.webhook.core.settings import AllNamespacesOptedIn, InjectionSettings
     from gpufence.webhook.server import _answer
-    from gpufence.webhook.settings import AllNamespacesOptedIn, InjectionSettings
 
     body = json.dumps(admission_review(typical_pod())).encode()
     settings, namespaces = InjectionSettings(), AllNamespacesOptedIn()

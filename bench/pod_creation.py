@@ -63,7 +63,7 @@ import psutil
 from prometheus_client.parser import text_string_to_metric_families
 
 from bench.common import table, write_section
-from gpufence.webhook.desired import SERVICE_ACCOUNT_MOUNT_PATH as SA_PATH
+from gpufence.webhook.core.desired import SERVICE_ACCOUNT_MOUNT_PATH as SA_PATH
 from tests.e2e import kube
 from tests.e2e.binaries import KUBERNETES_VERSIONS, build, control_plane, refwebhook_recipe
 from tests.e2e.controlplane import ControlPlane, free_port, running_control_plane, start

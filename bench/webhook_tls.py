@@ -31,8 +31,8 @@ TARGET_P99_300_MS = 10.0
 
 
 def _canned(body: bytes) -> bytes:
-    from gpufence.webhook.admission import review
-    from gpufence.webhook.settings import AllNamespacesOptedIn, InjectionSettings
+    from gpufence.webhook.core.admission import review
+    from gpufence.webhook.core.settings import AllNamespacesOptedIn, InjectionSettings
 
     result = review(json.loads(body), InjectionSettings(), AllNamespacesOptedIn())
     return json.dumps(result.review, separators=(",", ":")).encode()

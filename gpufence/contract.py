@@ -65,7 +65,7 @@ ANNOTATION_GRACE_PERIOD = "gpufence.io/grace-period"
 ANNOTATION_STATUS = "gpufence.io/status"
 NAMESPACE_DEFAULT_MEMORY = "gpufence.io/default-memory"
 NAMESPACE_DEFAULT_COMPUTE = "gpufence.io/default-compute"
-# Admin-owned policy on the Namespace (gpufence/webhook/namespace_policy.py); the mode uses ANNOTATION_MODE's key.
+# Admin-owned policy on the Namespace (gpufence/webhook/core/namespace_policy.py); the mode uses ANNOTATION_MODE's key.
 NAMESPACE_MAX_MEMORY = "gpufence.io/max-memory"
 NAMESPACE_MAX_COMPUTE = "gpufence.io/max-compute"
 NAMESPACE_ALLOW_AUDIT = "gpufence.io/allow-audit"

@@ -3,8 +3,8 @@
 Every flag ``--some-flag`` can be given as ``GPUFENCE_WEBHOOK_SOME_FLAG``; the flag wins. A bad value,
 from either place, exits 2 with a message naming it. Repeatable flags take a comma-separated env value.
 In a cluster the policy flags come from a ConfigMap instead (``--policy-configmap``, read and watched
-by webhook.cluster_policy with these flags' converters); given together with it, a policy flag exits 2.
-The namespace cache and the policy watch share one client (webhook.namespaces.load_core_api): in a
+by webhook.cluster.policy with these flags' converters); given together with it, a policy flag exits 2.
+The namespace cache and the policy watch share one client (webhook.cluster.namespaces.load_core_api): in a
 cluster whose client configuration does not load, both refuse to start with the same error.
 """
 
@@ -22,7 +22,7 @@ from typing import Any
 from gpufence import version_line
 from gpufence.logs import log_event
 from gpufence.logs import setup_logging as _setup_logging
-from gpufence.webhook.flag_values import FLAGS, POLICY_FLAGS, Flag, boolean, settings_from_args
+from gpufence.webhook.core.flags import FLAGS, POLICY_FLAGS, Flag, boolean, settings_from_args
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -117,20 +117,20 @@ def setup_logging(level: str) -> None:
 async def run(args: argparse.Namespace) -> None:
     # The I/O stack (aiohttp, the kubernetes client) loads only to serve: --help or a bad flag answers
     # without it (about 1 s sooner on 2 cores). No cycle: none of these imports webhook.cli.
-    from gpufence.webhook.cluster_policy import ClusterPolicy, PolicyWatch
-    from gpufence.webhook.dra_cache import DraCache
-    from gpufence.webhook.namespaces import NamespaceCache, load_core_api
-    from gpufence.webhook.nodes import NodeCache
+    from gpufence.webhook.cluster.dra_cache import DraCache
+    from gpufence.webhook.cluster.namespaces import NamespaceCache, load_core_api
+    from gpufence.webhook.cluster.nodes import NodeCache
+    from gpufence.webhook.cluster.policy import ClusterPolicy, PolicyWatch
+    from gpufence.webhook.core.settings import AllNamespacesOptedIn
     from gpufence.webhook.server import ServerLimits, serve
-    from gpufence.webhook.settings import AllNamespacesOptedIn
     from gpufence.webhook.tls import CertReloader
 
     reloader = CertReloader(args.tls_cert_file, args.tls_private_key_file, interval=args.cert_reload_interval)
     api = load_core_api(args.kubeconfig)
     namespaces = AllNamespacesOptedIn() if api is None else NamespaceCache(api)
-    # DRA claims resolved through their DeviceClasses (webhook.dra); none outside a cluster.
+    # DRA claims resolved through their DeviceClasses (webhook.core.dra); none outside a cluster.
     claims = None if api is None else DraCache(_custom_objects(api))
-    # The nodes' labels, for the driver limits under auto (webhook.driver_limits); none outside a cluster.
+    # The nodes' labels, for the driver limits under auto (webhook.core.driver_limits); none outside a cluster.
     nodes = None if api is None else NodeCache(api)
     policy, policy_watch = ClusterPolicy(settings_from_args(args)), None
     if args.policy_configmap is not None:
@@ -163,7 +163,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     for old, new in args.deprecated:
         log_event(log, "deprecated_flag", logging.WARNING, flag=old, use=new,
                   message=f"{old} is deprecated and will be removed in the next release; use {new}")
-    from gpufence.webhook.namespaces import ClusterConfigurationError
+    from gpufence.webhook.cluster.namespaces import ClusterConfigurationError
 
     try:
         asyncio.run(run(args))

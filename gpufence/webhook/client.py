@@ -1,5 +1,5 @@
 """The client side of the AdmissionReview wire format: what the demo, the benchmarks and the tests
-send and read. The server's decision code (``webhook.admission``) never imports it.
+send and read. The server's decision code (``webhook.core.admission``) never imports it.
 """
 
 from __future__ import annotations

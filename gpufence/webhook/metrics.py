@@ -8,7 +8,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, H
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from gpufence.webhook.cluster_policy import ClusterPolicy
+from gpufence.webhook.cluster.policy import ClusterPolicy
 from gpufence.webhook.tls import CertReloader
 
 # /mutate answers mutated, unchanged, denied or skipped; /validate (verify.gpufence.io) verified,
@@ -43,7 +43,7 @@ class _CertificateCollector(Collector):
 
 
 class _PolicyCollector(Collector):
-    """Reads the cluster policy's state at scrape time (webhook.cluster_policy)."""
+    """Reads the cluster policy's state at scrape time (webhook.cluster.policy)."""
 
     def __init__(self, policy: ClusterPolicy) -> None:
         self._policy = policy

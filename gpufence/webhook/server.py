@@ -1,4 +1,4 @@
-"""The HTTPS edge around ``webhook.admission.review``: routes, limits, TLS listener, lifecycle.
+"""The HTTPS edge around ``webhook.core.admission.review``: routes, limits, TLS listener, lifecycle.
 
 Every way a client can misbehave is bounded (each bound is exercised by
 tests/integration/webhook/test_server_limits.py): a TLS handshake by ``ssl_handshake_timeout``; a
@@ -26,16 +26,15 @@ from aiohttp.web_protocol import RequestPayloadError
 
 from gpufence import __version__
 from gpufence.logs import log_event
-from gpufence.webhook.admission import InvalidReview, ReviewResult, denial, request_namespace, review, verify
-from gpufence.webhook.cluster_policy import ClusterPolicy
-from gpufence.webhook.decisions import log_decision, log_review_failed
-from gpufence.webhook.dra import DraObjects
-from gpufence.webhook.driver_limits import KnownNodes
+from gpufence.webhook.cluster.policy import ClusterPolicy
+from gpufence.webhook.cluster.watch import BackgroundLookup
+from gpufence.webhook.core.admission import InvalidReview, ReviewResult, denial, request_namespace, review, verify
+from gpufence.webhook.core.dra import DraObjects
+from gpufence.webhook.core.driver_limits import KnownNodes
+from gpufence.webhook.core.patch import dumps, loads
+from gpufence.webhook.core.settings import AllNamespacesOptedIn, FreshReader, InjectionSettings, NamespaceLookup
 from gpufence.webhook.metrics import WebhookMetrics
-from gpufence.webhook.patch import dumps, loads
-from gpufence.webhook.settings import AllNamespacesOptedIn, FreshReader, InjectionSettings, NamespaceLookup
 from gpufence.webhook.tls import DEFAULT_RELOAD_INTERVAL_SECONDS, CertReloader
-from gpufence.webhook.watch import BackgroundLookup
 
 log = logging.getLogger(__name__)
 
@@ -73,9 +72,9 @@ POLICY = web.AppKey("policy", ClusterPolicy)
 # Background watches besides the namespace cache (the policy ConfigMap's), started and stopped with the app.
 WATCHES: web.AppKey[tuple[BackgroundLookup, ...]] = web.AppKey("watches")
 NAMESPACES = web.AppKey("namespaces", NamespaceLookup)
-# The DRA objects claims are resolved through (webhook.dra_cache), or None (outside a cluster).
+# The DRA objects claims are resolved through (webhook.cluster.dra_cache), or None (outside a cluster).
 CLAIMS: web.AppKey[DraObjects | None] = web.AppKey("claims")
-# The nodes' labels (webhook.nodes), for the driver limits under auto, or None (outside a cluster).
+# The nodes' labels (webhook.cluster.nodes), for the driver limits under auto, or None (outside a cluster).
 NODES: web.AppKey[KnownNodes | None] = web.AppKey("nodes")
 RELOADER = web.AppKey("reloader", CertReloader)
 METRICS = web.AppKey("metrics", WebhookMetrics)
@@ -201,6 +200,68 @@ def _decode(body: bytes) -> Any:
         return loads(body)
     except (ValueError, RecursionError) as exc:  # bad JSON or UTF-8, NaN, nesting deeper than 1024
         raise Rejected(400, f"malformed JSON: {exc}") from None
+
+
+# --- the decision log --------------------------------------------------------------------------------
+# The webhook's decision log: what it did to which pod, and why, one JSON line per review.
+#
+# ``pod_mutated`` and ``pod_denied`` are logged at info, so an operator can answer "why was my pod
+# denied" or "did it get the sidecar" from ``kubectl logs``; ``pod_unchanged`` (a reinvocation that
+# found the sidecar already there) and ``pod_skipped`` (not a GPU pod, opted out, not a CREATE) at
+# debug, because they are most of the traffic. ``review_failed`` (error) names the pod whose review
+# raised. Each line carries ``namespace``, ``pod`` (empty at admission for pods a controller creates,
+# hence ``generate_name``), the request ``uid`` (the API server's audit log has the same uid),
+# ``decision``, ``reason`` for a denial, the admission ``warnings`` and the requesting ``user``.
+#
+# Kept out of ``webhook.core.admission`` so the review stays a pure function: ``_answer`` calls these
+# after a review, and a line is built only when its level is enabled.
+decision_log = logging.getLogger("webhook.decisions")
+
+_EVENTS = {
+    "mutated": ("pod_mutated", logging.INFO),
+    "denied": ("pod_denied", logging.INFO),
+    "unchanged": ("pod_unchanged", logging.DEBUG),
+    "skipped": ("pod_skipped", logging.DEBUG),
+    "verified": ("pod_verified", logging.DEBUG),
+    # The final pod differs from what gpufence admits: another mutating step interfered.
+    "refused": ("pod_refused", logging.WARNING),
+}
+
+
+def _dict(value: Any) -> dict[str, Any]:
+    return value if isinstance(value, dict) else {}
+
+
+def _identity(payload: Any) -> dict[str, Any]:
+    """namespace, pod, generate_name, uid, user of a review request, from whatever is present."""
+    request = _dict(_dict(payload).get("request"))
+    metadata = _dict(_dict(request.get("object")).get("metadata"))
+    name = request.get("name") or metadata.get("name") or None
+    return {
+        "namespace": request.get("namespace") or metadata.get("namespace") or None,
+        "pod": name,
+        "generate_name": None if name else metadata.get("generateName") or None,
+        "uid": request.get("uid"),
+        "user": _dict(request.get("userInfo")).get("username"),
+        "dry_run": True if request.get("dryRun") else None,
+    }
+
+
+def log_decision(payload: Any, result: ReviewResult) -> None:
+    event, level = _EVENTS.get(result.outcome, ("pod_reviewed", logging.INFO))
+    if not decision_log.isEnabledFor(level):
+        return  # the common case for skipped pods: no line is built
+    response = result.review["response"]
+    log_event(
+        decision_log, event, level, **_identity(payload), decision=result.outcome,
+        reason=_dict(response.get("status")).get("message"), warnings=response.get("warnings"),
+    )
+
+
+def log_review_failed(payload: Any, exc: BaseException) -> None:
+    # The traceback is logged once, by the server's error middleware; this line names the pod.
+    log_event(decision_log, "review_failed", logging.ERROR, **_identity(payload), decision="error",
+              error=f"{type(exc).__name__}: {exc}")
 
 
 Judge = Callable[[Any, InjectionSettings, NamespaceLookup, "DraObjects | None", "KnownNodes | None"], ReviewResult]
@@ -350,9 +411,9 @@ def create_app(settings: InjectionSettings | ClusterPolicy, namespaces: Namespac
 
     ``settings``: fixed InjectionSettings (the flags), or a ClusterPolicy that ``policy_watch`` feeds.
     ``claims``: the DRA cache (started and stopped with the app; never part of /readyz: a claim it
-    cannot resolve is taken for a GPU, see webhook.dra).
+    cannot resolve is taken for a GPU, see webhook.core.dra).
     ``nodes``: the node cache (started and stopped with the app; never part of /readyz either: a
-    pod whose nodes it does not know gets no driver limits, see webhook.driver_limits).
+    pod whose nodes it does not know gets no driver limits, see webhook.core.driver_limits).
     """
     app = web.Application(middlewares=[error_middleware], client_max_size=limits.max_body_bytes)
     policy = settings if isinstance(settings, ClusterPolicy) else ClusterPolicy(settings)

@@ -22,10 +22,9 @@ from pathlib import Path
 from cryptography import x509
 
 from gpufence.logs import log_event
+from gpufence.webhook.core.flags import DEFAULT_RELOAD_INTERVAL_SECONDS
 
 log = logging.getLogger(__name__)
-
-DEFAULT_RELOAD_INTERVAL_SECONDS = 1.0
 
 
 @dataclass(frozen=True)

@@ -24,7 +24,7 @@ import yaml
 
 from gpufence import __version__
 from gpufence.webhook.cli import FLAGS, parse_args, settings_from_args
-from gpufence.webhook.settings import InjectionSettings
+from gpufence.webhook.core.settings import InjectionSettings
 from tests.deploy.test_alerts import PROMTOOL_MISSING, write_rules
 from tests.deploy.test_manifests import K8S_VERSION, validate
 from tests.support import helm_binary

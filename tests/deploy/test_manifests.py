@@ -28,8 +28,8 @@ import yaml
 
 from gpufence.contract import DEFAULT_METRICS_PORT, INJECTION_ENABLED, INJECTION_LABEL, SIDECAR_PORT_NAME
 from gpufence.webhook.cli import parse_args
-from gpufence.webhook.cluster_policy import parse_policy
-from gpufence.webhook.settings import DEFAULT_SIDECAR_IMAGE, InjectionSettings
+from gpufence.webhook.cluster.policy import parse_policy
+from gpufence.webhook.core.settings import DEFAULT_SIDECAR_IMAGE, InjectionSettings
 from tests.support.prerequisites import missing
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -469,9 +469,9 @@ def test_rbac_is_least_privilege(directory: str) -> None:
     webhook_role = one(objects, "ClusterRole", "gpufence-webhook")
     assert webhook_role["rules"] == [
         {"apiGroups": [""], "resources": ["namespaces"], "verbs": ["get", "list", "watch"]},
-        # The nodes' names and labels, listed and watched (webhook.nodes), never read one by one or written.
+        # The nodes' names and labels, listed and watched (webhook.cluster.nodes), never read one by one or written.
         {"apiGroups": [""], "resources": ["nodes"], "verbs": ["list", "watch"]},
-        # Exactly the DRA objects a pod's claims lead to, read only (webhook.dra_cache).
+        # Exactly the DRA objects a pod's claims lead to, read only (webhook.cluster.dra_cache).
         {"apiGroups": ["resource.k8s.io"], "resources": ["deviceclasses", "resourceclaims", "resourceclaimtemplates"],
          "verbs": ["get", "list", "watch"]},
     ]

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from gpufence import IMAGE, IMAGE_REPOSITORY, __version__, version_line
-from gpufence.webhook.settings import DEFAULT_SIDECAR_IMAGE
+from gpufence.webhook.core.settings import DEFAULT_SIDECAR_IMAGE
 from scripts import set_version
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -1,5 +1,5 @@
-"""DRA claims resolved through their DeviceClasses, on the real API server (gpufence/webhook/dra.py,
-its watch cache gpufence/webhook/dra_cache.py, reading as the webhook's ServiceAccount).
+"""DRA claims resolved through their DeviceClasses, on the real API server (gpufence/webhook/core/dra.py,
+its watch cache gpufence/webhook/cluster/dra_cache.py, reading as the webhook's ServiceAccount).
 
 The pod a tenant creates gets what the admin's list decides (a claim not listed in
 ``non-gpu-resource-claims`` is a GPU claim, whatever it holds: a watch cache may lag behind a claim

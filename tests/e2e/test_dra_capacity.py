@@ -1,5 +1,5 @@
 """DRA consumable capacity placed by the real kube-scheduler 1.37 and held by gpufence
-(gpufence/webhook/dra.py ``claim_memory``; docs/gpu-paths.md, "DRA consumable capacity").
+(gpufence/webhook/core/dra.py ``claim_memory``; docs/gpu-paths.md, "DRA consumable capacity").
 
 A ResourceSlice publishes two shareable GPUs (``allowMultipleAllocations: true``, ``memory: 80Gi``,
 a ``requestPolicy`` with a 1Gi step) for a Node object (no kubelet: scheduling needs none). Pods in
@@ -22,7 +22,7 @@ from typing import Any
 import pytest
 from kubernetes import client
 
-from gpufence.webhook.quantity import parse_bytes
+from gpufence.webhook.core.quantity import parse_bytes
 from tests.e2e import kube
 from tests.e2e.controlplane import ControlPlane
 from tests.e2e.gpufence_install import WebhookProcess

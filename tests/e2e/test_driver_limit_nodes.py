@@ -6,7 +6,7 @@ the real API servers (1.30, 1.37), as the ``edit`` tenant (tests/e2e/tenant.py),
 ``nodeName``, by a ``kubernetes.io/hostname`` nodeSelector and by ``matchFields`` on
 ``metadata.name`` get them, as stored (the mutating and the validating call agree); the same pods
 pinned to an unlabelled node, or able to land on one, get none. The webhook learns the nodes'
-labels from its node watch cache (webhook.nodes) under its own ServiceAccount's RBAC (list and
+labels from its node watch cache (webhook.cluster.nodes) under its own ServiceAccount's RBAC (list and
 watch nodes). The control plane has no kubelet: the admin creates the Node objects.
 """
 
@@ -20,7 +20,7 @@ import pytest
 from kubernetes import client
 
 from gpufence.contract import DRIVER_LIMITS_NODE_LABEL, ENV_DRIVER_MEMORY_LIMIT, ENV_DRIVER_MEMORY_REQUEST
-from gpufence.webhook.nodes import METADATA_LIST, METADATA_WATCH
+from gpufence.webhook.cluster.nodes import METADATA_LIST, METADATA_WATCH
 from tests.e2e import kube
 from tests.e2e.gpufence_install import WebhookProcess
 from tests.e2e.tenant import Tenant
@@ -103,7 +103,7 @@ def test_the_driver_limit_follows_a_nodes_label_as_it_changes(
 
 def test_the_webhooks_token_lists_and_watches_nodes_as_metadata_only(webhook: WebhookProcess,
                                                                      nodes: tuple[str, str]) -> None:
-    """What webhook.nodes asks for, with the webhook's own token: names and labels, no status."""
+    """What webhook.cluster.nodes asks for, with the webhook's own token: names and labels, no status."""
     core = client.CoreV1Api(kube.api_client(webhook.kubeconfig))
     listed = json.loads(core.list_node(_headers={"Accept": METADATA_LIST}, _preload_content=False).data)
     assert listed["kind"] == "PartialObjectMetadataList", listed.get("kind")

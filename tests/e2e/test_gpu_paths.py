@@ -1,6 +1,6 @@
 """Every way a pod gets a GPU, through the real API server as a tenant (``edit``) submits it.
 
-The webhook takes these for GPU pods (gpufence/webhook/gpu_paths.py, on /mutate and on /validate):
+The webhook takes these for GPU pods (gpufence/webhook/core/gpu_paths.py, on /mutate and on /validate):
 renamed time-sliced GPUs (``nvidia.com/gpu.shared``), MIG slices
 (``nvidia.com/mig-1g.10gb``) and DRA claims. A container that gets a device never gets
 ``NVIDIA_VISIBLE_DEVICES=void``: the kubelet appends the container's own env after the device

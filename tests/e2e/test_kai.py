@@ -2,7 +2,7 @@
 
 A pod of KAI's scheduler with its ``gpu-fraction`` or ``gpu-memory`` annotation gets its GPU from
 KAI (``NVIDIA_VISIBLE_DEVICES`` from a ConfigMap that KAI's admission webhook names and its binder
-fills), not from a resource: the webhook (gpufence/webhook/kai.py) takes that container for a GPU
+fills), not from a resource: the webhook (gpufence/webhook/core/kai.py) takes that container for a GPU
 container whose memory share is KAI's request, within the namespace's ceilings, and never strips or
 refuses KAI's variable.
 """

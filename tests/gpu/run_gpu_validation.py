@@ -299,8 +299,8 @@ def framework_cap_scenario(args: argparse.Namespace) -> int:
     if (major, minor) < (2, 10):
         return skip(f"torch {torch.__version__} has no per_process_memory_fraction in PYTORCH_CUDA_ALLOC_CONF (2.10+)")
     from gpufence.contract import MemoryShare
-    from gpufence.webhook.frameworks import DeviceMemory, framework_env
-    from gpufence.webhook.settings import InjectionSettings
+    from gpufence.webhook.core.frameworks import DeviceMemory, framework_env
+    from gpufence.webhook.core.settings import InjectionSettings
 
     pynvml.nvmlInit()
     try:

@@ -17,7 +17,7 @@ import pytest
 
 from gpufence.logs import JsonFormatter, log_event, utc_timestamp
 from gpufence.webhook import server
-from gpufence.webhook.settings import AllNamespacesOptedIn, InjectionSettings
+from gpufence.webhook.core.settings import AllNamespacesOptedIn, InjectionSettings
 from tests.support.tlsutil import gpu_pod, pod_review
 
 ROOT = Path(__file__).resolve().parents[2]

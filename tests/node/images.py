@@ -32,7 +32,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
-from gpufence.webhook.settings import DEFAULT_SIDECAR_IMAGE
+from gpufence.webhook.core.settings import DEFAULT_SIDECAR_IMAGE
 
 REPO = Path(__file__).resolve().parents[2]
 HERE = Path(__file__).resolve().parent

@@ -25,8 +25,9 @@ from gpufence.contract import (
     INJECTION_LABEL,
     SIDECAR_NAME,
 )
-from gpufence.webhook import admission, client
-from gpufence.webhook.settings import InjectionSettings, NamespaceInfo
+from gpufence.webhook import client
+from gpufence.webhook.core import admission
+from gpufence.webhook.core.settings import InjectionSettings, NamespaceInfo
 
 Forge = Callable[[dict[str, Any]], None]
 SHARES = {"gpufence.io/memory": "4Gi", "gpufence.io/compute": "50"}

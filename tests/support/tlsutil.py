@@ -15,9 +15,9 @@ from typing import Any
 
 from gpufence.certs.pki import KeyPair, make_ca, make_serving_cert
 from gpufence.webhook.client import pod_admission_review
+from gpufence.webhook.core.settings import AllNamespacesOptedIn, InjectionSettings, NamespaceLookup
 from gpufence.webhook.metrics import WebhookMetrics
 from gpufence.webhook.server import RunningServer, ServerLimits, create_app, start_server
-from gpufence.webhook.settings import AllNamespacesOptedIn, InjectionSettings, NamespaceLookup
 from gpufence.webhook.tls import CertReloader
 
 SANS = ["localhost", "127.0.0.1"]

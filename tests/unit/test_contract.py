@@ -33,9 +33,9 @@ from gpufence.contract import (
     MemoryShare,
     Mode,
 )
-from gpufence.webhook.settings import InjectionSettings
-from gpufence.webhook.shares import SharePlan
-from gpufence.webhook.sidecar import config_json
+from gpufence.webhook.core.settings import InjectionSettings
+from gpufence.webhook.core.shares import SharePlan
+from gpufence.webhook.core.sidecar import config_json
 
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGE = ROOT / "gpufence"
@@ -90,7 +90,8 @@ def test_the_import_check_sees_relative_and_submodule_imports() -> None:
     found = imports_of(source, "gpufence.webhook")
     assert {"gpufence.enforcer.rules", "gpufence.webhook.settings", "gpufence.enforcer",
             "gpufence.enforcer.loop"} <= found
-    assert imported_modules(PACKAGE / "webhook" / "sidecar.py") >= {"gpufence.contract", "gpufence.webhook.shares"}
+    assert imported_modules(PACKAGE / "webhook" / "core" / "sidecar.py") >= {"gpufence.contract",
+                                                                         "gpufence.webhook.core.shares"}
 
 
 # --- GPUFENCE_CONFIG: the webhook's encoding, the enforcer's reading -----------------------------

@@ -3,7 +3,7 @@
 docs/install.md ("Pod Security of the namespaces you opt in") says mutated GPU pods pass only
 `privileged` (the root sidecar adds SYS_PTRACE, which `baseline` forbids); these pods run in a
 namespace that enforces `privileged` and warns/audits `baseline`, the documented setup. The user
-matrix is the one gpufence/webhook/sidecar.py documents ("Which user the enforcer runs as").
+matrix is the one gpufence/webhook/core/sidecar.py documents ("Which user the enforcer runs as").
 """
 
 from __future__ import annotations

@@ -16,7 +16,7 @@ import pytest
 
 from gpufence.logs import JsonFormatter
 from gpufence.webhook.cli import FLAGS, parse_args, settings_from_args
-from gpufence.webhook.settings import InjectionSettings
+from gpufence.webhook.core.settings import InjectionSettings
 from tests.support.tlsutil import LocalPKI, pod_review
 
 REPO = Path(__file__).resolve().parents[3]

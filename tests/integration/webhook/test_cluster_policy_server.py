@@ -17,9 +17,9 @@ from aiohttp import web
 from kubernetes import client
 from prometheus_client.parser import text_string_to_metric_families
 
-from gpufence.webhook.cluster_policy import ClusterPolicy, PolicyWatch
+from gpufence.webhook.cluster.policy import ClusterPolicy, PolicyWatch
+from gpufence.webhook.core.settings import AllNamespacesOptedIn, InjectionSettings
 from gpufence.webhook.server import create_app, start_server
-from gpufence.webhook.settings import AllNamespacesOptedIn, InjectionSettings
 from gpufence.webhook.tls import CertReloader
 from tests.support.tlsutil import FAST_LIMITS, LocalPKI, pod_review
 from tests.unit.webhook.test_cluster_policy import configmap

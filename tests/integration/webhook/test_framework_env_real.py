@@ -30,9 +30,9 @@ from typing import Any
 import jsonpatch
 import pytest
 
-from gpufence.webhook.admission import review
 from gpufence.webhook.client import decode_patch, pod_admission_review
-from gpufence.webhook.settings import AllNamespacesOptedIn, InjectionSettings
+from gpufence.webhook.core.admission import review
+from gpufence.webhook.core.settings import AllNamespacesOptedIn, InjectionSettings
 from tests.support.prerequisites import missing, skip_by_design
 
 ENV_VAR = "GPUFENCE_FRAMEWORK_PYTHON"

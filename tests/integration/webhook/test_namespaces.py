@@ -14,8 +14,8 @@ from aiohttp import web
 from kubernetes import client
 
 from gpufence.contract import INJECTION_LABEL, NAMESPACE_DEFAULT_MEMORY
-from gpufence.webhook.namespaces import NamespaceCache, load_namespace_lookup
-from gpufence.webhook.settings import AllNamespacesOptedIn
+from gpufence.webhook.cluster.namespaces import NamespaceCache, load_namespace_lookup
+from gpufence.webhook.core.settings import AllNamespacesOptedIn
 
 END = None  # pushed on the event queue: end the current watch stream
 
@@ -165,7 +165,7 @@ def test_no_cluster_means_all_namespaces_opted_in(monkeypatch: pytest.MonkeyPatc
     monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
     monkeypatch.setenv("KUBECONFIG", str(tmp_path / "absent"))
     monkeypatch.setenv("HOME", str(tmp_path))
-    with caplog.at_level(logging.INFO, logger="webhook.namespaces"):
+    with caplog.at_level(logging.INFO, logger="webhook.cluster.namespaces"):
         lookup = load_namespace_lookup()
     assert isinstance(lookup, AllNamespacesOptedIn)
     assert [r.getMessage() for r in caplog.records if "namespace defaults are off" in r.getMessage()]

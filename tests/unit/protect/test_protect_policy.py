@@ -24,9 +24,9 @@ from hypothesis import settings as hypothesis_settings
 from hypothesis import strategies as st
 
 from gpufence.contract import ANNOTATION_STATUS, INJECTION_ENABLED, INJECTION_LABEL, SIDECAR_NAME
-from gpufence.webhook.cluster_policy import parse_policy
-from gpufence.webhook.settings import DEFAULT_SIDECAR_IMAGE, InjectionSettings
-from gpufence.webhook.sidecar import RESERVED_VOLUMES
+from gpufence.webhook.cluster.policy import parse_policy
+from gpufence.webhook.core.settings import DEFAULT_SIDECAR_IMAGE, InjectionSettings
+from gpufence.webhook.core.sidecar import RESERVED_VOLUMES
 from tests.support.k8s_cel import FUNCTIONS as K8S_FUNCTIONS
 
 ROOT = Path(__file__).resolve().parents[3]

@@ -12,8 +12,8 @@ import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from gpufence.webhook.admission import InvalidReview, ReviewResult, review
-from gpufence.webhook.settings import AllNamespacesOptedIn, InjectionSettings, NamespaceInfo
+from gpufence.webhook.core.admission import InvalidReview, ReviewResult, review
+from gpufence.webhook.core.settings import AllNamespacesOptedIn, InjectionSettings, NamespaceInfo
 from tests.support.examples import examples
 
 S = InjectionSettings()

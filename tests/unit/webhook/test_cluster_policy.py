@@ -1,5 +1,5 @@
 """The cluster policy ConfigMap, pure: parsing with the flags' converters and reloading a version
-(gpufence/webhook/cluster_policy.py). What the server does with it, and the watch against a small
+(gpufence/webhook/cluster/policy.py). What the server does with it, and the watch against a small
 fake API server: tests/integration/webhook/test_cluster_policy_server.py; against the real
 kube-apiserver: tests/e2e/test_policy_reload.py.
 """
@@ -15,8 +15,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from gpufence.webhook.cli import POLICY_FLAGS, parse_args, settings_from_args
-from gpufence.webhook.cluster_policy import ClusterPolicy, PolicyError, parse_policy
-from gpufence.webhook.settings import InjectionSettings
+from gpufence.webhook.cluster.policy import ClusterPolicy, PolicyError, parse_policy
+from gpufence.webhook.core.settings import InjectionSettings
 
 TLS = ["--tls-cert-file", "c.crt", "--tls-private-key-file", "c.key"]
 SOURCE = "gpufence/gpufence-policy"
@@ -123,7 +123,7 @@ def test_every_problem_is_reported_at_once() -> None:
 
 
 def events(caplog: pytest.LogCaptureFixture) -> list[tuple[str, int]]:
-    return [(getattr(r, EVENT_ATTRIBUTE, ""), r.levelno) for r in caplog.records if r.name.endswith("cluster_policy")]
+    return [(getattr(r, EVENT_ATTRIBUTE, ""), r.levelno) for r in caplog.records if r.name.endswith("cluster.policy")]
 
 
 def test_a_valid_version_is_swapped_in_whole_and_an_invalid_one_keeps_the_last(

@@ -8,11 +8,11 @@ from typing import Any
 import pytest
 
 from gpufence.contract import INJECTION_ENABLED, INJECTION_LABEL
-from gpufence.webhook.admission import review
 from gpufence.webhook.client import pod_admission_review
-from gpufence.webhook.device_access import device_access_denial, reaches_devices
-from gpufence.webhook.settings import InjectionSettings, NamespaceInfo
-from gpufence.webhook.sidecar import pod_volumes
+from gpufence.webhook.core.admission import review
+from gpufence.webhook.core.device_access import device_access_denial, reaches_devices
+from gpufence.webhook.core.settings import InjectionSettings, NamespaceInfo
+from gpufence.webhook.core.sidecar import pod_volumes
 
 ADMINS = ("system:masters", "gpufence:admins")
 

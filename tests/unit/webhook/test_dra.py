@@ -1,4 +1,4 @@
-"""DRA claims resolved through their DeviceClasses (gpufence/webhook/dra.py): the CEL reading, the
+"""DRA claims resolved through their DeviceClasses (gpufence/webhook/core/dra.py): the CEL reading, the
 resolution of a pod's claims, and what the review says about them. The watch cache that feeds the
 resolution in a cluster is exercised on the real API server (tests/e2e/test_dra.py)."""
 
@@ -14,8 +14,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from gpufence.contract import ANNOTATION_STATUS, ENV_POD_STATUS, SIDECAR_NAME
-from gpufence.webhook.admission import ReviewResult, review
-from gpufence.webhook.dra import (
+from gpufence.webhook.cluster.dra_cache import DraCache
+from gpufence.webhook.core.admission import ReviewResult, review
+from gpufence.webhook.core.dra import (
     DraSnapshot,
     MemoryAsk,
     claim_classes,
@@ -27,8 +28,7 @@ from gpufence.webhook.dra import (
     resolve_pod_claims,
     selector_drivers,
 )
-from gpufence.webhook.dra_cache import DraCache
-from gpufence.webhook.settings import AllNamespacesOptedIn, InjectionSettings
+from gpufence.webhook.core.settings import AllNamespacesOptedIn, InjectionSettings
 from tests.support.examples import examples
 from tests.unit.webhook.test_admission import good_pods, pods, request
 

@@ -18,16 +18,16 @@ from gpufence.contract import (
     MemoryShare,
     Mode,
 )
-from gpufence.webhook.cluster_policy import PolicyError, parse_policy
-from gpufence.webhook.desired import desired_pod
-from gpufence.webhook.driver_limits import (
+from gpufence.webhook.cluster.policy import PolicyError, parse_policy
+from gpufence.webhook.core.desired import desired_pod
+from gpufence.webhook.core.driver_limits import (
     confined_to_driver_limit_nodes,
     driver_limits_apply,
     pinned_to_driver_limit_nodes,
 )
-from gpufence.webhook.patch import diff
-from gpufence.webhook.settings import InjectionSettings
-from gpufence.webhook.shares import SharePlan
+from gpufence.webhook.core.patch import diff
+from gpufence.webhook.core.settings import InjectionSettings
+from gpufence.webhook.core.shares import SharePlan
 
 GiB, MiB = 1 << 30, 1 << 20
 ON, OFF, AUTO = (InjectionSettings(driver_memory_limits=v) for v in ("on", "off", "auto"))
@@ -302,7 +302,7 @@ def test_a_pod_pinned_by_name_gets_the_variables_and_reviews_again_to_itself() -
 
 
 def test_the_node_cache_keeps_names_and_labels_and_publishes_a_new_snapshot_per_change() -> None:
-    from gpufence.webhook.nodes import NodeCache
+    from gpufence.webhook.cluster.nodes import NodeCache
 
     class Api:
         def list_node(self, **kwargs: Any) -> Any:

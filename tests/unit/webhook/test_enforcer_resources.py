@@ -9,8 +9,9 @@ from typing import Any
 import pytest
 
 from gpufence.contract import MIRROR_POD_ANNOTATION, SIDECAR_NAME
-from gpufence.webhook import admission, client
-from gpufence.webhook.settings import AllNamespacesOptedIn, InjectionSettings
+from gpufence.webhook import client
+from gpufence.webhook.core import admission
+from gpufence.webhook.core.settings import AllNamespacesOptedIn, InjectionSettings
 
 
 def gpu_pod(**container: Any) -> dict[str, Any]:

@@ -12,10 +12,9 @@ from typing import Any
 import jsonpatch
 import pytest
 
-from gpufence.webhook.admission import review
 from gpufence.webhook.client import decode_patch, pod_admission_review
-from gpufence.webhook.ephemeral import new_ephemeral_names
-from gpufence.webhook.settings import AllNamespacesOptedIn, InjectionSettings, NamespaceInfo
+from gpufence.webhook.core.admission import new_ephemeral_names, review
+from gpufence.webhook.core.settings import AllNamespacesOptedIn, InjectionSettings, NamespaceInfo
 
 S = InjectionSettings()
 

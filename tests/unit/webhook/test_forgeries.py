@@ -20,9 +20,9 @@ import jsonpatch
 import pytest
 
 from gpufence.contract import ENV_DRIVER_MEMORY_LIMIT, INJECTION_ENABLED, INJECTION_LABEL
-from gpufence.webhook.admission import review, verify
 from gpufence.webhook.client import decode_patch, pod_admission_review
-from gpufence.webhook.settings import InjectionSettings, NamespaceInfo
+from gpufence.webhook.core.admission import review, verify
+from gpufence.webhook.core.settings import InjectionSettings, NamespaceInfo
 from tests.support.forgeries import (
     CEILINGS,
     FORGERIES,

@@ -1,4 +1,4 @@
-"""The framework caps and share-aware warnings (gpufence/webhook/frameworks.py), as pure functions."""
+"""The framework caps and share-aware warnings (gpufence/webhook/core/frameworks.py), as pure functions."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from gpufence.contract import MemoryShare
-from gpufence.webhook.frameworks import (
+from gpufence.webhook.core.frameworks import (
     ENV_TGI_FRACTION,
     ENV_TORCH_ALLOC_CONF,
     ENV_TORCH_ALLOC_CONF_NEW,
@@ -24,7 +24,7 @@ from gpufence.webhook.frameworks import (
     pytorch_cap_enabled,
     server_warnings,
 )
-from gpufence.webhook.settings import InjectionSettings
+from gpufence.webhook.core.settings import InjectionSettings
 from tests.support.examples import examples
 
 GiB = 1 << 30

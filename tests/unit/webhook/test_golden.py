@@ -32,11 +32,11 @@ import pytest
 import yaml
 
 from gpufence.contract import INJECTION_ENABLED, INJECTION_LABEL
-from gpufence.webhook import sidecar
-from gpufence.webhook.admission import review, verify
 from gpufence.webhook.client import decode_patch, pod_admission_review
-from gpufence.webhook.dra import DraSnapshot
-from gpufence.webhook.settings import InjectionSettings, NamespaceInfo
+from gpufence.webhook.core import sidecar
+from gpufence.webhook.core.admission import review, verify
+from gpufence.webhook.core.dra import DraSnapshot
+from gpufence.webhook.core.settings import InjectionSettings, NamespaceInfo
 
 GOLDEN = Path(__file__).parents[2] / "golden"
 UPDATE = os.environ.get("GPUFENCE_UPDATE_GOLDEN") == "1"

@@ -1,4 +1,4 @@
-"""Which containers get a GPU, and by which path (gpufence/webhook/gpu_paths.py)."""
+"""Which containers get a GPU, and by which path (gpufence/webhook/core/gpu_paths.py)."""
 
 from __future__ import annotations
 
@@ -6,9 +6,9 @@ from typing import Any
 
 import pytest
 
-from gpufence.webhook.cluster_policy import PolicyError, parse_policy
-from gpufence.webhook.gpu_paths import PodGpuPaths, advised_resource, patterns, resource_pattern
-from gpufence.webhook.settings import InjectionSettings
+from gpufence.webhook.cluster.policy import PolicyError, parse_policy
+from gpufence.webhook.core.gpu_paths import PodGpuPaths, advised_resource, patterns, resource_pattern
+from gpufence.webhook.core.settings import InjectionSettings
 
 DEFAULTS = InjectionSettings()
 

@@ -1,5 +1,5 @@
 """KAI-Scheduler's fractions: which container KAI hands a GPU, the share its annotations mean, and
-the one form of NVIDIA_VISIBLE_DEVICES accepted in that container (gpufence/webhook/kai.py)."""
+the one form of NVIDIA_VISIBLE_DEVICES accepted in that container (gpufence/webhook/core/kai.py)."""
 
 from __future__ import annotations
 
@@ -8,12 +8,12 @@ from typing import Any
 import pytest
 
 from gpufence.contract import MemoryShare
-from gpufence.webhook.gpu_paths import PodGpuPaths
-from gpufence.webhook.kai import KaiFraction, kai_fraction, kai_memory
-from gpufence.webhook.namespace_policy import namespace_policy
-from gpufence.webhook.podshape import nvidia_side_door
-from gpufence.webhook.settings import InjectionSettings
-from gpufence.webhook.shares import ShareError, resolve_shares
+from gpufence.webhook.core.gpu_paths import PodGpuPaths
+from gpufence.webhook.core.kai import KaiFraction, kai_fraction, kai_memory
+from gpufence.webhook.core.namespace_policy import namespace_policy
+from gpufence.webhook.core.podshape import nvidia_side_door
+from gpufence.webhook.core.settings import InjectionSettings
+from gpufence.webhook.core.shares import ShareError, resolve_shares
 
 DEFAULTS = InjectionSettings()
 
@@ -160,9 +160,9 @@ def reviewed_pod(pod: dict[str, Any], settings: InjectionSettings = DEFAULTS, gr
 
     import jsonpatch
 
-    from gpufence.webhook.admission import review
     from gpufence.webhook.client import pod_admission_review
-    from gpufence.webhook.settings import AllNamespacesOptedIn
+    from gpufence.webhook.core.admission import review
+    from gpufence.webhook.core.settings import AllNamespacesOptedIn
 
     pod = {"apiVersion": "v1", "kind": "Pod", **pod}
     payload = pod_admission_review(pod, uid="u", namespace="team-a")
@@ -198,7 +198,7 @@ NV = {"nvidia.com/container.trainer.gpu-memory.request": "8Gi",
 ])
 def test_the_containers_nvfractions_names_are_gpu_containers(annotations: dict[str, str],
                                                              containers: tuple[str, ...], gpu: list[str]) -> None:
-    from gpufence.webhook.kai import nv_fractions
+    from gpufence.webhook.core.kai import nv_fractions
 
     pod = kai_pod(annotations, *containers, scheduler=None)
     assert [f.container for f in nv_fractions(pod)] == gpu

@@ -18,14 +18,14 @@ from gpufence.contract import (
     MemoryShare,
     Mode,
 )
-from gpufence.webhook import sidecar as sidecar_module
-from gpufence.webhook.admission import injection_patch
-from gpufence.webhook.desired import desired_pod
-from gpufence.webhook.patch import diff, dumps
-from gpufence.webhook.podshape import MutationError
-from gpufence.webhook.settings import InjectionSettings
-from gpufence.webhook.shares import SharePlan
-from gpufence.webhook.sidecar import (
+from gpufence.webhook.core import sidecar as sidecar_module
+from gpufence.webhook.core.admission import injection_patch
+from gpufence.webhook.core.desired import desired_pod
+from gpufence.webhook.core.patch import diff, dumps
+from gpufence.webhook.core.podshape import MutationError
+from gpufence.webhook.core.settings import InjectionSettings
+from gpufence.webhook.core.shares import SharePlan
+from gpufence.webhook.core.sidecar import (
     PRELOAD_VOLUME,
     api_defaulted,
     build_sidecar,

@@ -1,13 +1,13 @@
-"""The admin-owned policy (gpufence/webhook/namespace_policy.py): who wins, and what a pod may not ask."""
+"""The admin-owned policy (gpufence/webhook/core/namespace_policy.py): who wins, and what a pod may not ask."""
 
 from __future__ import annotations
 
 import pytest
 
 from gpufence.contract import MemoryShare, Mode
-from gpufence.webhook.namespace_policy import namespace_policy
-from gpufence.webhook.settings import InjectionSettings
-from gpufence.webhook.shares import ShareError, SharePlan, resolve_shares
+from gpufence.webhook.core.namespace_policy import namespace_policy
+from gpufence.webhook.core.settings import InjectionSettings
+from gpufence.webhook.core.shares import ShareError, SharePlan, resolve_shares
 
 GPU = ("a", "b")
 DEFAULTS = InjectionSettings()

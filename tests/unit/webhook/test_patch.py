@@ -1,4 +1,4 @@
-"""The RFC 6902 diff (``webhook.patch``) and the one injection path it serves.
+"""The RFC 6902 diff (``webhook.core.patch``) and the one injection path it serves.
 
 The diff is checked against ``jsonpatch.apply_patch`` on arbitrary JSON; the injection path on
 generated pods (with shuffled key orders, since the order of the operations follows the pod's):
@@ -22,14 +22,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from gpufence.contract import ANNOTATION_STATUS, SIDECAR_NAME
-from gpufence.webhook.admission import injection_patch, review
 from gpufence.webhook.client import decode_patch
-from gpufence.webhook.desired import desired_pod
-from gpufence.webhook.gpu_paths import PodGpuPaths
-from gpufence.webhook.patch import diff, dumps, escape
-from gpufence.webhook.podshape import MutationError, check_shape
-from gpufence.webhook.settings import AllNamespacesOptedIn, InjectionSettings
-from gpufence.webhook.shares import resolve_shares
+from gpufence.webhook.core.admission import injection_patch, review
+from gpufence.webhook.core.desired import desired_pod
+from gpufence.webhook.core.gpu_paths import PodGpuPaths
+from gpufence.webhook.core.patch import diff, dumps, escape
+from gpufence.webhook.core.podshape import MutationError, check_shape
+from gpufence.webhook.core.settings import AllNamespacesOptedIn, InjectionSettings
+from gpufence.webhook.core.shares import resolve_shares
 from tests.support.examples import examples
 from tests.support.sample_pods import huge_pod, small_pod, typical_pod
 from tests.unit.webhook.test_admission import good_pods, request, setting_variants
@@ -41,7 +41,7 @@ ENV_ENTRY = re.compile(r"/spec/(initContainers|containers)/[0-9]+/env(/|$)")
 
 def _owned_entries(pod: dict[str, Any]) -> list[str]:
     """The names of gpufence's hard-limit variables the pod's containers set themselves."""
-    from gpufence.webhook.container_env import OWNED_VARIABLES
+    from gpufence.webhook.core.container_env import OWNED_VARIABLES
 
     spec = pod.get("spec") or {}
     return [e.get("name") for key in ("initContainers", "containers") for c in spec.get(key) or ()

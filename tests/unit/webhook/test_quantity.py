@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from gpufence.webhook.quantity import (
+from gpufence.webhook.core.quantity import (
     MAX_BYTES,
     QuantityError,
     canonical_quantity,

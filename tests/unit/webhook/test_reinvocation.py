@@ -18,9 +18,9 @@ import jsonpatch
 import pytest
 
 from gpufence.contract import SIDECAR_NAME
-from gpufence.webhook.admission import review
 from gpufence.webhook.client import decode_patch, pod_admission_review
-from gpufence.webhook.settings import AllNamespacesOptedIn, InjectionSettings
+from gpufence.webhook.core.admission import review
+from gpufence.webhook.core.settings import AllNamespacesOptedIn, InjectionSettings
 
 NS = AllNamespacesOptedIn()
 Pod = dict[str, Any]

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from gpufence.contract import ContainerShare, MemoryShare, Mode
-from gpufence.webhook.settings import InjectionSettings
-from gpufence.webhook.shares import ShareError, parse_grace_period, quote, resolve_shares
+from gpufence.webhook.core.settings import InjectionSettings
+from gpufence.webhook.core.shares import ShareError, parse_grace_period, quote, resolve_shares
 
 S = InjectionSettings()
 

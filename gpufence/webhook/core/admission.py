@@ -14,20 +14,25 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from gpufence.contract import MIRROR_POD_ANNOTATION, POD_OPT_OUT_LABEL, SIDECAR_NAME, SIDECAR_PORT_NAME
-from gpufence.webhook.desired import desired_plain_pod, desired_pod
-from gpufence.webhook.device_access import device_access_denial
-from gpufence.webhook.dra import DraObjects, check_claim_ceilings, claim_memory, claim_warnings
-from gpufence.webhook.driver_limits import KnownNodes, NodeLabels
-from gpufence.webhook.ephemeral import SUBRESOURCE as EPHEMERAL_SUBRESOURCE
-from gpufence.webhook.ephemeral import ephemeral_patch
-from gpufence.webhook.gpu_paths import PodGpuPaths, advised_resource
-from gpufence.webhook.kai import kai_fraction, kai_memory, nv_devices_denial, nv_fractions, nv_memory
-from gpufence.webhook.namespace_policy import namespace_policy, opt_out_allowed, opt_out_denial
-from gpufence.webhook.patch import diff, dumps, loads
-from gpufence.webhook.podshape import MutationError, check_shape, nvidia_side_door, sidecar_resource_use
-from gpufence.webhook.settings import InjectionSettings, NamespaceLookup
-from gpufence.webhook.shares import ClaimMemory, ShareError, SharePlan, quote, resolve_shares, with_gpu_counts
-from gpufence.webhook.sidecar import HOST_PROC_VOLUME, POD_SECURITY_LABEL, PRELOAD_VOLUME, STATE_VOLUME, pod_volumes
+from gpufence.webhook.core.container_env import with_void
+from gpufence.webhook.core.desired import desired_plain_pod, desired_pod
+from gpufence.webhook.core.device_access import device_access_denial
+from gpufence.webhook.core.dra import DraObjects, check_claim_ceilings, claim_memory, claim_warnings
+from gpufence.webhook.core.driver_limits import KnownNodes, NodeLabels
+from gpufence.webhook.core.gpu_paths import PodGpuPaths, advised_resource
+from gpufence.webhook.core.kai import kai_fraction, kai_memory, nv_devices_denial, nv_fractions, nv_memory
+from gpufence.webhook.core.namespace_policy import namespace_policy, opt_out_allowed, opt_out_denial
+from gpufence.webhook.core.patch import diff, dumps, loads
+from gpufence.webhook.core.podshape import MutationError, check_shape, nvidia_side_door, sidecar_resource_use
+from gpufence.webhook.core.settings import InjectionSettings, NamespaceLookup
+from gpufence.webhook.core.shares import ClaimMemory, ShareError, SharePlan, quote, resolve_shares, with_gpu_counts
+from gpufence.webhook.core.sidecar import (
+    HOST_PROC_VOLUME,
+    POD_SECURITY_LABEL,
+    PRELOAD_VOLUME,
+    STATE_VOLUME,
+    pod_volumes,
+)
 
 API_VERSION = "admission.k8s.io/v1"
 KIND = "AdmissionReview"
@@ -58,9 +63,9 @@ class _Denied(Exception):
 
 def review(payload: Any, settings: InjectionSettings, namespaces: NamespaceLookup,
            claims: DraObjects | None = None, nodes: KnownNodes | None = None) -> ReviewResult:
-    """``claims``: the DRA objects (webhook.dra_cache) that claims are resolved through, for the
-    warnings of webhook.dra.claim_warnings; None where there are none (outside a cluster).
-    ``nodes``: the nodes' labels (webhook.nodes), for the driver limits under ``auto``; None where
+    """``claims``: the DRA objects (webhook.cluster.dra_cache) that claims are resolved through, for the
+    warnings of webhook.core.dra.claim_warnings; None where there are none (outside a cluster).
+    ``nodes``: the nodes' labels (webhook.cluster.nodes), for the driver limits under ``auto``; None where
     none are known. Read once per review: one review sees one snapshot."""
     request = _request(payload)
     uid = request["uid"]
@@ -182,6 +187,72 @@ def _by_a_node(request: dict[str, Any]) -> bool:
     Anyone may write the annotation; the webhook configurations' matchConditions draw the same line."""
     username = _dict(request.get("userInfo")).get("username")
     return isinstance(username, str) and username.startswith(NODE_USER_PREFIX)
+
+
+# --- ephemeral containers ---------------------------------------------------------------------------
+# Ephemeral containers (``kubectl debug``) added to pods of opted-in namespaces (pure).
+#
+# An ephemeral container cannot request resources, so the device plugin never gives it a GPU; the
+# NVIDIA container toolkit's variable is its only way to one (CUDA images set
+# ``NVIDIA_VISIBLE_DEVICES=all`` in their ENV, and the toolkit honours it by default). The API server
+# adds one with an UPDATE of the ``pods/ephemeralcontainers`` subresource whose object is the whole
+# pod; each ephemeral container that ``oldObject`` does not have gets what every container without a
+# GPU gets at creation (``container_env.with_void``), whatever the setting
+# ``void_non_gpu_containers`` says: a debug container never needs the toolkit's GPUs, and an admin who
+# wants them sets the variable explicitly (kept as it is). Existing ephemeral containers are never
+# touched: the API server refuses any change to them.
+#
+# What to refuse (an ephemeral container with NVIDIA_* of its own, one that targets the sidecar or
+# mounts its volumes, one without the void because this webhook was unavailable) is the
+# gpufence-protect policy's (k8s/base/protect-policy.yaml): it holds with the webhook down, and it
+# knows the admin groups. This part only adds.
+EPHEMERAL_SUBRESOURCE = "ephemeralcontainers"
+_EPHEMERAL_KEY = "ephemeralContainers"
+
+
+def _ephemeral_containers(pod: Any, where: str) -> list[dict[str, Any]]:
+    """``spec.ephemeralContainers`` of ``pod``, shape-checked where the injection reads it."""
+    if not isinstance(pod, dict):
+        raise MutationError(f"the pod is malformed: {where} must be a Pod object")
+    spec = pod.get("spec")
+    if not isinstance(spec, dict):
+        raise MutationError(f"the pod is malformed: {where}.spec must be an object")
+    containers = spec.get(_EPHEMERAL_KEY)
+    if containers is None:
+        return []
+    if not isinstance(containers, list):
+        raise MutationError(f"the pod is malformed: {where}.spec.{_EPHEMERAL_KEY} must be a list")
+    for i, container in enumerate(containers):
+        at = f"{where}.spec.{_EPHEMERAL_KEY}[{i}]"
+        if not isinstance(container, dict) or not isinstance(container.get("name"), str):
+            raise MutationError(f"the pod is malformed: {at} must be an object with a string name")
+        env = container.get("env")
+        if env is not None and not (isinstance(env, list) and all(isinstance(e, dict) for e in env)):
+            raise MutationError(f"the pod is malformed: {at}.env must be a list of objects")
+    return containers
+
+
+def new_ephemeral_names(pod: Any, old_pod: Any) -> list[str]:
+    """The names of the ephemeral containers ``pod`` has and ``old_pod`` has not, in pod order."""
+    old = {c["name"] for c in _ephemeral_containers(old_pod, "oldObject")} if old_pod is not None else set()
+    return [c["name"] for c in _ephemeral_containers(pod, "object") if c["name"] not in old]
+
+
+def desired_ephemeral_pod(pod: dict[str, Any], old_pod: Any) -> dict[str, Any]:
+    """``pod`` with each new ephemeral container voided (copy-on-write; ``pod`` itself when none
+    needs it). Raises ``MutationError`` for a malformed pod."""
+    new = set(new_ephemeral_names(pod, old_pod))
+    if not new:
+        return pod
+    # An ephemeral container has no resources (the API server refuses them), so it never gets a device.
+    containers = [with_void(c) if c["name"] in new else c for c in pod["spec"][_EPHEMERAL_KEY]]
+    return {**pod, "spec": {**pod["spec"], _EPHEMERAL_KEY: containers}}
+
+
+def ephemeral_patch(pod: dict[str, Any], old_pod: Any) -> bytes | None:
+    """The JSON Patch (None when none is needed) for an UPDATE of ``pods/ephemeralcontainers``."""
+    ops = diff(pod, desired_ephemeral_pod(pod, old_pod))
+    return dumps(ops) if ops else None
 
 
 def _is_ephemeral_request(request: dict[str, Any]) -> bool:

@@ -16,10 +16,10 @@ Paths, from the pod alone:
   ``non-gpu-resource-claims``. The pod does not show what the claim holds (that is in the
   ResourceClaim and its DeviceClass), so an unlisted claim is taken for a GPU: the safe side. A
   container with any claim, listed or not, is never voided. The webhook also resolves claims
-  through their DeviceClasses (webhook.dra), but only to warn: a watch cache can lag behind a
+  through their DeviceClasses (webhook.core.dra), but only to warn: a watch cache can lag behind a
   claim just created, so the admin's list, not the cache, decides what the pod gets.
 
-* KAI-Scheduler's fraction (``webhook.kai``): the one container that KAI hands a GPU fraction
+* KAI-Scheduler's fraction (``webhook.core.kai``): the one container that KAI hands a GPU fraction
   through pod annotations and a ConfigMap, not a resource: a shared GPU, with KAI's
   ``gpu-fraction-num-devices`` (else 1) as its GPU count; and each container that KAI's NvFractions
   annotations (``nvidia.com/container.<name>.gpu-memory.request|limit``) name, whose GPU KAI's NRI
@@ -40,9 +40,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from gpufence.contract import SIDECAR_NAME
-from gpufence.webhook.kai import KaiFraction, NvFraction
-from gpufence.webhook.quantity import QuantityError, is_positive_quantity, parse_bytes
-from gpufence.webhook.settings import InjectionSettings
+from gpufence.webhook.core.kai import KaiFraction, NvFraction
+from gpufence.webhook.core.quantity import QuantityError, is_positive_quantity, parse_bytes
+from gpufence.webhook.core.settings import InjectionSettings
 
 # An extended resource name (DOMAIN/NAME) or a prefix of one ending in "*": the domain keeps a
 # pattern away from cpu, memory, hugepages-* and ephemeral-storage.
@@ -141,7 +141,7 @@ class PodGpuPaths:
     def __init__(self, spec: Any, settings: InjectionSettings, kai: KaiFraction | None = None,
                  nv: Sequence[NvFraction] = ()) -> None:
         self.spec: Mapping[str, Any] = spec if isinstance(spec, dict) else {}
-        # KAI-Scheduler's paths (webhook.kai): the containers it hands a GPU fraction (its legacy
+        # KAI-Scheduler's paths (webhook.core.kai): the containers it hands a GPU fraction (its legacy
         # annotations; its NvFractions annotations), and how many GPUs each.
         self.kai_devices_by_name: dict[str, int] = {f.container: f.devices for f in nv}
         if kai is not None:
@@ -231,7 +231,7 @@ class PodGpuPaths:
 
     def gpu_claims_by_container(self) -> dict[str, list[str]]:
         """The GPU claims (pod claim names, not listed as non-GPU) of each GPU container other than
-        the sidecar, by name: where a claim's consumable capacity becomes the share (webhook.dra)."""
+        the sidecar, by name: where a claim's consumable capacity becomes the share (webhook.core.dra)."""
         found: dict[str, list[str]] = {}
         for c in self._containers:
             if isinstance(c, dict) and isinstance(c.get("name"), str) and not _is_sidecar(c) \

@@ -16,7 +16,7 @@ the nodes can apply them (``driver-memory-limits``):
   it names them (``nodeName``, a hostname ``nodeSelector``, ``matchFields`` on ``metadata.name``,
   any other labels), every node the webhook knows that the pod's ``nodeName``, ``nodeSelector``
   and required node affinity let it land on carries the label (``confined_to_driver_limit_nodes``:
-  the node watch cache, webhook.nodes, gives the names and labels). The scheduler and the kubelet
+  the node watch cache, webhook.cluster.nodes, gives the names and labels). The scheduler and the kubelet
   check the same three fields; what else narrows the choice (taints, resources, claims) only takes
   nodes away, so the set computed here holds every node the pod can run on. A pod none of whose
   nodes are known, or whose constraints this module cannot read (an unknown operator or field), gets
@@ -39,10 +39,10 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from gpufence.contract import DRIVER_LIMITS_NODE_LABEL, MemoryShare, Mode
-from gpufence.webhook.frameworks import DeviceMemory
-from gpufence.webhook.quantity import mebibytes_floor
-from gpufence.webhook.settings import InjectionSettings
-from gpufence.webhook.shares import SharePlan, quote
+from gpufence.webhook.core.frameworks import DeviceMemory
+from gpufence.webhook.core.quantity import mebibytes_floor
+from gpufence.webhook.core.settings import InjectionSettings
+from gpufence.webhook.core.shares import SharePlan, quote
 
 ON, OFF, AUTO = "on", "off", "auto"
 
@@ -78,7 +78,7 @@ NodeLabels = Mapping[str, Mapping[str, str]]
 
 
 class KnownNodes(Protocol):
-    """The nodes' labels as the webhook's cache holds them now (webhook.nodes.NodeCache)."""
+    """The nodes' labels as the webhook's cache holds them now (webhook.cluster.nodes.NodeCache)."""
 
     def node_labels(self) -> NodeLabels | None: ...
 

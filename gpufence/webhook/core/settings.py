@@ -1,8 +1,8 @@
 """Typed inputs of the pure mutation core.
 
-``InjectionSettings`` is everything the operator configures with flags (built by ``webhook.flag_values``);
+``InjectionSettings`` is everything the operator configures with flags (built by ``webhook.core.flags``);
 ``NamespaceInfo`` is what the core needs to know of the pod's namespace (served by
-``webhook.namespaces`` from a watch cache, or a fixed answer outside a cluster). Neither does I/O.
+``webhook.cluster.namespaces`` from a watch cache, or a fixed answer outside a cluster). Neither does I/O.
 """
 
 from __future__ import annotations
@@ -26,10 +26,10 @@ DEFAULT_SIDECAR_IMAGE = IMAGE
 DEFAULT_GPU_RESOURCE = "nvidia.com/gpu"
 # The device plugin's names for a GPU: whole GPUs, renamed time-sliced ones (renameByDefault:
 # nvidia.com/gpu.shared) and MIG slices (mixed strategy: nvidia.com/mig-1g.10gb). A trailing "*"
-# is a prefix (webhook.gpu_paths).
+# is a prefix (webhook.core.gpu_paths).
 DEFAULT_GPU_RESOURCES = (DEFAULT_GPU_RESOURCE, "nvidia.com/gpu.*", "nvidia.com/mig-*")
 # The DRA driver of NVIDIA's GPUs and MIG devices (kubernetes-sigs/dra-driver-nvidia-gpu): a
-# DeviceClass whose selectors pin it selects GPUs (webhook.dra).
+# DeviceClass whose selectors pin it selects GPUs (webhook.core.dra).
 DEFAULT_DRA_GPU_DRIVERS = ("gpu.nvidia.com",)
 # Who may touch the enforcer of a running pod (change the sidecar, exec or attach into it, add an
 # ephemeral container the gpufence-protect policy would refuse): the cluster's superusers and the
@@ -86,7 +86,7 @@ class InjectionSettings:
     sidecar_image: str = DEFAULT_SIDECAR_IMAGE
     sidecar_image_pull_policy: str = "IfNotPresent"
     # Resource names (or prefixes ending in "*") that make a container a GPU container (limits or
-    # requests), which gets a share and the sidecar (webhook.gpu_paths).
+    # requests), which gets a share and the sidecar (webhook.core.gpu_paths).
     gpu_resource_names: tuple[str, ...] = DEFAULT_GPU_RESOURCES
     # Of those, or besides them, the devices the admin declares never shared between pods (e.g. a
     # MIG profile that is not time-sliced): no share, no sidecar, never NVIDIA_VISIBLE_DEVICES=void.
@@ -95,15 +95,15 @@ class InjectionSettings:
     # listed makes the container that uses it a GPU container.
     non_gpu_resource_claims: tuple[str, ...] = ()
     # The names KAI-Scheduler runs under: a pod of one of them with KAI's gpu-fraction or gpu-memory
-    # annotation has a GPU container by KAI's path (webhook.kai).
+    # annotation has a GPU container by KAI's path (webhook.core.kai).
     kai_scheduler_names: tuple[str, ...] = (DEFAULT_KAI_SCHEDULER,)
     # DRA drivers whose devices are GPUs: a claim whose DeviceClass selects only other drivers holds
-    # no GPU (webhook.dra). Class names are the admin's and never matched.
+    # no GPU (webhook.core.dra). Class names are the admin's and never matched.
     dra_gpu_drivers: tuple[str, ...] = DEFAULT_DRA_GPU_DRIVERS
     # Native sidecar (initContainers[0], restartPolicy Always; Kubernetes >= 1.29) or a plain container.
     native_sidecar: bool = True
     metrics_port: int = DEFAULT_METRICS_PORT
-    # Canonical quantities (webhook.flag_values canonicalises the flags): the API server stores them so.
+    # Canonical quantities (webhook.core.flags canonicalises the flags): the API server stores them so.
     # Limits by default, so that a namespace whose ResourceQuota covers limits.cpu / limits.memory
     # admits the mutated pod; None: no CPU limit.
     # The limit sets how fast the enforcer starts, and the workload waits for it (the postStart
@@ -122,7 +122,7 @@ class InjectionSettings:
     default_memory: str | None = None
     default_compute: str | None = None
     default_grace_period_seconds: float = DEFAULT_GRACE_PERIOD_SECONDS
-    # Cluster-wide policy where the Namespace says nothing (gpufence/webhook/namespace_policy.py); safe defaults.
+    # Cluster-wide policy where the Namespace says nothing (gpufence/webhook/core/namespace_policy.py); safe defaults.
     max_memory: str | None = None
     max_compute: str | None = None
     default_mode: str = "enforce"
@@ -138,7 +138,7 @@ class InjectionSettings:
     mount_host_proc: bool = False
     host_proc_mount_path: str = DEFAULT_HOST_PROC_MOUNT
     # The driver's per-container GPU memory limit (NVIDIA_GPU_MEMORY_LIMIT / _REQUEST, applied by the
-    # container toolkit's hook; webhook.driver_limits): "on" for every GPU pod, "off" never, "auto"
+    # container toolkit's hook; webhook.core.driver_limits): "on" for every GPU pod, "off" never, "auto"
     # for pods that can only be scheduled onto nodes labelled gpufence.io/driver-memory-limits=true.
     driver_memory_limits: str = "auto"
     # CUDA MPS per-client limits derived from the shares.
@@ -146,7 +146,7 @@ class InjectionSettings:
     # LD_PRELOAD in-process limiter (HAMi-core's libvgpu.so), mounted from the node.
     preload_library_host_path: str | None = None
     preload_library_mount_dir: str = "/usr/local/gpufence/preload"
-    # Framework caps (gpufence/webhook/frameworks.py). The memory of one GPU per GPU resource name, for
+    # Framework caps (gpufence/webhook/core/frameworks.py). The memory of one GPU per GPU resource name, for
     # homogeneous pools: (resource name, bytes) pairs, so that byte shares become fractions.
     gpu_memory: tuple[tuple[str, int], ...] = ()
     # PyTorch's allocator cap (PYTORCH_CUDA_ALLOC_CONF per_process_memory_fraction, PyTorch >= 2.10;
@@ -159,6 +159,6 @@ class InjectionSettings:
     # policy ConfigMap; the webhook only validates the key. Its members pass that policy.
     admin_groups: tuple[str, ...] = DEFAULT_ADMIN_GROUPS
     # Namespaces whose pods may reach the node's devices without a device request (privileged
-    # containers, hostPath of /dev, /proc, the driver's paths: webhook.device_access); elsewhere in
+    # containers, hostPath of /dev, /proc, the driver's paths: webhook.core.device_access); elsewhere in
     # opted-in namespaces only members of admin_groups may create such pods.
     device_access_namespaces: tuple[str, ...] = ()

@@ -11,7 +11,7 @@ an old value does not get stuck; the validating webhook (``/validate``) refuses 
 a later mutating step put the value back. ``envFrom`` needs nothing: an explicit ``env`` entry wins over it.
 
 Copy-on-write: a container is copied only when something is added, and its untouched fields stay
-shared with the input, so ``webhook.patch.diff`` skips them by identity.
+shared with the input, so ``webhook.core.patch.diff`` skips them by identity.
 """
 
 from __future__ import annotations
@@ -31,14 +31,14 @@ from gpufence.contract import (
     ENV_PRELOAD_MEMORY_LIMIT,
     ContainerShare,
 )
-from gpufence.webhook.driver_limits import driver_limit_mib
-from gpufence.webhook.frameworks import DeviceMemory, framework_env, server_warnings
-from gpufence.webhook.gpu_paths import PodGpuPaths
-from gpufence.webhook.podshape import MutationError
-from gpufence.webhook.quantity import mebibytes_floor
-from gpufence.webhook.settings import InjectionSettings
-from gpufence.webhook.shares import quote
-from gpufence.webhook.sidecar import PRELOAD_VOLUME
+from gpufence.webhook.core.driver_limits import driver_limit_mib
+from gpufence.webhook.core.frameworks import DeviceMemory, framework_env, server_warnings
+from gpufence.webhook.core.gpu_paths import PodGpuPaths
+from gpufence.webhook.core.podshape import MutationError
+from gpufence.webhook.core.quantity import mebibytes_floor
+from gpufence.webhook.core.settings import InjectionSettings
+from gpufence.webhook.core.shares import quote
+from gpufence.webhook.core.sidecar import PRELOAD_VOLUME
 
 ENV_TF_ALLOW_GROWTH = "TF_FORCE_GPU_ALLOW_GROWTH"
 ENV_XLA_PREALLOCATE = "XLA_PYTHON_CLIENT_PREALLOCATE"
@@ -69,8 +69,8 @@ def add_share_env(
     """Adds through ``add``, in this order, the variables a GPU container gets for its share, and
     appends the warnings the limits cause. LD_PRELOAD is left to ``gpu_container``: it appends to
     a user's value rather than adding a variable. ``framework_caps``: the allocation-time caps
-    ``webhook.frameworks.framework_env`` chose (variables the container lacks). ``driver_limits``:
-    the pod gets the driver's limit (``webhook.driver_limits``); ``resolved``: the share's byte part
+    ``webhook.core.frameworks.framework_env`` chose (variables the container lacks). ``driver_limits``:
+    the pod gets the driver's limit (``webhook.core.driver_limits``); ``resolved``: the share's byte part
     is its percentage on the GPU's known memory, so no limiter leaves a percentage part aside.
     ``limiters``: False where another runtime holds the container's limit (KAI's NvFractions): then
     no driver, MPS or preload variables."""
@@ -155,7 +155,7 @@ def gpu_container(
 ) -> dict[str, Any]:
     """``container`` with its share's variables (and the preload mount) added, or ``container``
     itself when it has them all; ``library`` from ``sidecar.preload_library_path``; ``device``
-    and ``pytorch`` for the framework caps (``webhook.frameworks``), whose decisions go to
+    and ``pytorch`` for the framework caps (``webhook.core.frameworks``), whose decisions go to
     ``record``; ``driver_limits`` and ``resolved`` as in ``add_share_env``; ``replaced`` gets the warnings about
     the author's values of gpufence's variables (default: ``warnings``). ``limiters``: as in
     ``add_share_env`` (False: no preload library either). ``kai_fraction``: the container KAI hands

@@ -1,11 +1,11 @@
 """The DRA objects the webhook resolves claims through, from watch caches (never a GET per admission).
 
-Three list-then-watch loops (webhook.watch) over ``resource.k8s.io/v1``: DeviceClasses (cluster
+Three list-then-watch loops (webhook.cluster.watch) over ``resource.k8s.io/v1``: DeviceClasses (cluster
 scope), ResourceClaims and ResourceClaimTemplates (all namespaces). Each keeps only what
-webhook.dra reads: a class's drivers, a claim's or template's device class names and the memory
+webhook.core.dra reads: a class's drivers, a claim's or template's device class names and the memory
 its requests ask of shareable GPUs (consumable capacity). Readers get
 answers from dicts that the threads replace or update (single dict operations are atomic under the
-GIL, as in webhook.namespaces).
+GIL, as in webhook.cluster.namespaces).
 
 An API server that does not serve ``resource.k8s.io/v1`` (before 1.34, or with the group off)
 answers the lists 404: the loops keep retrying (their backoff doubles to 30 s), quietly (one line
@@ -22,7 +22,8 @@ from collections.abc import Mapping
 from typing import Any
 
 from gpufence.logs import log_event
-from gpufence.webhook.dra import (
+from gpufence.webhook.cluster.watch import ListWatch
+from gpufence.webhook.core.dra import (
     CLAIM,
     Drivers,
     MemoryAsk,
@@ -33,7 +34,6 @@ from gpufence.webhook.dra import (
     template_classes,
     template_memory_asks,
 )
-from gpufence.webhook.watch import ListWatch
 
 log = logging.getLogger(__name__)
 
@@ -97,7 +97,7 @@ class _ObjectWatch(ListWatch):
 
 
 class DraCache:
-    """DeviceClasses, ResourceClaims and ResourceClaimTemplates, implementing ``webhook.dra.DraObjects``."""
+    """DeviceClasses, ResourceClaims and ResourceClaimTemplates, implementing ``webhook.core.dra.DraObjects``."""
 
     def __init__(self, api: Any, **options: Any) -> None:
         self.classes = _ObjectWatch(api, "deviceclasses", _drivers, kind="DeviceClass", **options)

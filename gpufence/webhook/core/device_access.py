@@ -24,7 +24,7 @@ from __future__ import annotations
 from collections.abc import Collection, Iterable, Mapping
 from typing import Any
 
-from gpufence.webhook.shares import quote
+from gpufence.webhook.core.shares import quote
 
 # Where a hostPath reaches a GPU or its driver without a device request. A hostPath at one of these,
 # under one, or above one (``/``, ``/run``, ``/usr``) is refused:

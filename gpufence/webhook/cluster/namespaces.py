@@ -1,6 +1,6 @@
 """Namespace labels and annotations for the core, from a watch cache (never an API call per admission).
 
-``NamespaceCache`` lists Namespaces, then watches them (webhook.watch, a background thread). ``get``
+``NamespaceCache`` lists Namespaces, then watches them (webhook.cluster.watch, a background thread). ``get``
 reads a dict that the thread replaces or updates; single dict operations are atomic under the GIL,
 so no lock is needed on the admission path.
 
@@ -27,8 +27,8 @@ from types import MappingProxyType
 from typing import Any
 
 from gpufence.logs import log_event
-from gpufence.webhook.settings import AllNamespacesOptedIn, NamespaceInfo, NamespaceLookup
-from gpufence.webhook.watch import BackgroundLookup, ListWatch, WatchError
+from gpufence.webhook.cluster.watch import BackgroundLookup, ListWatch, WatchError
+from gpufence.webhook.core.settings import AllNamespacesOptedIn, NamespaceInfo, NamespaceLookup
 
 __all__ = ["BackgroundLookup", "ClusterConfigurationError", "NamespaceCache", "WatchError", "load_core_api",
            "load_namespace_lookup"]
@@ -66,7 +66,7 @@ class NamespaceCache(ListWatch):
         return self._items.get(name)
 
     def read_fresh(self, name: str) -> NamespaceInfo | None:
-        """The namespace read now (webhook.settings.FreshReader), kept until the watch says otherwise.
+        """The namespace read now (webhook.core.settings.FreshReader), kept until the watch says otherwise.
 
         Bounded well inside the API server's webhook timeout, so a slow read ends as this webhook's
         own denial rather than the API server's timeout."""

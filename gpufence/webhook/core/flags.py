@@ -1,10 +1,10 @@
 """``gpufence-webhook``'s flag table and the value converters of its flags.
 
 Each converter takes the text of a flag, an env var or a key of the policy ConfigMap
-(webhook.cluster_policy) and returns the value, or raises ValueError with a short reason: one
+(webhook.cluster.policy) and returns the value, or raises ValueError with a short reason: one
 implementation of each rule, wherever the value comes from. The table (``SERVER_FLAGS``,
 ``POLICY_FLAGS``) is read by the command line (webhook.cli) and by the policy ConfigMap's parser
-(webhook.cluster_policy), neither of which imports the other.
+(webhook.cluster.policy), neither of which imports the other.
 """
 
 from __future__ import annotations
@@ -16,19 +16,21 @@ from dataclasses import dataclass
 from typing import Any
 
 from gpufence.contract import MAX_GRACE_PERIOD_SECONDS, MAX_POLL_INTERVAL_SECONDS, MIN_POLL_INTERVAL_SECONDS
-from gpufence.webhook.dra import driver_name
-from gpufence.webhook.gpu_paths import claim_name, resource_pattern
-from gpufence.webhook.kai import scheduler_name
-from gpufence.webhook.quantity import QuantityError, canonical_quantity, parse_bytes
-from gpufence.webhook.settings import (
+from gpufence.webhook.core.dra import driver_name
+from gpufence.webhook.core.gpu_paths import claim_name, resource_pattern
+from gpufence.webhook.core.kai import scheduler_name
+from gpufence.webhook.core.quantity import QuantityError, canonical_quantity, parse_bytes
+from gpufence.webhook.core.settings import (
     DEFAULT_ADMIN_GROUPS,
     DEFAULT_DRA_GPU_DRIVERS,
     DEFAULT_GPU_RESOURCES,
     DEFAULT_KAI_SCHEDULER,
     InjectionSettings,
 )
-from gpufence.webhook.shares import parse_compute_share, parse_memory_share
-from gpufence.webhook.tls import DEFAULT_RELOAD_INTERVAL_SECONDS
+from gpufence.webhook.core.shares import parse_compute_share, parse_memory_share
+
+# How often the serving certificate's files are checked for a change (webhook.tls, --cert-reload-interval).
+DEFAULT_RELOAD_INTERVAL_SECONDS = 1.0
 
 
 def port(text: str) -> int:
@@ -221,7 +223,7 @@ SERVER_FLAGS: tuple[Flag, ...] = (
 )
 
 # The policy: InjectionSettings, one flag per field. With --policy-configmap they are that ConfigMap's
-# keys (webhook.cluster_policy), parsed by the same converters.
+# keys (webhook.cluster.policy), parsed by the same converters.
 POLICY_FLAGS: tuple[Flag, ...] = (
     Flag("sidecar-image", non_empty, _defaults.sidecar_image, "enforcer sidecar image"),
     Flag("sidecar-image-pull-policy", choice("Always", "IfNotPresent", "Never"), _defaults.sidecar_image_pull_policy,

@@ -1,7 +1,7 @@
 """List, then watch, one kind of object from the API server in a background thread.
 
-The loop behind the webhook's namespace cache (webhook.namespaces) and its cluster policy
-(webhook.cluster_policy): list, then watch from the list's resourceVersion (the ``kubernetes``
+The loop behind the webhook's namespace cache (webhook.cluster.namespaces) and its cluster policy
+(webhook.cluster.policy): list, then watch from the list's resourceVersion (the ``kubernetes``
 client is blocking, hence a thread). A 410 Gone or any other error starts over with a fresh list
 after a jittered exponential backoff (reset by a watch that ends normally). A subclass says what
 to list and what a list or an event means; readers see what it publishes, never a request.

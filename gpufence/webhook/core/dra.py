@@ -1,5 +1,5 @@
 """What a pod's DRA claims hold, resolved through their DeviceClasses (pure; the objects come from
-the watch cache in webhook.dra_cache).
+the watch cache in webhook.cluster.dra_cache).
 
 A pod names claims (``spec.resourceClaims[]``: ``resourceClaimName`` or ``resourceClaimTemplateName``);
 a claim's requests name device classes (``devices.requests[].exactly.deviceClassName`` and
@@ -15,7 +15,7 @@ A claim is a GPU claim when any class it may use may hold a GPU, not a GPU claim
 class provably selects devices of other drivers, and unresolved when an object is missing from the
 cache (template or claim not created yet, class unknown, cache not synced, API not served).
 
-What the webhook does with the answer is in webhook.admission and docs/gpu-paths.md: the caches can
+What the webhook does with the answer is in webhook.core.admission and docs/gpu-paths.md: the caches can
 lag behind a claim just created, so the answer informs (warnings) and never makes a pod
 sidecar-free that the admin's list (``non-gpu-resource-claims``) takes for a GPU pod.
 
@@ -37,9 +37,9 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
 from gpufence.contract import SIDECAR_NAME, MemoryShare
-from gpufence.webhook.namespace_policy import NamespacePolicy, _memory_above
-from gpufence.webhook.quantity import QuantityError, parse_bytes
-from gpufence.webhook.shares import ClaimMemory, ShareError, quote
+from gpufence.webhook.core.namespace_policy import NamespacePolicy, _memory_above
+from gpufence.webhook.core.quantity import QuantityError, parse_bytes
+from gpufence.webhook.core.shares import ClaimMemory, ShareError, quote
 
 # The drivers a selector allows, or None where it allows any (pins no driver, or cannot be read).
 Drivers = frozenset[str] | None
@@ -281,7 +281,7 @@ class DraObjects(Protocol):
 @dataclass(frozen=True)
 class DraSnapshot:
     """DraObjects from lists of objects as the API server returns them (tools and tests; the webhook
-    keeps the same summaries in its watch cache, webhook.dra_cache)."""
+    keeps the same summaries in its watch cache, webhook.cluster.dra_cache)."""
 
     classes: Mapping[str, tuple[Drivers]]
     claims: Mapping[tuple[str, str], tuple[str, ...]]
@@ -420,7 +420,7 @@ def claim_warnings(namespace: str, spec: Any, objects: DraObjects, gpu_drivers: 
                    listed: Iterable[str]) -> list[str]:
     """What the resolution tells the pod's author where it differs from what the pod gets.
 
-    The pod gets what the admin's list decides (webhook.gpu_paths: a claim not listed in
+    The pod gets what the admin's list decides (webhook.core.gpu_paths: a claim not listed in
     ``non-gpu-resource-claims`` is a GPU claim), so these say: a claim that could not be resolved
     (taken for a GPU); a claim that holds no GPU but is not listed (it still gets the enforcer, and
     the admin can list it); a listed claim whose class selects GPUs (it runs without the enforcer

@@ -34,10 +34,10 @@ from decimal import Decimal, InvalidOperation
 from typing import Any
 
 from gpufence.contract import MemoryShare
-from gpufence.webhook.namespace_policy import NamespacePolicy, _memory_above
-from gpufence.webhook.quantity import QuantityError, parse_bytes
-from gpufence.webhook.settings import DEFAULT_KAI_SCHEDULER, InjectionSettings
-from gpufence.webhook.shares import MIN_MEMORY_SHARE_BYTES, ShareError, quote
+from gpufence.webhook.core.namespace_policy import NamespacePolicy, _memory_above
+from gpufence.webhook.core.quantity import QuantityError, parse_bytes
+from gpufence.webhook.core.settings import DEFAULT_KAI_SCHEDULER, InjectionSettings
+from gpufence.webhook.core.shares import MIN_MEMORY_SHARE_BYTES, ShareError, quote
 
 KAI_GPU_FRACTION = "gpu-fraction"
 KAI_GPU_MEMORY = "gpu-memory"

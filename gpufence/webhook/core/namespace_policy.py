@@ -35,8 +35,8 @@ from gpufence.contract import (
     MemoryShare,
     Mode,
 )
-from gpufence.webhook.settings import InjectionSettings
-from gpufence.webhook.shares import MODE_EXAMPLE, ShareError, compute_from, memory_from, parse_mode, quote
+from gpufence.webhook.core.settings import InjectionSettings
+from gpufence.webhook.core.shares import MODE_EXAMPLE, ShareError, compute_from, memory_from, parse_mode, quote
 
 
 @dataclass(frozen=True)

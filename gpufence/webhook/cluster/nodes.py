@@ -1,9 +1,9 @@
 """The nodes' names and labels, from a watch cache (never an API call per admission).
 
 Under ``driver-memory-limits=auto`` the webhook writes the driver's memory limit into a pod that
-can only land on nodes labelled ``gpufence.io/driver-memory-limits=true`` (webhook.driver_limits),
+can only land on nodes labelled ``gpufence.io/driver-memory-limits=true`` (webhook.core.driver_limits),
 however the pod names them: ``nodeName``, a hostname selector, ``matchFields``, other labels. That
-needs every node's name and labels. ``NodeCache`` lists Nodes, then watches them (webhook.watch),
+needs every node's name and labels. ``NodeCache`` lists Nodes, then watches them (webhook.cluster.watch),
 asking the API server for metadata only (``PartialObjectMetadata``): a Node's status (its images,
 conditions, addresses) is most of its size and none of this cache's business. It keeps the name and
 the labels, nothing else.
@@ -31,8 +31,8 @@ from typing import Any
 
 from gpufence.contract import DRIVER_LIMITS_NODE_LABEL
 from gpufence.logs import log_event
-from gpufence.webhook.driver_limits import NodeLabels
-from gpufence.webhook.watch import ListWatch
+from gpufence.webhook.cluster.watch import ListWatch
+from gpufence.webhook.core.driver_limits import NodeLabels
 
 log = logging.getLogger(__name__)
 

@@ -37,9 +37,9 @@ from gpufence.contract import (
     Mode,
     status_document,
 )
-from gpufence.webhook.podshape import MutationError
-from gpufence.webhook.settings import InjectionSettings
-from gpufence.webhook.shares import SharePlan, quote
+from gpufence.webhook.core.podshape import MutationError
+from gpufence.webhook.core.settings import InjectionSettings
+from gpufence.webhook.core.shares import SharePlan, quote
 
 # The one version source (gpufence/__init__.py), also right in a bare checkout.
 GPUFENCE_VERSION = __version__

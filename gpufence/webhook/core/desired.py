@@ -7,7 +7,7 @@ containers' environment), so ``desired_pod`` of its
 own output equals that output and the patch between them is empty (reinvocation).
 
 Copy-on-write: the desired pod shares every untouched subtree with the input (no deep copy), which
-keeps a review cheap and lets ``webhook.patch.diff`` skip shared subtrees by identity. The input
+keeps a review cheap and lets ``webhook.core.patch.diff`` skip shared subtrees by identity. The input
 is never modified.
 """
 
@@ -17,14 +17,14 @@ from collections.abc import Container, Mapping
 from typing import Any
 
 from gpufence.contract import ANNOTATION_STATUS, SIDECAR_NAME
-from gpufence.webhook.container_env import FrameworkRecord, gpu_container, void_container
-from gpufence.webhook.driver_limits import NodeLabels, plan_driver_limits
-from gpufence.webhook.frameworks import device_memory, pytorch_cap_enabled, recorded_warnings
-from gpufence.webhook.gpu_paths import PodGpuPaths
-from gpufence.webhook.podshape import MutationError
-from gpufence.webhook.settings import InjectionSettings
-from gpufence.webhook.shares import SharePlan, quote
-from gpufence.webhook.sidecar import (
+from gpufence.webhook.core.container_env import FrameworkRecord, gpu_container, void_container
+from gpufence.webhook.core.driver_limits import NodeLabels, plan_driver_limits
+from gpufence.webhook.core.frameworks import device_memory, pytorch_cap_enabled, recorded_warnings
+from gpufence.webhook.core.gpu_paths import PodGpuPaths
+from gpufence.webhook.core.podshape import MutationError
+from gpufence.webhook.core.settings import InjectionSettings
+from gpufence.webhook.core.shares import SharePlan, quote
+from gpufence.webhook.core.sidecar import (
     api_defaulted,
     build_sidecar,
     pod_volumes,

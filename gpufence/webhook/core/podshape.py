@@ -1,6 +1,6 @@
 """What the submitted pod is (pure): whether the fields the injection reads have the JSON types it
 expects, and which containers ask the NVIDIA toolkit for GPUs through its variables (which
-containers get a GPU by a scheduled path is ``webhook.gpu_paths``).
+containers get a GPU by a scheduled path is ``webhook.core.gpu_paths``).
 
 The API server decodes pods into typed objects before admission, so a malformed shape only comes
 from hand-made requests; checking it once here keeps the rest of the core free of type checks.
@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from itertools import repeat
 from typing import Any
 
-from gpufence.webhook.shares import quote
+from gpufence.webhook.core.shares import quote
 
 
 class MutationError(ValueError):
@@ -36,7 +36,7 @@ def nvidia_side_door(spec: Any, exempt: str | None, gpu_resource: str, kai_conta
     injection rebuilds) that sets a toolkit variable to anything but void/none, else None. The
     denial advises requesting ``gpu_resource`` (the first configured GPU resource name).
 
-    ``kai_container``: the container KAI-Scheduler hands a GPU fraction (``webhook.kai``), whose
+    ``kai_container``: the container KAI-Scheduler hands a GPU fraction (``webhook.core.kai``), whose
     ``NVIDIA_VISIBLE_DEVICES`` from ``valueFrom.configMapKeyRef`` is how KAI hands it the GPU it
     reserved: accepted there, in that form only (a GPU container, held to its share and GPU count).
 

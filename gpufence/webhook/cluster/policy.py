@@ -4,12 +4,12 @@ The ConfigMap's ``data`` keys are the webhook's policy flags without ``--`` (``m
 ``allow-opt-out``, ...), its values what the flag takes; a repeatable flag's values are
 comma-separated, and an absent or empty key means the flag's default, as an empty
 ``GPUFENCE_WEBHOOK_*`` variable does. ``parse_policy`` converts them with the flags' own converters
-(webhook.flag_values' table), so each rule has one implementation; the protect policy reads the
+(webhook.core.flags' table), so each rule has one implementation; the protect policy reads the
 same ConfigMap as its ``params`` (k8s/base/protect-policy.yaml, for ``admin-groups``).
 
 ``ClusterPolicy`` holds the InjectionSettings that new admissions use and swaps them whole when a
 valid new version arrives; an invalid or missing version keeps the last valid one. ``PolicyWatch``
-feeds it from a list-then-watch of that one ConfigMap (webhook.watch).
+feeds it from a list-then-watch of that one ConfigMap (webhook.cluster.watch).
 """
 
 from __future__ import annotations
@@ -23,9 +23,9 @@ from collections.abc import Mapping
 from typing import Any
 
 from gpufence.logs import log_event
-from gpufence.webhook.flag_values import POLICY_FLAGS, SERVER_FLAGS, Flag, policy_settings
-from gpufence.webhook.settings import InjectionSettings
-from gpufence.webhook.watch import ListWatch
+from gpufence.webhook.cluster.watch import ListWatch
+from gpufence.webhook.core.flags import POLICY_FLAGS, SERVER_FLAGS, Flag, policy_settings
+from gpufence.webhook.core.settings import InjectionSettings
 
 log = logging.getLogger(__name__)
 

@@ -39,8 +39,8 @@ from gpufence.contract import (
     MemoryShare,
     Mode,
 )
-from gpufence.webhook.quantity import QuantityError, parse_bytes, parse_percent
-from gpufence.webhook.settings import InjectionSettings
+from gpufence.webhook.core.quantity import QuantityError, parse_bytes, parse_percent
+from gpufence.webhook.core.settings import InjectionSettings
 
 MEMORY_EXAMPLE = 'use a Kubernetes quantity such as "8Gi" or a percentage such as "25%"'
 COMPUTE_EXAMPLE = 'use a percentage of the GPU\'s compute such as "50" or "50%"'
@@ -83,7 +83,7 @@ class SharePlan:
     mode: Mode
     grace_period_seconds: float
     warnings: tuple[str, ...] = ()
-    # KAI-Scheduler's containers (webhook.kai): those its NvFractions runtime limits at creation
+    # KAI-Scheduler's containers (webhook.core.kai): those its NvFractions runtime limits at creation
     # (gpufence writes none of its own limit variables there), and the one of its legacy fraction,
     # whose CUDA_DEVICE_MEMORY_LIMIT from KAI's ConfigMap (HamiCore mode) is KAI's, not the author's.
     runtime_limited: frozenset[str] = frozenset()
@@ -96,7 +96,7 @@ class SharePlan:
 
 @dataclass(frozen=True)
 class ClaimMemory:
-    """The memory a container's DRA claim reserved on a shareable GPU (``webhook.dra.claim_memory``):
+    """The memory a container's DRA claim reserved on a shareable GPU (``webhook.core.dra.claim_memory``):
     its share, where the claim asks it, for messages, and the amount as a value a message offers."""
 
     share: MemoryShare
@@ -246,12 +246,12 @@ def resolve_shares(
 
     ``policy`` (``namespace_policy``): the admin's mode and ceilings; None: no bounds (unit tests).
     ``scheduler_memory``: by container, a memory share and its origin that the scheduler fixed
-    (KAI-Scheduler's fraction, ``webhook.kai``). It wins over gpufence's memory annotations and
+    (KAI-Scheduler's fraction, ``webhook.core.kai``). It wins over gpufence's memory annotations and
     defaults: the scheduler placed the pod on a GPU by that amount and promised the rest of the
     GPU to other pods, so more would take their memory and less would break what the pod asked the
     scheduler for. A gpufence memory annotation that would have applied is reported, not used.
     ``claim_memory``: by container, the memory its DRA claims reserved on a shareable GPU
-    (consumable capacity, ``webhook.dra.claim_memory``; its ceiling is checked by the caller). It is
+    (consumable capacity, ``webhook.core.dra.claim_memory``; its ceiling is checked by the caller). It is
     the share, over the namespace's and the flag's defaults (they are no request of the pod's); the
     pod's memory annotation may lower it, never raise it (the scheduler promised the rest of the
     GPU to other claims): a higher byte share is denied, a percentage applies beside it (the smaller
