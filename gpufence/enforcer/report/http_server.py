@@ -7,7 +7,7 @@ of its resident memory, which a CPU-limited sidecar pays before its startup prob
 this is HTTP/1.1 reduced to what those clients send: one request per connection (``Connection:
 close``), GET or HEAD, no body, the path without its query. It runs on a thread of its own with
 the standard library's ``selectors``: leaving asyncio out cut the enforcer's start-up CPU, paid
-before the workload may start, by about a quarter (docs/PERFORMANCE.md).
+before the workload may start (measured when it changed: CHANGELOG.md).
 
 Any container of the pod can reach the port (the network namespace is shared), so the server
 bounds what a client can hold: the request head must arrive within ``HEAD_TIMEOUT_SECONDS`` and

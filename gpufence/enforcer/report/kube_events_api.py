@@ -1,7 +1,7 @@
 """POST core/v1 Events to the API server with the standard library only.
 
 The enforcer sidecar runs in every GPU pod and posts an Event now and then (a kill, a throttle
-start); loading the ``kubernetes`` client for that cost each pod about 33 MiB and half a second of
+start); loading the ``kubernetes`` client for that cost each pod tens of MiB and a large part of its
 start-up, mostly where the Events RoleBinding is off and every post is refused. This client is one
 ``http.client`` request per Event over TLS verified against the service account's ``ca.crt``.
 

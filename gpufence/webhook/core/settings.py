@@ -112,10 +112,10 @@ class InjectionSettings:
     # compute share); the request is what the scheduler reserves.
     sidecar_cpu_request: str = "10m"
     sidecar_cpu_limit: str | None = "500m"
-    # Measured on the real node in the sidecar's own memory cgroup
-    # (tests/e2e/node/test_node_enforcement.py, test_the_sidecars_footprint_in_its_own_cgroup): 45 MiB
-    # resident since Events no longer load the Kubernetes client (130-145 MiB with it, when a 128Mi
-    # limit got it OOM-killed at start). The request covers that; the limit keeps the old headroom.
+    # The request covers the sidecar's resident memory as measured in its own memory cgroup on the
+    # node test bed (tests/e2e/node/test_node_footprint.py; current figure in docs/PERFORMANCE.md);
+    # the limit keeps headroom for a start-up that loads more (a 128Mi limit once OOM-killed an
+    # enforcer that loaded the Kubernetes client for Events).
     sidecar_memory_request: str = "64Mi"
     sidecar_memory_limit: str = "256Mi"
     # Webhook-level fallbacks when neither the pod nor its namespace sets a share.
