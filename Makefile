@@ -5,7 +5,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip --disable-pip-version-check
 
-.PHONY: venv demo test unit lint lock bench clean e2e e2e-binaries bench-pods helm-binary test-ops system-deps framework-python
+.PHONY: venv demo test unit lint lock bench clean e2e e2e-binaries bench-pods bench-node helm-binary test-ops system-deps framework-python
 
 # The locked versions checked against their hashes (requirements/test.lock: the runtime lock's
 # versions and the test tools'), then gpufence itself, editable, resolving nothing more.
@@ -79,6 +79,10 @@ bench: venv
 
 bench-pods: venv e2e-binaries
 	$(PY) -m bench.pod_creation
+
+# The sidecar's CPU at rest in a pod on the node test bed (root; the node tests' prerequisites).
+bench-node: venv e2e-binaries
+	$(PY) -m pytest -s -p tests.e2e.conftest -p tests.e2e.node.conftest bench/node_sidecar_cpu.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache .mypy_cache .import_linter_cache .hypothesis .gpufence-cache
