@@ -16,6 +16,7 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
+import pytest
 from kubernetes import client
 
 from gpufence.contract import SIDECAR_NAME
@@ -36,6 +37,8 @@ from tests.node.workloads import (
 GIB = 1 << 30
 WINDOW_SECONDS = 40.0
 TARGET_PERCENT_OF_A_CORE = 0.5  # docs/PERFORMANCE.md
+# The node bed's start and the window: tests/e2e's own items get this from their conftest.
+pytestmark = pytest.mark.timeout(600)
 
 
 def _container_cpu_seconds(pid: int) -> float:
