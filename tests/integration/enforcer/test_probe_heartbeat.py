@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from gpufence.enforcer import probe
+from tests.support.heartbeats import start_time, write_heartbeat
 
 
 @pytest.fixture
@@ -26,24 +27,13 @@ def sleeper() -> Iterator[subprocess.Popen[bytes]]:
         child.wait(timeout=10)
 
 
-def start_time(pid: int) -> int:
-    return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19])
-
-
-def write(state: Path, pid: int, *, live: bool = True, age: float = 0.0, bound: float = 5.0,
-          started: int | None = None, detail: str = "ok") -> None:
-    text = probe.heartbeat_text(live, detail, probe.clock() - age, bound, pid,
-                                start_time(pid) if started is None else started)
-    (state / probe.HEARTBEAT_FILE).write_text(text)
-
-
 def test_a_fresh_heartbeat_of_a_running_process_passes(tmp_path: Path, sleeper) -> None:
-    write(tmp_path, sleeper.pid, detail="ok; not ready: NVML is not available")
+    write_heartbeat(tmp_path, sleeper.pid, detail="ok; not ready: NVML is not available")
     assert probe.check(str(tmp_path)) == (True, "ok; not ready: NVML is not available")
 
 
 def test_a_stale_heartbeat_fails_after_its_bound(tmp_path: Path, sleeper) -> None:
-    write(tmp_path, sleeper.pid, age=0.0, bound=5.0)
+    write_heartbeat(tmp_path, sleeper.pid, age=0.0, bound=5.0)
     now = probe.clock()
     assert probe.check(str(tmp_path), now=now + 4.5)[0]
     ok, why = probe.check(str(tmp_path), now=now + 5.5)
@@ -51,19 +41,19 @@ def test_a_stale_heartbeat_fails_after_its_bound(tmp_path: Path, sleeper) -> Non
 
 
 def test_a_heartbeat_that_says_not_live_fails_with_its_reason(tmp_path: Path, sleeper) -> None:
-    write(tmp_path, sleeper.pid, live=False, detail="an NVML call is hung (3.0s past its deadline)")
+    write_heartbeat(tmp_path, sleeper.pid, live=False, detail="an NVML call is hung (3.0s past its deadline)")
     ok, why = probe.check(str(tmp_path))
     assert not ok and "NVML call is hung" in why
 
 
 def test_a_heartbeat_naming_another_process_than_its_writer_fails(tmp_path: Path, sleeper) -> None:
-    write(tmp_path, sleeper.pid, started=start_time(sleeper.pid) - 1)
+    write_heartbeat(tmp_path, sleeper.pid, started=start_time(sleeper.pid) - 1)
     ok, why = probe.check(str(tmp_path))
     assert not ok and "not the process that wrote" in why
 
 
 def test_a_heartbeat_from_the_future_fails(tmp_path: Path, sleeper) -> None:
-    write(tmp_path, sleeper.pid, age=-30)
+    write_heartbeat(tmp_path, sleeper.pid, age=-30)
     ok, why = probe.check(str(tmp_path))
     assert not ok and "future" in why
 
@@ -73,18 +63,18 @@ def test_no_heartbeat_fails_and_a_link_is_not_followed(tmp_path: Path, sleeper) 
     assert not ok and "has not started" in why
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
-    write(elsewhere, sleeper.pid)
+    write_heartbeat(elsewhere, sleeper.pid)
     (tmp_path / probe.HEARTBEAT_FILE).symlink_to(elsewhere / probe.HEARTBEAT_FILE)
     assert not probe.check(str(tmp_path))[0]
 
 
 def test_the_detail_stays_on_one_line(tmp_path: Path, sleeper) -> None:
-    write(tmp_path, sleeper.pid, detail="ok;\nsecond line\tand tab")
+    write_heartbeat(tmp_path, sleeper.pid, detail="ok;\nsecond line\tand tab")
     assert probe.check(str(tmp_path)) == (True, "ok; second line and tab")
 
 
 def test_the_hook_passes_at_once_on_a_passing_heartbeat(tmp_path: Path, sleeper, capsys) -> None:
-    write(tmp_path, sleeper.pid)
+    write_heartbeat(tmp_path, sleeper.pid)
     assert probe.wait_until_up(str(tmp_path), timeout=5, alive=lambda: pytest.fail("no need to look")) == 0
 
 

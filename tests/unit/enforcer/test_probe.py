@@ -14,21 +14,11 @@ import pytest
 from gpufence import contract
 from gpufence.enforcer import probe
 from gpufence.enforcer.report.health import HEARTBEAT_STALE_AFTER_SECONDS, Health
-
-
-def start_time(pid: int) -> int:
-    return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19])
-
-
-def write(state: Path, pid: int, *, live: bool = True, age: float = 0.0, bound: float = 5.0,
-          started: int | None = None, detail: str = "ok") -> None:
-    text = probe.heartbeat_text(live, detail, probe.clock() - age, bound, pid,
-                                start_time(pid) if started is None else started)
-    (state / probe.HEARTBEAT_FILE).write_text(text)
+from tests.support.heartbeats import write_heartbeat
 
 
 def test_a_heartbeat_naming_the_probe_itself_fails(tmp_path: Path) -> None:
-    write(tmp_path, os.getpid())
+    write_heartbeat(tmp_path, os.getpid())
     ok, why = probe.check(str(tmp_path))
     assert not ok and "not an enforcer" in why
 
