@@ -8,7 +8,6 @@ CI=true (tests/support/prerequisites.py).
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -16,12 +15,11 @@ import pytest
 from kubernetes import client
 
 from tests.e2e import kube
-from tests.e2e.binaries import KUBERNETES_VERSIONS, GoMissing, control_plane
-from tests.e2e.controlplane import ControlPlane, running_control_plane
+from tests.e2e.binaries import KUBERNETES_VERSIONS
+from tests.e2e.controlplane import ControlPlane, control_plane_for
 from tests.e2e.gpufence_install import NAMESPACE, POLICY_CONFIGMAP, WebhookProcess, apply_objects, start_gpufence
 from tests.e2e.tenant import Tenant, make_tenant
 from tests.e2e.test_policy_reload import policy_valid, shipped_configmap
-from tests.support.prerequisites import missing, skip_by_design
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
@@ -35,13 +33,7 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 
 @pytest.fixture(scope="session", params=KUBERNETES_VERSIONS, ids=lambda v: f"k8s-{v}")
 def cluster(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ControlPlane]:
-    if os.environ.get("GPUFENCE_SKIP_E2E"):
-        skip_by_design("opted-out", f"GPUFENCE_SKIP_E2E={os.environ['GPUFENCE_SKIP_E2E']} set")
-    try:
-        binaries = control_plane(request.param)
-    except GoMissing as exc:
-        missing(f"cannot build Kubernetes {request.param}: {exc}")
-    with running_control_plane(binaries, tmp_path_factory.mktemp(f"k8s-{request.param}")) as cp:
+    with control_plane_for(request.param, tmp_path_factory.mktemp(f"k8s-{request.param}")) as cp:
         yield cp
 
 

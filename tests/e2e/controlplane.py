@@ -25,8 +25,9 @@ from pathlib import Path
 
 import yaml
 
-from tests.e2e.binaries import ControlPlaneBinaries
+from tests.e2e.binaries import ControlPlaneBinaries, GoMissing, control_plane
 from tests.e2e.cluster_pki import ClusterPki, make_cluster_pki
+from tests.support.prerequisites import missing, skip_by_design
 
 ADMISSION_PLUGINS = (
     "NamespaceLifecycle", "LimitRanger", "ServiceAccount", "PodSecurity", "MutatingAdmissionWebhook",
@@ -265,11 +266,23 @@ def running_control_plane(binaries: ControlPlaneBinaries, workdir: Path) -> Iter
         cp.stop()
 
 
+@contextlib.contextmanager
+def control_plane_for(version: str, workdir: Path) -> Iterator[ControlPlane]:
+    """A control plane of ``version`` for a fixture: skipped by design under ``GPUFENCE_SKIP_E2E``,
+    missing (a failure under ``CI=true``) where its binaries cannot be built."""
+    if os.environ.get("GPUFENCE_SKIP_E2E"):
+        skip_by_design("opted-out", f"GPUFENCE_SKIP_E2E={os.environ['GPUFENCE_SKIP_E2E']} set")
+    try:
+        binaries = control_plane(version)
+    except GoMissing as exc:
+        missing(f"cannot build Kubernetes {version}: {exc}")
+    with running_control_plane(binaries, workdir) as cp:
+        yield cp
+
+
 if __name__ == "__main__":  # manual smoke: python -m tests.e2e.controlplane v1.30.14
     import sys
     import tempfile
-
-    from tests.e2e.binaries import control_plane
 
     bins = control_plane(sys.argv[1] if len(sys.argv) > 1 else "v1.30.14")
     with tempfile.TemporaryDirectory() as tmp, running_control_plane(bins, Path(tmp)) as cp:

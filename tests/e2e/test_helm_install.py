@@ -13,7 +13,6 @@ documented hook for that), not by editing the chart's output by hand.
 from __future__ import annotations
 
 import json
-import os
 import stat
 import subprocess
 import sys
@@ -24,8 +23,8 @@ import pytest
 import yaml
 
 from tests.e2e import kube
-from tests.e2e.binaries import KUBERNETES_VERSIONS, GoMissing, control_plane
-from tests.e2e.controlplane import ControlPlane, free_port, running_control_plane
+from tests.e2e.binaries import KUBERNETES_VERSIONS
+from tests.e2e.controlplane import ControlPlane, control_plane_for, free_port
 from tests.e2e.gpufence_install import (
     NAMESPACE,
     REPO,
@@ -34,7 +33,6 @@ from tests.e2e.gpufence_install import (
     service_account_kubeconfig,
     set_ca_bundle,
 )
-from tests.support.prerequisites import missing, skip_by_design
 from tests.support.tlsutil import SecretVolume
 
 CHART = REPO / "charts" / "gpufence"
@@ -55,14 +53,8 @@ yaml.safe_dump_all(objects, sys.stdout)
 
 @pytest.fixture(scope="module")
 def helm_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ControlPlane]:
-    if os.environ.get("GPUFENCE_SKIP_E2E"):
-        skip_by_design("opted-out", f"GPUFENCE_SKIP_E2E={os.environ['GPUFENCE_SKIP_E2E']} set")
     version = KUBERNETES_VERSIONS[0]
-    try:
-        binaries = control_plane(version)
-    except GoMissing as exc:
-        missing(f"cannot build Kubernetes {version}: {exc}")
-    with running_control_plane(binaries, tmp_path_factory.mktemp(f"helm-k8s-{version}")) as cp:
+    with control_plane_for(version, tmp_path_factory.mktemp(f"helm-k8s-{version}")) as cp:
         yield cp
 
 

@@ -50,10 +50,10 @@ from kubernetes.client.exceptions import ApiException
 
 from gpufence import __version__
 from tests.e2e import kube
-from tests.e2e.binaries import KUBERNETES_VERSIONS, GoMissing, control_plane, crd_files
-from tests.e2e.controlplane import ControlPlane, running_control_plane
+from tests.e2e.binaries import KUBERNETES_VERSIONS, GoMissing, crd_files
+from tests.e2e.controlplane import ControlPlane, control_plane_for
 from tests.e2e.gpufence_install import NAMESPACE, REPO, cli, service_account_kubeconfig
-from tests.support.prerequisites import missing, skip_by_design
+from tests.support.prerequisites import missing
 
 INSTALL = REPO / "docs" / "install.md"
 NOT_RUNNABLE = re.compile(r"^<!-- not-runnable: (?P<reason>\S.*?) -->$")
@@ -295,14 +295,8 @@ def example_pod() -> str:
 
 @pytest.fixture(scope="module")
 def bed(helm: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Bed]:
-    if os.environ.get("GPUFENCE_SKIP_E2E"):
-        skip_by_design("opted-out", f"GPUFENCE_SKIP_E2E={os.environ['GPUFENCE_SKIP_E2E']} set")
     version = KUBERNETES_VERSIONS[0]
-    try:
-        binaries = control_plane(version)
-    except GoMissing as exc:
-        missing(f"cannot build Kubernetes {version}: {exc}")
-    with running_control_plane(binaries, tmp_path_factory.mktemp(f"install-doc-k8s-{version}")) as cp:
+    with control_plane_for(version, tmp_path_factory.mktemp(f"install-doc-k8s-{version}")) as cp:
         checkout = cp.workdir / "checkout"
         checkout.mkdir()
         for name in ("k8s", "charts"):
