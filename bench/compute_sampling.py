@@ -32,7 +32,7 @@ from gpufence.contract import ContainerShare, EnforcerConfig
 from gpufence.enforcer.act.throttle import PERIOD_JITTER, cycle_length
 from gpufence.enforcer.decide.compute import ComputeTracker
 from gpufence.enforcer.decide.machine import Core
-from gpufence.enforcer.observe.attribution import Attribution, PodProcess
+from gpufence.enforcer.facts import Attribution, PodProcess
 
 SAMPLE_SECONDS = 0.2  # the driver's sampling clock on the H200
 POLL_SECONDS = 0.5  # the enforcer's default poll interval

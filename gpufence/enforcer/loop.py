@@ -43,7 +43,9 @@ from gpufence.enforcer.act.terminate import Terminator
 from gpufence.enforcer.act.throttle import ThrottleExecutor, ThrottlePlan
 from gpufence.enforcer.decide.compute import INEFFECTIVE_SECONDS, UNATTRIBUTED
 from gpufence.enforcer.decide.machine import Core, Decisions
-from gpufence.enforcer.observe.attribution import Attribution, Attributor, PidMode
+from gpufence.enforcer.facts import Attribution
+from gpufence.enforcer.observe.attribution import Attributor, PidMode
+from gpufence.enforcer.observe.driver_limits import DriverLimitReader
 from gpufence.enforcer.observe.nvml import NvmlClient, NvmlSample, NvmlUnavailable
 from gpufence.enforcer.observe.watchdog import DeadlineRunner, NvmlHung
 from gpufence.enforcer.report.decision_log import DecisionLog
@@ -104,6 +106,7 @@ class Enforcer:
         self._backoff = config.poll_interval_seconds
         self._next_open = 0.0
         self._report = Reporter(log, metrics, events)
+        self._driver_limit_reader = DriverLimitReader()
         self._driver_limits = DriverLimits(log, metrics, events, health=health)
         self._terminator = Terminator(
             signaller, throttle, log, metrics, events, clock=clock, deadlines=kill_deadlines
@@ -260,8 +263,8 @@ class Enforcer:
         # What the throttle saw since the last poll: processes running while held stopped.
         evasions = self._throttle.take_evasions()
         # The driver's own per-cgroup limits and usage (NVML R615): its currentUsed is the usage.
-        reading = self._driver_limits.read(client, attribution, self.config, self._nvml.call)
-        decisions = self._core.step(now, attribution, totals, mig, evasions, reading.usage())
+        reading = self._driver_limit_reader.read(client, attribution, self.config, self._nvml.call)
+        decisions = self._core.step(now, attribution, totals, mig, evasions, reading)
         # From here on, the core's attribution: a name that is no container of the pod is screened out.
         attribution = decisions.attribution
         # Every GPU process accepted as the pod's may be signalled, attributed or not (pod budget),
@@ -272,7 +275,7 @@ class Enforcer:
         self._report.uninspectable(decisions.new_uninspectable)
         self._metrics.uninspectable.set(len(attribution.uninspectable))
         self._report.usage(decisions.usages, attribution)
-        self._driver_limits.report(reading, decisions.usages, decisions.discrepancies)
+        self._driver_limits.report(decisions.memory_enforcement, decisions.discrepancies)
         self._metrics.set_pod_usage(decisions.pods)
         self._terminator.enforce(decisions, attribution, self.config.mode, self.config.grace_period_seconds)
         self._apply_compute(decisions, attribution)

@@ -31,7 +31,13 @@ from gpufence.enforcer.decide.compute import (
     share_of,
     unattributed_sm_utilization,
 )
-from gpufence.enforcer.decide.memory_mechanism import Discrepancy, apply_driver_usage
+from gpufence.enforcer.decide.memory_mechanism import (
+    ContainerEnforcement,
+    Discrepancy,
+    apply_driver_usage,
+    driver_usage,
+    enforcement_by_container,
+)
 from gpufence.enforcer.decide.rules import (
     ContainerDeviceUsage,
     Evasion,
@@ -46,7 +52,7 @@ from gpufence.enforcer.decide.rules import (
     screen_claims,
     usage_by_container,
 )
-from gpufence.enforcer.observe.attribution import Attribution, PodProcess
+from gpufence.enforcer.facts import Attribution, DriverReading, PodProcess
 
 # Bounds the memory of "unattributed processes already logged" (a process churns PIDs for ever).
 _SEEN_MAX = 10_000
@@ -101,6 +107,8 @@ class Decisions:
     # (container, device) rows where the driver's currentUsed (now the usage) differs from the
     # per-process sum, every poll (the loop reports each once)
     discrepancies: tuple[Discrepancy, ...] = ()
+    # which mechanism holds each memory share the driver was asked about (the loop reports changes)
+    memory_enforcement: tuple[ContainerEnforcement, ...] = ()
 
 
 class Core:
@@ -133,7 +141,7 @@ class Core:
         device_totals: Mapping[int, int | None],
         mig_devices: frozenset[int] = frozenset(),
         evasions: Iterable[Evasion] = (),
-        driver_used: Mapping[tuple[str, int], int] | None = None,
+        driver: DriverReading | None = None,
     ) -> Decisions:
         """One poll. Processes on ``mig_devices`` (MIG mode enabled) are left out of every decision:
         a MIG device's isolation is the hardware's, and NVML's per-process view of the parent GPU
@@ -142,9 +150,10 @@ class Core:
         ``attribution`` is screened first (``rules.screen_claims``): a process named after no
         configured container is unattributed in every decision below. ``evasions`` are what the
         throttle executor saw since the last poll: each gives a one-shot order (never an episode
-        that lasts: the terminator keeps its own timers). ``driver_used``: (container, device) ->
-        the driver's currentUsed for the container's cgroup, which replaces the per-process sum as
-        the container's usage there (``memory_mechanism.driver_usage``)."""
+        that lasts: the terminator keeps its own timers). ``driver``: the driver's answers for the
+        containers' cgroups: its currentUsed replaces the per-process sum as the container's usage
+        where it is the container's alone (``memory_mechanism.driver_usage``), and they say which
+        mechanism holds each share (``memory_mechanism.enforcement_by_container``)."""
         config = self.config
         attribution = screened = screen_claims(attribution, config)
         new_mig = tuple(sorted(mig_devices - self._seen_mig))
@@ -156,7 +165,8 @@ class Core:
                 attribution.uninspectable,
             )
         usages, discrepancies = apply_driver_usage(
-            usage_by_container(attribution, config, device_totals), driver_used or {}
+            usage_by_container(attribution, config, device_totals),
+            driver_usage(driver.namespaces, driver.limits) if driver is not None else {},
         )
         pods = pod_usage(attribution, config, device_totals)
         lasting = memory_orders(usages, pods) + device_orders(usages, config) + pod_device_orders(attribution, config)
@@ -206,6 +216,7 @@ class Core:
             throttle_changes=tuple(changes),
             attribution=screened,
             discrepancies=discrepancies,
+            memory_enforcement=enforcement_by_container(driver, usages) if driver is not None else (),
         )
 
     def wants_utilisation(self, now: float) -> bool:

@@ -18,7 +18,7 @@ from bench.compute_sampling import CASES, simulate
 from gpufence.contract import ContainerShare, EnforcerConfig, MemoryShare, Mode
 from gpufence.enforcer.act.throttle import PERIOD_JITTER
 from gpufence.enforcer.decide.compute import HOLD_RUN_FRACTION, START_MARGIN, ComputeTracker
-from gpufence.enforcer.observe.attribution import Attribution, PodProcess
+from gpufence.enforcer.facts import Attribution, PodProcess
 
 HALF = EnforcerConfig(containers={"train": ContainerShare(compute_percent=50)})
 TOLERANCE = 0.05  # measured use within ±5 points of the share once settled
