@@ -111,6 +111,17 @@ class Decisions:
     memory_enforcement: tuple[ContainerEnforcement, ...] = ()
 
 
+def without_devices(attribution: Attribution, devices: frozenset[int]) -> Attribution:
+    """The attribution without the processes on ``devices`` (MIG-mode devices: left to MIG)."""
+    if not devices:
+        return attribution
+    return Attribution(
+        tuple(p for p in attribution.processes if p.device_index not in devices),
+        attribution.foreign_pids,
+        attribution.uninspectable,
+    )
+
+
 class Core:
     def __init__(
         self, config: EnforcerConfig, *, compute_window_seconds: float = 5.0, compute_period_seconds: float = 1.0,
@@ -155,28 +166,47 @@ class Core:
         where it is the container's alone (``memory_mechanism.driver_usage``), and they say which
         mechanism holds each share (``memory_mechanism.enforcement_by_container``)."""
         config = self.config
-        attribution = screened = screen_claims(attribution, config)
+        screened = screen_claims(attribution, config)
         new_mig = tuple(sorted(mig_devices - self._seen_mig))
         self._seen_mig |= mig_devices
-        if mig_devices:
-            attribution = Attribution(
-                tuple(p for p in attribution.processes if p.device_index not in mig_devices),
-                attribution.foreign_pids,
-                attribution.uninspectable,
-            )
+        attribution = without_devices(screened, mig_devices)
         usages, discrepancies = apply_driver_usage(
             usage_by_container(attribution, config, device_totals),
             driver_usage(driver.namespaces, driver.limits) if driver is not None else {},
         )
         pods = pod_usage(attribution, config, device_totals)
+        self._heat(usages, pods)
         lasting = memory_orders(usages, pods) + device_orders(usages, config) + pod_device_orders(attribution, config)
-        evaded = evasion_orders(evasions, attribution)
-        orders = evaded + lasting
+        started = tuple(o for o in lasting if (o.container, o.device_index) not in self._over)
+        ended = self._episodes_ended(lasting)
+        self._tracker.observe(now, attribution, config)
+        plan = self._tracker.plan(now, config)
+        # One-shot orders, never an episode that lasts: a throttle evaded, and a throttle pinned at its
+        # minimum that leaves the use over the share (SIGSTOP cannot reach kernels that run while the
+        # process is stopped).
+        once = evasion_orders(evasions, attribution) + ineffective_orders(self._tracker.take_ineffective(), attribution)
+        changes = self._throttle_changes(plan, attribution)
+        self._plan = MappingProxyType(dict(plan))
+        return Decisions(
+            usages=usages, pods=pods, orders=once + lasting, episodes_started=once + started, episodes_ended=ended,
+            new_unattributed=self._first_seen_unattributed(attribution),
+            new_uninspectable=self._first_seen_uninspectable(attribution), new_mig_devices=new_mig,
+            plan=self._plan,
+            throttle_changes=changes,
+            attribution=screened,
+            discrepancies=discrepancies,
+            memory_enforcement=enforcement_by_container(driver, usages) if driver is not None else (),
+        )
+
+    def _episodes_ended(self, lasting: tuple[TerminateOrder, ...]) -> tuple[tuple[str | None, int], ...]:
+        """The over-share episodes that ended since the last poll; ``lasting`` become the ones in force."""
         over = frozenset((o.container, o.device_index) for o in lasting)
-        started = evaded + tuple(o for o in lasting if (o.container, o.device_index) not in self._over)
         ended = tuple(sorted(self._over - over, key=lambda k: (k[1], k[0] or "")))
         self._over = over
+        return ended
 
+    def _first_seen_unattributed(self, attribution: Attribution) -> tuple[PodProcess, ...]:
+        """The unattributed processes not seen before (each is logged once)."""
         fresh = []
         for p in attribution.processes:
             if p.container is None and (p.pid, p.start_time_ticks) not in self._seen:
@@ -184,18 +214,16 @@ class Core:
                     self._seen.clear()
                 self._seen.add((p.pid, p.start_time_ticks))
                 fresh.append(p)
+        return tuple(fresh)
 
-        self._heat(usages, pods)
-        uninspectable = tuple(p for p in attribution.uninspectable if p not in self._seen_uninspectable)
-        self._seen_uninspectable = set(attribution.uninspectable)  # reported again after it went away
+    def _first_seen_uninspectable(self, attribution: Attribution) -> tuple[int, ...]:
+        """Uninspectable NVML PIDs not in the previous poll (reported again after one went away)."""
+        fresh = tuple(p for p in attribution.uninspectable if p not in self._seen_uninspectable)
+        self._seen_uninspectable = set(attribution.uninspectable)
+        return fresh
 
-        self._tracker.observe(now, attribution, config)
-        plan = self._tracker.plan(now, config)
-        # A throttle pinned at its minimum that leaves the use over the share: SIGSTOP cannot reach
-        # the work (kernels that run while the process is stopped). A one-shot order, as an evasion.
-        ineffective = ineffective_orders(self._tracker.take_ineffective(), attribution)
-        orders = evaded + ineffective + lasting
-        started = evaded + ineffective + started[len(evaded):]
+    def _throttle_changes(self, plan: Mapping[str, float], attribution: Attribution) -> tuple[ThrottleChange, ...]:
+        """The transitions from the plan in force to ``plan``: starts, moves of a point or more, stops."""
         sm = container_sm_utilization(attribution)
         sm[UNATTRIBUTED] = unattributed_sm_utilization(attribution) or 0.0
         changes = []
@@ -208,16 +236,7 @@ class Core:
         for container in sorted(set(self._plan) - set(plan)):
             why = "the pod is under its compute budget" if container == UNATTRIBUTED else "under share"
             changes.append(self._change(container, Transition.STOP, None, sm, why))
-        self._plan = MappingProxyType(dict(plan))
-        return Decisions(
-            usages=usages, pods=pods, orders=orders, episodes_started=started, episodes_ended=ended,
-            new_unattributed=tuple(fresh), new_uninspectable=uninspectable, new_mig_devices=new_mig,
-            plan=self._plan,
-            throttle_changes=tuple(changes),
-            attribution=screened,
-            discrepancies=discrepancies,
-            memory_enforcement=enforcement_by_container(driver, usages) if driver is not None else (),
-        )
+        return tuple(changes)
 
     def wants_utilisation(self, now: float) -> bool:
         """Whether this poll reads SM utilisation afresh: about once per duty-cycle period with a
