@@ -62,6 +62,20 @@ def _process_cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def _thread_cpu_seconds(pid: int) -> dict[str, float]:
+    """CPU time of each thread of ``pid`` by its kernel name (the enforcer names its threads: poll,
+    heartbeat, nvml, http, throttle, events; the main thread keeps the program's)."""
+    found: dict[str, float] = {}
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            name = (task / "comm").read_text().strip()
+            fields = (task / "stat").read_text().rpartition(")")[2].split()
+        except OSError:
+            continue  # the thread ended
+        found[name] = found.get(name, 0.0) + (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return found
+
+
 def test_the_sidecars_cpu_at_rest_with_its_probes(admin: client.ApiClient, cluster: ControlPlane, node: Node,
                                                   sim: Node, gpu_namespace: str) -> None:
     """Printed (-s) for docs/PERFORMANCE.md; checked against the target."""
@@ -73,13 +87,17 @@ def test_the_sidecars_cpu_at_rest_with_its_probes(admin: client.ApiClient, clust
     wait_record(running, lambda r: r.get("event") == "nvml_opened", "NVML opened (simulator loaded)")
     pid = host_pid(node, running, SIDECAR_NAME)
     window = WINDOW_SECONDS
+    threads_before = _thread_cpu_seconds(pid)
     before, own_before, started = _container_cpu_seconds(pid), _process_cpu_seconds(pid), time.monotonic()
     time.sleep(window)  # the measurement is the window itself: nothing to wait for
     used, elapsed = _container_cpu_seconds(pid) - before, time.monotonic() - started
     own = _process_cpu_seconds(pid) - own_before
+    threads = {name: seconds - threads_before.get(name, 0.0) for name, seconds in _thread_cpu_seconds(pid).items()}
     share = used / elapsed * 100
     print(f"\nsidecar at rest, real node: {used * 1000:.0f} ms CPU in {elapsed:.1f} s = {share:.2f} % of a core "
           f"(enforcer, heartbeat and {int(elapsed // 10)} liveness probes); of which the enforcer process "
           f"{own * 1000:.0f} ms, the probes {(used - own) * 1000:.0f} ms")
+    print("the enforcer's threads: " + ", ".join(f"{name} {seconds * 1000:.0f} ms" for name, seconds
+                                                  in sorted(threads.items(), key=lambda item: -item[1])))
     assert statuses(get_pod(cluster, gpu_namespace, running["metadata"]["name"]))[SIDECAR_NAME]["restartCount"] == 0
     assert share < TARGET_PERCENT_OF_A_CORE, share

@@ -114,6 +114,7 @@ class Enforcer:
         self._nvml = DeadlineRunner(nvml_timeout_seconds, clock=clock)
         health.watch_nvml(self._nvml.hung_for, nvml_timeout_seconds)
         self._lost_devices: set[int] = set()
+        self._throttle_planned = False  # the last plan handed to the throttle executor was not empty
         self._error_log: dict[tuple[str, str, int | None], float] = {}
         self._error_counts: dict[tuple[str, str, int | None], int] = {}
         self._publish_config()
@@ -344,9 +345,12 @@ class Enforcer:
         for change in decisions.throttle_changes:
             pids = sorted(t.pid for t in targets.get(change.container, {}).values())
             self._report.throttle(change, self.config.mode, pids)
-        if self.config.mode is Mode.ENFORCE:
+        if self.config.mode is Mode.ENFORCE and (decisions.plan or self._throttle_planned):
             # The lease: if no poll renews the plans (the loop is stuck), the executor continues
-            # everything by itself.
+            # everything by itself. With nothing planned now or before there is nothing to renew
+            # or end: the executor's thread is not woken (at rest, that wake-up was a measurable
+            # part of a poll's CPU).
+            self._throttle_planned = bool(decisions.plan)
             self._throttle.update(
                 {c: ThrottlePlan(f, tuple(targets.get(c, {}).values())) for c, f in decisions.plan.items()},
                 lease_seconds=THROTTLE_LEASE_INTERVALS * self.config.poll_interval_seconds + 0.5,

@@ -10,6 +10,7 @@ death. No event loop: threads and ``signal.signal``, which keeps asyncio out of 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import signal
 import threading
@@ -87,6 +88,7 @@ def serve(
     poller = threading.Thread(target=_poll, args=(enforcer, health, log, thread_stop, ending), name="gpufence-poll",
                               daemon=True)
     poller.start()
+    name_os_threads()
     try:
         while not ending.event.wait(1.0):  # a bounded wait: the signal handlers run between its rounds at worst
             pass
@@ -102,6 +104,17 @@ def serve(
             server.close()
         log.info("shutdown", signal=ending.signal, exit_status=ending.status)
     return ending.status
+
+
+def name_os_threads(task_dir: str = "/proc/self/task") -> None:
+    """Each thread's kernel name (``comm``: what ``top -H``, ``ps -L`` and ``make bench-node`` show)
+    becomes its Python name without the ``gpufence-`` prefix (``poll``, ``heartbeat``, ``nvml``,
+    ``http``, ``throttle``, ``events``), so the CPU each one uses can be told apart from outside."""
+    for thread in threading.enumerate():
+        if thread is threading.main_thread() or thread.native_id is None:
+            continue
+        with contextlib.suppress(OSError), open(f"{task_dir}/{thread.native_id}/comm", "w") as f:
+            f.write(thread.name.removeprefix("gpufence-")[:15])  # the kernel keeps 15 bytes
 
 
 def _start_http(

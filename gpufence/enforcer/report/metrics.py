@@ -123,6 +123,10 @@ class EnforcerMetrics:
         self.nvml_up.set(0)
         self._device_series: set[tuple[str, str, str]] = set()
         self._pod_series: set[tuple[str, str]] = set()
+        # The rows last written: at rest every poll brings the same ones, and rewriting each series
+        # was most of a quiet poll's metric work.
+        self._container_rows: tuple[UsageSample, ...] = ()
+        self._pod_rows: tuple[PodDeviceUsage, ...] = ()
         self._enforcement_series: dict[str, tuple[tuple[str, ...], ...]] = {}
 
     # -- helpers -----------------------------------------------------------------------------
@@ -153,6 +157,10 @@ class EnforcerMetrics:
         self.throttled.labels(self.namespace, self.pod, container).set(1 if on else 0)
 
     def set_container_usage(self, rows: Iterable[UsageSample]) -> None:
+        rows = tuple(rows)
+        if rows == self._container_rows:
+            return
+        self._container_rows = rows
         seen: set[tuple[str, str, str]] = set()
         for row in rows:
             key = (row.container, row.uuid, str(row.gpu))
@@ -188,6 +196,10 @@ class EnforcerMetrics:
 
     def set_pod_usage(self, rows: Iterable[PodDeviceUsage]) -> None:
         """Per device: the pod's total, unattributed and budget (replaced wholesale, as above)."""
+        rows = tuple(rows)
+        if rows == self._pod_rows:
+            return
+        self._pod_rows = rows
         seen: set[tuple[str, str]] = set()
         for row in rows:
             key = (row.device_uuid, str(row.device_index))

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import io
 import json
+import pathlib
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -162,6 +163,10 @@ def test_http_endpoints_and_metric_names(gpu, make_config):
     for line in enforcer.out.snapshot():
         record = json.loads(line)  # every stdout line is one JSON object
         assert {"time", "level", "event"} <= set(record) and record["time"].endswith("Z")
+    # Each thread carries its name in the kernel too (top -H, ps -L, make bench-node's split).
+    tasks = pathlib.Path(f"/proc/{enforcer.proc.pid}/task")
+    names = {(task / "comm").read_text().strip() for task in tasks.iterdir()}
+    assert {"poll", "heartbeat", "nvml", "http", "throttle"} <= names, names
     assert enforcer.stop() == 0
 
 
