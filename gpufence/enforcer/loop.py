@@ -33,6 +33,7 @@ import threading
 import time
 import traceback
 from collections.abc import Callable
+from dataclasses import dataclass
 from functools import partial
 
 from gpufence.contract import EnforcerConfig, Mode
@@ -43,7 +44,8 @@ from gpufence.enforcer.act.terminate import Terminator
 from gpufence.enforcer.act.throttle import ThrottleExecutor, ThrottlePlan
 from gpufence.enforcer.decide.compute import INEFFECTIVE_SECONDS, UNATTRIBUTED
 from gpufence.enforcer.decide.machine import Core, Decisions
-from gpufence.enforcer.facts import Attribution
+from gpufence.enforcer.decide.rules import Evasion
+from gpufence.enforcer.facts import Attribution, DriverReading
 from gpufence.enforcer.observe.attribution import Attributor, PidMode
 from gpufence.enforcer.observe.driver_limits import DriverLimitReader
 from gpufence.enforcer.observe.nvml import NvmlClient, NvmlSample, NvmlUnavailable
@@ -58,6 +60,18 @@ from gpufence.enforcer.report.reporter import Reporter
 NVML_BACKOFF_MAX_SECONDS = 30.0
 ERROR_LOG_REPEAT_SECONDS = 60.0
 THROTTLE_LEASE_INTERVALS = 4
+
+
+@dataclass(frozen=True)
+class _Observation:
+    """What one poll saw, for the core."""
+
+    sample: NvmlSample
+    attribution: Attribution
+    totals: dict[int, int | None]  # device -> total memory
+    mig: frozenset[int]  # devices in MIG mode
+    evasions: tuple[Evasion, ...]
+    driver: DriverReading
 
 
 class Enforcer:
@@ -241,11 +255,24 @@ class Enforcer:
     # -- one poll ------------------------------------------------------------------------------
 
     def tick(self) -> None:
+        """One poll: observe, decide (the pure core), act, report."""
         now = self._clock()
         self._maybe_reload()
         if self._client is None and (now < self._next_open or not self.open_nvml()):
             self._check_pending(now)
             return
+        seen = self._observe(now)
+        if seen is None:
+            return
+        decisions = self._core.step(
+            self._clock(), seen.attribution, seen.totals, seen.mig, seen.evasions, seen.driver
+        )
+        self._act(decisions)
+        self._report_poll(seen.sample, decisions)
+
+    def _observe(self, now: float) -> _Observation | None:
+        """NVML's sample (with a deadline), this pod's processes in it, what the throttle saw and the
+        driver's own limits; None when NVML did not answer (said, and the throttle released)."""
         client = self._client
         assert client is not None
         try:
@@ -255,22 +282,35 @@ class Enforcer:
         except NvmlUnavailable as exc:
             self._nvml_lost(exc)
             self._check_pending(self._clock())
-            return
-        now = self._clock()
+            return None
         self._record_nvml_errors(sample)
         attribution = self._attributor.attribute(sample)
-        totals = {d.index: d.total_memory_bytes for d in sample.devices if not d.lost}
-        mig = frozenset(d.index for d in sample.devices if d.mig and not d.lost)
-        # What the throttle saw since the last poll: processes running while held stopped.
-        evasions = self._throttle.take_evasions()
-        # The driver's own per-cgroup limits and usage (NVML R615): its currentUsed is the usage.
-        reading = self._driver_limit_reader.read(client, attribution, self.config, self._nvml.call)
-        decisions = self._core.step(now, attribution, totals, mig, evasions, reading)
-        # From here on, the core's attribution: a name that is no container of the pod is screened out.
+        return _Observation(
+            sample=sample,
+            attribution=attribution,
+            totals={d.index: d.total_memory_bytes for d in sample.devices if not d.lost},
+            mig=frozenset(d.index for d in sample.devices if d.mig and not d.lost),
+            # What the throttle saw since the last poll: processes running while held stopped.
+            evasions=tuple(self._throttle.take_evasions()),
+            # The driver's own per-cgroup limits and usage (NVML R615): its currentUsed is the usage.
+            driver=self._driver_limit_reader.read(client, attribution, self.config, self._nvml.call),
+        )
+
+    def _act(self, decisions: Decisions) -> None:
+        """Carry the decisions out: terminations, the throttle plan, SIGKILLs now due."""
+        # The core's attribution: a name that is no container of the pod is screened out. Every GPU
+        # process accepted as the pod's may be signalled, attributed or not (pod budget), under the
+        # container the core holds it to.
         attribution = decisions.attribution
-        # Every GPU process accepted as the pod's may be signalled, attributed or not (pod budget),
-        # under the container the core holds it to (a name that is no container is none).
         self._signaller.authorize(SignalTarget.of(p) for p in attribution.processes)
+        self._terminator.enforce(decisions, attribution, self.config.mode, self.config.grace_period_seconds)
+        self._apply_compute(decisions, attribution)
+        self._check_pending(self._clock())
+
+    def _report_poll(self, sample: NvmlSample, decisions: Decisions) -> None:
+        """What this poll saw and decided, after acting on it: log lines and Events first seen,
+        metrics, the mechanism holding each memory share, and the poll's success."""
+        attribution = decisions.attribution
         self._report.mig(sample, decisions.new_mig_devices)
         self._report.unattributed(decisions.new_unattributed, self.config)
         self._report.uninspectable(decisions.new_uninspectable)
@@ -278,9 +318,6 @@ class Enforcer:
         self._report.usage(decisions.usages, attribution)
         self._driver_limits.report(decisions.memory_enforcement, decisions.discrepancies)
         self._metrics.set_pod_usage(decisions.pods)
-        self._terminator.enforce(decisions, attribution, self.config.mode, self.config.grace_period_seconds)
-        self._apply_compute(decisions, attribution)
-        self._check_pending(self._clock())
         self._metrics.last_successful_poll.set(self._wall())
         self._metrics.nvml_up.set(1)
         self._health.nvml(True)

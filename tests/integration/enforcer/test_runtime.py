@@ -195,6 +195,7 @@ def test_a_share_in_two_units_is_the_smaller_and_says_so(gpu, make_config):
     said = enforcer.wait_event("memory_share_two_units", 5)
     assert said["container"] == "train" and said["share_bytes"] == 10 * GIB and said["share_percent"] == 25
     hog.wait_line("got SIGTERM", 5)  # 5 GiB is under 10 GiB but over 25% of 16 GiB
+    enforcer.wait_polls(1)  # a poll reports what it saw after acting on it
     labels = {"namespace": "team", "pod": "train-0", "container": "train", "UUID": "GPU-abc", "gpu": "0"}
     assert enforcer.metric("gpufence_container_gpu_memory_limit_bytes", **labels) == 4 * GIB
     assert enforcer.metric("gpufence_container_gpu_memory_limit_from_percent", **labels) == 1
