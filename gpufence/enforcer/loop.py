@@ -1,4 +1,4 @@
-"""The enforcer's poll loop: sample NVML -> attribute -> policy -> act.
+"""The enforcer's poll loop: observe -> decide -> act -> report.
 
 One :class:`Enforcer` owns the adapters (NVML client, safe signaller, throttle executor, stopped
 state, metrics, events, log) and runs on a thread of its own (``run``), so the HTTP server never
@@ -8,14 +8,16 @@ waits on NVML. Each poll interval ``tick`` does, in order:
    throttled process is continued and the compute controller starts afresh;
 2. open NVML if it is not open (backoff from one poll interval doubling to 30 s; meanwhile
    ``gpufence_nvml_up`` is 0 and ``/readyz`` says 503; ``/healthz`` fails only while a call hangs);
-3. ``NvmlClient.sample()``; per-device errors are counted and logged (rate-limited), never fatal;
-4. ``Attributor.attribute`` and hand the pod's (pid, start time) pairs to the signaller;
-5. ``Core.step`` (``gpufence/enforcer/decide/machine.py``, pure) decides everything for this poll; the loop is the
-   driver that carries its ``Decisions`` out: metrics, log lines, the ``Terminator`` (unattributed
+3. observe: ``NvmlClient.sample()`` (per-device errors are counted and logged, rate-limited, never
+   fatal), ``Attributor.attribute``, the throttle's evasions, the driver's per-cgroup limits;
+4. decide: ``Core.step`` (``gpufence/enforcer/decide/machine.py``, pure) decides everything for this
+   poll and returns its ``Decisions``;
+5. act: hand the pod's (pid, start time) pairs to the signaller, the ``Terminator`` (unattributed
    processes while the pod is over its budget, then containers over their shares as a whole; in
-   audit mode only the episode lines), and the throttle plan to the executor (with a lease);
-6. SIGKILL the SIGTERMed processes whose grace period ran out (also checked between polls, so
-   the delay is the grace period, not rounded up to a poll).
+   audit mode only the episode lines), the throttle plan to the executor (with a lease), and
+   SIGKILL the SIGTERMed processes whose grace period ran out (also checked between polls, so the
+   delay is the grace period, not rounded up to a poll);
+6. report: log lines, Events and metrics of what the poll saw, the poll's success.
 
 Any exception in a tick is logged (``poll_error``, then at most once a minute per kind) and
 counted (``gpufence_poll_errors_total``); the loop goes on. Compute throttling needs fresh
