@@ -32,7 +32,7 @@ import threading
 import time
 import urllib.request
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
@@ -251,6 +251,55 @@ def describe(record: dict[str, Any], t0: float) -> str | None:
     return "  " + " ".join(str(p) for p in parts)
 
 
+class _SimulatedGpu:
+    """The simulated driver's view of the demo's workloads, rewritten as they change."""
+
+    def __init__(self, workloads: dict[str, Workload], state_file: Path) -> None:
+        self.workloads = workloads
+        self.state_file = state_file
+        self._lock = threading.Lock()
+
+    def publish(self) -> None:
+        with self._lock:
+            processes = []
+            for w in self.workloads.values():
+                w.states.append(w.proc_state())
+                w.stopped_samples += w.states[-1] in ("T", "t")
+                if w.proc.poll() is None:
+                    w.peak_memory = max(w.peak_memory, w.memory)
+                    sm = round(w.sm_demand * w.running_fraction())
+                    processes.append(SimProcess(pid=w.proc.pid, used_memory_bytes=w.memory, sm_util=sm))
+            write_state(self.state_file, SimState(devices=(SimDevice(
+                uuid=DEVICE_UUID, total_memory_bytes=DEVICE_TOTAL, processes=tuple(processes)),)))
+
+    def drive(self, stop: threading.Event) -> None:
+        """Until ``stop``: greedy allocates 0.25 GiB every 0.5 s; SM use follows the duty cycle."""
+        last_growth = time.monotonic()
+        while not stop.wait(0.05):
+            if time.monotonic() - last_growth >= 0.5:
+                last_growth = time.monotonic()
+                self.workloads["greedy"].memory += GIB // 4
+            self.publish()
+
+
+def _start_enforcer(config: dict[str, Any], state_file: Path, device: Path, tmp: Path) -> subprocess.Popen[str]:
+    """The real enforcer on the simulated driver, as the demo pod's sidecar."""
+    env = {**os.environ, ENV_CONFIG: json.dumps(config), ENV_POD_NAME: "trainer-x7k2p",
+           ENV_POD_NAMESPACE: "ml-team", ENV_POD_UID: "5f8e1c1a-0000-4000-8000-000000000001"}
+    return subprocess.Popen(
+        [sys.executable, "-m", "gpufence.enforcer", "--simulate", str(state_file), "--metrics-port", "0",
+         "--bind-address", "127.0.0.1", "--nvidia-device-prefix", str(device.parent / "nvidia"),
+         "--state-dir", str(tmp / "state"), "--compute-window", "2", "--compute-period", "0.5"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+    )
+
+
+def _narrate(records: Iterable[dict[str, Any]], t0: float) -> None:
+    for record in records:
+        if line := describe(record, t0):
+            say(line)
+
+
 def run_enforcer(config: dict[str, Any], injected_env: dict[str, dict[str, str]], tmp: Path,
                  procs: list[subprocess.Popen[str]]) -> dict[str, Workload]:
     state_file = tmp / "nvml-state.txt"
@@ -262,58 +311,23 @@ def run_enforcer(config: dict[str, Any], injected_env: dict[str, dict[str, str]]
     plan = {"steady": 3 * GIB, "greedy": 1 * GIB, "hog": 2 * GIB}
     workloads = {name: start_workload(name, memory, injected_env[name], device, procs) for name, memory in plan.items()}
     workloads["hog"].sm_demand = 90
-    lock = threading.Lock()
-
-    def publish() -> None:
-        with lock:
-            processes = []
-            for w in workloads.values():
-                w.states.append(w.proc_state())
-                w.stopped_samples += w.states[-1] in ("T", "t")
-                if w.proc.poll() is None:
-                    w.peak_memory = max(w.peak_memory, w.memory)
-                    sm = round(w.sm_demand * w.running_fraction())
-                    processes.append(SimProcess(pid=w.proc.pid, used_memory_bytes=w.memory, sm_util=sm))
-            write_state(state_file, SimState(devices=(SimDevice(
-                uuid=DEVICE_UUID, total_memory_bytes=DEVICE_TOTAL, processes=tuple(processes)),)))
-
-    publish()
-    env = {**os.environ, ENV_CONFIG: json.dumps(config), ENV_POD_NAME: "trainer-x7k2p",
-           ENV_POD_NAMESPACE: "ml-team", ENV_POD_UID: "5f8e1c1a-0000-4000-8000-000000000001"}
-    enforcer = subprocess.Popen(
-        [sys.executable, "-m", "gpufence.enforcer", "--simulate", str(state_file), "--metrics-port", "0",
-         "--bind-address", "127.0.0.1", "--nvidia-device-prefix", str(device.parent / "nvidia"),
-         "--state-dir", str(tmp / "state"), "--compute-window", "2", "--compute-period", "0.5"],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
-    )
+    gpu = _SimulatedGpu(workloads, state_file)
+    gpu.publish()
+    enforcer = _start_enforcer(config, state_file, device, tmp)
     procs.append(enforcer)
 
     stop = threading.Event()
-
-    def simulate_gpu() -> None:
-        """Drives the simulated driver: greedy allocates 0.25 GiB every 0.5 s; SM use follows the duty cycle."""
-        last_growth = time.monotonic()
-        while not stop.wait(0.05):
-            if time.monotonic() - last_growth >= 0.5:
-                last_growth = time.monotonic()
-                workloads["greedy"].memory += GIB // 4
-            publish()
-
     t0 = time.monotonic()
-    driver = threading.Thread(target=simulate_gpu, daemon=True)
+    driver = threading.Thread(target=gpu.drive, args=(stop,), daemon=True)
     driver.start()
     records = JsonLines(enforcer.stdout)
     try:
-        for record in records.until(t0 + RUN_SECONDS):
-            if line := describe(record, t0):
-                say(line)
+        _narrate(records.until(t0 + RUN_SECONDS), t0)
     finally:
         stop.set()
         driver.join()
         enforcer.send_signal(signal.SIGTERM)
-        for record in records.until(time.monotonic() + 10):
-            if line := describe(record, t0):
-                say(line)
+        _narrate(records.until(time.monotonic() + 10), t0)
         try:
             enforcer.wait(timeout=10)
         except subprocess.TimeoutExpired:

@@ -41,6 +41,7 @@ import atexit
 import os
 import sys
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -62,7 +63,15 @@ from gpufence.enforcer.probe import probe
 from gpufence.enforcer.report.decision_log import LEVELS, DecisionLog, forward_stdlib_logging
 
 if TYPE_CHECKING:
+    from gpufence.enforcer.act.signals import SafeSignaller
+    from gpufence.enforcer.act.stopped_state import StoppedState
+    from gpufence.enforcer.act.throttle import ThrottleExecutor
+    from gpufence.enforcer.loop import Enforcer
+    from gpufence.enforcer.observe.attribution import Attributor
     from gpufence.enforcer.observe.pod_identity import PodIdentity
+    from gpufence.enforcer.report.events import EventRecorder, PodRef
+    from gpufence.enforcer.report.health import Health
+    from gpufence.enforcer.report.metrics import EnforcerMetrics
 
 PROG = "gpufence-enforcer"
 ENV_LOG_LEVEL = "GPUFENCE_LOG_LEVEL"
@@ -290,17 +299,10 @@ def _run(
     args: argparse.Namespace, config: EnforcerConfig, port: int, log: DecisionLog,
     identity: PodIdentity,
 ) -> int:
-    from gpufence.enforcer.act.kill_deadlines import KillDeadlines
     from gpufence.enforcer.act.signals import SafeSignaller
     from gpufence.enforcer.act.stopped_state import StoppedState
     from gpufence.enforcer.act.throttle import ThrottleExecutor
-    from gpufence.enforcer.decide.compute import UNATTRIBUTED
-    from gpufence.enforcer.loop import Enforcer
-    from gpufence.enforcer.observe.attribution import Attributor, choose_mode
     from gpufence.enforcer.observe.procfs import NVIDIA_DEVICE_PREFIX_DEFAULT
-    from gpufence.enforcer.report.events import EventRecorder, PodRef, report_admission_warnings
-    from gpufence.enforcer.report.health import Health
-    from gpufence.enforcer.report.metrics import EnforcerMetrics
     from gpufence.enforcer.serve import serve
 
     own_pid = os.getpid()
@@ -314,45 +316,11 @@ def _run(
     if factory is None:
         return 1
     device_prefix = args.nvidia_device_prefix or NVIDIA_DEVICE_PREFIX_DEFAULT
-    pid_mode = choose_mode(args.host_proc)
-    try:
-        attributor = Attributor(
-            pid_mode, proc_root="/proc", host_proc_root=args.host_proc, device_prefix=device_prefix, own_pid=own_pid,
-            devices=args.nvidia_devices,
-        )
-    except ValueError as exc:
-        print(f"gpufence-enforcer: --nvidia-devices: {exc}", file=sys.stderr)
+    attributor = _attributor(args, log, device_prefix, own_pid)
+    if attributor is None:
         return 2
-    log.info("nvidia_devices", **attributor.device.summary(),
-             reason="a process holding or mapping one of these devices, by any name, is a GPU process")
-    metrics = EnforcerMetrics(identity.namespace or "", identity.name or "")
-    # The containers are fixed by the pod spec, so the initial config names all of them; "" is the
-    # label of what is done to unattributed processes (the pod's budgets), at zero like the rest.
-    metrics.declare_containers([*config.containers, UNATTRIBUTED])
-    health = Health(config.poll_interval_seconds)
-    pod = PodRef(identity.namespace or "", identity.name or "", identity.uid)
-    log.info("pod_identity", source=identity.source, uid=identity.uid)
-    events = EventRecorder.from_environment(log, pod)
-    report_admission_warnings(log, events, os.environ.get(ENV_POD_STATUS))
-    enforcer = Enforcer(
-        config,
-        pid_mode=pid_mode,
-        attributor=attributor,
-        client_factory=factory,  # type: ignore[arg-type]
-        signaller=signaller,
-        throttle=throttle,
-        stopped=stopped,
-        log=log,
-        metrics=metrics,
-        health=health,
-        events=events,
-        kill_deadlines=KillDeadlines(args.state_dir, log),
-        config_source=_FileWatcher(args.config, log) if args.config else None,
-        compute_window_seconds=args.compute_window,
-        compute_period_seconds=args.compute_period,
-        compute_ineffective_seconds=args.throttle_ineffective_after,
-        nvml_timeout_seconds=args.nvml_timeout,
-    )
+    reporting = _reporting(config, identity, log)
+    enforcer = _enforcer(args, config, log, attributor, factory, signaller, throttle, stopped, reporting)
     # 1. Continue whatever a previous incarnation left stopped, before anything else; then take
     #    over its SIGKILL deadlines (no restart grants a new grace period).
     enforcer.recover_stopped()
@@ -363,6 +331,80 @@ def _run(
             reason="no --state-dir: if the enforcer is killed while throttling, stopped processes stay stopped",
         )
     try:
-        return serve(args, enforcer, metrics, health, log, port, pod, device_prefix, throttle)
+        return serve(args, enforcer, reporting.metrics, reporting.health, log, port, reporting.pod, device_prefix,
+                     throttle)
     finally:
         enforcer.close()
+
+
+def _attributor(args: argparse.Namespace, log: DecisionLog, device_prefix: str, own_pid: int) -> Attributor | None:
+    """The attributor for the PID mode the host's /proc allows; None (said on stderr) for a
+    malformed ``--nvidia-devices``."""
+    from gpufence.enforcer.observe.attribution import Attributor, choose_mode
+
+    try:
+        attributor = Attributor(
+            choose_mode(args.host_proc), proc_root="/proc", host_proc_root=args.host_proc,
+            device_prefix=device_prefix, own_pid=own_pid, devices=args.nvidia_devices,
+        )
+    except ValueError as exc:
+        print(f"gpufence-enforcer: --nvidia-devices: {exc}", file=sys.stderr)
+        return None
+    log.info("nvidia_devices", **attributor.device.summary(),
+             reason="a process holding or mapping one of these devices, by any name, is a GPU process")
+    return attributor
+
+
+@dataclass(frozen=True)
+class _Reporting:
+    metrics: EnforcerMetrics
+    health: Health
+    events: EventRecorder
+    pod: PodRef
+
+
+def _reporting(config: EnforcerConfig, identity: PodIdentity, log: DecisionLog) -> _Reporting:
+    """Metrics, health and Events for this pod; the webhook's warnings posted as Events once."""
+    from gpufence.enforcer.decide.compute import UNATTRIBUTED
+    from gpufence.enforcer.report.events import EventRecorder, PodRef, report_admission_warnings
+    from gpufence.enforcer.report.health import Health
+    from gpufence.enforcer.report.metrics import EnforcerMetrics
+
+    metrics = EnforcerMetrics(identity.namespace or "", identity.name or "")
+    # The containers are fixed by the pod spec, so the initial config names all of them; "" is the
+    # label of what is done to unattributed processes (the pod's budgets), at zero like the rest.
+    metrics.declare_containers([*config.containers, UNATTRIBUTED])
+    pod = PodRef(identity.namespace or "", identity.name or "", identity.uid)
+    log.info("pod_identity", source=identity.source, uid=identity.uid)
+    events = EventRecorder.from_environment(log, pod)
+    report_admission_warnings(log, events, os.environ.get(ENV_POD_STATUS))
+    return _Reporting(metrics, Health(config.poll_interval_seconds), events, pod)
+
+
+def _enforcer(
+    args: argparse.Namespace, config: EnforcerConfig, log: DecisionLog, attributor: Attributor,
+    factory: Callable[[], object], signaller: SafeSignaller, throttle: ThrottleExecutor, stopped: StoppedState,
+    reporting: _Reporting,
+) -> Enforcer:
+    from gpufence.enforcer.act.kill_deadlines import KillDeadlines
+    from gpufence.enforcer.loop import Enforcer
+
+    return Enforcer(
+        config,
+        pid_mode=attributor.mode,
+        attributor=attributor,
+        client_factory=factory,  # type: ignore[arg-type]
+        signaller=signaller,
+        throttle=throttle,
+        stopped=stopped,
+        log=log,
+        metrics=reporting.metrics,
+        health=reporting.health,
+        events=reporting.events,
+        kill_deadlines=KillDeadlines(args.state_dir, log),
+        config_source=_FileWatcher(args.config, log) if args.config else None,
+        compute_window_seconds=args.compute_window,
+        compute_period_seconds=args.compute_period,
+        compute_ineffective_seconds=args.throttle_ineffective_after,
+        nvml_timeout_seconds=args.nvml_timeout,
+    )

@@ -1,4 +1,4 @@
-"""The enforcer's poll loop: sample NVML -> attribute -> policy -> act.
+"""The enforcer's poll loop: observe -> decide -> act -> report.
 
 One :class:`Enforcer` owns the adapters (NVML client, safe signaller, throttle executor, stopped
 state, metrics, events, log) and runs on a thread of its own (``run``), so the HTTP server never
@@ -8,14 +8,16 @@ waits on NVML. Each poll interval ``tick`` does, in order:
    throttled process is continued and the compute controller starts afresh;
 2. open NVML if it is not open (backoff from one poll interval doubling to 30 s; meanwhile
    ``gpufence_nvml_up`` is 0 and ``/readyz`` says 503; ``/healthz`` fails only while a call hangs);
-3. ``NvmlClient.sample()``; per-device errors are counted and logged (rate-limited), never fatal;
-4. ``Attributor.attribute`` and hand the pod's (pid, start time) pairs to the signaller;
-5. ``Core.step`` (``gpufence/enforcer/decide/machine.py``, pure) decides everything for this poll; the loop is the
-   driver that carries its ``Decisions`` out: metrics, log lines, the ``Terminator`` (unattributed
+3. observe: ``NvmlClient.sample()`` (per-device errors are counted and logged, rate-limited, never
+   fatal), ``Attributor.attribute``, the throttle's evasions, the driver's per-cgroup limits;
+4. decide: ``Core.step`` (``gpufence/enforcer/decide/machine.py``, pure) decides everything for this
+   poll and returns its ``Decisions``;
+5. act: hand the pod's (pid, start time) pairs to the signaller, the ``Terminator`` (unattributed
    processes while the pod is over its budget, then containers over their shares as a whole; in
-   audit mode only the episode lines), and the throttle plan to the executor (with a lease);
-6. SIGKILL the SIGTERMed processes whose grace period ran out (also checked between polls, so
-   the delay is the grace period, not rounded up to a poll).
+   audit mode only the episode lines), the throttle plan to the executor (with a lease), and
+   SIGKILL the SIGTERMed processes whose grace period ran out (also checked between polls, so the
+   delay is the grace period, not rounded up to a poll);
+6. report: log lines, Events and metrics of what the poll saw, the poll's success.
 
 Any exception in a tick is logged (``poll_error``, then at most once a minute per kind) and
 counted (``gpufence_poll_errors_total``); the loop goes on. Compute throttling needs fresh
@@ -33,6 +35,7 @@ import threading
 import time
 import traceback
 from collections.abc import Callable
+from dataclasses import dataclass
 from functools import partial
 
 from gpufence.contract import EnforcerConfig, Mode
@@ -43,7 +46,10 @@ from gpufence.enforcer.act.terminate import Terminator
 from gpufence.enforcer.act.throttle import ThrottleExecutor, ThrottlePlan
 from gpufence.enforcer.decide.compute import INEFFECTIVE_SECONDS, UNATTRIBUTED
 from gpufence.enforcer.decide.machine import Core, Decisions
-from gpufence.enforcer.observe.attribution import Attribution, Attributor, PidMode
+from gpufence.enforcer.decide.rules import Evasion
+from gpufence.enforcer.facts import Attribution, DriverReading
+from gpufence.enforcer.observe.attribution import Attributor, PidMode
+from gpufence.enforcer.observe.driver_limits import DriverLimitReader
 from gpufence.enforcer.observe.nvml import NvmlClient, NvmlSample, NvmlUnavailable
 from gpufence.enforcer.observe.watchdog import DeadlineRunner, NvmlHung
 from gpufence.enforcer.report.decision_log import DecisionLog
@@ -56,6 +62,18 @@ from gpufence.enforcer.report.reporter import Reporter
 NVML_BACKOFF_MAX_SECONDS = 30.0
 ERROR_LOG_REPEAT_SECONDS = 60.0
 THROTTLE_LEASE_INTERVALS = 4
+
+
+@dataclass(frozen=True)
+class _Observation:
+    """What one poll saw, for the core."""
+
+    sample: NvmlSample
+    attribution: Attribution
+    totals: dict[int, int | None]  # device -> total memory
+    mig: frozenset[int]  # devices in MIG mode
+    evasions: tuple[Evasion, ...]
+    driver: DriverReading
 
 
 class Enforcer:
@@ -104,6 +122,7 @@ class Enforcer:
         self._backoff = config.poll_interval_seconds
         self._next_open = 0.0
         self._report = Reporter(log, metrics, events)
+        self._driver_limit_reader = DriverLimitReader()
         self._driver_limits = DriverLimits(log, metrics, events, health=health)
         self._terminator = Terminator(
             signaller, throttle, log, metrics, events, clock=clock, deadlines=kill_deadlines
@@ -111,6 +130,7 @@ class Enforcer:
         self._nvml = DeadlineRunner(nvml_timeout_seconds, clock=clock)
         health.watch_nvml(self._nvml.hung_for, nvml_timeout_seconds)
         self._lost_devices: set[int] = set()
+        self._throttle_planned = False  # the last plan handed to the throttle executor was not empty
         self._error_log: dict[tuple[str, str, int | None], float] = {}
         self._error_counts: dict[tuple[str, str, int | None], int] = {}
         self._publish_config()
@@ -237,11 +257,24 @@ class Enforcer:
     # -- one poll ------------------------------------------------------------------------------
 
     def tick(self) -> None:
+        """One poll: observe, decide (the pure core), act, report."""
         now = self._clock()
         self._maybe_reload()
         if self._client is None and (now < self._next_open or not self.open_nvml()):
             self._check_pending(now)
             return
+        seen = self._observe(now)
+        if seen is None:
+            return
+        decisions = self._core.step(
+            self._clock(), seen.attribution, seen.totals, seen.mig, seen.evasions, seen.driver
+        )
+        self._act(decisions)
+        self._report_poll(seen.sample, decisions)
+
+    def _observe(self, now: float) -> _Observation | None:
+        """NVML's sample (with a deadline), this pod's processes in it, what the throttle saw and the
+        driver's own limits; None when NVML did not answer (said, and the throttle released)."""
         client = self._client
         assert client is not None
         try:
@@ -251,32 +284,42 @@ class Enforcer:
         except NvmlUnavailable as exc:
             self._nvml_lost(exc)
             self._check_pending(self._clock())
-            return
-        now = self._clock()
+            return None
         self._record_nvml_errors(sample)
         attribution = self._attributor.attribute(sample)
-        totals = {d.index: d.total_memory_bytes for d in sample.devices if not d.lost}
-        mig = frozenset(d.index for d in sample.devices if d.mig and not d.lost)
-        # What the throttle saw since the last poll: processes running while held stopped.
-        evasions = self._throttle.take_evasions()
-        # The driver's own per-cgroup limits and usage (NVML R615): its currentUsed is the usage.
-        reading = self._driver_limits.read(client, attribution, self.config, self._nvml.call)
-        decisions = self._core.step(now, attribution, totals, mig, evasions, reading.usage())
-        # From here on, the core's attribution: a name that is no container of the pod is screened out.
+        return _Observation(
+            sample=sample,
+            attribution=attribution,
+            totals={d.index: d.total_memory_bytes for d in sample.devices if not d.lost},
+            mig=frozenset(d.index for d in sample.devices if d.mig and not d.lost),
+            # What the throttle saw since the last poll: processes running while held stopped.
+            evasions=tuple(self._throttle.take_evasions()),
+            # The driver's own per-cgroup limits and usage (NVML R615): its currentUsed is the usage.
+            driver=self._driver_limit_reader.read(client, attribution, self.config, self._nvml.call),
+        )
+
+    def _act(self, decisions: Decisions) -> None:
+        """Carry the decisions out: terminations, the throttle plan, SIGKILLs now due."""
+        # The core's attribution: a name that is no container of the pod is screened out. Every GPU
+        # process accepted as the pod's may be signalled, attributed or not (pod budget), under the
+        # container the core holds it to.
         attribution = decisions.attribution
-        # Every GPU process accepted as the pod's may be signalled, attributed or not (pod budget),
-        # under the container the core holds it to (a name that is no container is none).
         self._signaller.authorize(SignalTarget.of(p) for p in attribution.processes)
+        self._terminator.enforce(decisions, attribution, self.config.mode, self.config.grace_period_seconds)
+        self._apply_compute(decisions, attribution)
+        self._check_pending(self._clock())
+
+    def _report_poll(self, sample: NvmlSample, decisions: Decisions) -> None:
+        """What this poll saw and decided, after acting on it: log lines and Events first seen,
+        metrics, the mechanism holding each memory share, and the poll's success."""
+        attribution = decisions.attribution
         self._report.mig(sample, decisions.new_mig_devices)
         self._report.unattributed(decisions.new_unattributed, self.config)
         self._report.uninspectable(decisions.new_uninspectable)
         self._metrics.uninspectable.set(len(attribution.uninspectable))
         self._report.usage(decisions.usages, attribution)
-        self._driver_limits.report(reading, decisions.usages, decisions.discrepancies)
+        self._driver_limits.report(decisions.memory_enforcement, decisions.discrepancies)
         self._metrics.set_pod_usage(decisions.pods)
-        self._terminator.enforce(decisions, attribution, self.config.mode, self.config.grace_period_seconds)
-        self._apply_compute(decisions, attribution)
-        self._check_pending(self._clock())
         self._metrics.last_successful_poll.set(self._wall())
         self._metrics.nvml_up.set(1)
         self._health.nvml(True)
@@ -341,9 +384,12 @@ class Enforcer:
         for change in decisions.throttle_changes:
             pids = sorted(t.pid for t in targets.get(change.container, {}).values())
             self._report.throttle(change, self.config.mode, pids)
-        if self.config.mode is Mode.ENFORCE:
+        if self.config.mode is Mode.ENFORCE and (decisions.plan or self._throttle_planned):
             # The lease: if no poll renews the plans (the loop is stuck), the executor continues
-            # everything by itself.
+            # everything by itself. With nothing planned now or before there is nothing to renew
+            # or end: the executor's thread is not woken (at rest, that wake-up was a measurable
+            # part of a poll's CPU).
+            self._throttle_planned = bool(decisions.plan)
             self._throttle.update(
                 {c: ThrottlePlan(f, tuple(targets.get(c, {}).values())) for c, f in decisions.plan.items()},
                 lease_seconds=THROTTLE_LEASE_INTERVALS * self.config.poll_interval_seconds + 0.5,

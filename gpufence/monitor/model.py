@@ -137,44 +137,78 @@ def _label(sample: Sample, key: str) -> str:
 def build_view(samples: Iterable[Sample], *, time: float = 0.0, source: str = "",
                errors: Iterable[str] = ()) -> View:
     """Group samples per node and GPU. Samples of other metrics are ignored."""
-    device: dict[tuple[str, ...], dict[str, float]] = {}  # (node, ns, pod, container, uuid, gpu) -> metric -> value
-    per_container: dict[tuple[str, ...], _Facts] = {}  # (node, ns, pod, container)
-    pods: dict[tuple[str, ...], dict[str, float]] = {}  # (node, ns, pod, uuid, gpu)
-    enforcers: dict[tuple[str, ...], dict[str, float]] = {}  # (node, ns, pod)
+    grouped = _group(samples)
+    pod_rows = [
+        PodDeviceRow(node, ns, pod, uuid, gpu, v.get(m.POD_MEMORY_USED, 0), v.get(m.POD_MEMORY_UNATTRIBUTED, 0),
+                     int(v.get(m.POD_UNATTRIBUTED_PROCESSES, 0)), v.get(m.POD_MEMORY_BUDGET),
+                     v.get(m.DEVICE_MIG_UNENFORCED, 0) == 1)
+        for (node, ns, pod, uuid, gpu), v in grouped.pods.items()
+    ]
+    enforcer_rows = tuple(
+        EnforcerRow(node, ns, pod, None if m.NVML_UP not in v else v[m.NVML_UP] == 1, v.get(m.LAST_SUCCESSFUL_POLL),
+                    int(v.get(m.UNINSPECTABLE_PROCESSES, 0)))
+        for (node, ns, pod), v in sorted(grouped.enforcers.items())
+    )
+    return View(_gpu_views(_container_rows(grouped), pod_rows), enforcer_rows, time, source, tuple(errors))
+
+
+@dataclass
+class _Grouped:
+    """The samples by what they describe."""
+
+    # (node, ns, pod, container, uuid, gpu) -> metric -> value
+    device: dict[tuple[str, ...], dict[str, float]] = field(default_factory=dict)
+    per_container: dict[tuple[str, ...], _Facts] = field(default_factory=dict)  # (node, ns, pod, container)
+    pods: dict[tuple[str, ...], dict[str, float]] = field(default_factory=dict)  # (node, ns, pod, uuid, gpu)
+    enforcers: dict[tuple[str, ...], dict[str, float]] = field(default_factory=dict)  # (node, ns, pod)
+
+
+_DEVICE_METRICS = (m.CONTAINER_MEMORY_USED, m.CONTAINER_MEMORY_LIMIT, m.CONTAINER_LIMIT_FROM_PERCENT,
+                   m.CONTAINER_SM_UTILIZATION)
+_POD_METRICS = (m.POD_MEMORY_USED, m.POD_MEMORY_UNATTRIBUTED, m.POD_MEMORY_BUDGET, m.POD_UNATTRIBUTED_PROCESSES,
+                m.DEVICE_MIG_UNENFORCED)
+_ENFORCER_METRICS = (m.NVML_UP, m.LAST_SUCCESSFUL_POLL, m.UNINSPECTABLE_PROCESSES)
+
+
+def _group(samples: Iterable[Sample]) -> _Grouped:
+    found = _Grouped()
     for s in samples:
         node, ns, pod = _label(s, m.NODE_LABEL), _label(s, "namespace"), _label(s, "pod")
         container_key = (node, ns, pod, _label(s, "container"))
-        if s.name in (m.CONTAINER_MEMORY_USED, m.CONTAINER_MEMORY_LIMIT, m.CONTAINER_LIMIT_FROM_PERCENT,
-                      m.CONTAINER_SM_UTILIZATION):
-            device.setdefault((*container_key, _label(s, "UUID"), _label(s, "gpu")), {})[s.name] = s.value
-            per_container.setdefault(container_key, _Facts())
+        if s.name in _DEVICE_METRICS:
+            found.device.setdefault((*container_key, _label(s, "UUID"), _label(s, "gpu")), {})[s.name] = s.value
+            found.per_container.setdefault(container_key, _Facts())
         elif s.name == m.CONTAINER_COMPUTE_SHARE:
-            per_container.setdefault(container_key, _Facts()).compute_share = s.value
+            found.per_container.setdefault(container_key, _Facts()).compute_share = s.value
         elif s.name == m.CONTAINER_THROTTLED:
-            per_container.setdefault(container_key, _Facts()).throttled = s.value == 1
+            found.per_container.setdefault(container_key, _Facts()).throttled = s.value == 1
         elif s.name == m.CONTAINER_MEMORY_ENFORCEMENT:
             if s.value == 1:
-                per_container.setdefault(container_key, _Facts()).mechanism = _label(s, "mechanism")
+                found.per_container.setdefault(container_key, _Facts()).mechanism = _label(s, "mechanism")
         elif s.name == m.ENFORCEMENT_ACTIONS:
-            facts = per_container.setdefault(container_key, _Facts())
+            facts = found.per_container.setdefault(container_key, _Facts())
             if s.value > 0:
                 facts.actions.append(Action(_label(s, "action"), _label(s, "resource"), s.value))
-        elif s.name in (m.POD_MEMORY_USED, m.POD_MEMORY_UNATTRIBUTED, m.POD_MEMORY_BUDGET,
-                        m.POD_UNATTRIBUTED_PROCESSES, m.DEVICE_MIG_UNENFORCED):
-            pods.setdefault((node, ns, pod, _label(s, "UUID"), _label(s, "gpu")), {})[s.name] = s.value
-        elif s.name in (m.NVML_UP, m.LAST_SUCCESSFUL_POLL, m.UNINSPECTABLE_PROCESSES):
-            enforcers.setdefault((node, ns, pod), {})[s.name] = s.value
+        elif s.name in _POD_METRICS:
+            found.pods.setdefault((node, ns, pod, _label(s, "UUID"), _label(s, "gpu")), {})[s.name] = s.value
+        elif s.name in _ENFORCER_METRICS:
+            found.enforcers.setdefault((node, ns, pod), {})[s.name] = s.value
+    return found
 
+
+def _container_rows(grouped: _Grouped) -> list[ContainerRow]:
+    """A row per container and device; a container with facts but no device row gets one on its
+    pod's first device (or none)."""
     rows: list[ContainerRow] = []
     with_device: set[tuple[str, ...]] = set()
-    for (node, ns, pod, container, uuid, gpu), values in device.items():
+    for (node, ns, pod, container, uuid, gpu), values in grouped.device.items():
         with_device.add((node, ns, pod, container))
-        rows.append(_container_row(per_container.get((node, ns, pod, container), _Facts()), node, ns, pod,
+        rows.append(_container_row(grouped.per_container.get((node, ns, pod, container), _Facts()), node, ns, pod,
                                    container, uuid, gpu, values))
     pod_devices: dict[tuple[str, ...], list[tuple[str, str]]] = {}
-    for node, ns, pod, uuid, gpu in pods:
+    for node, ns, pod, uuid, gpu in grouped.pods:
         pod_devices.setdefault((node, ns, pod), []).append((uuid, gpu))
-    for key, facts in per_container.items():
+    for key, facts in grouped.per_container.items():
         if key in with_device or key[3] == "":
             continue  # the pod budget's actions (container "") show on the pod's unattributed row
         if not facts.worth_a_row():
@@ -183,30 +217,22 @@ def build_view(samples: Iterable[Sample], *, time: float = 0.0, source: str = ""
         uuid, gpu = devices[0]
         node, ns, pod, container = key
         rows.append(_container_row(facts, node, ns, pod, container, uuid, gpu, {}))
+    return rows
 
-    pod_rows = [
-        PodDeviceRow(node, ns, pod, uuid, gpu, v.get(m.POD_MEMORY_USED, 0), v.get(m.POD_MEMORY_UNATTRIBUTED, 0),
-                     int(v.get(m.POD_UNATTRIBUTED_PROCESSES, 0)), v.get(m.POD_MEMORY_BUDGET),
-                     v.get(m.DEVICE_MIG_UNENFORCED, 0) == 1)
-        for (node, ns, pod, uuid, gpu), v in pods.items()
-    ]
+
+def _gpu_views(rows: list[ContainerRow], pod_rows: list[PodDeviceRow]) -> tuple[GpuView, ...]:
+    """The rows per (node, GPU), GPUs in order (the unknown device last on its node)."""
     gpus: dict[tuple[str, str, str], tuple[list[ContainerRow], list[PodDeviceRow]]] = {}
     for row in rows:
         gpus.setdefault((row.node, row.uuid, row.gpu), ([], []))[0].append(row)
     for p in pod_rows:
         gpus.setdefault((p.node, p.uuid, p.gpu), ([], []))[1].append(p)
-    views = tuple(
+    return tuple(
         GpuView(node, uuid, gpu, tuple(sorted(cs, key=lambda c: (c.namespace, c.pod, c.container))),
                 tuple(sorted(ps, key=lambda p: (p.namespace, p.pod))))
         for (node, uuid, gpu), (cs, ps) in sorted(gpus.items(), key=lambda kv: (kv[0][0], kv[0][1] == NO_DEVICE,
                                                                                _gpu_order(kv[0][2]), kv[0][1]))
     )
-    enforcer_rows = tuple(
-        EnforcerRow(node, ns, pod, None if m.NVML_UP not in v else v[m.NVML_UP] == 1, v.get(m.LAST_SUCCESSFUL_POLL),
-                    int(v.get(m.UNINSPECTABLE_PROCESSES, 0)))
-        for (node, ns, pod), v in sorted(enforcers.items())
-    )
-    return View(views, enforcer_rows, time, source, tuple(errors))
 
 
 def _gpu_order(gpu: str) -> tuple[int, str]:

@@ -212,11 +212,7 @@ class Terminator:
                 self._terminate_container(order.container, why, attribution, grace)
 
     def _log_episode(self, order: TerminateOrder, mode: Mode, attribution: Attribution) -> None:
-        action = "audit" if mode is Mode.AUDIT else "sigterm"
-        common = dict(
-            uuid=order.device_uuid, gpu=order.device_index, used_bytes=order.used_bytes,
-            limit_bytes=order.limit_bytes, mode=mode, action=action,
-        )
+        common = _episode_fields(order, mode)
         if order.evaded_pids:
             victims = [v.pid for v in order.victims] if order.container is None else sorted(
                 {p.pid for p in attribution.processes if p.container == order.container})
@@ -464,3 +460,11 @@ class Terminator:
             for item in items:
                 item.deadline = min(item.deadline, item.deadline - old_grace + new_grace)
         self._persist()
+
+
+def _episode_fields(order: TerminateOrder, mode: Mode) -> dict[str, object]:
+    """The fields every episode's log line carries: the device, the figures, what is done."""
+    return dict(
+        uuid=order.device_uuid, gpu=order.device_index, used_bytes=order.used_bytes,
+        limit_bytes=order.limit_bytes, mode=mode, action="audit" if mode is Mode.AUDIT else "sigterm",
+    )

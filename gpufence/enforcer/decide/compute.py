@@ -55,7 +55,7 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 
 from gpufence.contract import EnforcerConfig, Mode
-from gpufence.enforcer.observe.attribution import Attribution
+from gpufence.enforcer.facts import Attribution
 
 START_MARGIN = 0.10
 # While the output has reached 1 for less than a window: the run fraction held (the container is

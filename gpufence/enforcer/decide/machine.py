@@ -31,7 +31,13 @@ from gpufence.enforcer.decide.compute import (
     share_of,
     unattributed_sm_utilization,
 )
-from gpufence.enforcer.decide.memory_mechanism import Discrepancy, apply_driver_usage
+from gpufence.enforcer.decide.memory_mechanism import (
+    ContainerEnforcement,
+    Discrepancy,
+    apply_driver_usage,
+    driver_usage,
+    enforcement_by_container,
+)
 from gpufence.enforcer.decide.rules import (
     ContainerDeviceUsage,
     Evasion,
@@ -46,7 +52,7 @@ from gpufence.enforcer.decide.rules import (
     screen_claims,
     usage_by_container,
 )
-from gpufence.enforcer.observe.attribution import Attribution, PodProcess
+from gpufence.enforcer.facts import Attribution, DriverReading, PodProcess
 
 # Bounds the memory of "unattributed processes already logged" (a process churns PIDs for ever).
 _SEEN_MAX = 10_000
@@ -101,6 +107,19 @@ class Decisions:
     # (container, device) rows where the driver's currentUsed (now the usage) differs from the
     # per-process sum, every poll (the loop reports each once)
     discrepancies: tuple[Discrepancy, ...] = ()
+    # which mechanism holds each memory share the driver was asked about (the loop reports changes)
+    memory_enforcement: tuple[ContainerEnforcement, ...] = ()
+
+
+def without_devices(attribution: Attribution, devices: frozenset[int]) -> Attribution:
+    """The attribution without the processes on ``devices`` (MIG-mode devices: left to MIG)."""
+    if not devices:
+        return attribution
+    return Attribution(
+        tuple(p for p in attribution.processes if p.device_index not in devices),
+        attribution.foreign_pids,
+        attribution.uninspectable,
+    )
 
 
 class Core:
@@ -133,7 +152,7 @@ class Core:
         device_totals: Mapping[int, int | None],
         mig_devices: frozenset[int] = frozenset(),
         evasions: Iterable[Evasion] = (),
-        driver_used: Mapping[tuple[str, int], int] | None = None,
+        driver: DriverReading | None = None,
     ) -> Decisions:
         """One poll. Processes on ``mig_devices`` (MIG mode enabled) are left out of every decision:
         a MIG device's isolation is the hardware's, and NVML's per-process view of the parent GPU
@@ -142,31 +161,52 @@ class Core:
         ``attribution`` is screened first (``rules.screen_claims``): a process named after no
         configured container is unattributed in every decision below. ``evasions`` are what the
         throttle executor saw since the last poll: each gives a one-shot order (never an episode
-        that lasts: the terminator keeps its own timers). ``driver_used``: (container, device) ->
-        the driver's currentUsed for the container's cgroup, which replaces the per-process sum as
-        the container's usage there (``memory_mechanism.driver_usage``)."""
+        that lasts: the terminator keeps its own timers). ``driver``: the driver's answers for the
+        containers' cgroups: its currentUsed replaces the per-process sum as the container's usage
+        where it is the container's alone (``memory_mechanism.driver_usage``), and they say which
+        mechanism holds each share (``memory_mechanism.enforcement_by_container``)."""
         config = self.config
-        attribution = screened = screen_claims(attribution, config)
+        screened = screen_claims(attribution, config)
         new_mig = tuple(sorted(mig_devices - self._seen_mig))
         self._seen_mig |= mig_devices
-        if mig_devices:
-            attribution = Attribution(
-                tuple(p for p in attribution.processes if p.device_index not in mig_devices),
-                attribution.foreign_pids,
-                attribution.uninspectable,
-            )
+        attribution = without_devices(screened, mig_devices)
         usages, discrepancies = apply_driver_usage(
-            usage_by_container(attribution, config, device_totals), driver_used or {}
+            usage_by_container(attribution, config, device_totals),
+            driver_usage(driver.namespaces, driver.limits) if driver is not None else {},
         )
         pods = pod_usage(attribution, config, device_totals)
+        self._heat(usages, pods)
         lasting = memory_orders(usages, pods) + device_orders(usages, config) + pod_device_orders(attribution, config)
-        evaded = evasion_orders(evasions, attribution)
-        orders = evaded + lasting
+        started = tuple(o for o in lasting if (o.container, o.device_index) not in self._over)
+        ended = self._episodes_ended(lasting)
+        self._tracker.observe(now, attribution, config)
+        plan = self._tracker.plan(now, config)
+        # One-shot orders, never an episode that lasts: a throttle evaded, and a throttle pinned at its
+        # minimum that leaves the use over the share (SIGSTOP cannot reach kernels that run while the
+        # process is stopped).
+        once = evasion_orders(evasions, attribution) + ineffective_orders(self._tracker.take_ineffective(), attribution)
+        changes = self._throttle_changes(plan, attribution)
+        self._plan = MappingProxyType(dict(plan))
+        return Decisions(
+            usages=usages, pods=pods, orders=once + lasting, episodes_started=once + started, episodes_ended=ended,
+            new_unattributed=self._first_seen_unattributed(attribution),
+            new_uninspectable=self._first_seen_uninspectable(attribution), new_mig_devices=new_mig,
+            plan=self._plan,
+            throttle_changes=changes,
+            attribution=screened,
+            discrepancies=discrepancies,
+            memory_enforcement=enforcement_by_container(driver, usages) if driver is not None else (),
+        )
+
+    def _episodes_ended(self, lasting: tuple[TerminateOrder, ...]) -> tuple[tuple[str | None, int], ...]:
+        """The over-share episodes that ended since the last poll; ``lasting`` become the ones in force."""
         over = frozenset((o.container, o.device_index) for o in lasting)
-        started = evaded + tuple(o for o in lasting if (o.container, o.device_index) not in self._over)
         ended = tuple(sorted(self._over - over, key=lambda k: (k[1], k[0] or "")))
         self._over = over
+        return ended
 
+    def _first_seen_unattributed(self, attribution: Attribution) -> tuple[PodProcess, ...]:
+        """The unattributed processes not seen before (each is logged once)."""
         fresh = []
         for p in attribution.processes:
             if p.container is None and (p.pid, p.start_time_ticks) not in self._seen:
@@ -174,18 +214,16 @@ class Core:
                     self._seen.clear()
                 self._seen.add((p.pid, p.start_time_ticks))
                 fresh.append(p)
+        return tuple(fresh)
 
-        self._heat(usages, pods)
-        uninspectable = tuple(p for p in attribution.uninspectable if p not in self._seen_uninspectable)
-        self._seen_uninspectable = set(attribution.uninspectable)  # reported again after it went away
+    def _first_seen_uninspectable(self, attribution: Attribution) -> tuple[int, ...]:
+        """Uninspectable NVML PIDs not in the previous poll (reported again after one went away)."""
+        fresh = tuple(p for p in attribution.uninspectable if p not in self._seen_uninspectable)
+        self._seen_uninspectable = set(attribution.uninspectable)
+        return fresh
 
-        self._tracker.observe(now, attribution, config)
-        plan = self._tracker.plan(now, config)
-        # A throttle pinned at its minimum that leaves the use over the share: SIGSTOP cannot reach
-        # the work (kernels that run while the process is stopped). A one-shot order, as an evasion.
-        ineffective = ineffective_orders(self._tracker.take_ineffective(), attribution)
-        orders = evaded + ineffective + lasting
-        started = evaded + ineffective + started[len(evaded):]
+    def _throttle_changes(self, plan: Mapping[str, float], attribution: Attribution) -> tuple[ThrottleChange, ...]:
+        """The transitions from the plan in force to ``plan``: starts, moves of a point or more, stops."""
         sm = container_sm_utilization(attribution)
         sm[UNATTRIBUTED] = unattributed_sm_utilization(attribution) or 0.0
         changes = []
@@ -198,15 +236,7 @@ class Core:
         for container in sorted(set(self._plan) - set(plan)):
             why = "the pod is under its compute budget" if container == UNATTRIBUTED else "under share"
             changes.append(self._change(container, Transition.STOP, None, sm, why))
-        self._plan = MappingProxyType(dict(plan))
-        return Decisions(
-            usages=usages, pods=pods, orders=orders, episodes_started=started, episodes_ended=ended,
-            new_unattributed=tuple(fresh), new_uninspectable=uninspectable, new_mig_devices=new_mig,
-            plan=self._plan,
-            throttle_changes=tuple(changes),
-            attribution=screened,
-            discrepancies=discrepancies,
-        )
+        return tuple(changes)
 
     def wants_utilisation(self, now: float) -> bool:
         """Whether this poll reads SM utilisation afresh: about once per duty-cycle period with a

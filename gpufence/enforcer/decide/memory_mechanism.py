@@ -31,10 +31,8 @@ from gpufence.contract import (
     ENV_PRELOAD_MEMORY_LIMIT,
 )
 from gpufence.enforcer.decide.rules import ContainerDeviceUsage
-from gpufence.enforcer.observe.nvml_types import DriverLimit, DriverLimitState
+from gpufence.enforcer.facts import DriverLimit, DriverLimitState, DriverReading
 
-CGROUP_ROOT = "/sys/fs/cgroup"
-HINT_VARIABLES = frozenset({ENV_DRIVER_MEMORY_LIMIT, ENV_MPS_MEMORY_LIMIT, ENV_PRELOAD_MEMORY_LIMIT, ENV_LD_PRELOAD})
 # A difference between the driver's currentUsed and the per-process sum below this is not reported.
 DISCREPANCY_MIN_BYTES = 1 << 20
 
@@ -70,32 +68,6 @@ class MemoryEnforcement:
     why: str
     # A driver limit was asked for (NVIDIA_GPU_MEMORY_LIMIT) and is not in force: say so (an Event).
     driver_limit_missing: bool = False
-
-
-def cgroup_namespace(proc_cgroup_text: str | None) -> str | None:
-    """The NVML namespace of a process from its /proc/<pid>/cgroup text: ``/sys/fs/cgroup/<path>``
-    from the unified hierarchy's ``0::/<path>`` line, as the toolkit's hook builds it. None without
-    such a line, or for the root (a cgroup v1 host shows ``0::/`` for every process): no cgroup the
-    driver could limit for this container alone. None too for a path with ``..`` components: the
-    kernel writes a process outside the reader's cgroup namespace that way (cgroup_namespaces(7)),
-    so a sidecar with a private cgroup namespace cannot tell the host path the driver keys on."""
-    for line in (proc_cgroup_text or "").splitlines():
-        if line.startswith("0::/"):
-            path = line[3:].rstrip("/")
-            if not path or ".." in path.split("/"):
-                return None
-            return CGROUP_ROOT + path
-    return None
-
-
-def hidden_by_cgroup_namespace(proc_cgroup_text: str | None) -> bool:
-    """Whether the unified-hierarchy path is written relative to the reader's cgroup namespace with
-    ``..`` (the container's cgroup is outside the sidecar's): its host path, and so the driver's
-    answer, cannot be known from here; that says nothing about whether a limit is set."""
-    for line in (proc_cgroup_text or "").splitlines():
-        if line.startswith("0::/"):
-            return ".." in line[3:].split("/")
-    return False
 
 
 def decide(
@@ -138,6 +110,37 @@ def decide(
             missing
         )
     return MemoryEnforcement(Mechanism.POLLING, None, f"enforced by polling only: {driver_why}", missing)
+
+
+@dataclass(frozen=True)
+class ContainerEnforcement:
+    """What holds one container's memory share this poll, with the driver's answers behind it."""
+
+    container: str
+    namespace: str | None  # the container's cgroup as NVML's namespace (None: none usable)
+    enforcement: MemoryEnforcement
+    limits: Mapping[int, DriverLimit]  # device -> what the driver said for the cgroup there
+
+
+def enforcement_by_container(
+    reading: DriverReading, usages: Iterable[ContainerDeviceUsage]
+) -> tuple[ContainerEnforcement, ...]:
+    """The mechanism that holds each share of a container the driver was asked about, on the
+    devices where it runs (``usages``); nothing when the driver did not answer this poll."""
+    if reading.failed:
+        return ()
+    shares: dict[str, dict[int, int | None]] = {}
+    for u in usages:
+        if u.container in reading.cgroups:
+            shares.setdefault(u.container, {})[u.device_index] = u.limit_bytes
+    found = []
+    for container, devices in shares.items():
+        namespace = reading.cgroups[container]
+        limits = {d: reading.limits[(container, d)] for d in devices if (container, d) in reading.limits}
+        hints = EnvHints.from_environ(reading.environ.get(container, {}))
+        mechanism = decide(namespace, devices, limits, hints, hidden=container in reading.hidden)
+        found.append(ContainerEnforcement(container, namespace, mechanism, limits))
+    return tuple(found)
 
 
 def _driver_gap(

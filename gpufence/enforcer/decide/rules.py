@@ -20,7 +20,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, replace
 
 from gpufence.contract import EnforcerConfig, LimitUnit
-from gpufence.enforcer.observe.attribution import Attribution, PodProcess
+from gpufence.enforcer.facts import Attribution, PodProcess
 
 # -- memory ----------------------------------------------------------------------------------------
 

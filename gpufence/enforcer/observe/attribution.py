@@ -29,6 +29,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from enum import StrEnum
 
+from gpufence.enforcer.facts import Attribution, DeviceSample, NvmlSample, PodProcess
 from gpufence.enforcer.observe.container_identity import (
     assign,
     bind_names,
@@ -37,7 +38,6 @@ from gpufence.enforcer.observe.container_identity import (
     informative,
     resolve_containers,
 )
-from gpufence.enforcer.observe.nvml_types import DeviceSample, NvmlSample
 from gpufence.enforcer.observe.procfs import (
     ENV_NVIDIA_DEVICES,
     NVIDIA_DEVICE_PREFIX_DEFAULT,
@@ -78,32 +78,6 @@ _CACHE_MAX_ENTRIES = 4096
 class PidMode(StrEnum):
     LOCAL = "local"
     HOST_PROC = "host_proc"
-
-
-@dataclass(frozen=True)
-class PodProcess:
-    pid: int  # PID in the enforcer's own namespace: the ONLY number ever signalled
-    nvml_pid: int
-    start_time_ticks: int
-    container: str | None  # None: no certain container -> counted for the pod budget, logged
-    device_index: int
-    device_uuid: str
-    used_memory_bytes: int | None
-    sm_util: int | None
-    # The process's cgroup when it tells containers apart (not the enforcer's own, readable): the
-    # container's identity, used to terminate the container as a whole. None: unknown.
-    cgroup: str | None = None
-    # The process's own GPUFENCE_CONTAINER claim (for the log only: a claim is never a key).
-    claim: str | None = None
-
-
-@dataclass(frozen=True)
-class Attribution:
-    processes: tuple[PodProcess, ...]  # this pod's GPU processes (one entry per pid and device)
-    foreign_pids: tuple[int, ...]  # NVML PIDs judged not in this pod: ignored
-    # NVML PIDs of local processes whose descriptors we may not read (no ptrace access; a sidecar
-    # with fewer capabilities than the workload): in ``processes`` too, reported besides.
-    uninspectable: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)

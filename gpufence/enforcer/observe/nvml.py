@@ -25,7 +25,7 @@ sample makes four NVML calls per device (compute, graphics and MPS processes, ut
 into buffers reused between polls (grown on ``NVML_ERROR_INSUFFICIENT_SIZE``), decoded with
 ``struct.iter_unpack`` instead of pynvml's per-element ctypes objects.
 
-The values it returns live in ``nvml_types``, codes, layouts and loading in ``nvml_library``.
+The values it returns live in ``gpufence.enforcer.facts``, codes, layouts and loading in ``nvml_library``.
 """
 
 from __future__ import annotations
@@ -41,6 +41,16 @@ from typing import Any
 
 import pynvml
 
+from gpufence.enforcer.facts import (
+    NVML_VALUE_NOT_AVAILABLE,
+    DeviceSample,
+    DriverLimit,
+    DriverLimitState,
+    GpuProcess,
+    NvmlErrorEvent,
+    NvmlSample,
+    NvmlUnavailable,
+)
 from gpufence.enforcer.observe.nvml_library import (
     DEVICE_GONE,
     FATAL,
@@ -64,16 +74,6 @@ from gpufence.enforcer.observe.nvml_library import (
     resolve_functions,
     shutdown_quietly,
     text,
-)
-from gpufence.enforcer.observe.nvml_types import (
-    NVML_VALUE_NOT_AVAILABLE,
-    DeviceSample,
-    DriverLimit,
-    DriverLimitState,
-    GpuProcess,
-    NvmlErrorEvent,
-    NvmlSample,
-    NvmlUnavailable,
 )
 
 __all__ = [

@@ -19,7 +19,7 @@ from typing import Any
 
 import pynvml
 
-from gpufence.enforcer.observe.nvml_types import NvmlUnavailable
+from gpufence.enforcer.facts import NvmlUnavailable
 
 SONAME = "libnvidia-ml.so.1"
 

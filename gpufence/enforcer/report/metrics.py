@@ -47,119 +47,86 @@ class UsageSample:
     limit_from_percent: bool = False  # the limit is the percentage part of the share
 
 
+# Each metric's help text, as /metrics exports it (docs/monitoring.md's reference is generated from it).
+_HELP = {
+    names.CONTAINER_MEMORY_USED: "GPU memory used by the container's processes on the device",
+    names.CONTAINER_MEMORY_LIMIT: "The container's GPU memory share on the device",
+    names.CONTAINER_LIMIT_FROM_PERCENT: (
+        "1 when the memory limit on the device is the percentage part of the share, 0 when it is "
+        "the bytes (a share in two units, a pod's share and a namespace ceiling: the smaller applies)"
+    ),
+    names.CONTAINER_SM_UTILIZATION: "SM utilisation of the container's processes on the device (0-1)",
+    names.CONTAINER_COMPUTE_SHARE: "The container's compute share (0-1)",
+    names.CONTAINER_THROTTLED: "1 while the container is duty-cycled with SIGSTOP/SIGCONT",
+    names.CONTAINER_MEMORY_ENFORCEMENT: (
+        "1 for the mechanism that holds the container's GPU memory share: driver (NVML's per-cgroup hard "
+        "limit), mps, preload, or polling (the enforcer alone); polling is the backstop in every case"
+    ),
+    names.ENFORCEMENT_ACTIONS: "Enforcement actions taken (or, in audit mode, that would have been taken)",
+    names.POD_MEMORY_USED: "GPU memory used by all the pod's GPU processes on the device, attributed or not",
+    names.POD_MEMORY_UNATTRIBUTED: "GPU memory used by the pod's processes no container can be charged for",
+    names.POD_MEMORY_BUDGET: "The pod's budget on the device: the sum of its GPU containers' memory shares",
+    names.POD_UNATTRIBUTED_PROCESSES: "The pod's GPU processes on the device that no container can be charged for",
+    names.DEVICE_MIG_UNENFORCED: (
+        "1 for a device in MIG mode: left to MIG's hardware isolation, not enforced by gpufence"
+    ),
+    names.UNINSPECTABLE_PROCESSES: (
+        "GPU processes NVML lists whose /proc/<pid>/fd the enforcer may not read: charged to the pod's budget"
+    ),
+    names.ENFORCER_PAUSED: (
+        "Seconds the enforcer did not run at all (held from outside: SIGSTOP, a freezer), as its "
+        "heartbeat thread saw once it ran again"
+    ),
+    names.POLL_DURATION: "Duration of one poll: NVML sample, attribution, policy and actions",
+    names.POLL_INTERVAL: "The interval to the next poll: the configured one, or shorter while close to a limit",
+    names.LAST_SUCCESSFUL_POLL: "Unix time of the last poll that sampled NVML successfully",
+    names.NVML_UP: "1 while NVML is initialised and answering",
+    names.NVML_ERRORS: "NVML calls that failed",
+    names.POLL_ERRORS: "Polls that failed with an unexpected exception",
+}
+_POLL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
+
+
 class EnforcerMetrics:
     def __init__(self, namespace: str, pod: str) -> None:
         self.namespace = namespace
         self.pod = pod
-        self.registry = CollectorRegistry(auto_describe=True)
-        device_labels = names.DEVICE_LABELS
-        container_labels = names.CONTAINER_LABELS
-        r = self.registry
-        self.memory_used = Gauge(
-            names.CONTAINER_MEMORY_USED,
-            "GPU memory used by the container's processes on the device",
-            device_labels, registry=r,
-        )
-        self.memory_limit = Gauge(
-            names.CONTAINER_MEMORY_LIMIT,
-            "The container's GPU memory share on the device",
-            device_labels, registry=r,
-        )
-        self.limit_from_percent = Gauge(
-            names.CONTAINER_LIMIT_FROM_PERCENT,
-            "1 when the memory limit on the device is the percentage part of the share, 0 when it is "
-            "the bytes (a share in two units, a pod's share and a namespace ceiling: the smaller applies)",
-            device_labels, registry=r,
-        )
-        self.sm_utilization = Gauge(
-            names.CONTAINER_SM_UTILIZATION,
-            "SM utilisation of the container's processes on the device (0-1)",
-            device_labels, registry=r,
-        )
-        self.compute_share = Gauge(
-            names.CONTAINER_COMPUTE_SHARE,
-            "The container's compute share (0-1)",
-            container_labels, registry=r,
-        )
-        self.throttled = Gauge(
-            names.CONTAINER_THROTTLED,
-            "1 while the container is duty-cycled with SIGSTOP/SIGCONT",
-            container_labels, registry=r,
-        )
-        self.memory_enforcement = Gauge(
-            names.CONTAINER_MEMORY_ENFORCEMENT,
-            "1 for the mechanism that holds the container's GPU memory share: driver (NVML's per-cgroup hard "
-            "limit), mps, preload, or polling (the enforcer alone); polling is the backstop in every case",
-            (*container_labels, "mechanism"), registry=r,
-        )
-        self.actions = Counter(
-            names.ENFORCEMENT_ACTIONS,
-            "Enforcement actions taken (or, in audit mode, that would have been taken)",
-            (*container_labels, "action", "resource"), registry=r,
-        )
-        pod_device_labels = names.POD_DEVICE_LABELS
-        self.pod_memory_used = Gauge(
-            names.POD_MEMORY_USED,
-            "GPU memory used by all the pod's GPU processes on the device, attributed or not",
-            pod_device_labels, registry=r,
-        )
-        self.pod_memory_unattributed = Gauge(
-            names.POD_MEMORY_UNATTRIBUTED,
-            "GPU memory used by the pod's processes no container can be charged for",
-            pod_device_labels, registry=r,
-        )
-        self.pod_memory_budget = Gauge(
-            names.POD_MEMORY_BUDGET,
-            "The pod's budget on the device: the sum of its GPU containers' memory shares",
-            pod_device_labels, registry=r,
-        )
-        self.unattributed_processes = Gauge(
-            names.POD_UNATTRIBUTED_PROCESSES,
-            "The pod's GPU processes on the device that no container can be charged for",
-            pod_device_labels, registry=r,
-        )
-        self.mig_unenforced = Gauge(
-            names.DEVICE_MIG_UNENFORCED,
-            "1 for a device in MIG mode: left to MIG's hardware isolation, not enforced by gpufence",
-            pod_device_labels, registry=r,
-        )
-        self.uninspectable = Gauge(
-            names.UNINSPECTABLE_PROCESSES,
-            "GPU processes NVML lists whose /proc/<pid>/fd the enforcer may not read: charged to the pod's budget",
-            registry=r,
-        )
-        self.paused = Counter(
-            names.ENFORCER_PAUSED,
-            "Seconds the enforcer did not run at all (held from outside: SIGSTOP, a freezer), as its "
-            "heartbeat thread saw once it ran again",
-            registry=r,
-        )
+        self.registry = r = CollectorRegistry(auto_describe=True)
+        device, container, pod_device = names.DEVICE_LABELS, names.CONTAINER_LABELS, names.POD_DEVICE_LABELS
+        # Per container and device.
+        self.memory_used = _gauge(r, names.CONTAINER_MEMORY_USED, device)
+        self.memory_limit = _gauge(r, names.CONTAINER_MEMORY_LIMIT, device)
+        self.limit_from_percent = _gauge(r, names.CONTAINER_LIMIT_FROM_PERCENT, device)
+        self.sm_utilization = _gauge(r, names.CONTAINER_SM_UTILIZATION, device)
+        # Per container.
+        self.compute_share = _gauge(r, names.CONTAINER_COMPUTE_SHARE, container)
+        self.throttled = _gauge(r, names.CONTAINER_THROTTLED, container)
+        self.memory_enforcement = _gauge(r, names.CONTAINER_MEMORY_ENFORCEMENT, (*container, "mechanism"))
+        self.actions = _counter(r, names.ENFORCEMENT_ACTIONS, (*container, "action", "resource"))
+        # Per pod and device.
+        self.pod_memory_used = _gauge(r, names.POD_MEMORY_USED, pod_device)
+        self.pod_memory_unattributed = _gauge(r, names.POD_MEMORY_UNATTRIBUTED, pod_device)
+        self.pod_memory_budget = _gauge(r, names.POD_MEMORY_BUDGET, pod_device)
+        self.unattributed_processes = _gauge(r, names.POD_UNATTRIBUTED_PROCESSES, pod_device)
+        self.mig_unenforced = _gauge(r, names.DEVICE_MIG_UNENFORCED, pod_device)
+        # The enforcer itself.
+        self.uninspectable = _gauge(r, names.UNINSPECTABLE_PROCESSES)
+        self.paused = _counter(r, names.ENFORCER_PAUSED)
         self.poll_duration = Histogram(
-            names.POLL_DURATION,
-            "Duration of one poll: NVML sample, attribution, policy and actions",
-            buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0),
-            registry=r,
+            names.POLL_DURATION, _HELP[names.POLL_DURATION], buckets=_POLL_BUCKETS, registry=r
         )
-        self.poll_interval = Gauge(
-            names.POLL_INTERVAL,
-            "The interval to the next poll: the configured one, or shorter while close to a limit",
-            registry=r,
-        )
-        self.last_successful_poll = Gauge(
-            names.LAST_SUCCESSFUL_POLL,
-            "Unix time of the last poll that sampled NVML successfully",
-            registry=r,
-        )
-        self.nvml_up = Gauge(names.NVML_UP, "1 while NVML is initialised and answering", registry=r)
-        self.nvml_errors = Counter(
-            names.NVML_ERRORS, "NVML calls that failed", ("function", "error"), registry=r,
-        )
-        self.poll_errors = Counter(
-            names.POLL_ERRORS, "Polls that failed with an unexpected exception", registry=r,
-        )
+        self.poll_interval = _gauge(r, names.POLL_INTERVAL)
+        self.last_successful_poll = _gauge(r, names.LAST_SUCCESSFUL_POLL)
+        self.nvml_up = _gauge(r, names.NVML_UP)
+        self.nvml_errors = _counter(r, names.NVML_ERRORS, ("function", "error"))
+        self.poll_errors = _counter(r, names.POLL_ERRORS)
         self.nvml_up.set(0)
         self._device_series: set[tuple[str, str, str]] = set()
         self._pod_series: set[tuple[str, str]] = set()
+        # The rows last written: at rest every poll brings the same ones, and rewriting each series
+        # was most of a quiet poll's metric work.
+        self._container_rows: tuple[UsageSample, ...] = ()
+        self._pod_rows: tuple[PodDeviceUsage, ...] = ()
         self._enforcement_series: dict[str, tuple[tuple[str, ...], ...]] = {}
 
     # -- helpers -----------------------------------------------------------------------------
@@ -190,6 +157,10 @@ class EnforcerMetrics:
         self.throttled.labels(self.namespace, self.pod, container).set(1 if on else 0)
 
     def set_container_usage(self, rows: Iterable[UsageSample]) -> None:
+        rows = tuple(rows)
+        if rows == self._container_rows:
+            return
+        self._container_rows = rows
         seen: set[tuple[str, str, str]] = set()
         for row in rows:
             key = (row.container, row.uuid, str(row.gpu))
@@ -225,6 +196,10 @@ class EnforcerMetrics:
 
     def set_pod_usage(self, rows: Iterable[PodDeviceUsage]) -> None:
         """Per device: the pod's total, unattributed and budget (replaced wholesale, as above)."""
+        rows = tuple(rows)
+        if rows == self._pod_rows:
+            return
+        self._pod_rows = rows
         seen: set[tuple[str, str]] = set()
         for row in rows:
             key = (row.device_uuid, str(row.device_index))
@@ -252,3 +227,11 @@ class EnforcerMetrics:
 def _remove(gauge: Gauge, labels: tuple[str, ...]) -> None:
     with contextlib.suppress(KeyError):
         gauge.remove(*labels)
+
+
+def _gauge(registry: CollectorRegistry, name: str, labels: tuple[str, ...] = ()) -> Gauge:
+    return Gauge(name, _HELP[name], labels, registry=registry)
+
+
+def _counter(registry: CollectorRegistry, name: str, labels: tuple[str, ...] = ()) -> Counter:
+    return Counter(name, _HELP[name], labels, registry=registry)

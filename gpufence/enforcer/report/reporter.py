@@ -9,7 +9,7 @@ from typing import Any
 from gpufence.contract import EnforcerConfig, LimitUnit, Mode
 from gpufence.enforcer.decide.compute import UNATTRIBUTED
 from gpufence.enforcer.decide.machine import ThrottleChange, Transition
-from gpufence.enforcer.observe.attribution import Attribution, PodProcess
+from gpufence.enforcer.facts import Attribution, PodProcess
 from gpufence.enforcer.observe.nvml import NvmlSample
 from gpufence.enforcer.report.decision_log import DecisionLog
 from gpufence.enforcer.report.events import EventRecorder

@@ -363,7 +363,7 @@ def test_decisions_on_what_no_container_can_be_charged_for_and_on_evasion_are_ev
     from gpufence.enforcer.act.throttle import ThrottleExecutor
     from gpufence.enforcer.decide.machine import Core, ThrottleChange, Transition
     from gpufence.enforcer.decide.rules import UNATTRIBUTED, Evasion
-    from gpufence.enforcer.observe.attribution import Attribution, PodProcess
+    from gpufence.enforcer.facts import Attribution, PodProcess
     from gpufence.enforcer.observe.procfs import read_start_time
     from gpufence.enforcer.report.metrics import EnforcerMetrics
     from gpufence.enforcer.report.reporter import Reporter
@@ -417,9 +417,11 @@ def test_a_driver_limit_asked_for_and_absent_is_an_event_once(api: HttpsEventsAp
                                                                tmp_path: Path):
     """A container whose environment asks for a driver memory limit (NVIDIA_GPU_MEMORY_LIMIT, which
     the toolkit's hook applies) on a driver without the limit calls: one Warning Event, with why."""
+    from gpufence.enforcer.decide.memory_mechanism import enforcement_by_container
     from gpufence.enforcer.decide.rules import ContainerDeviceUsage
-    from gpufence.enforcer.observe.nvml import DriverLimit, DriverLimitState
-    from gpufence.enforcer.report.driver_limits import DriverLimits, DriverReading
+    from gpufence.enforcer.facts import HINT_VARIABLES, DriverLimit, DriverLimitState, DriverReading
+    from gpufence.enforcer.observe.procfs import read_environ
+    from gpufence.enforcer.report.driver_limits import DriverLimits
     from gpufence.enforcer.report.metrics import EnforcerMetrics
     from tests.support.enforcer_harness import WORKLOAD
 
@@ -436,11 +438,11 @@ def test_a_driver_limit_asked_for_and_absent_is_an_event_once(api: HttpsEventsAp
         reading = DriverReading(
             namespaces={("train", 0): ns},
             limits={("train", 0): DriverLimit(DriverLimitState.NO_CALL, error="FUNCTION_NOT_FOUND")},
-            cgroups={"train": ns}, pids={"train": child.pid},
+            cgroups={"train": ns}, environ={"train": read_environ(child.pid, HINT_VARIABLES)},
         )
         usage = (ContainerDeviceUsage("train", 0, "GPU-0", 1 << 30, 2 << 30, ()),)
         for _ in range(3):  # every poll: one Event, one log line
-            limits.report(reading, usage, ())
+            limits.report(enforcement_by_container(reading, usage), ())
         assert recorder.flush(10)
         recorder.close()
     finally:
@@ -463,7 +465,7 @@ def test_an_ineffective_throttle_is_an_event(api: HttpsEventsApi, sa: ServiceAcc
     from gpufence.enforcer.act.terminate import Terminator
     from gpufence.enforcer.act.throttle import ThrottleExecutor
     from gpufence.enforcer.decide.machine import Core
-    from gpufence.enforcer.observe.attribution import Attribution, PodProcess
+    from gpufence.enforcer.facts import Attribution, PodProcess
     from gpufence.enforcer.observe.procfs import read_start_time
     from gpufence.enforcer.report.metrics import EnforcerMetrics
     from tests.support.enforcer_harness import WORKLOAD

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import io
 import json
+import pathlib
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -162,6 +163,10 @@ def test_http_endpoints_and_metric_names(gpu, make_config):
     for line in enforcer.out.snapshot():
         record = json.loads(line)  # every stdout line is one JSON object
         assert {"time", "level", "event"} <= set(record) and record["time"].endswith("Z")
+    # Each thread carries its name in the kernel too (top -H, ps -L, make bench-node's split).
+    tasks = pathlib.Path(f"/proc/{enforcer.proc.pid}/task")
+    names = {(task / "comm").read_text().strip() for task in tasks.iterdir()}
+    assert {"poll", "heartbeat", "nvml", "http", "throttle"} <= names, names
     assert enforcer.stop() == 0
 
 
@@ -190,6 +195,7 @@ def test_a_share_in_two_units_is_the_smaller_and_says_so(gpu, make_config):
     said = enforcer.wait_event("memory_share_two_units", 5)
     assert said["container"] == "train" and said["share_bytes"] == 10 * GIB and said["share_percent"] == 25
     hog.wait_line("got SIGTERM", 5)  # 5 GiB is under 10 GiB but over 25% of 16 GiB
+    enforcer.wait_polls(1)  # a poll reports what it saw after acting on it
     labels = {"namespace": "team", "pod": "train-0", "container": "train", "UUID": "GPU-abc", "gpu": "0"}
     assert enforcer.metric("gpufence_container_gpu_memory_limit_bytes", **labels) == 4 * GIB
     assert enforcer.metric("gpufence_container_gpu_memory_limit_from_percent", **labels) == 1

@@ -14,11 +14,11 @@ import statistics
 
 import pytest
 
-from bench.compute_sampling import CASES, simulate
 from gpufence.contract import ContainerShare, EnforcerConfig, MemoryShare, Mode
 from gpufence.enforcer.act.throttle import PERIOD_JITTER
 from gpufence.enforcer.decide.compute import HOLD_RUN_FRACTION, START_MARGIN, ComputeTracker
-from gpufence.enforcer.observe.attribution import Attribution, PodProcess
+from gpufence.enforcer.facts import Attribution, PodProcess
+from tests.support.compute_sampling import CASES, simulate
 
 HALF = EnforcerConfig(containers={"train": ContainerShare(compute_percent=50)})
 TOLERANCE = 0.05  # measured use within ±5 points of the share once settled
@@ -169,7 +169,7 @@ def test_compute_tracker_rejects_nonsense(kwargs: dict[str, float]) -> None:
 def test_on_a_time_sliced_gpu_sampled_as_a_real_driver_does_the_share_holds_with_one_start(
     share: int, neighbours: int
 ) -> None:
-    """bench/compute_sampling.py's model of an H200's per-process sampling (one sample every 0.2 s,
+    """tests/support/compute_sampling.py's model of an H200's per-process sampling (one sample every 0.2 s,
     to one running process): the real tracker and the executor's varying cycle lengths hold the
     container's true GPU time within 10 % of its share, and its throttle starts once and never
     stops. A cycle kept to the period ends 14-19 % under; ending on the first noisy reading makes

@@ -6,7 +6,7 @@ import itertools
 
 from gpufence.contract import ContainerShare, EnforcerConfig, MemoryShare, Mode
 from gpufence.enforcer.decide.machine import UTILISATION_REFRESH_SECONDS, Core, Transition
-from gpufence.enforcer.observe.attribution import Attribution, PodProcess
+from gpufence.enforcer.facts import Attribution, PodProcess
 
 GiB = 1 << 30
 CONFIG = EnforcerConfig(

@@ -11,14 +11,12 @@ from gpufence.enforcer.decide.memory_mechanism import (
     EnvHints,
     Mechanism,
     apply_driver_usage,
-    cgroup_namespace,
     decide,
     driver_usage,
-    hidden_by_cgroup_namespace,
 )
 from gpufence.enforcer.decide.rules import ContainerDeviceUsage
-from gpufence.enforcer.observe.attribution import Attribution, PodProcess
-from gpufence.enforcer.observe.nvml import DriverLimit, DriverLimitState
+from gpufence.enforcer.facts import Attribution, DriverLimit, DriverLimitState, DriverReading, PodProcess
+from gpufence.enforcer.observe.driver_limits import cgroup_namespace, container_cgroups, hidden_by_cgroup_namespace
 
 GiB = 1 << 30
 NS = "/sys/fs/cgroup/kubepods/pod1/train"
@@ -133,9 +131,16 @@ def test_the_core_enforces_on_the_drivers_usage() -> None:
     seen = Attribution((PodProcess(1, 1, 1001, "train", 0, "GPU-0", 3 * GiB, 0),), ())
     core = Core(config)
     assert core.step(0.0, seen, {0: 80 * GiB}).orders == ()
-    over = core.step(0.5, seen, {0: 80 * GiB}, driver_used={("train", 0): 5 * GiB})
+    driver = DriverReading(
+        namespaces={("train", 0): NS}, limits={("train", 0): limit(MAX, used=5 * GiB)}, cgroups={"train": NS}
+    )
+    over = core.step(0.5, seen, {0: 80 * GiB}, driver=driver)
     assert [(o.container, o.used_bytes, [v.pid for v in o.victims]) for o in over.orders] == [("train", 5 * GiB, [1])]
     assert [(d.driver_bytes, d.process_bytes) for d in over.discrepancies] == [(5 * GiB, 3 * GiB)]
+    # The same reading says what holds the share: no hard limit on the cgroup, so polling.
+    assert [(e.container, e.namespace, e.enforcement.mechanism) for e in over.memory_enforcement] == [
+        ("train", NS, Mechanism.POLLING)
+    ]
 
 
 def test_a_cgroup_hidden_by_the_sidecars_cgroup_namespace_is_not_reported_missing() -> None:
@@ -149,3 +154,26 @@ def test_a_cgroup_hidden_by_the_sidecars_cgroup_namespace_is_not_reported_missin
     assert "cgroup namespace hides" in got.why
     v1 = decide(None, {0: 4 * GiB}, {}, EXPECTED)
     assert v1.driver_limit_missing and "cgroup v1" in v1.why
+
+
+def test_where_to_ask_the_driver_is_each_containers_own_cgroup() -> None:
+    """observe/driver_limits.container_cgroups (pure): a container's namespace per device; a name
+    held by two cgroups has none to ask about; an unconfigured name and a hidden path are noted."""
+    config = EnforcerConfig(containers={
+        "train": ContainerShare(memory=MemoryShare(bytes=4 * GiB)),
+        "split": ContainerShare(memory=MemoryShare(bytes=4 * GiB)),
+        "far": ContainerShare(memory=MemoryShare(bytes=4 * GiB)),
+    })
+    seen = Attribution((
+        PodProcess(1, 1, 1, "train", 0, "GPU-0", GiB, 0, cgroup="0::/kubepods/pod1/train\n"),
+        PodProcess(1, 1, 1, "train", 1, "GPU-1", GiB, 0, cgroup="0::/kubepods/pod1/train\n"),
+        PodProcess(2, 2, 2, "split", 0, "GPU-0", GiB, 0, cgroup="0::/kubepods/pod1/a\n"),
+        PodProcess(3, 3, 3, "split", 0, "GPU-0", GiB, 0, cgroup="0::/kubepods/pod1/b\n"),
+        PodProcess(4, 4, 4, "far", 0, "GPU-0", GiB, 0, cgroup="0::/../cri-containerd-abc.scope\n"),
+        PodProcess(5, 5, 5, "other", 0, "GPU-0", GiB, 0, cgroup="0::/kubepods/pod1/other\n"),
+    ), ())
+    where = container_cgroups(seen, config)
+    assert where.namespaces == {("train", 0): NS, ("train", 1): NS}
+    assert where.cgroups == {"train": NS, "split": None, "far": None}
+    assert where.pids == {"train": 1, "split": 2, "far": 4}
+    assert where.hidden == {"far"}

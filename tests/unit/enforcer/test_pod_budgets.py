@@ -21,7 +21,7 @@ from gpufence.enforcer.decide.rules import (
     pod_gpus_requested,
     screen_claims,
 )
-from gpufence.enforcer.observe.attribution import Attribution, PodProcess
+from gpufence.enforcer.facts import Attribution, PodProcess
 
 GiB = 1 << 30
 TOTALS = {0: 80 * GiB, 1: 80 * GiB}

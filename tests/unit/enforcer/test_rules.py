@@ -14,7 +14,7 @@ from gpufence.enforcer.decide.rules import (
     pod_usage,
     usage_by_container,
 )
-from gpufence.enforcer.observe.attribution import Attribution, PodProcess
+from gpufence.enforcer.facts import Attribution, PodProcess
 
 GiB = 1 << 30
 

@@ -23,7 +23,7 @@ from gpufence.enforcer.decide.rules import (
     pod_usage,
     usage_by_container,
 )
-from gpufence.enforcer.observe.attribution import Attribution, PodProcess
+from gpufence.enforcer.facts import Attribution, PodProcess
 from tests.support.examples import examples
 
 CONTAINERS = ("a", "b", "c")

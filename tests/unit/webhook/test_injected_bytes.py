@@ -7,7 +7,7 @@ target (a median of at most 1.2 kB: it reports it met or missed).
 
 from __future__ import annotations
 
-from tests.support.injected_bytes import bytes_added
+from tests.support.injected_bytes import PURPOSE, bytes_added, fields
 from tests.support.stats import median
 
 # What the injection adds now (1560 bytes median over 86 mutated goldens when this was last measured):
@@ -27,8 +27,6 @@ def test_the_injection_does_not_grow() -> None:
 
 def test_every_piece_the_injection_adds_says_what_it_is_for() -> None:
     """The bench's per-piece table explains each byte; a new field must bring its reason."""
-    from bench.injected_bytes import PURPOSE, fields
-
     found = fields()
     assert "sidecar securityContext" in found and "status annotation" in found
     assert sorted(set(found) - set(PURPOSE)) == []
