@@ -313,6 +313,12 @@ def _decide(
     annotations = _dict(metadata.get("annotations"))
     if MIRROR_POD_ANNOTATION in annotations and _by_a_node(request):
         return OUTCOME_SKIPPED, None  # a static pod's mirror: the kubelet would not run a changed one
+    # Once, before any rule reads the pod: a field of the wrong JSON type is a denial naming it,
+    # never an exception (HTTP 500) in a rule that trusted the type.
+    try:
+        all_names = check_shape(pod)
+    except MutationError as exc:
+        raise _Denied(str(exc)) from None
 
     kai = kai_fraction(pod, settings)
     nv = nv_fractions(pod)
@@ -345,10 +351,6 @@ def _decide(
     if not gpu_names:
         if not settings.void_non_gpu_containers or (opted_out and opt_out_allowed(namespace_annotations, settings)):
             return OUTCOME_SKIPPED, None
-        try:
-            check_shape(pod)
-        except MutationError as exc:
-            raise _Denied(str(exc)) from None
         patch = plain_pod_patch(pod, settings)
         return (OUTCOME_MUTATED if patch else OUTCOME_UNCHANGED), patch
     if opted_out:
@@ -358,7 +360,6 @@ def _decide(
         raise _Denied(opt_out_denial(namespace or ""))
 
     try:
-        all_names = check_shape(pod)
         if SIDECAR_NAME in gpu_names:
             raise MutationError(f"the container name {SIDECAR_NAME} is reserved by gpufence; rename the container")
         taken = sidecar_resource_use(pod["spec"], SIDECAR_NAME, settings.metrics_port, SIDECAR_PORT_NAME,
