@@ -16,11 +16,18 @@ from a member of ``admin-groups`` (``device_access_denial``). gpufence's own hos
 (``sidecar.pod_volumes``: the host's ``/proc`` for the enforcer of a legacy driver, the preload
 library) are the admin's and pass in a GPU pod, where the injection rebuilds them.
 
+Device access means devices: the memory filesystems under /dev (``/dev/shm``, ``/dev/hugepages``,
+``/dev/mqueue``) hold no device node and pass, at exactly those paths, so that MPI and NCCL workers
+run in opted-in namespaces without the admin's exemption (which would also let them run privileged
+containers). A mount under the toolkit's ``/var/run/nvidia-container-devices``, which the toolkit
+reads as a GPU request, is refused whatever its volume.
+
 Tolerant of garbage: the pod may be any pod of an opted-in namespace, not shape-checked.
 """
 
 from __future__ import annotations
 
+import posixpath
 from collections.abc import Collection, Iterable, Mapping
 from typing import Any
 
@@ -53,6 +60,20 @@ DEVICE_PATHS = (
 )
 # hostPath types that are a device whatever the path.
 DEVICE_TYPES = ("CharDevice", "BlockDevice")
+# The memory filesystems under /dev that hold no device node, admitted as hostPath at exactly these
+# paths: NCCL and MPI share memory through /dev/shm (tmpfs), DPDK and huge-page users map
+# /dev/hugepages (hugetlbfs), POSIX message queues live in /dev/mqueue (mqueue). Exactly, not under
+# them: a pod that mounts /dev/shm writable can leave a symlink there (/dev/shm/d -> /dev), and
+# the kubelet and the runtime resolve a hostPath's symlinks on the node, so a second pod's hostPath
+# /dev/shm/d would be the node's /dev. The mount point itself is the node's, and no pod can replace it.
+MEMORY_FILESYSTEMS = ("/dev/shm", "/dev/hugepages", "/dev/mqueue")
+# Where the NVIDIA container toolkit reads device requests from mounts (its
+# accept-nvidia-visible-devices-as-volume-mounts): a mount whose source is /dev/null and whose
+# destination starts with this path (a string prefix, as the toolkit compares it) hands the
+# container the GPUs its remainder names (internal/config/image/cuda_image.go, requestsFromMounts).
+# A hostPath of /dev/null is refused above, but one of a symlink the node has to /dev/null is not
+# seen here, so no container of an opted-in namespace may mount anything there.
+TOOLKIT_MOUNT_ROOT = "/var/run/nvidia-container-devices"
 
 
 def _normal(path: str) -> str:
@@ -62,11 +83,20 @@ def _normal(path: str) -> str:
     return "/" + "/".join(parts)
 
 
+def _clean(path: str) -> str:
+    """``path`` as Go's ``filepath.Clean`` leaves it (``..`` resolved lexically), which is how the
+    toolkit compares a mount's destination."""
+    return "/" + posixpath.normpath(path).lstrip("/") if path.startswith("/") else posixpath.normpath(path)
+
+
 def reaches_devices(path: str) -> bool:
-    """Whether a hostPath of ``path`` is, is under or contains one of ``DEVICE_PATHS``."""
+    """Whether a hostPath of ``path`` is, is under or contains one of ``DEVICE_PATHS`` (and is not
+    exactly one of ``MEMORY_FILESYSTEMS``)."""
     if not path.startswith("/"):
         return False  # the API server refuses a relative hostPath
     normal = _normal(path)
+    if normal in MEMORY_FILESYSTEMS:
+        return False
     for device in DEVICE_PATHS:
         if normal == device or normal.startswith(device + "/") or device.startswith(normal.rstrip("/") + "/"):
             return True
@@ -102,6 +132,21 @@ def device_access_denial(spec: Any, namespace: str, groups: Any, admin_groups: C
                     f"in namespace {quote(namespace)} {how}; remove it, and request a GPU with "
                     f'resources.limits["{gpu_resource}"]'
                 )
+    for key in ("initContainers", "containers"):
+        containers = spec.get(key)
+        for i, container in enumerate(containers if isinstance(containers, list) else ()):
+            mounts = container.get("volumeMounts") if isinstance(container, dict) else None
+            for j, mount in enumerate(mounts if isinstance(mounts, list) else ()):
+                target = mount.get("mountPath") if isinstance(mount, dict) else None
+                if isinstance(target, str) and _clean(target).startswith(TOOLKIT_MOUNT_ROOT):
+                    return (
+                        f"container {quote(container.get('name'))} mounts volume {quote(mount.get('name'))} at "
+                        f"{quote(target)} (spec.{key}[{i}].volumeMounts[{j}].mountPath): the NVIDIA container "
+                        f"toolkit reads a mount under {TOOLKIT_MOUNT_ROOT} as a request for the GPUs its path "
+                        "names, outside the scheduler's count and gpufence's shares; "
+                        f"in namespace {quote(namespace)} {how}; mount the volume elsewhere, and request a GPU "
+                        f'with resources.limits["{gpu_resource}"]'
+                    )
     ours = [dict(v) for v in own_volumes]
     volumes = spec.get("volumes")
     for i, volume in enumerate(volumes if isinstance(volumes, list) else ()):
@@ -119,6 +164,7 @@ def device_access_denial(spec: Any, namespace: str, groups: Any, admin_groups: C
                 "of a device, or at, under or above /dev, /proc, /sys, NVIDIA's driver root (/run/nvidia) or the "
                 "driver's library directories, reaches the node's GPUs outside the scheduler's count and "
                 f"gpufence's shares; in namespace {quote(namespace)} {how}; use another volume, e.g. an "
-                f'emptyDir, and request a GPU with resources.limits["{gpu_resource}"]'
+                "emptyDir (for shared memory, an emptyDir with medium: Memory, or hostPath /dev/shm, "
+                f'/dev/hugepages or /dev/mqueue exactly), and request a GPU with resources.limits["{gpu_resource}"]'
             )
     return None
