@@ -16,7 +16,7 @@ from typing import Any
 from gpufence.contract import MIRROR_POD_ANNOTATION, POD_OPT_OUT_LABEL, SIDECAR_NAME, SIDECAR_PORT_NAME
 from gpufence.webhook.core.container_env import with_void
 from gpufence.webhook.core.desired import desired_plain_pod, desired_pod
-from gpufence.webhook.core.device_access import device_access_denial
+from gpufence.webhook.core.device_access import device_access_denial, device_annotation_denial
 from gpufence.webhook.core.dra import DraObjects, check_claim_ceilings, claim_memory, claim_warnings
 from gpufence.webhook.core.driver_limits import KnownNodes, NodeLabels
 from gpufence.webhook.core.gpu_paths import PodGpuPaths, advised_resource
@@ -338,6 +338,10 @@ def _decide(
     # KAI's binder writes a container's gpus.devices after allocation; its author, at CREATE, must not.
     groups = _dict(request.get("userInfo")).get("groups")
     side_door = nv_devices_denial(pod, groups, settings.admin_groups)
+    if side_door is not None:
+        raise _Denied(side_door)
+    # Annotations a node component turns into devices (NVIDIA's NRI plugin, CDI, ...): the admin's.
+    side_door = device_annotation_denial(pod, groups, settings.admin_groups, advised_resource(settings))
     if side_door is not None:
         raise _Denied(side_door)
     # Devices without a device request (privileged, hostPath of /dev and the driver's paths): GPU

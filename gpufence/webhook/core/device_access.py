@@ -168,3 +168,64 @@ def device_access_denial(spec: Any, namespace: str, groups: Any, admin_groups: C
                 f'/dev/hugepages or /dev/mqueue exactly), and request a GPU with resources.limits["{gpu_resource}"]'
             )
     return None
+
+
+# Annotations that a component of a GPU node turns into device access, with what reads them: a pod
+# that carries one gets devices without a device request, outside the scheduler's count and
+# gpufence's shares. A key is refused where it is one of these or starts with one and "/".
+# (KAI-Scheduler's nvidia.com/container.<name>.gpus.devices is refused at creation by
+# ``kai.nv_devices_denial``: KAI's binder writes it after creation, so an update may.)
+DEVICE_ANNOTATIONS: tuple[tuple[str, str], ...] = (
+    # cmd/nvidia-ctk-installer/container/runtime/nri/plugin.go (toolkit 1.19.0+, nriCDIAnnotationDomain),
+    # keys <domain>/container.<name>, <domain>/pod and <domain> (containerd/nri GetEffectiveAnnotation).
+    ("nvidia.cdi.k8s.io", "the NVIDIA container toolkit's NRI plugin injects the CDI devices it names "
+                          "(nvidia.com/gpu=all is every GPU of the node)"),
+    # container-device-interface pkg/cdi/producer/annotations (Prefix "cdi.k8s.io/"): the runtimes
+    # inject the CDI devices named in such container annotations, which a device plugin sets.
+    ("cdi.k8s.io", "container runtimes (containerd, CRI-O) inject the CDI devices named by cdi.k8s.io/ "
+                   "annotations, which only a device plugin should set"),
+    # containerd/nri plugins/device-injector: device nodes, CDI devices and mounts from pod annotations.
+    ("devices.noderesource.dev", "the NRI device-injector plugin adds the device nodes it names"),
+    ("devices.nri.io", "the NRI device-injector plugin adds the device nodes it names"),
+    ("cdi-devices.noderesource.dev", "the NRI device-injector plugin injects the CDI devices it names"),
+    ("cdi-devices.nri.io", "the NRI device-injector plugin injects the CDI devices it names"),
+    ("mounts.noderesource.dev", "the NRI device-injector plugin adds the host mounts it names"),
+    ("mounts.nri.io", "the NRI device-injector plugin adds the host mounts it names"),
+    # cri-o pkg/annotations DevicesAnnotation: host devices, where the runtime handler allows it.
+    ("io.kubernetes.cri-o.Devices", "CRI-O adds the host devices it names where the runtime handler's "
+                                    "allowed_annotations lists it"),
+)
+
+
+def device_annotation(key: str) -> str | None:
+    """What turns annotation ``key`` into device access (``DEVICE_ANNOTATIONS``), or None."""
+    for domain, reader in DEVICE_ANNOTATIONS:
+        if key == domain or key.startswith(domain + "/"):
+            return reader
+    return None
+
+
+def device_annotation_denial(pod: Any, groups: Any, admin_groups: Collection[str],
+                             gpu_resource: str = "nvidia.com/gpu") -> str | None:
+    """The denial for the first annotation of ``pod`` that a node component turns into device access
+    (``DEVICE_ANNOTATIONS``), unless one of the request's ``groups`` is in ``admin_groups``; else None.
+
+    GPU pod or not, opted out or not: NVIDIA's NRI plugin injects nvidia.com/gpu=all into a
+    container that requested nothing, with no sidecar and no share. ``gpu_resource``: advised.
+    """
+    metadata = pod.get("metadata") if isinstance(pod, dict) else None
+    annotations = metadata.get("annotations") if isinstance(metadata, dict) else None
+    if not isinstance(annotations, dict):
+        return None
+    if isinstance(groups, list) and any(g in admin_groups for g in groups if isinstance(g, str)):
+        return None
+    for key, value in annotations.items():
+        reader = device_annotation(key) if isinstance(key, str) else None
+        if reader is not None:
+            return (
+                f"annotation {key}={quote(value)} (metadata.annotations): {reader}, outside the scheduler's "
+                "count and gpufence's shares; in namespaces that use gpufence only members of admin-groups "
+                "(ConfigMap gpufence/gpufence-policy) may set it; remove it and request GPUs with "
+                f'resources.limits["{gpu_resource}"]'
+            )
+    return None
