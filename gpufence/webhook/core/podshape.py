@@ -161,6 +161,13 @@ def check_shape(pod: dict[str, Any]) -> list[str]:
             value = context.get(key)
             if value is not None and not isinstance(value, bool):
                 raise bad(f"{where}.{key}", "a boolean")
+        capabilities = context.get("capabilities")
+        if capabilities is not None:
+            if not isinstance(capabilities, dict):
+                raise bad(f"{where}.capabilities", "an object")
+            added = capabilities.get("add")
+            if added is not None and not (isinstance(added, list) and all(isinstance(c, str) for c in added)):
+                raise bad(f"{where}.capabilities.add", "a list of strings")
 
     def check_strings(obj: dict[str, Any], keys: tuple[str, ...], where: str) -> None:
         for key in keys:
