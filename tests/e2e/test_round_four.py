@@ -162,7 +162,7 @@ def test_escalation_is_kept_where_the_sidecar_is_root(tenant: Tenant, webhook: W
 
 def mpi_worker() -> dict[str, Any]:
     """An MPI/NCCL worker: 8 GPUs, EFA interfaces, huge pages, NCCL's shared memory on the node's /dev/shm."""
-    pod = kube.gpu_pod(gpus=8, annotations={"gpufence.io/memory": "70Gi"},
+    pod = kube.gpu_pod(gpus=8, annotations={"gpufence.io/memory": "8Gi"},  # the tenant's ceiling
                        limits={"vpc.amazonaws.com/efa": "32", "hugepages-2Mi": "5120Mi", "memory": "64Gi"})
     container = pod["spec"]["containers"][0]
     container["resources"]["requests"] = {"cpu": "8", "memory": "64Gi", "hugepages-2Mi": "5120Mi",
