@@ -50,7 +50,7 @@ def swapped_golden_pods(draw: st.DrawFn) -> tuple[str, dict[str, Any]]:
     return case, swapped(pod, lambda options: draw(st.sampled_from(options)), draw(st.integers(1, 3)))
 
 
-@settings(max_examples=examples(1000), deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=examples(500), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(swapped_golden_pods())
 def test_swapped_field_types_get_an_answer(drawn: tuple[str, dict[str, Any]]) -> None:
     response = answer(*drawn)
