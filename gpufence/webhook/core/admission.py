@@ -77,6 +77,10 @@ def review(payload: Any, settings: InjectionSettings, namespaces: NamespaceLooku
         return _result(uid, OUTCOME_DENIED, warnings, denied=denied.message)
     except RecursionError:
         return _result(uid, OUTCOME_DENIED, warnings, denied="the pod is nested too deeply to be reviewed")
+    except UnicodeEncodeError:
+        # Only in process: a string with a lone surrogate, which JSON over HTTP cannot carry (the
+        # server's decoder refuses it with a 400) and a patch cannot hold.
+        return _result(uid, OUTCOME_DENIED, warnings, denied="the pod holds a string that is not valid Unicode")
     return _result(uid, outcome, warnings, patch=patch)
 
 

@@ -76,3 +76,11 @@ def test_a_field_of_the_wrong_type_is_a_denial_naming_it(case: str, place: tuple
     response = answer(case, pod)
     assert response["allowed"] is False
     assert response["status"]["message"].startswith(f"the pod is malformed: {field} must be ")
+
+
+def test_a_lone_surrogate_is_a_denial_not_an_exception() -> None:
+    """Only in process (over HTTP the server's JSON decoder refuses it): found by bench.fuzz_webhook."""
+    pod = copy.deepcopy(dict(golden_pods())["audit-mode"])
+    put(pod, ("spec", "containers", 0, "name"), "\udfff\ud800")
+    response = answer("audit-mode", pod)
+    assert response["allowed"] is False and "not valid Unicode" in response["status"]["message"]
