@@ -16,7 +16,7 @@ from typing import Any
 from gpufence.contract import MIRROR_POD_ANNOTATION, POD_OPT_OUT_LABEL, SIDECAR_NAME, SIDECAR_PORT_NAME
 from gpufence.webhook.core.container_env import with_void
 from gpufence.webhook.core.desired import desired_plain_pod, desired_pod
-from gpufence.webhook.core.device_access import device_access_denial
+from gpufence.webhook.core.device_access import device_access_denial, device_annotation_denial
 from gpufence.webhook.core.dra import DraObjects, check_claim_ceilings, claim_memory, claim_warnings
 from gpufence.webhook.core.driver_limits import KnownNodes, NodeLabels
 from gpufence.webhook.core.gpu_paths import PodGpuPaths, advised_resource
@@ -77,6 +77,10 @@ def review(payload: Any, settings: InjectionSettings, namespaces: NamespaceLooku
         return _result(uid, OUTCOME_DENIED, warnings, denied=denied.message)
     except RecursionError:
         return _result(uid, OUTCOME_DENIED, warnings, denied="the pod is nested too deeply to be reviewed")
+    except UnicodeEncodeError:
+        # Only in process: a string with a lone surrogate, which JSON over HTTP cannot carry (the
+        # server's decoder refuses it with a 400) and a patch cannot hold.
+        return _result(uid, OUTCOME_DENIED, warnings, denied="the pod holds a string that is not valid Unicode")
     return _result(uid, outcome, warnings, patch=patch)
 
 
@@ -313,6 +317,12 @@ def _decide(
     annotations = _dict(metadata.get("annotations"))
     if MIRROR_POD_ANNOTATION in annotations and _by_a_node(request):
         return OUTCOME_SKIPPED, None  # a static pod's mirror: the kubelet would not run a changed one
+    # Once, before any rule reads the pod: a field of the wrong JSON type is a denial naming it,
+    # never an exception (HTTP 500) in a rule that trusted the type.
+    try:
+        all_names = check_shape(pod)
+    except MutationError as exc:
+        raise _Denied(str(exc)) from None
 
     kai = kai_fraction(pod, settings)
     nv = nv_fractions(pod)
@@ -334,6 +344,10 @@ def _decide(
     side_door = nv_devices_denial(pod, groups, settings.admin_groups)
     if side_door is not None:
         raise _Denied(side_door)
+    # Annotations a node component turns into devices (NVIDIA's NRI plugin, CDI, ...): the admin's.
+    side_door = device_annotation_denial(pod, groups, settings.admin_groups, advised_resource(settings))
+    if side_door is not None:
+        raise _Denied(side_door)
     # Devices without a device request (privileged, hostPath of /dev and the driver's paths): GPU
     # pod or not, opted out or not, unless the admin allows it (docs/install.md, Pod Security).
     side_door = device_access_denial(pod.get("spec"), namespace or "", groups, settings.admin_groups,
@@ -345,10 +359,6 @@ def _decide(
     if not gpu_names:
         if not settings.void_non_gpu_containers or (opted_out and opt_out_allowed(namespace_annotations, settings)):
             return OUTCOME_SKIPPED, None
-        try:
-            check_shape(pod)
-        except MutationError as exc:
-            raise _Denied(str(exc)) from None
         patch = plain_pod_patch(pod, settings)
         return (OUTCOME_MUTATED if patch else OUTCOME_UNCHANGED), patch
     if opted_out:
@@ -358,7 +368,6 @@ def _decide(
         raise _Denied(opt_out_denial(namespace or ""))
 
     try:
-        all_names = check_shape(pod)
         if SIDECAR_NAME in gpu_names:
             raise MutationError(f"the container name {SIDECAR_NAME} is reserved by gpufence; rename the container")
         taken = sidecar_resource_use(pod["spec"], SIDECAR_NAME, settings.metrics_port, SIDECAR_PORT_NAME,

@@ -29,8 +29,10 @@ from gpufence.webhook.core.sidecar import (
     build_sidecar,
     pod_volumes,
     preload_library_path,
+    sidecar_reaches_root,
     sidecar_user,
     status_annotation,
+    without_privilege_escalation,
 )
 
 
@@ -103,7 +105,7 @@ def desired_pod(pod: dict[str, Any], plan: SharePlan, settings: InjectionSetting
         if not containers:
             continue
         updated: list[Any] = []
-        for container in containers:
+        for i, container in enumerate(containers):
             if container.get("name") == SIDECAR_NAME:
                 # Ours (a reinvocation, or a copied pod): rebuilt below. In the list it belongs to
                 # it keeps its index, so that another injector's containers added since (Istio,
@@ -123,6 +125,8 @@ def desired_pod(pod: dict[str, Any], plan: SharePlan, settings: InjectionSetting
                                           resolved=container["name"] in limits.resolved, replaced=replaced,
                                           limiters=container["name"] not in plan.runtime_limited,
                                           kai_fraction=container["name"] == plan.kai_fraction)
+                if not sidecar_reaches_root(pod_security):
+                    container = without_privilege_escalation(container, f"spec.{key}[{i}]", pod_security)
             elif settings.void_non_gpu_containers:
                 container = void_container(container, paths)
             updated.append(container)

@@ -16,12 +16,20 @@ from a member of ``admin-groups`` (``device_access_denial``). gpufence's own hos
 (``sidecar.pod_volumes``: the host's ``/proc`` for the enforcer of a legacy driver, the preload
 library) are the admin's and pass in a GPU pod, where the injection rebuilds them.
 
-Tolerant of garbage: the pod may be any pod of an opted-in namespace, not shape-checked.
+Device access means devices: the memory filesystems under /dev (``/dev/shm``, ``/dev/hugepages``,
+``/dev/mqueue``) hold no device node and pass, at exactly those paths, so that MPI and NCCL workers
+run in opted-in namespaces without the admin's exemption (which would also let them run privileged
+containers). A mount under the toolkit's ``/var/run/nvidia-container-devices``, which the toolkit
+reads as a GPU request, is refused whatever its volume.
+
+Tolerant of garbage: the review shape-checks the pod before these rules (``podshape.check_shape``),
+but each function stays total on any input of its own.
 """
 
 from __future__ import annotations
 
-from collections.abc import Collection, Iterable, Mapping
+import posixpath
+from collections.abc import Collection, Iterable, Iterator, Mapping
 from typing import Any
 
 from gpufence.webhook.core.shares import quote
@@ -53,6 +61,20 @@ DEVICE_PATHS = (
 )
 # hostPath types that are a device whatever the path.
 DEVICE_TYPES = ("CharDevice", "BlockDevice")
+# The memory filesystems under /dev that hold no device node, admitted as hostPath at exactly these
+# paths: NCCL and MPI share memory through /dev/shm (tmpfs), DPDK and huge-page users map
+# /dev/hugepages (hugetlbfs), POSIX message queues live in /dev/mqueue (mqueue). Exactly, not under
+# them: a pod that mounts /dev/shm writable can leave a symlink there (/dev/shm/d -> /dev), and
+# the kubelet and the runtime resolve a hostPath's symlinks on the node, so a second pod's hostPath
+# /dev/shm/d would be the node's /dev. The mount point itself is the node's, and no pod can replace it.
+MEMORY_FILESYSTEMS = ("/dev/shm", "/dev/hugepages", "/dev/mqueue")
+# Where the NVIDIA container toolkit reads device requests from mounts (its
+# accept-nvidia-visible-devices-as-volume-mounts): a mount whose source is /dev/null and whose
+# destination starts with this path (a string prefix, as the toolkit compares it) hands the
+# container the GPUs its remainder names (internal/config/image/cuda_image.go, requestsFromMounts).
+# A hostPath of /dev/null is refused above, but one of a symlink the node has to /dev/null is not
+# seen here, so no container of an opted-in namespace may mount anything there.
+TOOLKIT_MOUNT_ROOT = "/var/run/nvidia-container-devices"
 
 
 def _normal(path: str) -> str:
@@ -62,11 +84,20 @@ def _normal(path: str) -> str:
     return "/" + "/".join(parts)
 
 
+def _clean(path: str) -> str:
+    """``path`` as Go's ``filepath.Clean`` leaves it (``..`` resolved lexically), which is how the
+    toolkit compares a mount's destination."""
+    return "/" + posixpath.normpath(path).lstrip("/") if path.startswith("/") else posixpath.normpath(path)
+
+
 def reaches_devices(path: str) -> bool:
-    """Whether a hostPath of ``path`` is, is under or contains one of ``DEVICE_PATHS``."""
+    """Whether a hostPath of ``path`` is, is under or contains one of ``DEVICE_PATHS`` (and is not
+    exactly one of ``MEMORY_FILESYSTEMS``)."""
     if not path.startswith("/"):
         return False  # the API server refuses a relative hostPath
     normal = _normal(path)
+    if normal in MEMORY_FILESYSTEMS:
+        return False
     for device in DEVICE_PATHS:
         if normal == device or normal.startswith(device + "/") or device.startswith(normal.rstrip("/") + "/"):
             return True
@@ -90,19 +121,52 @@ def device_access_denial(spec: Any, namespace: str, groups: Any, admin_groups: C
     allowed = ", ".join(quote(n) for n in allowed_namespaces) or "none"
     how = (f"only the cluster admin allows it, by listing the namespace in device-access-namespaces of "
            f"ConfigMap gpufence/gpufence-policy (now: {allowed}) or by creating the pod as a member of admin-groups")
+    advice = f'request a GPU with resources.limits["{gpu_resource}"]'
+    return (_privileged_denial(spec, namespace, how, advice)
+            or _toolkit_mount_denial(spec, namespace, how, advice)
+            or _host_path_denial(spec, namespace, how, advice, [dict(v) for v in own_volumes]))
+
+
+def _containers(spec: dict[str, Any]) -> Iterator[tuple[str, int, dict[str, Any]]]:
+    """(key, index, container) of every init and app container of ``spec`` that is an object."""
     for key in ("initContainers", "containers"):
         containers = spec.get(key)
         for i, container in enumerate(containers if isinstance(containers, list) else ()):
-            context = container.get("securityContext") if isinstance(container, dict) else None
-            if isinstance(context, dict) and context.get("privileged") is True:
+            if isinstance(container, dict):
+                yield key, i, container
+
+
+def _privileged_denial(spec: dict[str, Any], namespace: str, how: str, advice: str) -> str | None:
+    for key, i, container in _containers(spec):
+        context = container.get("securityContext")
+        if isinstance(context, dict) and context.get("privileged") is True:
+            return (
+                f"container {quote(container.get('name'))} sets privileged: true "
+                f"(spec.{key}[{i}].securityContext.privileged): a privileged container opens every device "
+                "of the node, every GPU among them, outside the scheduler's count and gpufence's shares; "
+                f"in namespace {quote(namespace)} {how}; remove it, and {advice}"
+            )
+    return None
+
+
+def _toolkit_mount_denial(spec: dict[str, Any], namespace: str, how: str, advice: str) -> str | None:
+    for key, i, container in _containers(spec):
+        mounts = container.get("volumeMounts")
+        for j, mount in enumerate(mounts if isinstance(mounts, list) else ()):
+            target = mount.get("mountPath") if isinstance(mount, dict) else None
+            if isinstance(target, str) and _clean(target).startswith(TOOLKIT_MOUNT_ROOT):
                 return (
-                    f"container {quote(container.get('name'))} sets privileged: true "
-                    f"(spec.{key}[{i}].securityContext.privileged): a privileged container opens every device "
-                    "of the node, every GPU among them, outside the scheduler's count and gpufence's shares; "
-                    f"in namespace {quote(namespace)} {how}; remove it, and request a GPU with "
-                    f'resources.limits["{gpu_resource}"]'
+                    f"container {quote(container.get('name'))} mounts volume {quote(mount.get('name'))} at "
+                    f"{quote(target)} (spec.{key}[{i}].volumeMounts[{j}].mountPath): the NVIDIA container "
+                    f"toolkit reads a mount under {TOOLKIT_MOUNT_ROOT} as a request for the GPUs its path "
+                    "names, outside the scheduler's count and gpufence's shares; "
+                    f"in namespace {quote(namespace)} {how}; mount the volume elsewhere, and {advice}"
                 )
-    ours = [dict(v) for v in own_volumes]
+    return None
+
+
+def _host_path_denial(spec: dict[str, Any], namespace: str, how: str, advice: str,
+                      ours: list[dict[str, Any]]) -> str | None:
     volumes = spec.get("volumes")
     for i, volume in enumerate(volumes if isinstance(volumes, list) else ()):
         host = volume.get("hostPath") if isinstance(volume, dict) else None
@@ -119,6 +183,68 @@ def device_access_denial(spec: Any, namespace: str, groups: Any, admin_groups: C
                 "of a device, or at, under or above /dev, /proc, /sys, NVIDIA's driver root (/run/nvidia) or the "
                 "driver's library directories, reaches the node's GPUs outside the scheduler's count and "
                 f"gpufence's shares; in namespace {quote(namespace)} {how}; use another volume, e.g. an "
-                f'emptyDir, and request a GPU with resources.limits["{gpu_resource}"]'
+                "emptyDir (for shared memory, an emptyDir with medium: Memory, or hostPath /dev/shm, "
+                f"/dev/hugepages or /dev/mqueue exactly), and {advice}"
+            )
+    return None
+
+
+# Annotations that a component of a GPU node turns into device access, with what reads them: a pod
+# that carries one gets devices without a device request, outside the scheduler's count and
+# gpufence's shares. A key is refused where it is one of these or starts with one and "/".
+# (KAI-Scheduler's nvidia.com/container.<name>.gpus.devices is refused at creation by
+# ``kai.nv_devices_denial``: KAI's binder writes it after creation, so an update may.)
+DEVICE_ANNOTATIONS: tuple[tuple[str, str], ...] = (
+    # cmd/nvidia-ctk-installer/container/runtime/nri/plugin.go (toolkit 1.19.0+, nriCDIAnnotationDomain),
+    # keys <domain>/container.<name>, <domain>/pod and <domain> (containerd/nri GetEffectiveAnnotation).
+    ("nvidia.cdi.k8s.io", "the NVIDIA container toolkit's NRI plugin injects the CDI devices it names "
+                          "(nvidia.com/gpu=all is every GPU of the node)"),
+    # container-device-interface pkg/cdi/producer/annotations (Prefix "cdi.k8s.io/"): the runtimes
+    # inject the CDI devices named in such container annotations, which a device plugin sets.
+    ("cdi.k8s.io", "container runtimes (containerd, CRI-O) inject the CDI devices named by cdi.k8s.io/ "
+                   "annotations, which only a device plugin should set"),
+    # containerd/nri plugins/device-injector: device nodes, CDI devices and mounts from pod annotations.
+    ("devices.noderesource.dev", "the NRI device-injector plugin adds the device nodes it names"),
+    ("devices.nri.io", "the NRI device-injector plugin adds the device nodes it names"),
+    ("cdi-devices.noderesource.dev", "the NRI device-injector plugin injects the CDI devices it names"),
+    ("cdi-devices.nri.io", "the NRI device-injector plugin injects the CDI devices it names"),
+    ("mounts.noderesource.dev", "the NRI device-injector plugin adds the host mounts it names"),
+    ("mounts.nri.io", "the NRI device-injector plugin adds the host mounts it names"),
+    # cri-o pkg/annotations DevicesAnnotation: host devices, where the runtime handler allows it.
+    ("io.kubernetes.cri-o.Devices", "CRI-O adds the host devices it names where the runtime handler's "
+                                    "allowed_annotations lists it"),
+)
+
+
+def device_annotation(key: str) -> str | None:
+    """What turns annotation ``key`` into device access (``DEVICE_ANNOTATIONS``), or None."""
+    for domain, reader in DEVICE_ANNOTATIONS:
+        if key == domain or key.startswith(domain + "/"):
+            return reader
+    return None
+
+
+def device_annotation_denial(pod: Any, groups: Any, admin_groups: Collection[str],
+                             gpu_resource: str = "nvidia.com/gpu") -> str | None:
+    """The denial for the first annotation of ``pod`` that a node component turns into device access
+    (``DEVICE_ANNOTATIONS``), unless one of the request's ``groups`` is in ``admin_groups``; else None.
+
+    GPU pod or not, opted out or not: NVIDIA's NRI plugin injects nvidia.com/gpu=all into a
+    container that requested nothing, with no sidecar and no share. ``gpu_resource``: advised.
+    """
+    metadata = pod.get("metadata") if isinstance(pod, dict) else None
+    annotations = metadata.get("annotations") if isinstance(metadata, dict) else None
+    if not isinstance(annotations, dict):
+        return None
+    if isinstance(groups, list) and any(g in admin_groups for g in groups if isinstance(g, str)):
+        return None
+    for key, value in annotations.items():
+        reader = device_annotation(key) if isinstance(key, str) else None
+        if reader is not None:
+            return (
+                f"annotation {key}={quote(value)} (metadata.annotations): {reader}, outside the scheduler's "
+                "count and gpufence's shares; in namespaces that use gpufence only members of admin-groups "
+                "(ConfigMap gpufence/gpufence-policy) may set it; remove it and request GPUs with "
+                f'resources.limits["{gpu_resource}"]'
             )
     return None

@@ -318,8 +318,9 @@ POLICY_FLAGS: tuple[Flag, ...] = (
          repeat=True, example=",".join(DEFAULT_ADMIN_GROUPS)),
     Flag("device-access-namespaces", namespace_name, None,
          "opted-in namespaces whose pods may reach the node's devices without a device request: privileged "
-         "containers, hostPath volumes of devices or at, under or above /dev, /proc, /sys, /run/nvidia or the "
-         "driver's library directories; elsewhere only members of admin-groups may create such pods "
+         "containers, hostPath volumes of devices or at, under or above /dev (but /dev/shm, /dev/hugepages and "
+         "/dev/mqueue exactly, admitted everywhere), /proc, /sys, /run/nvidia or the driver's library directories, "
+         "mounts under /var/run/nvidia-container-devices; elsewhere only members of admin-groups may create such pods "
          "(repeatable; default none)", repeat=True, example="gpu-operator"),
 )
 FLAGS: tuple[Flag, ...] = SERVER_FLAGS + POLICY_FLAGS

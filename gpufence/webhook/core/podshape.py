@@ -140,8 +140,9 @@ def _plain_env(env: Any) -> bool:
 
 
 def check_shape(pod: dict[str, Any]) -> list[str]:
-    """All container names; raises ``MutationError`` when a field the injection reads or writes
-    has the wrong JSON type (the message names the field), so ``desired_pod`` needs no type checks."""
+    """All container names; raises ``MutationError`` when a field the rules or the injection read
+    or write has the wrong JSON type (the message names the field), so ``desired_pod`` needs no type
+    checks and no rule can fail on a type (HTTP 500). A rule that reads a new field checks it here."""
 
     def bad(where: str, what: str) -> MutationError:
         return MutationError(f"the pod is malformed: {where} must be {what}")
@@ -156,9 +157,39 @@ def check_shape(pod: dict[str, Any]) -> list[str]:
             value = context.get(key)
             if value is not None and (not isinstance(value, int) or isinstance(value, bool)):
                 raise bad(f"{where}.{key}", "an integer")
-        value = context.get("runAsNonRoot")
-        if value is not None and not isinstance(value, bool):
-            raise bad(f"{where}.runAsNonRoot", "a boolean")
+        for key in ("runAsNonRoot", "privileged", "allowPrivilegeEscalation"):
+            value = context.get(key)
+            if value is not None and not isinstance(value, bool):
+                raise bad(f"{where}.{key}", "a boolean")
+        capabilities = context.get("capabilities")
+        if capabilities is not None:
+            if not isinstance(capabilities, dict):
+                raise bad(f"{where}.capabilities", "an object")
+            added = capabilities.get("add")
+            if added is not None and not (isinstance(added, list) and all(isinstance(c, str) for c in added)):
+                raise bad(f"{where}.capabilities.add", "a list of strings")
+
+    def check_strings(obj: dict[str, Any], keys: tuple[str, ...], where: str) -> None:
+        for key in keys:
+            if obj.get(key) is not None and not isinstance(obj[key], str):
+                raise bad(f"{where}.{key}", "a string")
+
+    def check_resources(resources: Any, where: str) -> None:
+        if resources is None:
+            return
+        if not isinstance(resources, dict):
+            raise bad(where, "an object")
+        for key in ("limits", "requests"):
+            if resources.get(key) is not None and not isinstance(resources[key], dict):
+                raise bad(f"{where}.{key}", "an object")
+        claims = resources.get("claims")
+        if claims is None:
+            return
+        if not isinstance(claims, list):
+            raise bad(f"{where}.claims", "a list")
+        for j, claim in enumerate(claims):
+            if not isinstance(claim, dict) or not isinstance(claim.get("name"), str):
+                raise bad(f"{where}.claims[{j}]", "an object with a string name")
 
     metadata = pod.get("metadata")
     if metadata is None:
@@ -186,10 +217,24 @@ def check_shape(pod: dict[str, Any]) -> list[str]:
     if volumes is not None:
         if not isinstance(volumes, list):
             raise bad("spec.volumes", "a list")
-        if not (type(volumes) is list and set(map(type, volumes)) <= _DICT):
-            for i, volume in enumerate(volumes):
-                if not isinstance(volume, dict):
-                    raise bad(f"spec.volumes[{i}]", "an object")
+        for i, volume in enumerate(volumes):
+            if not isinstance(volume, dict):
+                raise bad(f"spec.volumes[{i}]", "an object")
+            if not isinstance(volume.get("name"), str):
+                raise bad(f"spec.volumes[{i}].name", "a string")
+            host = volume.get("hostPath")
+            if host is not None:
+                if not isinstance(host, dict):
+                    raise bad(f"spec.volumes[{i}].hostPath", "an object")
+                check_strings(host, ("path", "type"), f"spec.volumes[{i}].hostPath")
+    claims = spec.get("resourceClaims")
+    if claims is not None:
+        if not isinstance(claims, list):
+            raise bad("spec.resourceClaims", "a list")
+        for i, claim in enumerate(claims):
+            if not isinstance(claim, dict) or not isinstance(claim.get("name"), str):
+                raise bad(f"spec.resourceClaims[{i}]", "an object with a string name")
+            check_strings(claim, ("resourceClaimName", "resourceClaimTemplateName"), f"spec.resourceClaims[{i}]")
     names: list[str] = []
     for key in ("initContainers", "containers"):
         containers = spec.get(key)
@@ -216,16 +261,24 @@ def check_shape(pod: dict[str, Any]) -> list[str]:
                     if value is not None and not isinstance(value, str):
                         raise bad(f"{where}.env[{j}].value", "a string")
             mounts = container.get("volumeMounts")
-            if mounts is not None and not (type(mounts) is list and set(map(type, mounts)) <= _DICT):
-                where = f"spec.{key}[{i}]"
+            if mounts is not None:
+                where = f"spec.{key}[{i}].volumeMounts"
                 if not isinstance(mounts, list):
-                    raise bad(f"{where}.volumeMounts", "a list")
+                    raise bad(where, "a list")
                 for j, mount in enumerate(mounts):
                     if not isinstance(mount, dict):
-                        raise bad(f"{where}.volumeMounts[{j}]", "an object")
+                        raise bad(f"{where}[{j}]", "an object")
+                    check_strings(mount, ("name", "mountPath"), f"{where}[{j}]")
+                    if mount.get("readOnly") is not None and not isinstance(mount["readOnly"], bool):
+                        raise bad(f"{where}[{j}].readOnly", "a boolean")
             ports = container.get("ports")
-            if ports is not None and not isinstance(ports, list):
-                raise bad(f"spec.{key}[{i}].ports", "a list")
+            if ports is not None:
+                if not isinstance(ports, list):
+                    raise bad(f"spec.{key}[{i}].ports", "a list")
+                for j, declared in enumerate(ports):
+                    if not isinstance(declared, dict):
+                        raise bad(f"spec.{key}[{i}].ports[{j}]", "an object")
+            check_resources(container.get("resources"), f"spec.{key}[{i}].resources")
             if "securityContext" in container:
                 context = container["securityContext"]
                 if context is not None:

@@ -242,6 +242,49 @@ def sidecar_user(spec: dict[str, Any], gpu_containers: Container[str], pod_secur
     return own
 
 
+def sidecar_reaches_root(pod_security: str | None) -> bool:
+    """Whether the sidecar can signal and inspect a root process of a GPU container: only as uid 0
+    with KILL and SYS_PTRACE, i.e. where Pod Security is `privileged` or unset. Elsewhere it runs as
+    the GPU containers' user (``sidecar_user``), which a process that becomes root leaves behind."""
+    return pod_security in (None, PRIVILEGED)
+
+
+def without_privilege_escalation(container: dict[str, Any], where: str, pod_security: str | None) -> dict[str, Any]:
+    """GPU container ``container`` (at ``where``, e.g. ``spec.containers[0]``) with
+    ``allowPrivilegeEscalation: false``, where the sidecar cannot reach a root process
+    (``sidecar_reaches_root``); raises ``MutationError`` where the container asks for it explicitly.
+
+    The kernel's no_new_privs: a setuid-root binary in the image (or one with file capabilities)
+    then runs with its caller's uid and capabilities, so no process of the container becomes a
+    user the sidecar cannot signal; the exec itself still succeeds. Kubernetes refuses the field
+    beside ``privileged: true`` (refused in opted-in namespaces anyway) or an added SYS_ADMIN,
+    which Pod Security `baseline` and `restricted` forbid.
+    """
+    context = container.get("securityContext") or {}
+    value = context.get("allowPrivilegeEscalation")
+    if value is False:
+        return container
+    fix = ("remove the field (gpufence sets it to false), or run the pod in a namespace whose Pod "
+           "Security level is privileged, where the enforcer runs as root")
+    if value is True:
+        raise MutationError(
+            f"container {quote(container['name'])} sets allowPrivilegeEscalation: true "
+            f"({where}.securityContext.allowPrivilegeEscalation): under Pod Security {quote(pod_security)} the "
+            "gpufence enforcer runs as the GPU containers' user, and a process that becomes root through a "
+            f"setuid binary would be out of its reach, free to exceed its share; {fix}"
+        )
+    capabilities = context.get("capabilities")
+    added = capabilities.get("add") if isinstance(capabilities, dict) else None
+    if isinstance(added, list) and any(c in ("SYS_ADMIN", "CAP_SYS_ADMIN") for c in added):
+        raise MutationError(
+            f"container {quote(container['name'])} adds capability SYS_ADMIN "
+            f"({where}.securityContext.capabilities.add), which Kubernetes refuses beside the "
+            "allowPrivilegeEscalation: false that gpufence sets on GPU containers under Pod Security "
+            f"{quote(pod_security)}; remove SYS_ADMIN"
+        )
+    return {**container, "securityContext": {**context, "allowPrivilegeEscalation": False}}
+
+
 def _shown(value: int | None) -> str:
     return "unset" if value is None else str(value)
 

@@ -25,6 +25,7 @@ from hypothesis import strategies as st
 
 from gpufence.contract import ANNOTATION_STATUS, INJECTION_ENABLED, INJECTION_LABEL, SIDECAR_NAME
 from gpufence.webhook.cluster.policy import parse_policy
+from gpufence.webhook.core.device_access import DEVICE_ANNOTATIONS
 from gpufence.webhook.core.settings import DEFAULT_SIDECAR_IMAGE, InjectionSettings
 from gpufence.webhook.core.sidecar import RESERVED_VOLUMES
 from tests.support.k8s_cel import FUNCTIONS as K8S_FUNCTIONS
@@ -369,6 +370,55 @@ def test_reserved_volumes_are_the_webhooks() -> None:
     expressions = {v["name"]: v["expression"] for v in POLICY["spec"]["variables"]}
     assert list(_ok(_compile(expressions["reservedVolumes"]).evaluate({}), "reservedVolumes")) == list(
         RESERVED_VOLUMES)
+
+
+# --- annotations that hand out devices (issue 38 row 1) ---------------------------------------------
+
+
+def plain_pod() -> dict[str, Any]:
+    """A gated pod without a GPU, as the webhook stores it: no sidecar, no status annotation."""
+    return {"apiVersion": "v1", "kind": "Pod",
+            "metadata": {"name": "train-1", "namespace": "team-a", "annotations": {"example.com/note": "x"}},
+            "spec": {"containers": [{"name": "main", "image": "busybox:1.36",
+                                     "env": [{"name": "NVIDIA_VISIBLE_DEVICES", "value": "void"}]}]}}
+
+
+@pytest.mark.parametrize("key", ["nvidia.cdi.k8s.io/container.main", "nvidia.cdi.k8s.io/pod", "nvidia.cdi.k8s.io",
+                                 "cdi.k8s.io/x_GPU-0", "devices.noderesource.dev/pod", "io.kubernetes.cri-o.Devices"])
+@pytest.mark.parametrize("make", [plain_pod, injected_pod], ids=["non-gpu-pod", "gpu-pod"])
+def test_a_device_annotation_cannot_be_added_to_a_running_pod(key: str, make: Any) -> None:
+    old = make()
+    new = changed(old, lambda p: p["metadata"]["annotations"].update({key: "nvidia.com/gpu=all"}))
+    allowed, message = PROTECT.update(old, new)
+    assert not allowed
+    assert f'adds the annotation {key}="nvidia.com/gpu=all", which a component of a GPU node' in message
+    assert "admin-groups" in message and 'resources.limits["nvidia.com/gpu"]' in message
+    assert PROTECT.update(old, new, groups=("gpufence:admins",)) == (True, "allowed")
+
+
+@pytest.mark.parametrize("verb", ["changes", "removes"])
+def test_a_device_annotation_cannot_change_or_go(verb: str) -> None:
+    key = "nvidia.cdi.k8s.io/pod"
+    old = changed(plain_pod(), lambda p: p["metadata"]["annotations"].update({key: "nvidia.com/gpu=0"}))
+    change = (lambda p: p["metadata"]["annotations"].pop(key)) if verb == "removes" else \
+        (lambda p: p["metadata"]["annotations"].update({key: "x" * 500}))
+    allowed, message = PROTECT.update(old, changed(old, change))
+    assert not allowed and f"{verb} the annotation {key}" in message
+    if verb == "changes":
+        assert "(500 characters)" in message  # a long value is not repeated
+
+
+@pytest.mark.parametrize("key", ["example.com/nvidia.cdi.k8s.io", "nvidia.cdi.k8s.io.example.com/x", "mycdi.k8s.io/a"])
+def test_look_alike_annotations_pass(key: str) -> None:
+    old = plain_pod()
+    assert PROTECT.update(old, changed(old, lambda p: p["metadata"]["annotations"].update({key: "1"}))) == (
+        True, "allowed")
+
+
+def test_the_device_annotations_are_the_webhooks() -> None:
+    expressions = {v["name"]: v["expression"] for v in POLICY["spec"]["variables"]}
+    domains = _ok(_compile(expressions["deviceAnnotationDomains"]).evaluate({}), "deviceAnnotationDomains")
+    assert list(domains) == [domain for domain, _ in DEVICE_ANNOTATIONS]
 
 
 # --- exec and attach -----------------------------------------------------------------------------

@@ -21,6 +21,10 @@ ADMINS = ("system:masters", "gpufence:admins")
     "/", "/dev", "/dev/", "/dev/nvidia0", "//dev//nvidia-caps", "/dev/./nvidiactl", "/proc", "/proc/driver/nvidia",
     "/sys/bus/pci/devices", "/run", "/run/nvidia", "/run/nvidia/driver", "/var/run/nvidia", "/var", "/usr",
     "/usr/lib", "/usr/lib/x86_64-linux-gnu", "/usr/lib/x86_64-linux-gnu/libcuda.so.1", "/usr/lib64", "/lib64",
+    # issue 38 row 3: the memory filesystems pass exactly, not what lies under them (a symlink another
+    # pod can leave there), and /dev's device directories stay refused
+    "/dev/shm/d", "/dev/hugepages/x/y", "/dev/mqueue/q", "/dev/char", "/dev/char/195:0", "/dev/nvidia-caps",
+    "/dev/dri", "/dev/shmx",
 ])
 def test_paths_that_reach_the_devices_or_the_driver(path: str) -> None:
     assert reaches_devices(path)
@@ -29,6 +33,7 @@ def test_paths_that_reach_the_devices_or_the_driver(path: str) -> None:
 @pytest.mark.parametrize("path", [
     "/var/cache/models", "/data", "/devices", "/dev-cache", "/run/nvidia-persistenced-not", "/usr/local/lib/libvgpu.so",
     "/opt", "/home/user", "/processes", "relative/dev",
+    "/dev/shm", "/dev/shm/", "//dev//hugepages", "/dev/mqueue/.",
 ])
 def test_paths_that_do_not(path: str) -> None:
     assert not reaches_devices(path)
@@ -111,3 +116,29 @@ def test_the_review_denies_opted_out_pods_too_and_exempts_admins() -> None:
                    ).outcome == "denied"
     assert _review(privileged, ["gpufence:admins"]).outcome == "skipped"
     assert _review(privileged, [], InjectionSettings(device_access_namespaces=("team",))).outcome == "skipped"
+
+
+def test_memory_filesystems_pass_but_not_as_device_types() -> None:
+    """Issue 38 row 3: an MPI/NCCL worker's hostPath /dev/shm (tmpfs) is no device access."""
+    shm = spec(volumes=[{"name": "dshm", "hostPath": {"path": "/dev/shm", "type": "Directory"}},
+                        {"name": "huge", "hostPath": {"path": "/dev/hugepages"}},
+                        {"name": "mq", "hostPath": {"path": "/dev/mqueue"}}])
+    assert device_access_denial(shm, "team", [], ADMINS, ()) is None
+    char = spec(volumes=[{"name": "dshm", "hostPath": {"path": "/dev/shm", "type": "CharDevice"}}])
+    assert "spec.volumes[0].hostPath.type" in (device_access_denial(char, "team", [], ADMINS, ()) or "")
+
+
+@pytest.mark.parametrize("target", [
+    "/var/run/nvidia-container-devices/all", "/var/run/nvidia-container-devices",
+    "//var/run/x/../nvidia-container-devices/GPU-0", "/var/run/nvidia-container-devicesX",
+])
+def test_mounts_the_toolkit_reads_as_gpu_requests_are_denied(target: str) -> None:
+    """Whatever the volume: a hostPath of a symlink the node has to /dev/null is not seen here."""
+    pod = spec(containers=[{"name": "c", "volumeMounts": [{"name": "v", "mountPath": "/data"},
+                                                          {"name": "v", "mountPath": target}]}],
+               volumes=[{"name": "v", "hostPath": {"path": "/usr/lib/systemd/system/ctrl-alt-del.target"}}])
+    denial = device_access_denial(pod, "team", [], ADMINS, ())
+    assert denial is not None and "spec.containers[0].volumeMounts[1].mountPath" in denial
+    assert device_access_denial(pod, "team", ["gpufence:admins"], ADMINS, ()) is None
+    fine = spec(containers=[{"name": "c", "volumeMounts": [{"name": "v", "mountPath": "/var/run/nvidia"}]}])
+    assert device_access_denial(fine, "team", [], ADMINS, ()) is None

@@ -208,6 +208,44 @@ def test_sidecar_user_ignores_non_gpu_containers() -> None:
         sidecar_user(spec, {"train", "proxy"}, "restricted", [])
 
 
+# --- no way to root beside a non-root sidecar (issue 38 row 2) ---------------------------------------
+
+
+def gpu_contexts(pod: dict) -> list:
+    return [c.get("securityContext") for c in pod["spec"]["containers"] if c["name"] != SIDECAR_NAME]
+
+
+@pytest.mark.parametrize("level", ["baseline", "restricted", "some-future-level"])
+def test_gpu_containers_get_no_new_privs_where_the_sidecar_cannot_reach_root(level: str) -> None:
+    pod = gpu_pod(securityContext={"runAsUser": 1000})
+    pod["spec"]["containers"][0]["securityContext"] = {"capabilities": {"drop": ["ALL"]}}
+    pod["spec"]["containers"].append({"name": "logger", "image": "i"})  # no GPU: left as it is
+    new, _ = desired_pod(pod, PLAN, DEFAULT, level)
+    assert gpu_contexts(new) == [{"capabilities": {"drop": ["ALL"]}, "allowPrivilegeEscalation": False}, None]
+    assert desired_pod(new, PLAN, DEFAULT, level)[0] == new  # a fixed point
+
+
+@pytest.mark.parametrize("level", [None, "privileged"])
+def test_where_the_root_sidecar_reaches_root_the_container_is_left_as_it_is(level: str | None) -> None:
+    pod = gpu_pod(securityContext={"runAsUser": 1000})
+    pod["spec"]["containers"][0]["securityContext"] = {"allowPrivilegeEscalation": True}
+    new, _ = desired_pod(pod, PLAN, DEFAULT, level)
+    assert gpu_contexts(new) == [{"allowPrivilegeEscalation": True}]
+
+
+@pytest.mark.parametrize(("context", "field"), [
+    ({"allowPrivilegeEscalation": True}, "spec.containers[0].securityContext.allowPrivilegeEscalation"),
+    ({"capabilities": {"add": ["SYS_ADMIN"]}}, "spec.containers[0].securityContext.capabilities.add"),
+])
+def test_an_explicit_escalation_is_denied_naming_the_field(context: dict, field: str) -> None:
+    pod = gpu_pod(securityContext={"runAsUser": 1000})
+    pod["spec"]["containers"][0]["securityContext"] = context
+    with pytest.raises(MutationError) as denied:
+        desired_pod(pod, PLAN, DEFAULT, "baseline")
+    assert str(denied.value).startswith('container "train" ') and f"({field})" in str(denied.value)
+    assert 'Pod Security "baseline"' in str(denied.value)
+
+
 def test_a_users_hint_is_kept_and_a_limit_variable_replaced() -> None:
     """TF_FORCE_GPU_ALLOW_GROWTH is the user's to choose; GPUFENCE_MEMORY_LIMIT carries the share."""
     pod = gpu_pod()
