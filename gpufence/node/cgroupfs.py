@@ -113,8 +113,12 @@ class CgroupFs:
         failed: list[tuple[int, str]] = []
         v2 = self.v2_dir(where)
         if v2 is not None and (v2 / "cgroup.kill").exists():
-            with contextlib.suppress(OSError):
-                (v2 / "cgroup.kill").write_text("1")
+            before = self.pids(where)
+            try:
+                (v2 / "cgroup.kill").write_text("1")  # the kernel's own sweep, forks included
+                sent += sorted(before)
+            except OSError:
+                pass  # the rounds below do it
         for _ in range(KILL_ROUNDS):
             if not self.pids(where):
                 break

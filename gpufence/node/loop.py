@@ -184,14 +184,14 @@ class Guardian:
         where = episode.placement
         result = self.fs.signal(where, 15) if action is Action.SIGTERM else self.fs.kill(where)
         record = dict(episode.record)
+        self.metrics.actions.labels(action.value, episode.reason).inc()  # before the line that says so
         self.log.emit(
             f"guardian_{action.value}", level="warning", reason=episode.reason, cgroup=episode.cgroup,
             sent=list(result.sent), gone=list(result.gone),
             failed=[f"{pid}: {error}" for pid, error in result.failed] or None,
             grace_seconds=round(episode.kill_at - episode.started, 3),
-            held_seconds=round(self.clock() - episode.started, 3), **record,
+            held_seconds=round(self.clock() - episode.started, 3), episode_started=episode.started, **record,
         )
-        self.metrics.actions.labels(action.value, episode.reason).inc()
         what = "SIGTERM, then SIGKILL after the grace period" if action is Action.SIGTERM else "SIGKILL"
         self.events.record(
             record.get("namespace"), record.get("pod"), record.get("pod_uid"),
@@ -233,9 +233,9 @@ class Guardian:
                               sm_utilization=change.sm_utilization, reason=change.reason or None)
 
     def _audit(self, breach: Breach) -> None:
+        self.metrics.actions.labels("audit", breach.reason).inc()
         self.log.warning("guardian_audit", reason=breach.reason, cgroup=breach.cgroup, action="none (audit)",
                          **dict(breach.record))
-        self.metrics.actions.labels("audit", breach.reason).inc()
         record = breach.record
         self.events.record(record.get("namespace"), record.get("pod"), record.get("pod_uid"),
                            EVENT_REASONS.get(breach.reason, "GPUGuardianAction"),
