@@ -32,6 +32,7 @@ from types import FrameType
 
 from gpufence import version_line
 from gpufence.contract import DEFAULT_GRACE_PERIOD_SECONDS, MIN_POLL_INTERVAL_SECONDS, Mode
+from gpufence.enforcer.decide.compute import INEFFECTIVE_SECONDS
 from gpufence.enforcer.observe.nvml import NvmlClient
 from gpufence.enforcer.observe.watchdog import DeadlineRunner
 from gpufence.enforcer.report.decision_log import LEVELS, DecisionLog, forward_stdlib_logging
@@ -81,6 +82,9 @@ def parser() -> argparse.ArgumentParser:
                    "yet is given before it counts as unaccounted (default 5)")
     p.add_argument("--compute-window", type=_positive, default=5.0, help="the compute controller's window (default 5)")
     p.add_argument("--compute-period", type=_positive, default=1.0, help="the freezer's duty-cycle period (default 1)")
+    p.add_argument("--throttle-ineffective-after", type=_positive, default=INEFFECTIVE_SECONDS,
+                   help="a container whose use stays over its share this long with the freezer at its minimum "
+                   f"run fraction is terminated (throttle_ineffective; default {INEFFECTIVE_SECONDS:g})")
     p.add_argument("--nvml-timeout", type=_positive, default=5.0, help="deadline of one NVML call (default 5)")
     nvml = p.add_mutually_exclusive_group()
     nvml.add_argument("--simulate", metavar="STATE_FILE", help="use the simulated NVML (simnvml) with this state file")
@@ -132,7 +136,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         nvml=NvmlClient(library), runner=DeadlineRunner(args.nvml_timeout), fs=fs, pods=pods,
         engine=NodeEngine(mode=Mode(args.mode), poll_interval=args.poll_interval, settle_seconds=args.settle,
                           unaccounted_grace=args.unaccounted_grace, compute_window_seconds=args.compute_window,
-                          compute_period_seconds=args.compute_period),
+                          compute_period_seconds=args.compute_period,
+                          compute_ineffective_seconds=args.throttle_ineffective_after),
         state=state, throttle=throttle, log=log, metrics=metrics, events=events, proc_root=args.proc_root,
     )
 

@@ -35,6 +35,7 @@ from types import MappingProxyType
 from typing import Any
 
 from gpufence.contract import DEFAULT_GRACE_PERIOD_SECONDS, Mode
+from gpufence.enforcer.decide.compute import INEFFECTIVE_SECONDS
 from gpufence.enforcer.decide.machine import Core, Decisions
 from gpufence.enforcer.decide.rules import TerminateOrder
 from gpufence.enforcer.observe.attribution import Attribution, PodProcess
@@ -213,6 +214,7 @@ class NodeEngine:
         unaccounted_grace: float = DEFAULT_GRACE_PERIOD_SECONDS,
         compute_window_seconds: float = 5.0,
         compute_period_seconds: float = 1.0,
+        compute_ineffective_seconds: float = INEFFECTIVE_SECONDS,
     ) -> None:
         self.mode = mode
         self.poll_interval = poll_interval
@@ -220,6 +222,7 @@ class NodeEngine:
         self.unaccounted_grace = unaccounted_grace
         self._window = compute_window_seconds
         self._period = compute_period_seconds
+        self._ineffective = compute_ineffective_seconds
         self.backstop = Backstop()
         self._cores: dict[str, Core] = {}
         self._pending_since: dict[str, float] = {}
@@ -254,7 +257,8 @@ class NodeEngine:
             core = self._cores.get(uid)
             if core is None:
                 core = self._cores[uid] = Core(pod.config, compute_window_seconds=self._window,
-                                               compute_period_seconds=self._period)
+                                               compute_period_seconds=self._period,
+                                               compute_ineffective_seconds=self._ineffective)
             result = core.step(now, _attribution(entries), device_totals, mig_devices)
             decisions[uid] = result
             enforce = self.mode is Mode.ENFORCE and pod.config.mode is Mode.ENFORCE

@@ -208,3 +208,22 @@ def test_backstop_next_due_is_the_earliest_pending_signal() -> None:
     engine = NodeEngine(unaccounted_grace=4.0)
     engine.step(100.0, [proc(10, TRAIN, 9 * GIB)], {0: 80 * GIB}, index(pod(cfg=EIGHT)))
     assert engine.next_due() == 100.0 + 10 + 0.5 + 1.0
+
+
+def test_gpu_work_that_outlives_the_freezer_is_terminated_by_the_guardian_itself() -> None:
+    # The driver keeps reporting full use while the freezer holds the container at its minimum: the
+    # Core's throttle_ineffective order, which no sidecar sees (it is the guardian's freeze that fails).
+    engine = NodeEngine(compute_window_seconds=1.0, compute_period_seconds=0.5, compute_ineffective_seconds=3.0,
+                        unaccounted_grace=99.0)
+    idx = index(pod(cfg=EIGHT))
+    now, actions = 100.0, []
+    while not actions:
+        assert now < 130.0, "no throttle_ineffective order in 30 s of full use"
+        result = engine.step(now, [proc(10, TRAIN, GIB, sm=100)], {0: 80 * GIB}, idx)
+        actions = list(result.step.actions)
+        now += 0.25
+    ((action, episode),) = actions
+    assert action is Action.SIGTERM and episode.reason == "throttle_ineffective"
+    assert episode.kill_at - episode.started == 10  # the pod's grace period
+    assert episode.record["compute_share"] == 0.2 and episode.record["sm_utilization"] > 0.2
+    assert episode.cgroup not in result.throttle  # terminated, no longer throttled

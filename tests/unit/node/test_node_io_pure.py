@@ -111,3 +111,17 @@ def test_the_guardian_exports_exactly_the_node_metric_names() -> None:
     # Every (action, reason) the guardian can count exists at zero, so its first kill is an increase.
     assert 'gpufence_node_actions_total{action="sigkill",reason="memory_over_share"} 0.0' in (
         generate_latest(registry).decode())
+
+
+def test_the_guardians_events_name_it_not_the_sidecar() -> None:
+    from datetime import UTC, datetime
+
+    from gpufence.enforcer.report.decision_log import DecisionLog
+    from gpufence.enforcer.report.events import PodRef
+    from gpufence.node.report import _GuardianRecorder
+
+    recorder = _GuardianRecorder(DecisionLog(), PodRef("team-a", "p", UID), None, host="gpu-node-1")
+    body = recorder.event_body("GPUProcessUnaccounted", "m", "Warning", "", datetime.now(UTC))
+    assert body["reportingComponent"] == "gpufence-node"
+    assert body["source"] == {"component": "gpufence-node", "host": "gpu-node-1"}
+    assert body["involvedObject"]["uid"] == UID and body["involvedObject"]["namespace"] == "team-a"
