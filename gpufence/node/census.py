@@ -121,7 +121,22 @@ def placement(text: str | None) -> Placement:
         return HOST
     uid, container = pod_and_container(path)
     freezer = parsed.v1.get("freezer")
+    if container is not None:
+        # A cgroup the container made below its own is still the container: act on all of it.
+        path, unified, freezer = (container_root(p) for p in (path, parsed.unified, freezer))
+        return Placement(uid, container, path, unified, freezer)
     return Placement(uid, container, path, parsed.unified, freezer)
+
+
+def container_root(path: str | None) -> str | None:
+    """``path`` cut after the segment that names its pod's container (unchanged when none does)."""
+    if path is None:
+        return None
+    segments = path.split("/")
+    for index in range(len(segments) - 1, 0, -1):
+        if _pod_uid(segments[index - 1]) is not None and _container_id(segments[index]) is not None:
+            return "/".join(segments[: index + 1])
+    return path
 
 
 def _pod_uid(segment: str) -> str | None:

@@ -79,6 +79,12 @@ def test_the_pods_own_cgroup_and_the_sandbox_name_no_container() -> None:
     assert pod_and_container(f"/kubepods/burstable/pod{UID}/{CID}/inner") == (UID, CID)
 
 
+def test_a_cgroup_the_container_made_is_the_container() -> None:
+    where = placement(f"12:freezer:/kubepods/pod{UID}/{CID}/worker\n0::/kubepods/pod{UID}/{CID}/worker/a\n")
+    assert where.container_id == CID
+    assert where.path == where.unified == where.freezer == f"/kubepods/pod{UID}/{CID}"
+
+
 def test_a_nested_node_takes_the_innermost_pod() -> None:
     outer = "0" * 8 + "-1111-2222-3333-" + "4" * 12
     path = f"/kubepods/burstable/pod{outer}/{'a' * 64}/kubepods/besteffort/pod{UID}/{CID}"
