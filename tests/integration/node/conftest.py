@@ -80,6 +80,7 @@ class Container:
         argv = [sys.executable, script or str(WORKLOAD), str(gpu.device)] + (["--ignore-term"] if ignore_term else [])
         shell = f"{self.enter_command()}; exec {shlex.join([*wrap, *argv])}"
         env = {k: v for k, v in os.environ.items() if not k.startswith("GPUFENCE_")}
+        env["GPUFENCE_CONTAINER"] = self.name  # what the webhook sets: the sidecar's claim, never the guardian's
         proc = subprocess.Popen(["sh", "-c", shell], env=env, stdout=subprocess.PIPE, text=True)
         w = Workload(proc, self.name)
         gpu.workloads.append(w)
