@@ -78,8 +78,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--unaccounted-grace", type=float, default=DEFAULT_GRACE_PERIOD_SECONDS,
                    help="SIGTERM to SIGKILL for a container holding no admitted share (default "
                    f"{DEFAULT_GRACE_PERIOD_SECONDS:g} s)")
-    p.add_argument("--settle", type=float, default=5.0, help="seconds a container the pod's status does not name "
-                   "yet is given before it counts as unaccounted (default 5)")
+    p.add_argument("--settle", type=float, default=15.0, help="seconds a container the pod's status does not name "
+                   "yet is given before it counts as unaccounted (default 15: the kubelet writes a new ID a moment "
+                   "after the start, later on a loaded node)")
     p.add_argument("--compute-window", type=_positive, default=5.0, help="the compute controller's window (default 5)")
     p.add_argument("--compute-period", type=_positive, default=1.0, help="the freezer's duty-cycle period (default 1)")
     p.add_argument("--throttle-ineffective-after", type=_positive, default=INEFFECTIVE_SECONDS,

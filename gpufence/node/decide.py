@@ -210,7 +210,7 @@ class NodeEngine:
         *,
         mode: Mode = Mode.ENFORCE,
         poll_interval: float = 0.5,
-        settle_seconds: float = 5.0,
+        settle_seconds: float = 15.0,
         unaccounted_grace: float = DEFAULT_GRACE_PERIOD_SECONDS,
         compute_window_seconds: float = 5.0,
         compute_period_seconds: float = 1.0,

@@ -115,7 +115,12 @@ class Guardian:
             self.log.error("guardian_state_unwritable", path=str(self.state.path), error=str(exc))
         self._report(decisions)
         for action, episode in decisions.step.actions:
-            self._act(action, episode)
+            try:
+                self._act(action, episode)
+            except Exception as exc:  # one container's failure must not hold back the others' signals
+                self.metrics.poll_errors.inc()
+                self.log.error("guardian_action_failed", action=action.value, cgroup=episode.cgroup,
+                               error=f"{type(exc).__name__}: {exc}")
         self.throttle.set_plan(decisions.throttle, LEASE_POLLS * self.engine.poll_interval + 0.5)
         self.metrics.throttle(decisions.throttle.values())
         self.metrics.census(decisions.census)
