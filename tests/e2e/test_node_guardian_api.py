@@ -30,7 +30,7 @@ SHARE = EnforcerConfig(containers={"train": ContainerShare(memory=MemoryShare(by
 
 @pytest.fixture(scope="module")
 def guardian_rbac(cluster: ControlPlane) -> None:
-    files = [COMPONENT / "namespace.yaml", COMPONENT / "rbac.yaml"]
+    files = [COMPONENT / "namespace.yaml", COMPONENT / "rbac.yaml", COMPONENT / "protect-events.yaml"]
     objects = [o for path in files for o in yaml.safe_load_all(path.read_text())]
     apply_objects(cluster, objects)
 
@@ -103,3 +103,54 @@ def test_the_pod_watch_sees_its_nodes_pods_with_their_shares_and_container_ids(
         kube.wait_for(lambda: mine.metadata.uid not in watch.index().pods, "the deleted pod gone")
     finally:
         watch.stop(timeout=5)
+
+
+def core_event(namespace: str, component: str) -> dict[str, Any]:
+    return {
+        "metadata": {"generateName": "p.gpufence."},
+        "involvedObject": {"apiVersion": "v1", "kind": "Pod", "name": "p", "namespace": namespace},
+        "reason": "GPUMemoryOverShare", "message": "forged?", "type": "Warning",
+        "source": {"component": component}, "reportingComponent": component, "reportingInstance": "x",
+    }
+
+
+def events_v1_event(namespace: str, controller: str) -> dict[str, Any]:
+    return {
+        "metadata": {"generateName": "p-gpufence-"}, "eventTime": "2026-12-05T10:00:00.000000Z",
+        "regarding": {"apiVersion": "v1", "kind": "Pod", "name": "p", "namespace": namespace},
+        "reason": "GPUMemoryOverShare", "note": "forged?", "type": "Warning", "action": "Kill",
+        "reportingController": controller, "reportingInstance": "x",
+    }
+
+
+@pytest.mark.parametrize("claimed", ["gpufence-node", "GPUfence-Node "])
+def test_only_the_guardian_may_post_events_that_claim_it(
+    cluster: ControlPlane, guardian_rbac: None, admin: client.ApiClient, tmp_path: Path, claimed: str
+) -> None:
+    # A tenant holding a token of an account that may create Events in its namespace (what `edit`
+    # gets by minting its sidecar's token).
+    namespace = kube.create_namespace(admin, "forger", labels={"gpufence.io/injection": "enabled"})
+    client.CoreV1Api(admin).create_namespaced_service_account(namespace, {"metadata": {"name": "tenant"}})
+    rbac = client.RbacAuthorizationV1Api(admin)
+    rbac.create_namespaced_role(namespace, {"metadata": {"name": "events"}, "rules": [
+        {"apiGroups": ["", "events.k8s.io"], "resources": ["events"], "verbs": ["create"]}]})
+    rbac.create_namespaced_role_binding(namespace, {
+        "metadata": {"name": "tenant-events"},
+        "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": "events"},
+        "subjects": [{"kind": "ServiceAccount", "name": "tenant", "namespace": namespace}],
+    })
+    tenant = kube.api_client(service_account_kubeconfig(cluster, namespace, "tenant", tmp_path / "tenant.kubeconfig"))
+    guardian = kube.api_client(service_account_kubeconfig(cluster, "gpufence-node", "gpufence-node",
+                                                          tmp_path / "guardian.kubeconfig"))
+    for path, body in ((f"/api/v1/namespaces/{namespace}/events", core_event(namespace, claimed)),
+                       # events.k8s.io validates reportingController as a qualified name: lower case only.
+                       (f"/apis/events.k8s.io/v1/namespaces/{namespace}/events",
+                        events_v1_event(namespace, claimed.lower().strip()))):
+        refused = kube.create(tenant, path, body)
+        assert not refused.admitted and "may only come from ServiceAccount gpufence-node/gpufence-node" in (
+            refused.message), (path, refused)
+    # The guardian posts core/v1 Events (the enforcer's recorder), which its ClusterRole allows.
+    assert kube.create(guardian, f"/api/v1/namespaces/{namespace}/events", core_event(namespace, claimed)).admitted
+    # The tenant's own component, and the sidecar's, stay the tenant's to post (documented as forgeable).
+    assert kube.create(tenant, f"/api/v1/namespaces/{namespace}/events",
+                       core_event(namespace, "gpufence-enforcer")).admitted
