@@ -37,7 +37,7 @@ RUN python -m pip wheel --no-deps --wheel-dir /dist . \
  && python -m venv /opt/gpufence \
  && /opt/gpufence/bin/pip install --require-hashes -r requirements/runtime.lock \
  && /opt/gpufence/bin/pip install --no-deps /dist/gpufence-*.whl \
- && for script in gpufence-webhook gpufence-enforcer gpufence-certs; do \
+ && for script in gpufence-webhook gpufence-enforcer gpufence-certs gpufence-node; do \
         test -x "/opt/gpufence/bin/$script" || { echo "missing console script $script" >&2; exit 1; }; \
     done \
  && /opt/gpufence/bin/pip uninstall --yes pip setuptools \

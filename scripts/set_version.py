@@ -43,6 +43,7 @@ SITES: tuple[Site, ...] = (
     _site("k8s/base/kustomization.yaml", r'newTag: "', '"'),
     # Image references as written (kustomize's images: rewrites them, but --sidecar-image is an arg).
     _site("k8s/base/*.yaml", r"ghcr\.io/gpufence/gpufence:"),
+    _site("k8s/components/node-guardian/daemonset.yaml", r"ghcr\.io/gpufence/gpufence:"),
     # The Helm chart: its own version and the app's (the default image tag).
     _site("charts/gpufence/Chart.yaml", r"^version: "),
     _site("charts/gpufence/Chart.yaml", r'^appVersion: "', '"'),

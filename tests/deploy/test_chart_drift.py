@@ -40,6 +40,7 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "k8s/overlays/cert-manager": {"certManager": {"enabled": True}},
     "k8s/overlays/monitoring": {"monitoring": {"enabled": True}},
     "k8s/overlays/cert-manager-monitoring": {"certManager": {"enabled": True}, "monitoring": {"enabled": True}},
+    "k8s/overlays/node-guardian": {"nodeGuardian": {"enabled": True}},
 }
 assert set(VARIANTS) == set(BUILDS)
 

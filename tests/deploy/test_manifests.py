@@ -54,7 +54,10 @@ BUILDS = {
     "k8s/overlays/cert-manager": {"cert_manager": True, "monitoring": False},
     "k8s/overlays/monitoring": {"cert_manager": False, "monitoring": True},
     "k8s/overlays/cert-manager-monitoring": {"cert_manager": True, "monitoring": True},
+    "k8s/overlays/node-guardian": {"cert_manager": False, "monitoring": False, "node_guardian": True},
 }
+# The node guardian's own namespace (privileged Pod Security: k8s/components/node-guardian).
+NODE_NAMESPACE = "gpufence-node"
 BASE_KINDS = {
     "Namespace", "ServiceAccount", "ClusterRole", "ClusterRoleBinding", "Role", "RoleBinding", "Deployment",
     "PodDisruptionBudget", "Service", "Job", "CronJob", "MutatingWebhookConfiguration",
@@ -343,12 +346,41 @@ def test_build_contents(directory: str) -> None:
         assert len(certs_objects) == 7  # ServiceAccount, Role, RoleBinding, ClusterRole(Binding), Job, CronJob
         assert not {"Certificate", "Issuer"} & kinds
     assert ({"PodMonitor", "ServiceMonitor", "PrometheusRule"} <= kinds) == expect["monitoring"]
+    guardian = expect.get("node_guardian", False)
+    assert ("DaemonSet" in kinds) == guardian
     for obj in objects:
         assert obj["metadata"]["labels"]["app.kubernetes.io/part-of"] == "gpufence"
         if obj["kind"] not in {"Namespace", "ClusterRole", "ClusterRoleBinding", "MutatingWebhookConfiguration",
                                "ValidatingWebhookConfiguration", "ValidatingAdmissionPolicy",
                                "ValidatingAdmissionPolicyBinding", "PriorityClass"}:  # fmt: skip
-            assert obj["metadata"].get("namespace") == NAMESPACE, obj["metadata"]["name"]
+            own = NODE_NAMESPACE if obj["metadata"]["name"] == "gpufence-node" and guardian else NAMESPACE
+            assert obj["metadata"].get("namespace") == own, obj["metadata"]["name"]
+
+
+def test_the_node_guardian_is_read_only_through_the_api_and_host_bound_on_the_node() -> None:
+    """Least privilege, as docs/internals/node-guardian.md states it: read pods, namespaces and
+    ResourceClaims, create Events, nothing else; on the node, the host's PID namespace, cgroupfs and
+    a state directory, in a namespace of its own so that gpufence's stays restricted."""
+    objects = render("k8s/overlays/node-guardian")
+    role = one(objects, "ClusterRole", "gpufence-node")
+    granted = {(group, resource, verb) for rule in role["rules"] for group in rule["apiGroups"]
+               for resource in rule["resources"] for verb in rule["verbs"]}  # fmt: skip
+    assert granted == {("", r, v) for r in ("pods", "namespaces") for v in ("get", "list", "watch")} | {
+        ("resource.k8s.io", "resourceclaims", v) for v in ("get", "list", "watch")} | {("", "events", "create")}
+    binding = one(objects, "ClusterRoleBinding", "gpufence-node")
+    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": "gpufence-node", "namespace": NODE_NAMESPACE}]
+    daemonset = one(objects, "DaemonSet", "gpufence-node")
+    spec = daemonset["spec"]["template"]["spec"]
+    assert spec["hostPID"] is True and spec["serviceAccountName"] == "gpufence-node"
+    (container,) = spec["containers"]
+    assert container["command"] == ["gpufence-node"]
+    assert {v["hostPath"]["path"] for v in spec["volumes"]} == {"/sys/fs/cgroup", "/var/lib/gpufence-node"}
+    assert {e["name"]: e.get("valueFrom") for e in container["env"]}["NODE_NAME"] == {
+        "fieldRef": {"fieldPath": "spec.nodeName"}}
+    namespaces = {o["metadata"]["name"]: o for o in find(objects, "Namespace")}
+    assert namespaces[NAMESPACE]["metadata"]["labels"]["pod-security.kubernetes.io/enforce"] == "restricted"
+    assert namespaces[NODE_NAMESPACE]["metadata"]["labels"]["pod-security.kubernetes.io/enforce"] == "privileged"
+    assert "gpufence.io/injection" not in namespaces[NODE_NAMESPACE]["metadata"]["labels"]
 
 
 # ---------------------------------------------------------------------------------------------

@@ -20,6 +20,7 @@ CLIS = {
     "gpufence-enforcer": "gpufence.enforcer",
     "gpufence-certs": "gpufence.certs",
     "gpufence": "gpufence.monitor",
+    "gpufence-node": "gpufence.node",
 }
 
 

@@ -29,5 +29,5 @@ def test_the_wheel_holds_one_top_level_package(tmp_path: Path) -> None:
     (entry_points,) = [n for n in names if n.endswith(".dist-info/entry_points.txt")]
     scripts = zipfile.ZipFile(wheel).read(entry_points).decode()
     for line in ("gpufence-webhook = gpufence.webhook.cli:main", "gpufence-enforcer = gpufence.enforcer.cli:main",
-                 "gpufence-certs = gpufence.certs.cli:main"):
+                 "gpufence-certs = gpufence.certs.cli:main", "gpufence-node = gpufence.node.cli:main"):
         assert line in scripts

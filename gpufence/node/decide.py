@@ -1,0 +1,394 @@
+"""The guardian's decisions (pure): the census of the node's GPU processes, the enforcer's own rules
+per admitted pod, and when the guardian acts on a breach.
+
+* **Census** (:func:`classify`): each GPU process NVML lists, placed by its host cgroup
+  (``census.placement``), is a container with an admitted share (``ADMITTED``), a container of an
+  opted-in namespace with none (``UNACCOUNTED``: admitted without a GPU, a container the config does
+  not name, a pod whose config does not parse, a process in the pod's own cgroup), a pod the API
+  server has not shown yet (``PENDING``), a pod of another namespace (``OTHER``) or the host's
+  (``HOST``).
+* **The enforcer's rules**: one ``enforcer.decide.machine.Core`` per admitted pod, fed the pod's
+  processes with the container names the pod's status gives their cgroups. Nothing of the rules is
+  written here: memory over share, GPUs over request and ineffective throttles are the Core's
+  orders, the compute throttle is its plan.
+* **One breach, one termination** (:class:`Backstop`): the sidecar acts first on a breach of an
+  admitted container (SIGTERM, SIGKILL after the pod's grace period). The guardian acts where the
+  breach outlasts that: at the grace period plus a handover (the pod's poll and two of the
+  guardian's), it SIGKILLs every process of the container's cgroup. A working sidecar has ended the
+  breach by then, so the guardian does nothing and the sidecar's records are the only ones; a
+  stopped, killed or evaded sidecar is replaced without a second grace period. Where no sidecar
+  can act (an unaccounted container, a one-shot order the sidecar cannot see: a freezer throttle
+  that does not hold), the guardian SIGTERMs at once and SIGKILLs after the grace period. A
+  SIGTERM sent commits the SIGKILL (the container is being terminated, whatever it uses meanwhile).
+
+Time is passed in (``CLOCK_BOOTTIME`` seconds at the edges, so a record outlives the guardian's
+process); episodes can be restored from the state file (``Backstop.restore``), so a restarted
+guardian neither grants a new grace period nor signals twice.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field, replace
+from enum import StrEnum
+from types import MappingProxyType
+from typing import Any
+
+from gpufence.contract import DEFAULT_GRACE_PERIOD_SECONDS, Mode
+from gpufence.enforcer.decide.compute import INEFFECTIVE_SECONDS
+from gpufence.enforcer.decide.machine import Core, Decisions
+from gpufence.enforcer.decide.rules import TerminateOrder
+from gpufence.enforcer.observe.attribution import Attribution, PodProcess
+from gpufence.node.census import Placement
+from gpufence.node.pods import Admission, NodePod, PodIndex
+
+
+class Standing(StrEnum):
+    ADMITTED = "admitted"
+    UNACCOUNTED = "unaccounted"
+    PENDING = "pending"
+    OTHER = "other_namespace"
+    HOST = "host"
+
+
+@dataclass(frozen=True)
+class GpuProc:
+    """One process NVML lists on one device, read on the host (``pid`` is a host PID)."""
+
+    pid: int
+    start_time_ticks: int
+    device_index: int
+    device_uuid: str
+    used_memory_bytes: int | None
+    sm_util: int | None
+    placement: Placement
+
+
+@dataclass(frozen=True)
+class CensusEntry:
+    process: GpuProc
+    standing: Standing
+    pod: NodePod | None
+    container: str | None  # the container's name, where the pod's status names its ID
+    why: str
+
+
+def classify(proc: GpuProc, index: PodIndex) -> CensusEntry:
+    """Where one GPU process stands (see the module's docstring); ``PENDING`` is promoted to
+    ``UNACCOUNTED`` by :class:`NodeEngine` once it has lasted its settle time."""
+    place = proc.placement
+    if not place.in_pod:
+        return CensusEntry(proc, Standing.HOST, None, None, "in no pod's cgroup")
+    pod = index.get(place.pod_uid)
+    if pod is None:
+        return CensusEntry(proc, Standing.PENDING, None, None, "a pod the API server has not shown on this node")
+    name = pod.containers.get(place.container_id) if place.container_id is not None else None
+    if pod.admission is Admission.ADMITTED:
+        if name is not None and pod.share_of(name):
+            return CensusEntry(proc, Standing.ADMITTED, pod, name, "an admitted share")
+        if name is not None:
+            return CensusEntry(proc, Standing.UNACCOUNTED, pod, name, "a container with no admitted GPU share")
+        if place.container_id is None:
+            return CensusEntry(proc, Standing.UNACCOUNTED, pod, None, "in the pod's cgroup, in no container")
+        return CensusEntry(proc, Standing.PENDING, pod, None, "a container ID the pod's status does not name (yet)")
+    if pod.namespace not in index.opted_in or pod.admission is Admission.OPTED_OUT:
+        return CensusEntry(proc, Standing.OTHER, pod, name, "a pod gpufence does not govern")
+    if pod.admission is Admission.INVALID:
+        return CensusEntry(proc, Standing.UNACCOUNTED, pod, name, pod.problem or "an invalid config")
+    return CensusEntry(proc, Standing.UNACCOUNTED, pod, name, "a pod admitted without a GPU share")
+
+
+# -- one breach, one termination ----------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Breach:
+    """A container the guardian may have to terminate, this poll."""
+
+    cgroup: str  # the key: the container's cgroup path (``Placement.path``)
+    placement: Placement
+    reason: str  # memory_over_share, gpus_over_request, throttle_ineffective, unaccounted
+    term_delay: float | None  # seconds from the start to the guardian's SIGTERM; None: the sidecar's
+    kill_delay: float  # seconds from the start to the SIGKILL
+    record: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))
+
+
+@dataclass(frozen=True)
+class Episode:
+    cgroup: str
+    placement: Placement
+    reason: str
+    started: float
+    term_at: float | None
+    kill_at: float
+    termed: bool = False
+    record: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))
+
+
+class Action(StrEnum):
+    SIGTERM = "sigterm"
+    SIGKILL = "sigkill"
+
+
+@dataclass(frozen=True)
+class Step:
+    actions: tuple[tuple[Action, Episode], ...]
+    started: tuple[Episode, ...]
+    ended: tuple[Episode, ...]  # a breach that ended before the guardian acted (the sidecar did)
+
+
+class Backstop:
+    """The guardian's termination episodes, keyed by cgroup (pure; time passed in)."""
+
+    def __init__(self) -> None:
+        self._episodes: dict[str, Episode] = {}
+
+    @property
+    def episodes(self) -> Mapping[str, Episode]:
+        return MappingProxyType(self._episodes)
+
+    def restore(self, episodes: Iterable[Episode]) -> None:
+        self._episodes = {e.cgroup: e for e in episodes}
+
+    def step(self, now: float, breaches: Iterable[Breach]) -> Step:
+        current = {b.cgroup: b for b in breaches}
+        started = []
+        for key, breach in current.items():
+            if key not in self._episodes:
+                term_at = None if breach.term_delay is None else now + breach.term_delay
+                episode = Episode(key, breach.placement, breach.reason, now, term_at, now + breach.kill_delay,
+                                  record=breach.record)
+                self._episodes[key] = episode
+                started.append(episode)
+        ended = []
+        actions: list[tuple[Action, Episode]] = []
+        for key, episode in list(self._episodes.items()):
+            if key not in current and not episode.termed:
+                ended.append(self._episodes.pop(key))
+                continue
+            if now >= episode.kill_at:
+                actions.append((Action.SIGKILL, self._episodes.pop(key)))
+            elif episode.term_at is not None and not episode.termed and now >= episode.term_at:
+                episode = replace(episode, termed=True)
+                self._episodes[key] = episode
+                actions.append((Action.SIGTERM, episode))
+        return Step(tuple(actions), tuple(started), tuple(ended))
+
+    def next_due(self) -> float | None:
+        """The earliest instant an episode is due (the loop wakes for it)."""
+        due = [e.kill_at for e in self._episodes.values()]
+        due += [e.term_at for e in self._episodes.values() if e.term_at is not None and not e.termed]
+        return min(due) if due else None
+
+
+# -- the engine ---------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ThrottleTarget:
+    fraction: float  # run fraction: the cgroup runs this share of each period, frozen for the rest
+    placement: Placement
+    pod: NodePod
+    container: str
+
+
+@dataclass(frozen=True)
+class NodeDecisions:
+    census: tuple[CensusEntry, ...]
+    step: Step
+    throttle: Mapping[str, ThrottleTarget]  # cgroup -> target
+    pods: Mapping[str, Decisions]  # pod UID -> the enforcer core's decisions for the pod
+    new_census: tuple[CensusEntry, ...]  # processes not seen before, or whose standing changed
+    report_only: tuple[Breach, ...] = ()  # breaches in audit (the guardian's or the pod's mode)
+
+
+class NodeEngine:
+    """One poll's decisions for the whole node: ``step(now, processes, device_totals, index)``."""
+
+    def __init__(
+        self,
+        *,
+        mode: Mode = Mode.ENFORCE,
+        poll_interval: float = 0.5,
+        settle_seconds: float = 15.0,
+        unaccounted_grace: float = DEFAULT_GRACE_PERIOD_SECONDS,
+        compute_window_seconds: float = 5.0,
+        compute_period_seconds: float = 1.0,
+        compute_ineffective_seconds: float = INEFFECTIVE_SECONDS,
+    ) -> None:
+        self.mode = mode
+        self.poll_interval = poll_interval
+        self.settle_seconds = settle_seconds
+        self.unaccounted_grace = unaccounted_grace
+        self._window = compute_window_seconds
+        self._period = compute_period_seconds
+        self._ineffective = compute_ineffective_seconds
+        self.backstop = Backstop()
+        self._cores: dict[str, Core] = {}
+        self._pending_since: dict[str, float] = {}
+        self._seen: dict[tuple[int, int, int], Standing] = {}
+
+    def step(
+        self,
+        now: float,
+        processes: Iterable[GpuProc],
+        device_totals: Mapping[int, int | None],
+        index: PodIndex,
+        mig_devices: frozenset[int] = frozenset(),
+    ) -> NodeDecisions:
+        census = tuple(self._settle(now, classify(p, index)) for p in processes)
+        new = self._new(census)
+        breaches: list[Breach] = []
+        report_only: list[Breach] = []
+        by_pod: dict[str, list[CensusEntry]] = {}
+        for entry in census:
+            if entry.standing is Standing.ADMITTED and entry.pod is not None:
+                by_pod.setdefault(entry.pod.uid, []).append(entry)
+            elif entry.standing is Standing.UNACCOUNTED and entry.process.placement.path is not None:
+                breach = self._unaccounted(entry)
+                (breaches if self.mode is Mode.ENFORCE else report_only).append(breach)
+        for uid in set(self._cores) - set(by_pod):
+            del self._cores[uid]  # the pod has no GPU process left (or is gone): its controller too
+        decisions: dict[str, Decisions] = {}
+        throttle: dict[str, ThrottleTarget] = {}
+        for uid, entries in by_pod.items():
+            pod = entries[0].pod
+            assert pod is not None and pod.config is not None
+            core = self._cores.get(uid)
+            if core is None:
+                core = self._cores[uid] = Core(pod.config, compute_window_seconds=self._window,
+                                               compute_period_seconds=self._period,
+                                               compute_ineffective_seconds=self._ineffective)
+            result = core.step(now, _attribution(entries), device_totals, mig_devices)
+            decisions[uid] = result
+            enforce = self.mode is Mode.ENFORCE and pod.config.mode is Mode.ENFORCE
+            for breach in self._pod_breaches(pod, entries, result):
+                (breaches if enforce else report_only).append(breach)
+            if enforce:
+                throttle.update(_throttle_targets(pod, entries, result))
+        # Unique keys: a container with processes on two devices is one breach (the first reason).
+        unique = {b.cgroup: b for b in reversed(breaches)}
+        step = self.backstop.step(now, unique.values())
+        for episode in self.backstop.episodes.values():
+            throttle.pop(episode.cgroup, None)  # terminated, not throttled (the act thaws it first)
+        for _, episode in step.actions:
+            throttle.pop(episode.cgroup, None)
+        return NodeDecisions(census, step, MappingProxyType(throttle), MappingProxyType(decisions), new,
+                             tuple({b.cgroup: b for b in report_only}.values()))
+
+    def next_due(self) -> float | None:
+        return self.backstop.next_due()
+
+    def wants_utilisation(self, now: float) -> bool:
+        # Every core is asked (each keeps its own timer); no core: the census needs no SM reading.
+        return any([core.wants_utilisation(now) for core in self._cores.values()])
+
+    # -- helpers ------------------------------------------------------------------------------
+
+    def _settle(self, now: float, entry: CensusEntry) -> CensusEntry:
+        """A pod or container the API server has not shown yet is given ``settle_seconds`` (the
+        kubelet writes a new container's ID into the pod's status a moment after it starts); a
+        known pod's unknown container is then unaccounted, an unknown pod stays pending."""
+        path = entry.process.placement.path
+        if entry.standing is not Standing.PENDING or path is None:
+            if path is not None:
+                self._pending_since.pop(path, None)
+            return entry
+        since = self._pending_since.setdefault(path, now)
+        if entry.pod is not None and now - since >= self.settle_seconds:
+            return replace(entry, standing=Standing.UNACCOUNTED,
+                           why=f"{entry.why}, for {self.settle_seconds:g} s")
+        return entry
+
+    def _new(self, census: tuple[CensusEntry, ...]) -> tuple[CensusEntry, ...]:
+        fresh = []
+        seen: dict[tuple[int, int, int], Standing] = {}
+        for entry in census:
+            p = entry.process
+            key = (p.pid, p.start_time_ticks, p.device_index)
+            seen[key] = entry.standing
+            if self._seen.get(key) is not entry.standing:
+                fresh.append(entry)
+        self._seen = seen
+        return tuple(fresh)
+
+    def _unaccounted(self, entry: CensusEntry) -> Breach:
+        place = entry.process.placement
+        assert place.path is not None
+        pod = entry.pod
+        return Breach(
+            cgroup=place.path, placement=place, reason="unaccounted", term_delay=0.0,
+            kill_delay=self.unaccounted_grace,
+            record=MappingProxyType({
+                "namespace": pod.namespace if pod else None, "pod": pod.name if pod else None,
+                "pod_uid": place.pod_uid, "container": entry.container, "container_id": place.container_id,
+                "why": entry.why, "pid": entry.process.pid, "uuid": entry.process.device_uuid,
+                "used_bytes": entry.process.used_memory_bytes,
+            }),
+        )
+
+    def _pod_breaches(self, pod: NodePod, entries: list[CensusEntry], result: Decisions) -> list[Breach]:
+        assert pod.config is not None
+        handover = pod.config.poll_interval_seconds + 2 * self.poll_interval
+        grace = pod.config.grace_period_seconds
+        by_name: dict[str, list[Placement]] = {}
+        for entry in entries:
+            if entry.container is not None:
+                by_name.setdefault(entry.container, []).append(entry.process.placement)
+        breaches = []
+        for order in result.orders:
+            if order.container is None:
+                continue  # the guardian names every process's container: it gives the Core none unattributed
+            one_shot = order.ineffective_use is not None or bool(order.evaded_pids)
+            for place in {p.path: p for p in by_name.get(order.container, ())}.values():
+                assert place.path is not None
+                breaches.append(Breach(
+                    cgroup=place.path, placement=place, reason=_reason(order),
+                    term_delay=0.0 if one_shot else None,
+                    kill_delay=grace if one_shot else grace + handover,
+                    record=MappingProxyType(_order_record(pod, order, place)),
+                ))
+        return breaches
+
+
+def _reason(order: TerminateOrder) -> str:
+    if order.ineffective_use is not None:
+        return "throttle_ineffective"
+    if order.evaded_pids:
+        return "throttle_evaded"
+    if order.gpus_requested is not None:
+        return "gpus_over_request"
+    return "memory_over_share"
+
+
+def _order_record(pod: NodePod, order: TerminateOrder, place: Placement) -> dict[str, Any]:
+    return {
+        "namespace": pod.namespace, "pod": pod.name, "pod_uid": pod.uid, "container": order.container,
+        "container_id": place.container_id, "uuid": order.device_uuid, "gpu": order.device_index,
+        "used_bytes": order.used_bytes, "limit_bytes": order.limit_bytes,
+        "gpus_requested": order.gpus_requested,
+        "sm_utilization": order.ineffective_use, "compute_share": order.compute_share,
+    }
+
+
+def _attribution(entries: list[CensusEntry]) -> Attribution:
+    processes = tuple(
+        PodProcess(
+            pid=e.process.pid, nvml_pid=e.process.pid, start_time_ticks=e.process.start_time_ticks,
+            container=e.container, device_index=e.process.device_index, device_uuid=e.process.device_uuid,
+            used_memory_bytes=e.process.used_memory_bytes, sm_util=e.process.sm_util,
+            cgroup=e.process.placement.path,
+        )
+        for e in entries
+    )
+    return Attribution(processes, ())
+
+
+def _throttle_targets(pod: NodePod, entries: list[CensusEntry], result: Decisions) -> dict[str, ThrottleTarget]:
+    targets = {}
+    for entry in entries:
+        name = entry.container
+        place = entry.process.placement
+        if name is not None and name in result.plan and place.path is not None:
+            targets[place.path] = ThrottleTarget(result.plan[name], place, pod, name)
+    return targets

@@ -1,0 +1,150 @@
+"""Where the guardian learns the pods on its node and the opted-in namespaces.
+
+* :class:`PodWatch`: list, then watch, the pods with ``fieldSelector=spec.nodeName=<node>`` (the
+  webhook's ``ListWatch`` loop: relist after a 410 or any error, with backoff), with the webhook's
+  Namespace cache beside it (labels and annotations, which only the namespace's admin writes).
+  Read-only RBAC: ``get``/``list``/``watch`` on pods and namespaces.
+* :class:`PodsFile`: the same from a JSON file (``{"pods": [...], "namespaces": [...]}``, Kubernetes
+  objects), re-read when it changes: for running the guardian outside a cluster (tests, the demo).
+
+Both answer :meth:`index` with a ``pods.PodIndex``: what the API server says, never a request.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, Protocol
+
+from gpufence.node.pods import NodePod, PodIndex, node_pod
+from gpufence.webhook.cluster.namespaces import NamespaceCache, namespace_info
+from gpufence.webhook.cluster.watch import ListWatch
+
+
+class PodSource(Protocol):
+    def start(self) -> None: ...
+    def stop(self, timeout: float | None = None) -> None: ...
+    def has_synced(self) -> bool: ...
+    def index(self) -> PodIndex: ...
+
+
+class PodWatch(ListWatch):
+    """The pods on one node, by UID, from a list-then-watch with a field selector."""
+
+    what = "pod"
+
+    def __init__(self, api: Any, node_name: str, **kwargs: Any) -> None:
+        # api: kubernetes.client.CoreV1Api
+        listing = functools.partial(api.list_pod_for_all_namespaces, field_selector=f"spec.nodeName={node_name}")
+        super().__init__(listing, **kwargs)
+        self._objects: dict[str, Mapping[str, Any]] = {}
+        self.namespaces = NamespaceCache(api, **kwargs)
+
+    def start(self) -> None:
+        self.namespaces.start()
+        super().start()
+
+    def stop(self, timeout: float | None = None) -> None:
+        super().stop(timeout)
+        self.namespaces.stop(timeout)
+
+    def has_synced(self) -> bool:
+        return super().has_synced() and self.namespaces.has_synced()
+
+    def index(self) -> PodIndex:
+        objects = list(self._objects.values())
+        pods = []
+        opted_in = set()
+        for obj in objects:
+            namespace = (obj.get("metadata") or {}).get("namespace") or ""
+            info = self.namespaces.get(namespace)
+            found = node_pod(obj, info.annotations if info else {})
+            if found is not None:
+                pods.append(found)
+            if info is not None and info.opted_in:
+                opted_in.add(namespace)
+        return PodIndex.of(pods, opted_in)
+
+    def _replace(self, items: list[Mapping[str, Any]]) -> None:
+        self._objects = {_uid(obj): obj for obj in items if _uid(obj)}
+
+    def _apply(self, kind: str, obj: Mapping[str, Any]) -> None:
+        uid = _uid(obj)
+        if not uid:
+            return
+        objects = dict(self._objects)  # a new dict: index() never sees one half-changed
+        if kind == "DELETED":
+            objects.pop(uid, None)
+        else:
+            objects[uid] = obj
+        self._objects = objects
+
+
+class PodsFile:
+    """The pods and namespaces of a JSON file, re-read whenever its modification time changes."""
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        self.path = Path(path)
+        self._stamp: int | None = None
+        self._index = PodIndex.of((), ())
+
+    def start(self) -> None:
+        self.index()
+
+    def stop(self, timeout: float | None = None) -> None:
+        pass
+
+    def has_synced(self) -> bool:
+        return self._stamp is not None
+
+    def index(self) -> PodIndex:
+        try:
+            stamp = self.path.stat().st_mtime_ns
+        except OSError:
+            return self._index
+        if stamp != self._stamp:
+            try:
+                doc = json.loads(self.path.read_text())
+            except (OSError, ValueError):
+                return self._index  # being rewritten: the last good one holds
+            self._index = pods_file_index(doc)
+            self._stamp = stamp
+        return self._index
+
+
+def pods_file_index(doc: Any) -> PodIndex:
+    namespaces = [namespace_info(n) for n in (doc.get("namespaces") or []) if isinstance(n, dict)]
+    annotations = {n.name: n.annotations for n in namespaces}
+    pods: list[NodePod] = []
+    for obj in doc.get("pods") or []:
+        if isinstance(obj, dict):
+            ns = (obj.get("metadata") or {}).get("namespace") or ""
+            found = node_pod(obj, annotations.get(ns, {}))
+            if found is not None:
+                pods.append(found)
+    return PodIndex.of(pods, (n.name for n in namespaces if n.opted_in))
+
+
+def load_core_api(kubeconfig: str | None) -> Any:
+    """A ``CoreV1Api``: the in-cluster configuration (the guardian's own ServiceAccount), else the
+    kubeconfig given or found. Raises the client's ConfigException when none loads."""
+    from kubernetes import client, config
+    from kubernetes.config.config_exception import ConfigException
+
+    configuration = client.Configuration()
+    if kubeconfig:
+        config.load_kube_config(config_file=kubeconfig, client_configuration=configuration)
+    else:
+        try:
+            config.load_incluster_config(client_configuration=configuration)
+        except ConfigException:
+            config.load_kube_config(client_configuration=configuration)
+    return client.CoreV1Api(client.ApiClient(configuration))
+
+
+def _uid(obj: Mapping[str, Any]) -> str:
+    uid = (obj.get("metadata") or {}).get("uid")
+    return uid if isinstance(uid, str) else ""
