@@ -800,7 +800,10 @@ def test_dashboard() -> None:
     for metric in ("gpufence_container_gpu_memory_used_bytes", "gpufence_container_gpu_memory_limit_bytes",
                    "gpufence_container_sm_utilization_ratio", "gpufence_container_compute_share_ratio",
                    "gpufence_enforcement_actions_total", "gpufence_poll_duration_seconds_bucket",
-                   "gpufence_webhook_requests_total", "gpufence_webhook_request_duration_seconds_bucket"):  # fmt: skip
+                   "gpufence_webhook_requests_total", "gpufence_webhook_request_duration_seconds_bucket",
+                   "gpufence_node_unaccounted_processes", "gpufence_node_unaccounted_memory_bytes",
+                   "gpufence_node_actions_total", "gpufence_node_last_successful_poll_timestamp_seconds",
+                   'up{job="gpufence/gpufence-node"}'):  # fmt: skip
         assert metric in text, f"dashboard does not show {metric}"
 
 
