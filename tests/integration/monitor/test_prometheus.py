@@ -276,7 +276,8 @@ CHECKS = {
 
 # The node guardian's panels: this scenario runs no guardian, so on its scrapes they are only shown
 # to be valid PromQL that Prometheus evaluates, and empty (their metric names and labels are checked
-# against the guardian's in tests/deploy; their values on real scrapes are not tested yet).
+# against the guardian's in tests/deploy; their values on the real guardian's scrapes in
+# tests/integration/node/test_guardian_monitoring.py).
 GUARDIAN_PANELS = {"Unaccounted GPU processes", "Guardian actions", "Guardian up per node",
                    "Guardian: time since last poll"}
 

@@ -3,11 +3,14 @@ PodMonitor gpufence-node (the DaemonSet's own pod template as Kubernetes discove
 our PrometheusRule loaded: an unaccounted GPU process in a real cgroup raises
 GpufenceUnaccountedGpuProcess with the workload's namespace/pod/container and the guardian's node,
 its audit raises GpufenceNodeGuardianActed, the guardian-down alert stays silent, and
-``gpufence top --prometheus`` lists the process with its memory."""
+``gpufence top --prometheus`` lists the process with its memory, and the dashboard's guardian panels
+show it."""
 
 from __future__ import annotations
 
+import json
 import pathlib
+import re
 from typing import Any
 
 import pytest
@@ -35,7 +38,33 @@ pytestmark = [needs(prometheus_binary() is not None, MISSING), pytest.mark.timeo
 GIB = 1 << 30
 DEADLINE = 60
 NODE = "gpu-node-1"
-DAEMONSET = pathlib.Path(__file__).resolve().parents[3] / "k8s" / "components" / "node-guardian" / "daemonset.yaml"
+K8S = pathlib.Path(__file__).resolve().parents[3] / "k8s"
+DAEMONSET = K8S / "components" / "node-guardian" / "daemonset.yaml"
+DASHBOARD = K8S / "components" / "monitoring" / "dashboards" / "gpufence.json"
+
+
+def guardian_panels() -> dict[str, list[dict[str, Any]]]:
+    """The dashboard row "Node guardian": panel title -> its targets."""
+    panels = json.loads(DASHBOARD.read_text())["panels"]
+    row = next(i for i, p in enumerate(panels) if p["type"] == "row" and p["title"].startswith("Node guardian"))
+    following = panels[row + 1 :]
+    end = next((i for i, p in enumerate(following) if p["type"] == "row"), len(following))
+    return {p["title"]: p["targets"] for p in following[:end]}
+
+
+def panel_values(prom: Any) -> dict[str, dict[tuple[str, ...], float]]:
+    """Each guardian panel's queries now, as Grafana runs them ($__rate_interval: 4 x the 1 s scrape),
+    keyed by refId and the labels its legend names (every one of which must be there)."""
+    values: dict[str, dict[tuple[str, ...], float]] = {}
+    for title, targets in guardian_panels().items():
+        for target in targets:
+            legend = re.findall(r"\{\{\s*(\w+)\s*\}\}", target["legendFormat"])
+            result = prom.query(target["expr"].replace("$__rate_interval", "4s"))
+            for r in result:
+                assert all(k in r["metric"] for k in legend), (title, target["legendFormat"], r["metric"])
+            values[f"{title}/{target['refId']}"] = {
+                tuple(r["metric"][k] for k in legend): float(r["value"][1]) for r in result}
+    return values
 
 
 def guardian_pod(port: int) -> dict[str, Any]:
@@ -96,6 +125,19 @@ def test_an_unaccounted_gpu_process_alerts_and_shows_in_top(gpu: GpuSandbox, bed
         assert firing("GpufenceNodeGuardianDown") == [] and firing("GpufenceNodeGuardianNotPolling") == []
         rules = [r for group in prom.api("rules")["groups"] for r in group["rules"]]
         assert [(r["name"], r.get("lastError")) for r in rules if r.get("health") != "ok"] == []
+
+        # Rates need samples: the panels are read once four scrapes fill Grafana's window.
+        prom.wait_for('count_over_time(gpufence_node_poll_errors_total[4s]) >= 4', DEADLINE)
+        panels = panel_values(prom)
+        assert set(panels) == {"Unaccounted GPU processes/A", "Unaccounted GPU processes/B", "Guardian actions/A",
+                               "Guardian up per node/A", "Guardian up per node/B", "Guardian up per node/C",
+                               "Guardian: time since last poll/A"}
+        assert panels["Unaccounted GPU processes/A"] == {(NODE, "team-a", "plain", "app"): 1}
+        assert panels["Unaccounted GPU processes/B"] == {(NODE, "team-a", "plain", "app"): 6 * GIB}
+        assert (NODE, "audit", "unaccounted") in panels["Guardian actions/A"]
+        assert panels["Guardian up per node/A"] == panels["Guardian up per node/B"] == {(NODE,): 1}
+        assert panels["Guardian up per node/C"] == {(NODE,): 1}  # the pods file read
+        assert 0 <= panels["Guardian: time since last poll/A"][NODE,] < 10
 
         view = prometheus_view(prom.url)
         assert view.errors == ()
