@@ -2,15 +2,18 @@
 PodMonitor gpufence-node (the DaemonSet's own pod template as Kubernetes discovery lists it), with
 our PrometheusRule loaded: an unaccounted GPU process in a real cgroup raises
 GpufenceUnaccountedGpuProcess with the workload's namespace/pod/container and the guardian's node,
-its audit raises GpufenceNodeGuardianActed, the guardian-down alert stays silent, and
+its audit raises GpufenceNodeGuardianActed, the guardian-down alert stays silent until the guardian
+is stopped, and
 ``gpufence top --prometheus`` lists the process with its memory, and the dashboard's guardian panels
 show it."""
 
 from __future__ import annotations
 
 import json
+import os
 import pathlib
 import re
+import signal
 from typing import Any
 
 import pytest
@@ -143,4 +146,15 @@ def test_an_unaccounted_gpu_process_alerts_and_shows_in_top(gpu: GpuSandbox, bed
         assert view.errors == ()
         assert view.unaccounted == (UnaccountedRow(NODE, "team-a", "plain", "app", 1, 6 * GIB),)
         assert prometheus_view(prom.url, namespace="team-b").unaccounted == ()
+
+        # A stopped guardian: its scrapes time out (up 0), GpufenceNodeGuardianDown goes pending for
+        # its node (firing would take its 5 minutes).
+        os.kill(g.proc.pid, signal.SIGSTOP)
+        try:
+            pending = prom.wait_until(
+                lambda: prom.query('ALERTS{alertname="GpufenceNodeGuardianDown", alertstate="pending"}') or None,
+                DEADLINE, "GpufenceNodeGuardianDown pending")
+            assert [a["metric"]["node"] for a in pending] == [NODE]
+        finally:
+            os.kill(g.proc.pid, signal.SIGCONT)
     assert stray.alive()  # audit: reported, never signalled
