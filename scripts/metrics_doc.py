@@ -1,6 +1,6 @@
 """The metric reference of docs/monitoring.md, generated from the code: ``python -m scripts.metrics_doc [--check]``.
 
-Reads the enforcer's and the webhook's Prometheus registries (their names, types, help texts and
+Reads the enforcer's, the webhook's and the node guardian's Prometheus registries (their names, types, help texts and
 label names, as /metrics exports them) and rewrites the part of docs/monitoring.md between the
 ``<!-- metrics:begin -->`` and ``<!-- metrics:end -->`` markers. ``--check``
 (tests/unit/monitor/test_metrics_doc.py) exits 1 when the doc differs from the code.
@@ -56,6 +56,12 @@ def webhook_rows() -> list[tuple[str, str, str, tuple[str, ...]]]:
     return _families(metrics.registry)
 
 
+def node_rows() -> list[tuple[str, str, str, tuple[str, ...]]]:
+    from gpufence.node.report import NodeMetrics
+
+    return _families(NodeMetrics().registry)
+
+
 def _table(rows: list[tuple[str, str, str, tuple[str, ...]]]) -> list[str]:
     lines = ["| metric | type | labels | meaning |", "|---|---|---|---|"]
     for name, kind, doc, labels in rows:
@@ -78,6 +84,12 @@ def render() -> str:
         "The webhook (`/metrics` over HTTPS, ServiceMonitor `gpufence-webhook`; `job` is the Service's name).",
         "",
         *_table(webhook_rows()),
+        "",
+        "The node guardian `gpufence-node` (`/metrics` on port `metrics`, 9402, PodMonitor `gpufence-node`;",
+        "`job` is `gpufence/gpufence-node`, `node` its node). Through `honorLabels` the workload's `namespace`,",
+        "`pod`, `container` of the unaccounted and throttled series win; the others carry the guardian pod's.",
+        "",
+        *_table(node_rows()),
         "",
         END,
     ]

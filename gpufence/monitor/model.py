@@ -3,7 +3,8 @@
 A :class:`Sample` is one series at one instant (name, labels, value), whether it came from a
 Prometheus instant query or from a sidecar's /metrics text read through the API server. The labels
 are the enforcer's own (gpufence/metric_names.py) plus the target's ``node``
-(the PodMonitor's relabelling; ``""`` when unknown).
+(the PodMonitor's relabelling; ``""`` when unknown). The node guardian's unaccounted series name the
+workload's namespace/pod/container and the guardian's node the same way (its PodMonitor).
 """
 
 from __future__ import annotations
@@ -104,12 +105,25 @@ class EnforcerRow:
 
 
 @dataclass(frozen=True)
+class UnaccountedRow:
+    """A container whose GPU processes hold no admitted share, as the node guardian counts them."""
+
+    node: str
+    namespace: str
+    pod: str
+    container: str
+    processes: int
+    memory_bytes: float | None = None  # absent from a guardian that does not export it
+
+
+@dataclass(frozen=True)
 class View:
     gpus: tuple[GpuView, ...] = ()
     enforcers: tuple[EnforcerRow, ...] = ()
     time: float = 0.0
     source: str = ""
     errors: tuple[str, ...] = field(default=())
+    unaccounted: tuple[UnaccountedRow, ...] = ()
 
     @property
     def containers(self) -> tuple[ContainerRow, ...]:
@@ -149,7 +163,14 @@ def build_view(samples: Iterable[Sample], *, time: float = 0.0, source: str = ""
                     int(v.get(m.UNINSPECTABLE_PROCESSES, 0)))
         for (node, ns, pod), v in sorted(grouped.enforcers.items())
     )
-    return View(_gpu_views(_container_rows(grouped), pod_rows), enforcer_rows, time, source, tuple(errors))
+    unaccounted = tuple(
+        UnaccountedRow(node, ns, pod, container, int(v.get(m.NODE_UNACCOUNTED_PROCESSES, 0)),
+                       v.get(m.NODE_UNACCOUNTED_MEMORY))
+        for (node, ns, pod, container), v in sorted(grouped.unaccounted.items())
+        if v.get(m.NODE_UNACCOUNTED_PROCESSES, 0) > 0
+    )
+    return View(_gpu_views(_container_rows(grouped), pod_rows), enforcer_rows, time, source, tuple(errors),
+                unaccounted)
 
 
 @dataclass
@@ -161,6 +182,8 @@ class _Grouped:
     per_container: dict[tuple[str, ...], _Facts] = field(default_factory=dict)  # (node, ns, pod, container)
     pods: dict[tuple[str, ...], dict[str, float]] = field(default_factory=dict)  # (node, ns, pod, uuid, gpu)
     enforcers: dict[tuple[str, ...], dict[str, float]] = field(default_factory=dict)  # (node, ns, pod)
+    # the guardian's: (node, ns, pod, container) -> metric -> value
+    unaccounted: dict[tuple[str, ...], dict[str, float]] = field(default_factory=dict)
 
 
 _DEVICE_METRICS = (m.CONTAINER_MEMORY_USED, m.CONTAINER_MEMORY_LIMIT, m.CONTAINER_LIMIT_FROM_PERCENT,
@@ -168,6 +191,7 @@ _DEVICE_METRICS = (m.CONTAINER_MEMORY_USED, m.CONTAINER_MEMORY_LIMIT, m.CONTAINE
 _POD_METRICS = (m.POD_MEMORY_USED, m.POD_MEMORY_UNATTRIBUTED, m.POD_MEMORY_BUDGET, m.POD_UNATTRIBUTED_PROCESSES,
                 m.DEVICE_MIG_UNENFORCED)
 _ENFORCER_METRICS = (m.NVML_UP, m.LAST_SUCCESSFUL_POLL, m.UNINSPECTABLE_PROCESSES)
+_UNACCOUNTED_METRICS = (m.NODE_UNACCOUNTED_PROCESSES, m.NODE_UNACCOUNTED_MEMORY)
 
 
 def _group(samples: Iterable[Sample]) -> _Grouped:
@@ -193,6 +217,8 @@ def _group(samples: Iterable[Sample]) -> _Grouped:
             found.pods.setdefault((node, ns, pod, _label(s, "UUID"), _label(s, "gpu")), {})[s.name] = s.value
         elif s.name in _ENFORCER_METRICS:
             found.enforcers.setdefault((node, ns, pod), {})[s.name] = s.value
+        elif s.name in _UNACCOUNTED_METRICS:
+            found.unaccounted.setdefault(container_key, {})[s.name] = s.value
     return found
 
 

@@ -19,7 +19,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict
 from typing import Any, TextIO
 
-from gpufence.monitor.model import NO_DEVICE, ContainerRow, EnforcerRow, GpuView, PodDeviceRow, View
+from gpufence.monitor.model import NO_DEVICE, ContainerRow, EnforcerRow, GpuView, PodDeviceRow, UnaccountedRow, View
 
 _UNITS = ("B", "KiB", "MiB", "GiB", "TiB")
 
@@ -95,6 +95,20 @@ def gpu_header(gpu: GpuView) -> str:
             f"pod{'s' if len(pods) != 1 else ''}{shares}{mig}")
 
 
+UNACCOUNTED_COLUMNS = ("NODE", "NAMESPACE/POD", "CONTAINER", "PROCESSES", "GPU MEMORY")
+
+
+def unaccounted_lines(rows: Sequence[UnaccountedRow]) -> list[str]:
+    """The node guardian's unaccounted containers (none: no lines)."""
+    if not rows:
+        return []
+    cells = [UNACCOUNTED_COLUMNS] + [
+        (r.node or "?", f"{r.namespace}/{r.pod}", r.container or "(pod cgroup)", str(r.processes),
+         human_bytes(r.memory_bytes)) for r in rows
+    ]
+    return ["", "GPU processes without an admitted share (node guardian):", *_table(cells)]
+
+
 STALE_POLL_SECONDS = 60  # the GpufenceEnforcerPollStale alert's threshold
 
 
@@ -134,6 +148,7 @@ def render_text(view: View, width: int | None = None) -> str:
         rows += [container_cells(c) for c in gpu.containers]
         rows += [unattributed_cells(p) for p in gpu.pods if p.unattributed_processes or p.unattributed_bytes]
         lines += ["", gpu_header(gpu), *_table(rows)]
+    lines += unaccounted_lines(view.unaccounted)
     unhealthy = [(e, why) for e in view.enforcers if (why := enforcer_trouble(e, view.time))]
     if unhealthy:
         lines += ["", "Enforcers that cannot see everything:"]
@@ -144,7 +159,8 @@ def render_text(view: View, width: int | None = None) -> str:
 
 
 def view_json(view: View) -> dict[str, Any]:
-    """What ``-o json`` prints: every GPU with its containers and pods, and the enforcers."""
+    """What ``-o json`` prints: every GPU with its containers and pods, the enforcers, and the node
+    guardian's unaccounted containers."""
     def container(c: ContainerRow) -> dict[str, Any]:
         doc = asdict(c)
         doc["actions"] = [asdict(a) for a in c.actions]
@@ -162,6 +178,7 @@ def view_json(view: View) -> dict[str, Any]:
             for g in view.gpus
         ],
         "enforcers": [asdict(e) for e in view.enforcers],
+        "unaccounted": [asdict(u) for u in view.unaccounted],
     }
 
 

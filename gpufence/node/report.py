@@ -40,6 +40,9 @@ class NodeMetrics:
         self.unaccounted = Gauge(names.NODE_UNACCOUNTED_PROCESSES,
                                  "GPU processes of opted-in namespaces that hold no admitted GPU share",
                                  ["namespace", "pod", "container"], registry=r)
+        self.unaccounted_memory = Gauge(names.NODE_UNACCOUNTED_MEMORY,
+                                        "GPU memory held by those processes (what NVML reports for them)",
+                                        ["namespace", "pod", "container"], registry=r)
         self.actions = Counter(names.NODE_ACTIONS, "Signals the guardian sent to containers, by reason",
                                ["action", "reason"], registry=r)
         self.throttled = Gauge(names.NODE_THROTTLED, "Run fraction the guardian's freezer holds a container to",
@@ -58,14 +61,19 @@ class NodeMetrics:
     def census(self, census: Iterable[CensusEntry]) -> None:
         counts = Tally(e.standing for e in census)
         unaccounted: Tally[tuple[str, str, str]] = Tally()
+        memory: Tally[tuple[str, str, str]] = Tally()
         for e in census:
             if e.standing is Standing.UNACCOUNTED:
-                unaccounted[(e.pod.namespace if e.pod else "", e.pod.name if e.pod else "", e.container or "")] += 1
+                key = (e.pod.namespace if e.pod else "", e.pod.name if e.pod else "", e.container or "")
+                unaccounted[key] += 1
+                memory[key] += e.process.used_memory_bytes or 0
         for standing in Standing:
             self.processes.labels(standing.value).set(counts.get(standing, 0))
         self.unaccounted.clear()
+        self.unaccounted_memory.clear()
         for labels, count in unaccounted.items():
             self.unaccounted.labels(*labels).set(count)
+            self.unaccounted_memory.labels(*labels).set(memory[labels])
 
     def throttle(self, targets: Iterable[ThrottleTarget]) -> None:
         self.throttled.clear()

@@ -5,7 +5,7 @@
 * ``promtool test rules`` runs tests/deploy/promtool/alerts_test.yaml against those groups: every alert
   fires in at least one case (the first kill among them) and stays silent in another;
 * every input series of those tests has the name, label names and enum label values of a series
-  the enforcer or the webhook really exports, so the tests cannot drift from the code;
+  the enforcer, the webhook or the node guardian really exports, so the tests cannot drift from the code;
 * the counters the alerts take ``increase()``/``rate()`` of exist at zero before the first event;
 * every alert links a section of docs/runbook.md.
 
@@ -25,9 +25,11 @@ from typing import Any
 
 import pytest
 import yaml
+from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from gpufence.enforcer.report.metrics import ACTION_KINDS, EnforcerMetrics
+from gpufence.node.report import ACTION_REASONS, NodeMetrics
 from gpufence.webhook.metrics import OUTCOMES, WebhookMetrics
 from tests.deploy.test_manifests import K8S, _kubectl_missing_reason, one, render
 from tests.support.prerequisites import missing
@@ -152,7 +154,22 @@ def real_series() -> dict[str, list[dict[str, str]]]:
     series = _series_of(enforcer.render()[0].decode())
     for name, label_sets in _series_of(webhook.render()[0].decode()).items():
         series.setdefault(name, []).extend(label_sets)
+    for name, label_sets in _series_of(generate_latest(node_metrics().registry).decode()).items():
+        series.setdefault(name, []).extend(label_sets)
     return series
+
+
+def node_metrics() -> NodeMetrics:
+    """The guardian's registry as its loop leaves it after an unaccounted container and audits
+    (gpufence/node/loop.py: ``census`` each poll, ``actions.labels("audit", reason).inc()`` per audit)."""
+    metrics = NodeMetrics()
+    metrics.unaccounted.labels("team-b", "sneaky-0", "main").set(2)
+    for reason in sorted({reason for _, reason in ACTION_REASONS}):
+        metrics.actions.labels("audit", reason).inc()
+    metrics.pods_synced.set(1)
+    metrics.nvml_up.set(1)
+    metrics.last_poll.set(1.0)
+    return metrics
 
 
 _SERIES_RE = re.compile(r"(?P<name>[a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(?P<labels>.*)\})?")
@@ -177,7 +194,7 @@ def shape_errors(series: str, real: dict[str, list[dict[str, str]]]) -> list[str
     if name in SYNTHETIC:
         return []
     if name not in real:
-        return [f"{name} is not exported by the enforcer or the webhook"]
+        return [f"{name} is not exported by the enforcer, the webhook or the node guardian"]
     own = set().union(*(set(ls) for ls in real[name]))
     errors = [f"{series}: unknown label {key}" for key in sorted(set(labels) - own - TARGET_LABELS)]
     # Labels the exporter sets itself (action, resource, outcome, result, le) take its values.

@@ -231,7 +231,7 @@ def test_values_change_what_they_say(helm: Path, tmp_path: Path) -> None:
     assert settings.gpu_memory == (("nvidia.com/gpu", 80 << 30), ("nvidia.com/mig-1g.10gb", 10 << 30))
 
     monitoring = [o for o in objects.values() if o["kind"] in {"PodMonitor", "ServiceMonitor", "PrometheusRule"}]
-    assert len(monitoring) == 3
+    assert len(monitoring) == 4  # the enforcer's and the guardian's PodMonitors, the ServiceMonitor, the rules
     assert all(o["metadata"]["labels"]["release"] == "kube-prometheus-stack" for o in monitoring)
     assert "release" not in deployment["metadata"]["labels"]
     assert objects["MutatingWebhookConfiguration", None, "gpufence"]["metadata"]["annotations"] == {

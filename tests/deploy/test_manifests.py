@@ -27,6 +27,7 @@ import pytest
 import yaml
 
 from gpufence.contract import DEFAULT_METRICS_PORT, INJECTION_ENABLED, INJECTION_LABEL, SIDECAR_PORT_NAME
+from gpufence.node.cli import DEFAULT_METRICS_PORT as NODE_METRICS_PORT
 from gpufence.webhook.cli import parse_args
 from gpufence.webhook.cluster.policy import parse_policy
 from gpufence.webhook.core.settings import DEFAULT_SIDECAR_IMAGE, InjectionSettings
@@ -799,7 +800,10 @@ def test_dashboard() -> None:
     for metric in ("gpufence_container_gpu_memory_used_bytes", "gpufence_container_gpu_memory_limit_bytes",
                    "gpufence_container_sm_utilization_ratio", "gpufence_container_compute_share_ratio",
                    "gpufence_enforcement_actions_total", "gpufence_poll_duration_seconds_bucket",
-                   "gpufence_webhook_requests_total", "gpufence_webhook_request_duration_seconds_bucket"):  # fmt: skip
+                   "gpufence_webhook_requests_total", "gpufence_webhook_request_duration_seconds_bucket",
+                   "gpufence_node_unaccounted_processes", "gpufence_node_unaccounted_memory_bytes",
+                   "gpufence_node_actions_total", "gpufence_node_last_successful_poll_timestamp_seconds",
+                   'up{job="gpufence/gpufence-node"}'):  # fmt: skip
         assert metric in text, f"dashboard does not show {metric}"
 
 
@@ -870,3 +874,21 @@ def test_webhook_has_a_priority_class_above_workloads_and_a_disruption_budget() 
     assert pdb["spec"]["minAvailable"] == 1 < deployment["spec"]["replicas"]
     pod_labels = deployment["spec"]["template"]["metadata"]["labels"]
     assert pdb["spec"]["selector"]["matchLabels"].items() <= pod_labels.items()
+
+
+def test_the_guardians_podmonitor_selects_the_daemonsets_pods_and_port() -> None:
+    """The monitoring overlay's PodMonitor gpufence-node against the node-guardian overlay's DaemonSet:
+    its namespace, the pod template's labels, the port's name; honorLabels for the workload's labels
+    on the unaccounted series; `node` relabelled as the enforcer's monitor does (the down alert joins
+    on it)."""
+    podmonitor = one(objects_of("k8s/overlays/monitoring"), "PodMonitor", "gpufence-node")
+    daemonset = one(objects_of("k8s/overlays/node-guardian"), "DaemonSet", "gpufence-node")
+    assert podmonitor["spec"]["namespaceSelector"] == {"matchNames": [daemonset["metadata"]["namespace"]]}
+    template = daemonset["spec"]["template"]
+    assert podmonitor["spec"]["selector"]["matchLabels"].items() <= template["metadata"]["labels"].items()
+    (endpoint,) = podmonitor["spec"]["podMetricsEndpoints"]
+    ports = {p["name"]: p["containerPort"] for c in template["spec"]["containers"] for p in c.get("ports", [])}
+    assert endpoint["port"] in ports and ports[endpoint["port"]] == NODE_METRICS_PORT
+    assert endpoint["honorLabels"] is True
+    enforcer = one(objects_of("k8s/overlays/monitoring"), "PodMonitor", "gpufence-enforcer")
+    assert endpoint["relabelings"] == enforcer["spec"]["podMetricsEndpoints"][0]["relabelings"]

@@ -64,12 +64,12 @@ INTERVAL = 0.25  # the enforcers' poll interval
 DEADLINE = 60  # seconds any one wait may take on a loaded 2-core machine
 
 
-def monitoring_object(kind: str) -> dict[str, Any]:
-    for path in MONITORING.glob("*.yaml"):
+def monitoring_object(kind: str, name: str | None = None) -> dict[str, Any]:
+    for path in sorted(MONITORING.glob("*.yaml")):
         for doc in yaml.safe_load_all(path.read_text()):
-            if doc and doc.get("kind") == kind:
+            if doc and doc.get("kind") == kind and name in (None, doc["metadata"]["name"]):
                 return doc
-    raise AssertionError(f"no {kind} in {MONITORING}")
+    raise AssertionError(f"no {kind} {name or ''} in {MONITORING}")
 
 
 def pod_object(namespace: str, name: str, node: str, port: int, containers: list[str]) -> dict[str, Any]:
@@ -204,7 +204,7 @@ def scenario(tmp_path_factory: pytest.TempPathFactory, sim_lib: pathlib.Path) ->
                 "global": {"scrape_interval": SCRAPE, "evaluation_interval": SCRAPE, "scrape_timeout": SCRAPE},
                 "rule_files": [str(root / "rules.yaml")],
                 "scrape_configs": [
-                    podmonitor_job(monitoring_object("PodMonitor"), sd={"file_sd_configs": [
+                    podmonitor_job(monitoring_object("PodMonitor", "gpufence-enforcer"), sd={"file_sd_configs": [
                         {"files": [str(pod_sd)], "refresh_interval": "1s"}]}, scrape_interval=SCRAPE),
                     servicemonitor_job(monitoring_object("ServiceMonitor"), sd={"file_sd_configs": [
                         {"files": [str(webhook_sd)], "refresh_interval": "1s"}]}, ca_file=str(pki.ca_file),

@@ -37,7 +37,7 @@ def test_the_http_sd_configuration_is_valid(tmp_path: Path) -> None:
     config = {
         "rule_files": ["rules.yaml"],
         "scrape_configs": [
-            podmonitor_job(monitoring_object("PodMonitor"),
+            podmonitor_job(monitoring_object("PodMonitor", "gpufence-enforcer"),
                            sd={"http_sd_configs": [{"url": "http://127.0.0.1:8080/targets/pods"}]}),
             servicemonitor_job(monitoring_object("ServiceMonitor"), ca_file="ca.crt",
                                sd={"http_sd_configs": [{"url": "http://127.0.0.1:8080/targets/endpoints"}]}),

@@ -118,8 +118,12 @@ def test_each_alert_fires_or_stays_silent(scenario: Scenario) -> None:
                     DEADLINE, "two more rule evaluations")
     assert _alerts(scenario) == EXPECTED_ALERTS
     silent = {a["alert"] for a in alerts()} - {name for name, *_ in EXPECTED_ALERTS}
+    # The guardian's alerts stay silent where no guardian is installed (this scenario has none),
+    # GpufenceNodeGuardianDown included although every node here runs gpufence pods.
     assert silent == {"GpufenceWebhookErrors", "GpufenceWebhookSlow", "GpufenceWebhookDown",
-                      "GpufenceWebhookCertificateExpiresSoon", "GpufenceWebhookCertificateReloadFailing"}
+                      "GpufenceWebhookCertificateExpiresSoon", "GpufenceWebhookCertificateReloadFailing",
+                      "GpufenceNodeGuardianDown", "GpufenceNodeGuardianNotPolling", "GpufenceUnaccountedGpuProcess",
+                      "GpufenceNodeGuardianActed", "GpufenceNodeGuardianErrors"}
     killed = prom.query('ALERTS{alertname="GpufenceContainerKilled"}')
     assert {(a["metric"]["namespace"], a["metric"]["resource"]) for a in killed} == {("team-a", "memory")}
     # Every rule evaluated without error on the real series.
@@ -270,8 +274,16 @@ CHECKS = {
 }
 
 
+# The node guardian's panels: this scenario runs no guardian, so on its scrapes they are only shown
+# to be valid PromQL that Prometheus evaluates, and empty (their metric names and labels are checked
+# against the guardian's in tests/deploy; their values on the real guardian's scrapes in
+# tests/integration/node/test_guardian_monitoring.py).
+GUARDIAN_PANELS = {"Unaccounted GPU processes", "Guardian actions", "Guardian up per node",
+                   "Guardian: time since last poll"}
+
+
 def test_every_panel_has_a_check_a_unit_and_legends() -> None:
-    assert {p["title"] for p in panels()} == set(CHECKS)
+    assert {p["title"] for p in panels()} == set(CHECKS) | GUARDIAN_PANELS
     for panel in panels():
         assert panel["fieldConfig"]["defaults"].get("unit"), panel["title"]
         for target in panel["targets"]:
@@ -285,6 +297,14 @@ def test_dashboard_panel_on_real_scrapes(scenario: Scenario, title: str) -> None
         _, series = run_target(scenario, target)
         assert series, f"{title} {target['refId']}: no series ({substitute(target['expr'])})"
         CHECKS[title](target["refId"], series)
+
+
+@pytest.mark.parametrize("title", sorted(GUARDIAN_PANELS))
+def test_guardian_panels_evaluate_and_are_empty_without_a_guardian(scenario: Scenario, title: str) -> None:
+    panel = next(p for p in panels() if p["title"] == title)
+    for target in panel["targets"]:
+        _, series = run_target(scenario, target)  # an invalid query raises here
+        assert series == {}, f"{title} {target['refId']}: {series}"
 
 
 def test_the_template_variables_offer_every_pod(scenario: Scenario) -> None:

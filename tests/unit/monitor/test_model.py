@@ -86,3 +86,44 @@ def test_counters_at_zero_alone_show_nothing() -> None:
     metrics = EnforcerMetrics("ns", "p")
     metrics.declare_containers(["a", "b"])
     assert build_view(parse_metrics(metrics.render()[0].decode())).gpus == ()
+
+
+def guardian_view():
+    """The node guardian's real exposition (NodeMetrics after a census with two unaccounted
+    containers and an admitted one) as Prometheus stores it through its PodMonitor, beside a sidecar's."""
+    from gpufence.node.census import placement
+    from gpufence.node.decide import CensusEntry, GpuProc, Standing
+    from gpufence.node.pods import Admission, NodePod
+    from gpufence.node.report import NodeMetrics
+
+    def entry(pid: int, used: int | None, pod: NodePod, container: str, standing=Standing.UNACCOUNTED):
+        proc = GpuProc(pid, pid, 0, "GPU-0", used, None, placement("0::/kubepods/podu/" + "a" * 64 + "\n"))
+        return CensusEntry(proc, standing, pod, container, "test")
+
+    sneaky = NodePod("u1", "team-b", "sneaky-0", Admission.NOT_ADMITTED, None)
+    alias = NodePod("u2", "team-a", "alias-0", Admission.NOT_ADMITTED, None)
+    metrics = NodeMetrics()
+    metrics.census([entry(1, 2 * GIB, sneaky, "main"), entry(2, GIB, sneaky, "main"), entry(3, None, alias, "cuda"),
+                    entry(4, 6 * GIB, sneaky, "ok", Standing.ADMITTED)])
+    guardian = {"namespace": "gpufence-node", "pod": "gpufence-node-x1", "container": "gpufence-node", "node": "node-b"}
+    sidecar = {"namespace": "team-a", "pod": "train-0", "container": "gpufence-enforcer", "node": "node-a"}
+    from prometheus_client import generate_latest
+
+    samples = with_target_labels(parse_metrics(generate_latest(metrics.registry).decode()), guardian)
+    samples += with_target_labels(parse_metrics(enforcer_text()), sidecar)
+    return build_view(samples, time=1001.0, source="test")
+
+
+def test_unaccounted_rows_from_the_guardians_series() -> None:
+    v = guardian_view()
+    assert [(u.node, u.namespace, u.pod, u.container, u.processes, u.memory_bytes) for u in v.unaccounted] == [
+        ("node-b", "team-a", "alias-0", "cuda", 1, 0),  # NVML gave no figure for its process
+        ("node-b", "team-b", "sneaky-0", "main", 2, 3 * GIB),
+    ]
+    # The guardian's own series (its node, its pod) make no GPU, container or enforcer row.
+    assert {g.node for g in v.gpus} == {"node-a"}
+    assert {(e.namespace, e.pod) for e in v.enforcers} == {("team-a", "train-0")}
+
+
+def test_no_unaccounted_rows_without_the_guardian() -> None:
+    assert view().unaccounted == ()

@@ -103,3 +103,19 @@ def test_keys_only_from_a_terminal() -> None:
     finally:
         os.close(read)
         os.close(write)
+
+
+def test_unaccounted_processes_shown_by_node_pod_container_and_memory() -> None:
+    from tests.unit.monitor.test_model import guardian_view
+
+    lines = top.render_text(guardian_view()).splitlines()
+    start = lines.index("GPU processes without an admitted share (node guardian):")
+    header, *rows = lines[start + 1 : start + 4]
+    assert header.split() == ["NODE", "NAMESPACE/POD", "CONTAINER", "PROCESSES", "GPU", "MEMORY"]
+    assert rows[0].split() == ["node-b", "team-a/alias-0", "cuda", "1", "0", "B"]
+    assert rows[1].split() == ["node-b", "team-b/sneaky-0", "main", "2", "3.0", "GiB"]
+    assert "without an admitted share" not in top.render_text(view())  # no guardian: no section
+    doc = json.loads(json.dumps(top.view_json(guardian_view())))
+    assert doc["unaccounted"][1] == {"node": "node-b", "namespace": "team-b", "pod": "sneaky-0", "container": "main",
+                                     "processes": 2, "memory_bytes": 3 * GIB}
+    assert json.loads(json.dumps(top.view_json(view())))["unaccounted"] == []
