@@ -432,6 +432,7 @@ def create_app(settings: InjectionSettings | ClusterPolicy, namespaces: Namespac
     app[VERDICTS] = VerdictCache()
     app[METRICS].watch_certificates(reloader)
     app[METRICS].watch_policy(policy)
+    app[METRICS].watch_verdicts(app[VERDICTS])
     app.cleanup_ctx.append(_reload_certificates)
     app.cleanup_ctx.append(_run_watches)
     app.router.add_post(MUTATE_PATH, mutate)
