@@ -24,10 +24,11 @@ from hypothesis import strategies as st
 from gpufence.contract import ANNOTATION_STATUS, SIDECAR_NAME
 from gpufence.webhook.client import decode_patch
 from gpufence.webhook.core.admission import injection_patch, review
+from gpufence.webhook.core.denial import Denial
 from gpufence.webhook.core.desired import desired_pod
 from gpufence.webhook.core.gpu_paths import PodGpuPaths
 from gpufence.webhook.core.patch import diff, dumps, escape
-from gpufence.webhook.core.podshape import MutationError, check_shape
+from gpufence.webhook.core.podshape import check_shape
 from gpufence.webhook.core.settings import AllNamespacesOptedIn, InjectionSettings
 from gpufence.webhook.core.shares import resolve_shares
 from tests.support.examples import examples
@@ -130,7 +131,7 @@ def _first_injection(pod: dict[str, Any], settings_: InjectionSettings) -> tuple
         all_names = check_shape(pod)
         plan = resolve_shares((pod.get("metadata") or {}).get("annotations") or {}, {}, settings_, names, all_names)
         text, _ = injection_patch(pod, plan, settings_)
-    except (MutationError, ValueError):
+    except (Denial, ValueError):
         return None
     return text, desired_pod(pod, plan, settings_)[0]
 
