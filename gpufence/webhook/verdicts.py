@@ -11,6 +11,12 @@ can be given again to a request that carries nothing new. The key is everything 
   ``request.name`` and the pod's ``metadata.name``, ``uid``, ``creationTimestamp`` and
   ``managedFields``, which no rule reads (``test_verdicts.py`` reviews every golden under other
   values of them and compares the answers);
+* the pod's token volume by its place, not its name: the ServiceAccount admission plugin names it
+  ``kube-api-access-`` and five random characters for each pod, and the sidecar mounts it by that
+  name. No rule reads the name but to copy it (``core.desired``), so where it appears only as a
+  whole JSON string, in the request and in the answer, the key holds a placeholder instead and a
+  hit writes the request's own name back into the patch (``test_verdicts.py`` checks this on
+  every golden with a token volume);
 * the namespace as the review sees it: its labels and annotations, copied into the key;
 * whether the DRA cache can resolve claims now (``DraObjects.unavailable``);
 * which judge (``review`` for /mutate, ``verify`` for /validate);
@@ -27,6 +33,8 @@ review reads none. Entries are few and small
 
 from __future__ import annotations
 
+import base64
+import re
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -46,6 +54,11 @@ MAX_KEY_BYTES = 32 * 1024
 # Fields of the pod's metadata that the API server sets per object and that no rule reads.
 PER_OBJECT_METADATA = ("name", "uid", "creationTimestamp", "managedFields")
 
+# The ServiceAccount admission plugin's name for a pod's token volume (its generateName, five characters).
+TOKEN_VOLUME = re.compile(r"kube-api-access-[a-z0-9]{5}")
+# In keys and remembered patches, where the pod's own token volume's name was: no valid name.
+_PLACEHOLDER = b'"kube-api-access-?????"'
+
 _NamespaceKey = tuple[str, tuple[tuple[str, str], ...], tuple[tuple[str, str], ...]] | None
 _Key = tuple[Judge, bytes, _NamespaceKey, str | None]
 
@@ -55,6 +68,21 @@ class _Entry:
     outcome: str
     envelope: dict[str, Any]  # the AdmissionReview answered, whose response's uid is replaced
     response: dict[str, Any]
+    patch: bytes | None = None  # the patch's JSON with the placeholder for the token volume's name
+
+
+def _token_volume(pod: Any) -> str | None:
+    """The name of the pod's one volume named as the ServiceAccount plugin names its token volume."""
+    spec = pod.get("spec") if isinstance(pod, dict) else None
+    volumes = spec.get("volumes") if isinstance(spec, dict) else None
+    found = [v["name"] for v in volumes if isinstance(v, dict) and isinstance(v.get("name"), str)
+             and TOKEN_VOLUME.fullmatch(v["name"])] if isinstance(volumes, list) else []
+    return found[0] if len(found) == 1 else None
+
+
+def _only_whole(data: bytes, name: bytes) -> bool:
+    """Whether ``name`` appears in the JSON ``data`` only as whole strings."""
+    return data.count(name) == data.count(b'"' + name + b'"')
 
 
 class _Namespace:
@@ -172,6 +200,12 @@ class VerdictCache:
             self._memo.clear()
             self._settings, self._nodes = settings, labels
         request = payload["request"]
+        token = _token_volume(request.get("object"))
+        token_json = token.encode() if token is not None else b""
+        if token is not None and _only_whole(key_bytes, token_json) and _PLACEHOLDER not in key_bytes:
+            key_bytes = key_bytes.replace(b'"' + token_json + b'"', _PLACEHOLDER)
+        else:
+            token = None
         name = _namespace_name(request)
         namespace = _Namespace(name, namespaces.get(name) if name is not None else None, namespaces)
         recorded = _Claims(claims, claims.unavailable()) if claims is not None else None
@@ -182,6 +216,9 @@ class VerdictCache:
             self._memo.move_to_end(key)
             self.hits += 1
             response = {"uid": request["uid"], **entry.response}
+            if entry.patch is not None:
+                patch = entry.patch.replace(_PLACEHOLDER, b'"' + token_json + b'"')
+                response["patch"] = base64.b64encode(patch).decode("ascii")
             return ReviewResult(review={**entry.envelope, "response": response}, outcome=entry.outcome)
         self.misses += 1
         result = judge(payload, settings, namespace, recorded, snapshot)
@@ -189,7 +226,16 @@ class VerdictCache:
             return result
         response = {k: v for k, v in result.review["response"].items() if k != "uid"}
         envelope = {k: v for k, v in result.review.items() if k != "response"}
-        self._memo[key] = _Entry(result.outcome, envelope, response)
+        template: bytes | None = None
+        if token is not None:
+            # The answer may name the token volume only where the patch copies it: nowhere else.
+            patch = base64.b64decode(response["patch"]) if "patch" in response else b""
+            rest = canonical({k: v for k, v in response.items() if k != "patch"}) or token_json
+            if token_json in rest or not _only_whole(patch, token_json) or _PLACEHOLDER in patch:
+                return result
+            if "patch" in response:
+                template = patch.replace(b'"' + token_json + b'"', _PLACEHOLDER)
+        self._memo[key] = _Entry(result.outcome, envelope, response, template)
         if len(self._memo) > self.entries:
             self._memo.popitem(last=False)
         return result

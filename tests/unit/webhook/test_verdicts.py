@@ -6,7 +6,10 @@ answers differ."""
 
 from __future__ import annotations
 
+import base64
 import copy
+import json
+import re
 from dataclasses import replace
 from typing import Any
 
@@ -42,10 +45,13 @@ def _opted_in(annotations: dict[str, str] | None = None, **labels: str) -> _Name
 
 def _per_object(pod: Any, tag: str) -> Any:
     """``pod`` as the API server hands one more pod of the same template to /validate: its own name,
-    uid, creation time and managed fields."""
+    uid, creation time and managed fields, and its own name of the token volume."""
     if not isinstance(pod, dict) or not isinstance(pod.get("metadata"), dict):
         return pod
-    pod = copy.deepcopy(pod)
+    text = json.dumps(pod)
+    for token in set(re.findall(r'"(kube-api-access-[a-z0-9]{5})"', text)):
+        text = text.replace(f'"{token}"', f'"kube-api-access-{(tag * 5)[:5]}"')
+    pod = json.loads(text)
     pod["metadata"].update(name=f"{pod['metadata'].get('name', 'p')}-{tag}", uid=f"uid-{tag}",
                            creationTimestamp=f"2026-12-05T10:00:0{len(tag)}Z",
                            managedFields=[{"manager": tag, "operation": "Update", "time": "2026-12-05T10:00:00Z"}])
@@ -204,3 +210,41 @@ def test_a_large_request_and_a_broken_envelope_are_reviewed_uncached() -> None:
     assert len(cache) == 0 and cache.hits == 0
     with pytest.raises(ValueError, match="apiVersion"):
         VerdictCache().judge(review, {"request": {"uid": "1"}}, InjectionSettings(), _opted_in())
+
+
+def _with_token_volume(name: str) -> dict[str, Any]:
+    """The typical pod (as the ServiceAccount admission plugin hands it on) with a token volume of
+    that name."""
+    pod: dict[str, Any] = json.loads(json.dumps(typical_pod()).replace('"kube-api-access-abcde"', f'"{name}"'))
+    assert name in [v["name"] for v in pod["spec"]["volumes"]]
+    return pod
+
+
+@pytest.mark.parametrize("judge", [review, verify])
+def test_pods_whose_token_volumes_differ_share_a_verdict_and_get_their_own_name(judge: Any) -> None:
+    settings, ns = InjectionSettings(), _opted_in()
+    cache = VerdictCache()
+    answers = []
+    for name in ("kube-api-access-abcde", "kube-api-access-x7k2q", "kube-api-access-abcde"):
+        pod = _with_token_volume(name)
+        if judge is verify:  # the pod as gpufence stored it
+            answer = review(sample_review(pod), settings, ns).review["response"]
+            pod = jsonpatch.apply_patch(pod, decode_patch(answer))
+        payload = sample_review(pod, uid=name)
+        got = cache.judge(judge, payload, settings, ns)
+        assert got == judge(payload, settings, ns)
+        answers.append(got)
+    assert cache.hits == 2 and len(cache) == 1
+    if judge is review:  # the sidecar mounts the pod's own token volume
+        assert "x7k2q" in base64.b64decode(answers[1].review["response"]["patch"]).decode()
+        assert "abcde" not in base64.b64decode(answers[1].review["response"]["patch"]).decode()
+
+
+def test_a_token_volume_named_elsewhere_in_the_pod_is_not_templated() -> None:
+    settings, ns = InjectionSettings(), _opted_in()
+    cache = VerdictCache()
+    for name in ("kube-api-access-abcde", "kube-api-access-x7k2q"):
+        pod = _with_token_volume(name)
+        pod["metadata"]["annotations"]["note"] = f"mounts {name}"  # inside a longer string
+        cache.judge(review, sample_review(pod, uid=name), settings, ns)
+    assert cache.hits == 0 and len(cache) == 2
