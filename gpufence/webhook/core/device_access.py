@@ -23,7 +23,8 @@ run in opted-in namespaces without the admin's exemption (which would also let t
 containers). A mount under the toolkit's ``/var/run/nvidia-container-devices``, which the toolkit
 reads as a GPU request, is refused whatever its volume.
 
-Tolerant of garbage: the pod may be any pod of an opted-in namespace, not shape-checked.
+Tolerant of garbage: the review shape-checks the pod before these rules (``podshape.check_shape``),
+but each function stays total on any input of its own.
 """
 
 from __future__ import annotations
