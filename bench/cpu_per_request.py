@@ -21,6 +21,15 @@ sends it to /mutate, and the same pod as gpufence stores it (its patch applied) 
 gpufence's verify.gpufence.io re-reviews the final pod. Before measuring, each server's answer to
 each body is checked: the reference's patch is gpufence's, and /validate allows.
 
+gpufence remembers verdicts (webhook.verdicts), so it is measured on two kinds of traffic:
+
+- **distinct pods** (the row ``gpufence``, the one the target is judged on): DISTINCT_PODS copies of
+  the pod, each with its own label value, cycled: several times more than the memo holds, so every
+  request is reviewed (the memo's lookup included); every server gets these bodies;
+- **one template** (``gpufence, one template``): TEMPLATE_PODS pods of one template as a controller
+  creates them, differing in the request's uid and, as stored, in the pod's name, uid and
+  creation time: after the first of each, answered from the memo.
+
 Saturated throughput swings by 2x between runs on a shared machine; the CPU time a server process
 spends per request does not depend on how much CPU it was given. Measured from ``/proc/<pid>/stat``
 around closed-loop runs of 8 keep-alive connections, rotating the servers' order round by round, it
@@ -57,7 +66,9 @@ from tests.support.tlsutil import LocalPKI, make_pki
 
 TARGET_RATIO = 2.0  # gpufence's CPU per request over the Go reference's, at most
 _TICKS = os.sysconf("SC_CLK_TCK")
-SERVERS = ("gpufence", "go reference", "floor")
+SERVERS = ("gpufence", "gpufence, one template", "go reference", "floor")
+DISTINCT_PODS = 2048  # four times the memo's entries (webhook.verdicts.DEFAULT_ENTRIES)
+TEMPLATE_PODS = 64
 PATHS = ("/mutate", "/validate")
 
 
@@ -114,7 +125,9 @@ def prepare(root: Path) -> dict[str, Any]:
         if op["path"] == "/spec/initContainers":
             sidecar = op["value"][0]
             sidecar["volumeMounts"] = [m for m in sidecar["volumeMounts"] if m["mountPath"] != SA_PATH]
-    files = {}
+    files: dict[str, Any] = {}
+    files["distinct"] = _bodies(root / "distinct", [_labelled(i) for i in range(DISTINCT_PODS)], per_object=False)
+    files["template"] = _bodies(root / "template", [typical_pod() for _ in range(TEMPLATE_PODS)], per_object=True)
     for name, data in (("mutate.json", mutate_body), ("validate.json", validate_body),
                        ("mutate-answer.json", json.dumps(mutated, separators=(",", ":")).encode()),
                        ("validate-answer.json", json.dumps(verified, separators=(",", ":")).encode()),
@@ -122,6 +135,31 @@ def prepare(root: Path) -> dict[str, Any]:
         files[name] = root / name
         files[name].write_bytes(data)
     return {"files": files, "patch": patch, "sizes": {"/mutate": len(mutate_body), "/validate": len(validate_body)}}
+
+
+def _labelled(i: int) -> dict[str, Any]:
+    pod = typical_pod()
+    pod["metadata"]["labels"]["bench.gpufence.io/pod"] = str(i)
+    return pod
+
+
+def _bodies(folder: Path, pods: list[dict[str, Any]], *, per_object: bool) -> dict[str, list[Path]]:
+    """The /mutate and /validate body files for ``pods``; ``per_object``: each stored pod gets the
+    name, uid and creation time the API server gives it, each request its own uid."""
+    folder.mkdir()
+    out: dict[str, list[Path]] = {"/mutate": [], "/validate": []}
+    for i, pod in enumerate(pods):
+        uid = f"00000000-0000-0000-0000-{i:012d}"
+        mutate = json.dumps(admission_review(pod, uid=uid)).encode()
+        stored = jsonpatch.apply_patch(pod, _patch(_answer("/mutate", mutate)))
+        if per_object:
+            stored["metadata"].update(name=f"resnet-train-{i:05x}", uid=f"6c1f3a8e-0000-{i:012d}",
+                                      creationTimestamp="2026-12-05T10:00:00Z")
+        for path, body in (("/mutate", mutate), ("/validate", json.dumps(admission_review(stored, uid=uid)).encode())):
+            file = folder / f"{path[1:]}-{i}.json"
+            file.write_bytes(body)
+            out[path].append(file)
+    return out
 
 
 def check_answers(ports: dict[str, int], prepared: dict[str, Any], ca_file: Path) -> None:
@@ -160,14 +198,16 @@ def measure(repeats: int, duration: float) -> dict[str, Any]:
             servers = {"gpufence": (gpufence.pid, gf_port), "go reference": (ref.pid, ref_port),
                        "floor": (floor.pid, floor_port)}
             check_answers({"gpufence": gf_port, "go reference": ref_port}, prepared, pki.ca_file)
+            servers["gpufence, one template"] = servers["gpufence"]
             for n in range(repeats + 1):  # the first round warms the servers up and is dropped
-                order = SERVERS[n % 3:] + SERVERS[:n % 3]
+                order = SERVERS[n % len(SERVERS):] + SERVERS[:n % len(SERVERS)]
                 for path in PATHS if n % 2 == 0 else PATHS[::-1]:
-                    body = files["mutate.json" if path == "/mutate" else "validate.json"]
                     for name in order:
+                        bodies = files["template" if name == "gpufence, one template" else "distinct"][path]
                         pid, port = servers[name]
                         before = _cpu_seconds(pid)
-                        r = run_loadgen(["--port", str(port), "--ca", str(pki.ca_file), "--body", str(body),
+                        r = run_loadgen(["--port", str(port), "--ca", str(pki.ca_file),
+                                         *(a for b in bodies for a in ("--body", str(b))),
                                          "--path", path, "--warmup", "0", "--duration", str(duration),
                                          "--closed", "8"], cpus=gen_cpus)
                         used = _cpu_seconds(pid) - before
@@ -197,11 +237,15 @@ def render(m: dict[str, Any], repeats: int, duration: float) -> tuple[str, dict[
             f"(target <= {TARGET_RATIO:g}): **{verdict}** (round by round {' / '.join(f'{x:.1f}' for x in paired)}, "
             f"median {median(paired):.2f}); gpufence's admission work beyond the aiohttp floor "
             f"{med['gpufence'] - med['floor']:.0f} µs (gpufence {med['gpufence']:.0f} - floor {med['floor']:.0f}); "
-            f"the floor alone is {med['floor'] / med['go reference']:.2f} x the Go reference")
+            f"the floor alone is {med['floor'] / med['go reference']:.2f} x the Go reference; one template: "
+            f"gpufence / Go reference **{med['gpufence, one template'] / med['go reference']:.2f}**")
     body = table(["path", "server", "CPU µs per request (median)", "runs"], rows)
     return (f"{body}\n\n{repeats} rounds of closed-loop runs of {duration:g} s per server and path (8 keep-alive "
             f"connections, servers rotated round by round, a first warm-up round dropped), typical training pod "
-            f"to /mutate, the same pod as gpufence stores it to /validate.\n\n" + "\n".join(lines) + "\n"), ratios
+            f"to /mutate, the same pod as gpufence stores it to /validate: {DISTINCT_PODS} distinct pods (one label "
+            f"value each) to every server, and to gpufence also {TEMPLATE_PODS} pods of one template (the request's "
+            f"uid and the stored pod's name, uid and creation time differ), answered from its memo of verdicts."
+            "\n\n" + "\n".join(lines) + "\n"), ratios
 
 
 def main(argv: list[str] | None = None) -> int:

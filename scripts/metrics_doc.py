@@ -53,6 +53,9 @@ def webhook_rows() -> list[tuple[str, str, str, tuple[str, ...]]]:
     metrics.watch_certificates(SimpleNamespace(  # type: ignore[arg-type]  # what the collector reads
         cert=SimpleNamespace(not_valid_after_utc=dt.datetime(2030, 1, 1, tzinfo=dt.UTC)), successes=0, failures=0))
     metrics.watch_policy(SimpleNamespace(valid=True, successes=0, failures=0))  # type: ignore[arg-type]
+    from gpufence.webhook.verdicts import VerdictCache
+
+    metrics.watch_verdicts(VerdictCache())
     return _families(metrics.registry)
 
 

@@ -22,7 +22,7 @@ from typing import Any
 from gpufence import version_line
 from gpufence.logs import log_event
 from gpufence.logs import setup_logging as _setup_logging
-from gpufence.webhook.core.flags import FLAGS, POLICY_FLAGS, Flag, boolean, settings_from_args
+from gpufence.webhook.flags import FLAGS, POLICY_FLAGS, Flag, boolean, settings_from_args
 
 
 def build_parser() -> argparse.ArgumentParser:

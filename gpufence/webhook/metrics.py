@@ -10,6 +10,7 @@ from prometheus_client.registry import Collector
 
 from gpufence.webhook.cluster.policy import ClusterPolicy
 from gpufence.webhook.tls import CertReloader
+from gpufence.webhook.verdicts import VerdictCache
 
 # /mutate answers mutated, unchanged, denied or skipped; /validate (verify.gpufence.io) verified,
 # refused or skipped; either may be invalid or an error.
@@ -66,6 +67,27 @@ class _PolicyCollector(Collector):
         yield reloads
 
 
+class _VerdictCollector(Collector):
+    """Reads the memo of verdicts (webhook.verdicts) at scrape time."""
+
+    def __init__(self, verdicts: VerdictCache) -> None:
+        self._verdicts = verdicts
+
+    def collect(self) -> Iterator[Metric]:
+        lookups = CounterMetricFamily(
+            "gpufence_webhook_verdict_memo_lookups",
+            "Reviews answered from the memo of verdicts (hit: a request that carried nothing new, such as "
+            "another pod of one template) or reviewed (miss), by result.",
+            labels=["result"],
+        )
+        lookups.add_metric(["hit"], self._verdicts.hits)
+        lookups.add_metric(["miss"], self._verdicts.misses)
+        yield lookups
+        entries = GaugeMetricFamily("gpufence_webhook_verdict_memo_entries", "Verdicts the memo holds now.")
+        entries.add_metric([], len(self._verdicts))
+        yield entries
+
+
 class WebhookMetrics:
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         self.registry = registry if registry is not None else CollectorRegistry()
@@ -90,6 +112,9 @@ class WebhookMetrics:
 
     def watch_policy(self, policy: ClusterPolicy) -> None:
         self.registry.register(_PolicyCollector(policy))
+
+    def watch_verdicts(self, verdicts: VerdictCache) -> None:
+        self.registry.register(_VerdictCollector(verdicts))
 
     def render(self) -> tuple[bytes, str]:
         return generate_latest(self.registry), CONTENT_TYPE_LATEST

@@ -13,9 +13,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -35,6 +36,7 @@ from gpufence.webhook.core.patch import dumps, loads
 from gpufence.webhook.core.settings import AllNamespacesOptedIn, FreshReader, InjectionSettings, NamespaceLookup
 from gpufence.webhook.metrics import WebhookMetrics
 from gpufence.webhook.tls import DEFAULT_RELOAD_INTERVAL_SECONDS, CertReloader
+from gpufence.webhook.verdicts import Judge, VerdictCache
 
 log = logging.getLogger(__name__)
 
@@ -78,6 +80,8 @@ CLAIMS: web.AppKey[DraObjects | None] = web.AppKey("claims")
 NODES: web.AppKey[KnownNodes | None] = web.AppKey("nodes")
 RELOADER = web.AppKey("reloader", CertReloader)
 METRICS = web.AppKey("metrics", WebhookMetrics)
+# Answers already given to requests that carry nothing new (pods from one template): webhook.verdicts.
+VERDICTS = web.AppKey("verdicts", VerdictCache)
 LIMITS = web.AppKey("limits", ServerLimits)
 OUTCOME = web.RequestKey("outcome", str)  # the review's outcome, for the metrics
 
@@ -264,9 +268,6 @@ def log_review_failed(payload: Any, exc: BaseException) -> None:
               error=f"{type(exc).__name__}: {exc}")
 
 
-Judge = Callable[[Any, InjectionSettings, NamespaceLookup, "DraObjects | None", "KnownNodes | None"], ReviewResult]
-
-
 def _answer(payload: Any, judge: Judge, settings: InjectionSettings, namespaces: NamespaceLookup,
             claims: DraObjects | None = None, nodes: KnownNodes | None = None) -> tuple[str, bytes]:
     """Reviews (``judge``: admission.review or admission.verify) and encodes one decoded request."""
@@ -341,7 +342,8 @@ async def _judge(request: web.Request, judge: Judge) -> web.Response:
         outcome, answer = await asyncio.to_thread(_answer, payload, judge, settings, namespaces, app[CLAIMS],
                                                   app[NODES])
     else:
-        outcome, answer = _answer(payload, judge, settings, namespaces, app[CLAIMS], app[NODES])
+        outcome, answer = _answer(payload, functools.partial(app[VERDICTS].judge, judge), settings, namespaces,
+                                  app[CLAIMS], app[NODES])
     request[OUTCOME] = outcome
     return web.Response(body=answer, content_type="application/json")
 
@@ -427,8 +429,10 @@ def create_app(settings: InjectionSettings | ClusterPolicy, namespaces: Namespac
     app[IN_FLIGHT] = InFlight()
     app[DRAINING] = asyncio.Event()
     app[METRICS] = metrics or WebhookMetrics()
+    app[VERDICTS] = VerdictCache()
     app[METRICS].watch_certificates(reloader)
     app[METRICS].watch_policy(policy)
+    app[METRICS].watch_verdicts(app[VERDICTS])
     app.cleanup_ctx.append(_reload_certificates)
     app.cleanup_ctx.append(_run_watches)
     app.router.add_post(MUTATE_PATH, mutate)

@@ -22,7 +22,7 @@ from pathlib import Path
 from cryptography import x509
 
 from gpufence.logs import log_event
-from gpufence.webhook.core.flags import DEFAULT_RELOAD_INTERVAL_SECONDS
+from gpufence.webhook.flags import DEFAULT_RELOAD_INTERVAL_SECONDS
 
 log = logging.getLogger(__name__)
 

@@ -35,7 +35,7 @@ app.kubernetes.io/instance), which the drift test (tests/deploy/test_chart_drift
 
 {{- /*
 gpufence.policyKeys: the flags of gpufence-webhook that configure the injection, without "--"
-(gpufence/webhook/core/flags.py, the flags that settings_from_args reads): the keys the ConfigMap
+(gpufence/webhook/flags.py, the flags that settings_from_args reads): the keys the ConfigMap
 gpufence-policy may hold. tests/deploy/test_helm.py checks this list against the webhook's own.
 */ -}}
 {{- define "gpufence.policyKeys" -}}

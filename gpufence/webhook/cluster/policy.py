@@ -4,7 +4,7 @@ The ConfigMap's ``data`` keys are the webhook's policy flags without ``--`` (``m
 ``allow-opt-out``, ...), its values what the flag takes; a repeatable flag's values are
 comma-separated, and an absent or empty key means the flag's default, as an empty
 ``GPUFENCE_WEBHOOK_*`` variable does. ``parse_policy`` converts them with the flags' own converters
-(webhook.core.flags' table), so each rule has one implementation; the protect policy reads the
+(webhook.flags' table), so each rule has one implementation; the protect policy reads the
 same ConfigMap as its ``params`` (k8s/base/protect-policy.yaml, for ``admin-groups``).
 
 ``ClusterPolicy`` holds the InjectionSettings that new admissions use and swaps them whole when a
@@ -24,8 +24,8 @@ from typing import Any
 
 from gpufence.logs import log_event
 from gpufence.webhook.cluster.watch import ListWatch
-from gpufence.webhook.core.flags import POLICY_FLAGS, SERVER_FLAGS, Flag, policy_settings
 from gpufence.webhook.core.settings import InjectionSettings
+from gpufence.webhook.flags import POLICY_FLAGS, SERVER_FLAGS, Flag, policy_settings
 
 log = logging.getLogger(__name__)
 

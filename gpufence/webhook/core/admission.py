@@ -15,6 +15,7 @@ from typing import Any
 
 from gpufence.contract import MIRROR_POD_ANNOTATION, POD_OPT_OUT_LABEL, SIDECAR_NAME, SIDECAR_PORT_NAME
 from gpufence.webhook.core.container_env import with_void
+from gpufence.webhook.core.denial import Denial, quote
 from gpufence.webhook.core.desired import desired_plain_pod, desired_pod
 from gpufence.webhook.core.device_access import device_access_denial, device_annotation_denial
 from gpufence.webhook.core.dra import DraObjects, check_claim_ceilings, claim_memory, claim_warnings
@@ -23,9 +24,9 @@ from gpufence.webhook.core.gpu_paths import PodGpuPaths, advised_resource
 from gpufence.webhook.core.kai import kai_fraction, kai_memory, nv_devices_denial, nv_fractions, nv_memory
 from gpufence.webhook.core.namespace_policy import namespace_policy, opt_out_allowed, opt_out_denial
 from gpufence.webhook.core.patch import diff, dumps, loads
-from gpufence.webhook.core.podshape import MutationError, check_shape, nvidia_side_door, sidecar_resource_use
+from gpufence.webhook.core.podshape import check_shape, nvidia_side_door, sidecar_resource_use
 from gpufence.webhook.core.settings import InjectionSettings, NamespaceLookup
-from gpufence.webhook.core.shares import ClaimMemory, ShareError, SharePlan, quote, resolve_shares, with_gpu_counts
+from gpufence.webhook.core.shares import ClaimMemory, SharePlan, resolve_shares, with_gpu_counts
 from gpufence.webhook.core.sidecar import (
     HOST_PROC_VOLUME,
     POD_SECURITY_LABEL,
@@ -55,12 +56,6 @@ class ReviewResult:
     outcome: str  # "mutated" | "unchanged" | "denied" | "skipped"
 
 
-class _Denied(Exception):
-    def __init__(self, message: str) -> None:
-        super().__init__(message)
-        self.message = message
-
-
 def review(payload: Any, settings: InjectionSettings, namespaces: NamespaceLookup,
            claims: DraObjects | None = None, nodes: KnownNodes | None = None) -> ReviewResult:
     """``claims``: the DRA objects (webhook.cluster.dra_cache) that claims are resolved through, for the
@@ -73,8 +68,8 @@ def review(payload: Any, settings: InjectionSettings, namespaces: NamespaceLooku
     try:
         outcome, patch = _decide(request, settings, namespaces, warnings, claims,
                                  nodes.node_labels() if nodes is not None else None)
-    except _Denied as denied:
-        return _result(uid, OUTCOME_DENIED, warnings, denied=denied.message)
+    except Denial as denied:  # every rule's refusal
+        return _result(uid, OUTCOME_DENIED, warnings, denied=str(denied))
     except RecursionError:
         return _result(uid, OUTCOME_DENIED, warnings, denied="the pod is nested too deeply to be reviewed")
     except UnicodeEncodeError:
@@ -217,22 +212,22 @@ _EPHEMERAL_KEY = "ephemeralContainers"
 def _ephemeral_containers(pod: Any, where: str) -> list[dict[str, Any]]:
     """``spec.ephemeralContainers`` of ``pod``, shape-checked where the injection reads it."""
     if not isinstance(pod, dict):
-        raise MutationError(f"the pod is malformed: {where} must be a Pod object")
+        raise Denial(f"the pod is malformed: {where} must be a Pod object")
     spec = pod.get("spec")
     if not isinstance(spec, dict):
-        raise MutationError(f"the pod is malformed: {where}.spec must be an object")
+        raise Denial(f"the pod is malformed: {where}.spec must be an object")
     containers = spec.get(_EPHEMERAL_KEY)
     if containers is None:
         return []
     if not isinstance(containers, list):
-        raise MutationError(f"the pod is malformed: {where}.spec.{_EPHEMERAL_KEY} must be a list")
+        raise Denial(f"the pod is malformed: {where}.spec.{_EPHEMERAL_KEY} must be a list")
     for i, container in enumerate(containers):
         at = f"{where}.spec.{_EPHEMERAL_KEY}[{i}]"
         if not isinstance(container, dict) or not isinstance(container.get("name"), str):
-            raise MutationError(f"the pod is malformed: {at} must be an object with a string name")
+            raise Denial(f"the pod is malformed: {at} must be an object with a string name")
         env = container.get("env")
         if env is not None and not (isinstance(env, list) and all(isinstance(e, dict) for e in env)):
-            raise MutationError(f"the pod is malformed: {at}.env must be a list of objects")
+            raise Denial(f"the pod is malformed: {at}.env must be a list of objects")
     return containers
 
 
@@ -244,7 +239,7 @@ def new_ephemeral_names(pod: Any, old_pod: Any) -> list[str]:
 
 def desired_ephemeral_pod(pod: dict[str, Any], old_pod: Any) -> dict[str, Any]:
     """``pod`` with each new ephemeral container voided (copy-on-write; ``pod`` itself when none
-    needs it). Raises ``MutationError`` for a malformed pod."""
+    needs it). Raises ``Denial`` for a malformed pod."""
     new = set(new_ephemeral_names(pod, old_pod))
     if not new:
         return pod
@@ -274,11 +269,8 @@ def _ephemeral(request: dict[str, Any], namespaces: NamespaceLookup) -> tuple[st
     # Not in the cache yet: the API server's namespaceSelector let only opted-in namespaces through.
     pod = request.get("object")
     if not isinstance(pod, dict):
-        raise _Denied("request.object must be a Pod object")
-    try:
-        patch = ephemeral_patch(pod, request.get("oldObject"))
-    except MutationError as exc:
-        raise _Denied(str(exc)) from None
+        raise Denial("request.object must be a Pod object")
+    patch = ephemeral_patch(pod, request.get("oldObject"))
     return (OUTCOME_MUTATED if patch else OUTCOME_UNCHANGED), patch
 
 
@@ -292,7 +284,7 @@ def _decide(
         return OUTCOME_SKIPPED, None
     pod = request.get("object")
     if not isinstance(pod, dict):
-        raise _Denied("request.object must be a Pod object")
+        raise Denial("request.object must be a Pod object")
     metadata = _dict(pod.get("metadata"))
 
     namespace = request.get("namespace")
@@ -319,10 +311,7 @@ def _decide(
         return OUTCOME_SKIPPED, None  # a static pod's mirror: the kubelet would not run a changed one
     # Once, before any rule reads the pod: a field of the wrong JSON type is a denial naming it,
     # never an exception (HTTP 500) in a rule that trusted the type.
-    try:
-        all_names = check_shape(pod)
-    except MutationError as exc:
-        raise _Denied(str(exc)) from None
+    all_names = check_shape(pod)
 
     kai = kai_fraction(pod, settings)
     nv = nv_fractions(pod)
@@ -338,23 +327,23 @@ def _decide(
     side_door = nvidia_side_door(pod.get("spec"), SIDECAR_NAME if gpu_names else None, advised_resource(settings),
                                  kai.container if kai is not None else None)
     if side_door is not None:
-        raise _Denied(side_door)  # GPU pod or not, opted out or not
+        raise Denial(side_door)  # GPU pod or not, opted out or not
     # KAI's binder writes a container's gpus.devices after allocation; its author, at CREATE, must not.
     groups = _dict(request.get("userInfo")).get("groups")
     side_door = nv_devices_denial(pod, groups, settings.admin_groups)
     if side_door is not None:
-        raise _Denied(side_door)
+        raise Denial(side_door)
     # Annotations a node component turns into devices (NVIDIA's NRI plugin, CDI, ...): the admin's.
     side_door = device_annotation_denial(pod, groups, settings.admin_groups, advised_resource(settings))
     if side_door is not None:
-        raise _Denied(side_door)
+        raise Denial(side_door)
     # Devices without a device request (privileged, hostPath of /dev and the driver's paths): GPU
     # pod or not, opted out or not, unless the admin allows it (docs/install.md, Pod Security).
     side_door = device_access_denial(pod.get("spec"), namespace or "", groups, settings.admin_groups,
                                      settings.device_access_namespaces,
                                      pod_volumes(settings) if gpu_names else (), advised_resource(settings))
     if side_door is not None:
-        raise _Denied(side_door)
+        raise Denial(side_door)
     opted_out = labels.get(POD_OPT_OUT_LABEL) == "false"
     if not gpu_names:
         if not settings.void_non_gpu_containers or (opted_out and opt_out_allowed(namespace_annotations, settings)):
@@ -365,38 +354,35 @@ def _decide(
         # The namespace's admin decides whether a pod may opt out, not the pod.
         if opt_out_allowed(namespace_annotations, settings):
             return OUTCOME_SKIPPED, None
-        raise _Denied(opt_out_denial(namespace or ""))
+        raise Denial(opt_out_denial(namespace or ""))
 
-    try:
-        if SIDECAR_NAME in gpu_names:
-            raise MutationError(f"the container name {SIDECAR_NAME} is reserved by gpufence; rename the container")
-        taken = sidecar_resource_use(pod["spec"], SIDECAR_NAME, settings.metrics_port, SIDECAR_PORT_NAME,
-                                     (STATE_VOLUME, HOST_PROC_VOLUME), (PRELOAD_VOLUME,))
-        if taken is not None:
-            raise MutationError(taken)
-        policy = namespace_policy(namespace or "", namespace_annotations, settings)
-        claimed: dict[str, ClaimMemory] = {}
-        if claims is not None and isinstance(namespace, str) and namespace:
-            # Consumable capacity: what a claim reserved on a shareable GPU is the container's share.
-            claimed, capacity_notes = claim_memory(namespace, pod.get("spec"), claims, settings.dra_gpu_drivers,
-                                                   paths.gpu_claims_by_container())
-            check_claim_ceilings(claimed, policy)
-            claim_notes += capacity_notes
-            warnings.extend(capacity_notes)
-        # KAI's requests (its NvFractions limit over its legacy fraction for one container).
-        scheduler_memory = {**kai_memory(kai, policy), **nv_memory(nv, policy)}
-        plan = resolve_shares(annotations, namespace_annotations, settings, gpu_names, all_names, policy,
-                              scheduler_memory=scheduler_memory, claim_memory=claimed)
-        plan = replace(plan, runtime_limited=frozenset(f.container for f in nv),
-                       kai_fraction=kai.container if kai is not None else None)
-        plan = with_gpu_counts(plan, paths.gpu_counts())
-        warnings.extend(plan.warnings)
-        # In the status annotation too, so the enforcer posts them as Events on the pod: a pod a
-        # controller creates never shows its author the admission warnings.
-        plan = replace(plan, warnings=(*plan.warnings, *claim_notes))
-        patch, mutation_warnings = injection_patch(pod, plan, settings, pod_security, namespace_annotations, nodes)
-    except (ShareError, MutationError) as exc:
-        raise _Denied(str(exc)) from None
+    if SIDECAR_NAME in gpu_names:
+        raise Denial(f"the container name {SIDECAR_NAME} is reserved by gpufence; rename the container")
+    taken = sidecar_resource_use(pod["spec"], SIDECAR_NAME, settings.metrics_port, SIDECAR_PORT_NAME,
+                                 (STATE_VOLUME, HOST_PROC_VOLUME), (PRELOAD_VOLUME,))
+    if taken is not None:
+        raise Denial(taken)
+    policy = namespace_policy(namespace or "", namespace_annotations, settings)
+    claimed: dict[str, ClaimMemory] = {}
+    if claims is not None and isinstance(namespace, str) and namespace:
+        # Consumable capacity: what a claim reserved on a shareable GPU is the container's share.
+        claimed, capacity_notes = claim_memory(namespace, pod.get("spec"), claims, settings.dra_gpu_drivers,
+                                               paths.gpu_claims_by_container())
+        check_claim_ceilings(claimed, policy)
+        claim_notes += capacity_notes
+        warnings.extend(capacity_notes)
+    # KAI's requests (its NvFractions limit over its legacy fraction for one container).
+    scheduler_memory = {**kai_memory(kai, policy), **nv_memory(nv, policy)}
+    plan = resolve_shares(annotations, namespace_annotations, settings, gpu_names, all_names, policy,
+                          scheduler_memory=scheduler_memory, claim_memory=claimed)
+    plan = replace(plan, runtime_limited=frozenset(f.container for f in nv),
+                   kai_fraction=kai.container if kai is not None else None)
+    plan = with_gpu_counts(plan, paths.gpu_counts())
+    warnings.extend(plan.warnings)
+    # In the status annotation too, so the enforcer posts them as Events on the pod: a pod a
+    # controller creates never shows its author the admission warnings.
+    plan = replace(plan, warnings=(*plan.warnings, *claim_notes))
+    patch, mutation_warnings = injection_patch(pod, plan, settings, pod_security, namespace_annotations, nodes)
     warnings.extend(mutation_warnings)
     return (OUTCOME_MUTATED if patch else OUTCOME_UNCHANGED), patch
 
@@ -407,7 +393,7 @@ def injection_patch(
 ) -> tuple[bytes | None, list[str]]:
     """The JSON Patch (compact UTF-8 JSON; None when the pod needs none) and the warnings.
 
-    Raises ``MutationError`` (a denial). The pod must have passed ``podshape.check_shape``.
+    Raises ``Denial`` (a denial). The pod must have passed ``podshape.check_shape``.
     """
     new_pod, warnings = desired_pod(pod, plan, settings, pod_security, namespace_annotations, nodes)
     ops = diff(pod, new_pod)

@@ -31,13 +31,12 @@ from gpufence.contract import (
     ENV_PRELOAD_MEMORY_LIMIT,
     ContainerShare,
 )
+from gpufence.webhook.core.denial import Denial, quote
 from gpufence.webhook.core.driver_limits import driver_limit_mib
 from gpufence.webhook.core.frameworks import DeviceMemory, framework_env, server_warnings
 from gpufence.webhook.core.gpu_paths import PodGpuPaths
-from gpufence.webhook.core.podshape import MutationError
 from gpufence.webhook.core.quantity import mebibytes_floor
 from gpufence.webhook.core.settings import InjectionSettings
-from gpufence.webhook.core.shares import quote
 from gpufence.webhook.core.sidecar import PRELOAD_VOLUME
 
 ENV_TF_ALLOW_GROWTH = "TF_FORCE_GPU_ALLOW_GROWTH"
@@ -161,7 +160,7 @@ def gpu_container(
     ``add_share_env`` (False: no preload library either). ``kai_fraction``: the container KAI hands
     its legacy fraction, whose ``CUDA_DEVICE_MEMORY_LIMIT`` from a ConfigMap key (what KAI's HamiCore
     admission plugin writes for HAMi-core) is kept where gpufence writes none. Raises
-    ``MutationError`` when the container sets GPUFENCE_CONTAINER to another value or takes a mount
+    ``Denial`` when the container sets GPUFENCE_CONTAINER to another value or takes a mount
     gpufence reserves."""
     name = container["name"]
     env = list(container.get("env") or ())
@@ -209,7 +208,7 @@ def gpu_container(
         if entry.get("value") != name or "valueFrom" in entry:
             # The enforcer attributes processes to containers by this variable: a wrong value would
             # charge this container's GPU use to another one.
-            raise MutationError(
+            raise Denial(
                 f"container {quote(name)} sets {ENV_CONTAINER}={quote(entry.get('value', ''))}; gpufence sets "
                 f"it to the container's name to attribute GPU use, so remove it or set it to {quote(name)}"
             )
@@ -240,7 +239,7 @@ def gpu_container(
             mounts.append(wanted)
             container = {**container, "volumeMounts": mounts}
         elif clash != [wanted]:
-            raise MutationError(
+            raise Denial(
                 f"container {quote(name)} already mounts volume {PRELOAD_VOLUME} or path {library}, "
                 "both reserved by gpufence"
             )

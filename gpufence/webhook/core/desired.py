@@ -18,12 +18,12 @@ from typing import Any
 
 from gpufence.contract import ANNOTATION_STATUS, SIDECAR_NAME
 from gpufence.webhook.core.container_env import FrameworkRecord, gpu_container, void_container
+from gpufence.webhook.core.denial import Denial, quote
 from gpufence.webhook.core.driver_limits import NodeLabels, plan_driver_limits
 from gpufence.webhook.core.frameworks import device_memory, pytorch_cap_enabled, recorded_warnings
 from gpufence.webhook.core.gpu_paths import PodGpuPaths
-from gpufence.webhook.core.podshape import MutationError
 from gpufence.webhook.core.settings import InjectionSettings
-from gpufence.webhook.core.shares import SharePlan, quote
+from gpufence.webhook.core.shares import SharePlan
 from gpufence.webhook.core.sidecar import (
     api_defaulted,
     build_sidecar,
@@ -40,7 +40,7 @@ def desired_pod(pod: dict[str, Any], plan: SharePlan, settings: InjectionSetting
                 pod_security: str | None = None,
                 namespace_annotations: Mapping[str, object] | None = None,
                 nodes: NodeLabels | None = None) -> tuple[dict[str, Any], list[str]]:
-    """The injected pod (sharing untouched subtrees with ``pod``) and warnings; raises MutationError.
+    """The injected pod (sharing untouched subtrees with ``pod``) and warnings; raises Denial.
 
     ``pod_security``: the namespace's enforced Pod Security level (its label), None if unlabelled.
     ``namespace_annotations``: the Namespace's (its opt-in to PyTorch's allocator cap).
@@ -67,13 +67,13 @@ def desired_pod(pod: dict[str, Any], plan: SharePlan, settings: InjectionSetting
     pytorch = pytorch_cap_enabled(namespace_annotations or {}, settings)
 
     if spec.get("hostPID") is True:
-        raise MutationError(
+        raise Denial(
             "gpufence needs spec.shareProcessNamespace, which Kubernetes does not allow together with "
             'spec.hostPID: true; remove hostPID, or, where the namespace allows opt-out, label the pod '
             'gpufence.io/inject="false"'
         )
     if spec.get("shareProcessNamespace") is False:
-        raise MutationError(
+        raise Denial(
             "spec.shareProcessNamespace: false conflicts with gpufence, whose enforcer must see the GPU "
             "containers' processes; remove the field (gpufence sets it to true), or, where the namespace "
             'allows opt-out, label the pod gpufence.io/inject="false"'
@@ -178,7 +178,7 @@ def desired_pod(pod: dict[str, Any], plan: SharePlan, settings: InjectionSetting
         if present is None:
             volumes.append(volume)
         elif present != volume:
-            raise MutationError(f"volume name {quote(volume['name'])} is reserved by gpufence; rename the pod's volume")
+            raise Denial(f"volume name {quote(volume['name'])} is reserved by gpufence; rename the pod's volume")
     spec["volumes"] = volumes
     annotations[ANNOTATION_STATUS] = status_annotation(plan, recorded)
     return new_pod, [*container_warnings, *warnings, *replaced]

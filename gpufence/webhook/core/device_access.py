@@ -1,3 +1,4 @@
+
 """Device access without a device request (pure): privileged containers and hostPath volumes that
 reach the node's GPUs outside the scheduler's count and gpufence's shares.
 
@@ -32,7 +33,7 @@ import posixpath
 from collections.abc import Collection, Iterable, Iterator, Mapping
 from typing import Any
 
-from gpufence.webhook.core.shares import quote
+from gpufence.webhook.core.denial import quote
 
 # Where a hostPath reaches a GPU or its driver without a device request. A hostPath at one of these,
 # under one, or above one (``/``, ``/run``, ``/usr``) is refused:

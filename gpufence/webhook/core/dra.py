@@ -37,9 +37,10 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
 from gpufence.contract import SIDECAR_NAME, MemoryShare
+from gpufence.webhook.core.denial import Denial, quote
 from gpufence.webhook.core.namespace_policy import NamespacePolicy, _memory_above
 from gpufence.webhook.core.quantity import QuantityError, parse_bytes
-from gpufence.webhook.core.shares import ClaimMemory, ShareError, quote
+from gpufence.webhook.core.shares import ClaimMemory
 
 # The drivers a selector allows, or None where it allows any (pins no driver, or cannot be read).
 Drivers = frozenset[str] | None
@@ -511,7 +512,7 @@ def claim_memory(namespace: str, spec: Any, objects: DraObjects, gpu_drivers: It
 
 
 def check_claim_ceilings(shares: Mapping[str, ClaimMemory], policy: NamespacePolicy) -> None:
-    """Raises ShareError where a claim's memory lies above the namespace's memory ceiling in bytes,
+    """Raises Denial where a claim's memory lies above the namespace's memory ceiling in bytes,
     naming the claim, its amount, the ceiling and an amount the ceiling accepts. (A percentage
     ceiling cannot be compared with bytes at admission: both apply, ``NamespacePolicy.bound``.)"""
     ceiling = policy.max_memory
@@ -519,7 +520,7 @@ def check_claim_ceilings(shares: Mapping[str, ClaimMemory], policy: NamespacePol
         return
     for container, claimed in shares.items():
         if _memory_above(claimed.share, ceiling.share):
-            raise ShareError(
+            raise Denial(
                 f"container {quote(container)}: {claimed.origin} is above the memory ceiling of namespace "
                 f"{quote(policy.namespace)} ({ceiling.origin}): ask the claim for at most that, e.g. "
                 f"capacity.requests.memory: {quote(ceiling.text)}"

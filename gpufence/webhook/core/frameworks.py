@@ -47,10 +47,10 @@ from decimal import ROUND_DOWN, Decimal, InvalidOperation
 from typing import Any
 
 from gpufence.contract import MAX_STATUS_WARNINGS, NAMESPACE_PYTORCH_MEMORY_FRACTION, MemoryShare
+from gpufence.webhook.core.denial import quote
 from gpufence.webhook.core.gpu_paths import shared_gpu_resource
 from gpufence.webhook.core.quantity import QuantityError, parse_bytes
 from gpufence.webhook.core.settings import InjectionSettings
-from gpufence.webhook.core.shares import quote
 
 ENV_XLA_FRACTION = "XLA_PYTHON_CLIENT_MEM_FRACTION"  # every jaxlib reads it
 ENV_XLA_FRACTION_NEW = "XLA_CLIENT_MEM_FRACTION"  # jaxlib >= 0.5.0; an error together with the old name

@@ -34,10 +34,11 @@ from decimal import Decimal, InvalidOperation
 from typing import Any
 
 from gpufence.contract import MemoryShare
+from gpufence.webhook.core.denial import Denial, quote
 from gpufence.webhook.core.namespace_policy import NamespacePolicy, _memory_above
 from gpufence.webhook.core.quantity import QuantityError, parse_bytes
 from gpufence.webhook.core.settings import DEFAULT_KAI_SCHEDULER, InjectionSettings
-from gpufence.webhook.core.shares import MIN_MEMORY_SHARE_BYTES, ShareError, quote
+from gpufence.webhook.core.shares import MIN_MEMORY_SHARE_BYTES
 
 KAI_GPU_FRACTION = "gpu-fraction"
 KAI_GPU_MEMORY = "gpu-memory"
@@ -84,28 +85,28 @@ class KaiFraction:
         return f"annotation {key}={quote(self.annotations[key])}"
 
     def memory_share(self) -> MemoryShare:
-        """The container's memory share on each of its GPUs; raises ShareError, naming the
+        """The container's memory share on each of its GPUs; raises Denial, naming the
         annotation, its value, KAI's rule and an accepted example."""
         fraction, memory = self.annotations.get(KAI_GPU_FRACTION), self.annotations.get(KAI_GPU_MEMORY)
         if fraction is not None and memory is not None:
-            raise ShareError(
+            raise Denial(
                 f"annotations {KAI_GPU_FRACTION}={quote(fraction)} and {KAI_GPU_MEMORY}={quote(memory)} are both "
                 "set: KAI-Scheduler takes a fraction of a GPU or an amount of its memory, not both; remove one"
             )
         if KAI_NUM_DEVICES in self.annotations:
             raw = self.annotations[KAI_NUM_DEVICES]
             if not (isinstance(raw, str) and _WHOLE.fullmatch(raw) and int(raw) > 0):
-                raise ShareError(f"annotation {KAI_NUM_DEVICES}={quote(raw)} is not a number of GPUs: "
+                raise Denial(f"annotation {KAI_NUM_DEVICES}={quote(raw)} is not a number of GPUs: "
                                  f"{DEVICES_EXAMPLE}")
         if fraction is not None:
             value = _fraction(fraction)
             if value is None:
-                raise ShareError(f"annotation {KAI_GPU_FRACTION}={quote(fraction)} is not a KAI-Scheduler GPU "
+                raise Denial(f"annotation {KAI_GPU_FRACTION}={quote(fraction)} is not a KAI-Scheduler GPU "
                                  f"fraction: {FRACTION_EXAMPLE}")
             # Exact in decimal, so "0.29" is 29.0%, not 28.999999999999996%.
             return MemoryShare(percent=float(value * 100))
         if not (isinstance(memory, str) and _WHOLE.fullmatch(memory) and int(memory) > 0):
-            raise ShareError(f"annotation {KAI_GPU_MEMORY}={quote(memory)} is not a KAI-Scheduler GPU memory "
+            raise Denial(f"annotation {KAI_GPU_MEMORY}={quote(memory)} is not a KAI-Scheduler GPU memory "
                              f"request: {MEMORY_EXAMPLE}")
         return MemoryShare(bytes=int(memory) * _MIB)
 
@@ -171,13 +172,13 @@ def kai_fraction(pod: Any, settings: InjectionSettings) -> KaiFraction | None:
 
 def kai_memory(kai: KaiFraction | None, policy: NamespacePolicy) -> dict[str, tuple[MemoryShare, str]]:
     """``shares.resolve_shares``'s ``scheduler_memory`` for the pod's KAI fraction (empty without
-    one); raises ShareError for an invalid request or one above the namespace's memory ceiling."""
+    one); raises Denial for an invalid request or one above the namespace's memory ceiling."""
     if kai is None:
         return {}
     share = kai.memory_share()
     denial = kai.ceiling_denial(share, policy)
     if denial is not None:
-        raise ShareError(denial)
+        raise Denial(denial)
     return {kai.container: (share, kai.origin())}
 
 
@@ -240,7 +241,7 @@ class NvFraction:
         return int(raw) if isinstance(raw, str) and _WHOLE.fullmatch(raw) and int(raw) > 0 else 1
 
     def memory_share(self) -> MemoryShare:
-        """The limit (else the request) in bytes on each of its GPUs; raises ShareError for a value
+        """The limit (else the request) in bytes on each of its GPUs; raises Denial for a value
         that is not a quantity of at least 1Mi or a request above the limit (KAI's rules)."""
         parsed: dict[str, int] = {}
         for suffix in (NV_REQUEST, NV_LIMIT):
@@ -252,11 +253,11 @@ class NvFraction:
             except QuantityError:
                 value = 0
             if value < MIN_MEMORY_SHARE_BYTES:
-                raise ShareError(f"annotation {nv_key(self.container, suffix)}={quote(raw)} is not a KAI-Scheduler "
+                raise Denial(f"annotation {nv_key(self.container, suffix)}={quote(raw)} is not a KAI-Scheduler "
                                  f"GPU memory request: {NV_MEMORY_EXAMPLE}")
             parsed[suffix] = value
         if NV_REQUEST in parsed and NV_LIMIT in parsed and parsed[NV_REQUEST] > parsed[NV_LIMIT]:
-            raise ShareError(
+            raise Denial(
                 f"annotation {nv_key(self.container, NV_REQUEST)}={quote(self._value(NV_REQUEST))} is above "
                 f"{nv_key(self.container, NV_LIMIT)}={quote(self._value(NV_LIMIT))}: KAI-Scheduler requires the "
                 "request to be at most the limit")
@@ -324,12 +325,12 @@ def nv_devices_denial(pod: Any, groups: Any, admin_groups: tuple[str, ...]) -> s
 
 def nv_memory(fractions: list[NvFraction], policy: NamespacePolicy) -> dict[str, tuple[MemoryShare, str]]:
     """``shares.resolve_shares``'s ``scheduler_memory`` for the pod's NvFractions containers; raises
-    ShareError for an invalid request or one above the namespace's memory ceiling."""
+    Denial for an invalid request or one above the namespace's memory ceiling."""
     found: dict[str, tuple[MemoryShare, str]] = {}
     for fraction in fractions:
         share = fraction.memory_share()
         denial = fraction.ceiling_denial(share, policy)
         if denial is not None:
-            raise ShareError(denial)
+            raise Denial(denial)
         found[fraction.container] = (share, fraction.origin())
     return found

@@ -35,8 +35,9 @@ from gpufence.contract import (
     MemoryShare,
     Mode,
 )
+from gpufence.webhook.core.denial import Denial, quote
 from gpufence.webhook.core.settings import InjectionSettings
-from gpufence.webhook.core.shares import MODE_EXAMPLE, ShareError, compute_from, memory_from, parse_mode, quote
+from gpufence.webhook.core.shares import MODE_EXAMPLE, compute_from, memory_from, parse_mode
 
 
 @dataclass(frozen=True)
@@ -70,7 +71,7 @@ class NamespacePolicy:
         if requested is None:
             return self.mode
         if requested is Mode.AUDIT and self.mode is Mode.ENFORCE and not self.allow_audit:
-            raise ShareError(
+            raise Denial(
                 f"annotation {ANNOTATION_MODE}={quote(requested.value)} asks for audit mode (measured, never "
                 f"limited), but namespace {quote(self.namespace)} runs in enforce mode ({self.mode_origin}) and "
                 f'does not allow audit by the pod\'s choice (Namespace annotation {NAMESPACE_ALLOW_AUDIT}: "true" '
@@ -80,7 +81,7 @@ class NamespacePolicy:
 
     def bound(self, share: ContainerShare, memory_origin: str, compute_origin: str,
               warnings: list[str] | None = None, container: str = "") -> ContainerShare:
-        """``share`` within the ceilings (a missing share becomes the ceiling); raises ShareError.
+        """``share`` within the ceilings (a missing share becomes the ceiling); raises Denial.
         A memory share in the other unit than the ceiling keeps both (the smaller applies on each
         device) and adds a warning for ``container`` to ``warnings``."""
         memory, compute = share.memory, share.compute_percent
@@ -98,7 +99,7 @@ class NamespacePolicy:
                         f"each GPU the smaller is the limit"
                     )
             elif _memory_above(memory, ceiling.share):
-                raise ShareError(
+                raise Denial(
                     f"{memory_origin} is above the memory ceiling of namespace {quote(self.namespace)} "
                     f"({ceiling.origin}): use at most {quote(ceiling.text)}"
                 )
@@ -106,7 +107,7 @@ class NamespacePolicy:
             if compute is None:
                 compute = self.max_compute.percent
             elif compute > self.max_compute.percent:
-                raise ShareError(
+                raise Denial(
                     f"{compute_origin} is above the compute ceiling of namespace {quote(self.namespace)} "
                     f"({self.max_compute.origin}): use at most {quote(self.max_compute.text)}"
                 )
@@ -155,7 +156,7 @@ def opt_out_denial(namespace: str) -> str:
 def namespace_policy(
     namespace: str, annotations: Mapping[str, object], settings: InjectionSettings
 ) -> NamespacePolicy:
-    """The policy of ``namespace`` from its annotations and the flags; raises ShareError on an
+    """The policy of ``namespace`` from its annotations and the flags; raises Denial on an
     admin's typo (the message names the Namespace annotation, so the user knows whom to ask)."""
     mode, mode_origin = Mode(settings.default_mode), f"webhook flag --default-mode={quote(settings.default_mode)}"
     if ANNOTATION_MODE in annotations:
@@ -163,7 +164,7 @@ def namespace_policy(
         try:
             mode = parse_mode(raw)
         except ValueError:
-            raise ShareError(
+            raise Denial(
                 f"Namespace annotation {ANNOTATION_MODE}={quote(raw)} is not a valid mode: {MODE_EXAMPLE}"
             ) from None
         mode_origin = f"Namespace annotation {ANNOTATION_MODE}={quote(raw)}"

@@ -1,3 +1,4 @@
+
 """What the submitted pod is (pure): whether the fields the injection reads have the JSON types it
 expects, and which containers ask the NVIDIA toolkit for GPUs through its variables (which
 containers get a GPU by a scheduled path is ``webhook.core.gpu_paths``).
@@ -12,16 +13,7 @@ from collections.abc import Sequence
 from itertools import repeat
 from typing import Any
 
-from gpufence.webhook.core.shares import quote
-
-
-class MutationError(ValueError):
-    """The pod cannot be injected as it is; the message is for the user (sent back as the denial).
-
-    Messages name the field, the value, the rule and an accepted alternative; they never carry a
-    traceback or an internal detail.
-    """
-
+from gpufence.webhook.core.denial import Denial, quote
 
 # Variables through which the NVIDIA container toolkit (with its default
 # accept-nvidia-visible-devices-envvar-when-unprivileged = true) hands a container GPUs and driver
@@ -140,12 +132,12 @@ def _plain_env(env: Any) -> bool:
 
 
 def check_shape(pod: dict[str, Any]) -> list[str]:
-    """All container names; raises ``MutationError`` when a field the rules or the injection read
+    """All container names; raises ``Denial`` when a field the rules or the injection read
     or write has the wrong JSON type (the message names the field), so ``desired_pod`` needs no type
     checks and no rule can fail on a type (HTTP 500). A rule that reads a new field checks it here."""
 
-    def bad(where: str, what: str) -> MutationError:
-        return MutationError(f"the pod is malformed: {where} must be {what}")
+    def bad(where: str, what: str) -> Denial:
+        return Denial(f"the pod is malformed: {where} must be {what}")
 
     # Messages name the offending field; they are formatted only on the way to a denial.
     def check_user(context: Any, where: str) -> None:
@@ -286,6 +278,6 @@ def check_shape(pod: dict[str, Any]) -> list[str]:
     seen: set[str] = set()
     for name in names:
         if name in seen:
-            raise MutationError(f"the pod is malformed: container name {quote(name)} is used more than once")
+            raise Denial(f"the pod is malformed: container name {quote(name)} is used more than once")
         seen.add(name)
     return names

@@ -1,6 +1,6 @@
 """Typed inputs of the pure mutation core.
 
-``InjectionSettings`` is everything the operator configures with flags (built by ``webhook.core.flags``);
+``InjectionSettings`` is everything the operator configures with flags (built by ``webhook.flags``);
 ``NamespaceInfo`` is what the core needs to know of the pod's namespace (served by
 ``webhook.cluster.namespaces`` from a watch cache, or a fixed answer outside a cluster). Neither does I/O.
 """
@@ -103,7 +103,7 @@ class InjectionSettings:
     # Native sidecar (initContainers[0], restartPolicy Always; Kubernetes >= 1.29) or a plain container.
     native_sidecar: bool = True
     metrics_port: int = DEFAULT_METRICS_PORT
-    # Canonical quantities (webhook.core.flags canonicalises the flags): the API server stores them so.
+    # Canonical quantities (webhook.flags canonicalises the flags): the API server stores them so.
     # Limits by default, so that a namespace whose ResourceQuota covers limits.cpu / limits.memory
     # admits the mutated pod; None: no CPU limit.
     # The limit sets how fast the enforcer starts, and the workload waits for it (the postStart

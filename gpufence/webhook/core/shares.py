@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import json
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from decimal import Decimal, InvalidOperation
@@ -39,6 +38,7 @@ from gpufence.contract import (
     MemoryShare,
     Mode,
 )
+from gpufence.webhook.core.denial import Denial, quote
 from gpufence.webhook.core.quantity import QuantityError, parse_bytes, parse_percent
 from gpufence.webhook.core.settings import InjectionSettings
 
@@ -52,7 +52,6 @@ _COMPUTE_OVERRIDE_PREFIX = ANNOTATION_COMPUTE + "."
 _KNOWN_ANNOTATIONS = frozenset(
     {ANNOTATION_MEMORY, ANNOTATION_COMPUTE, ANNOTATION_MODE, ANNOTATION_GRACE_PERIOD, ANNOTATION_STATUS}
 )
-_MAX_SHOWN = 64  # characters of a user's value quoted back in a message
 _MAX_CACHED = 128  # longest annotation value whose parse is cached
 T = TypeVar("T")
 
@@ -62,17 +61,13 @@ class ShareBounds(Protocol):
     builds on this module's parsers)."""
 
     def mode_for(self, requested: Mode | None) -> Mode:
-        """The pod's mode given the one it asked for; raises ShareError when it may not."""
+        """The pod's mode given the one it asked for; raises Denial when it may not."""
         ...
 
     def bound(self, share: ContainerShare, memory_origin: str, compute_origin: str,
               warnings: list[str] | None = None, container: str = "") -> ContainerShare:
-        """``share`` within the ceilings; raises ShareError."""
+        """``share`` within the ceilings; raises Denial."""
         ...
-
-
-class ShareError(ValueError):
-    """The pod's (or its namespace's) share configuration is invalid; the message is for the user."""
 
 
 @dataclass(frozen=True)
@@ -119,14 +114,6 @@ def parse_mode(raw: object) -> Mode:
     if not isinstance(raw, str):
         raise ValueError(raw)
     return Mode(raw.strip())
-
-
-def quote(value: object) -> str:
-    """A user's value as a JSON string literal, truncated: safe and short inside a message."""
-    text = value if isinstance(value, str) else json.dumps(value, default=str)[: _MAX_SHOWN * 2]
-    if len(text) > _MAX_SHOWN:
-        text = text[:_MAX_SHOWN] + "..."
-    return json.dumps(text)
 
 
 def _memoized(parse: Callable[[str], T]) -> Callable[[str], T]:
@@ -208,28 +195,28 @@ def _describe_source(source: str, key: str) -> str:
 
 
 def memory_from(value: object, source: str, key: str) -> MemoryShare:
-    """``value`` from ``source`` ("pod", "namespace" or "flag") at ``key`` as a memory share; ShareError."""
+    """``value`` from ``source`` ("pod", "namespace" or "flag") at ``key`` as a memory share; Denial."""
     if isinstance(value, str):
         try:
             return parse_memory_share(value)
         except MemoryShareTooSmall as exc:
-            raise ShareError(
+            raise Denial(
                 f"{_describe_source(source, key)}={quote(value)} is {exc}, so it is taken for a typo: "
                 f"{_too_small_example(value)}"
             ) from None
         except QuantityError:
             pass
-    raise ShareError(f"{_describe_source(source, key)}={quote(value)} is not a valid memory share: {MEMORY_EXAMPLE}")
+    raise Denial(f"{_describe_source(source, key)}={quote(value)} is not a valid memory share: {MEMORY_EXAMPLE}")
 
 
 def compute_from(value: object, source: str, key: str) -> float:
-    """``value`` from ``source`` at ``key`` as a compute share (percent); raises ShareError."""
+    """``value`` from ``source`` at ``key`` as a compute share (percent); raises Denial."""
     if isinstance(value, str):
         try:
             return parse_compute_share(value)
         except QuantityError:
             pass
-    raise ShareError(f"{_describe_source(source, key)}={quote(value)} is not a valid compute share: {COMPUTE_EXAMPLE}")
+    raise Denial(f"{_describe_source(source, key)}={quote(value)} is not a valid compute share: {COMPUTE_EXAMPLE}")
 
 
 def resolve_shares(
@@ -242,7 +229,7 @@ def resolve_shares(
     scheduler_memory: Mapping[str, tuple[MemoryShare, str]] | None = None,
     claim_memory: Mapping[str, ClaimMemory] | None = None,
 ) -> SharePlan:
-    """The share of every GPU container, the mode and the grace period; raises ``ShareError``.
+    """The share of every GPU container, the mode and the grace period; raises ``Denial``.
 
     ``policy`` (``namespace_policy``): the admin's mode and ceilings; None: no bounds (unit tests).
     ``scheduler_memory``: by container, a memory share and its origin that the scheduler fixed
@@ -277,7 +264,7 @@ def resolve_shares(
         if target not in gpu_set:
             what = "is not a GPU container" if target in all_containers else "does not exist in this pod"
             gpu_list = ", ".join(gpu_containers)
-            raise ShareError(
+            raise Denial(
                 f"annotation {quote(key)} names container {quote(target)}, which {what}: "
                 f"per-container shares apply to the containers that request a GPU ({gpu_list})"
             )
@@ -352,7 +339,7 @@ def resolve_shares(
         try:
             requested = parse_mode(raw)
         except ValueError:
-            raise ShareError(f"annotation {ANNOTATION_MODE}={quote(raw)} is not a valid mode: {MODE_EXAMPLE}") from None
+            raise Denial(f"annotation {ANNOTATION_MODE}={quote(raw)} is not a valid mode: {MODE_EXAMPLE}") from None
     mode = policy.mode_for(requested) if policy is not None else (requested or Mode.ENFORCE)
 
     grace = settings.default_grace_period_seconds
@@ -363,7 +350,7 @@ def resolve_shares(
                 raise ValueError("not a string")
             grace = parse_grace_period(raw)
         except ValueError:
-            raise ShareError(
+            raise Denial(
                 f"annotation {ANNOTATION_GRACE_PERIOD}={quote(raw)} is not a valid grace period: {GRACE_EXAMPLE}"
             ) from None
 
@@ -384,7 +371,7 @@ def _from_pod(default: tuple[object, str, str] | None) -> bool:
 def _within_claim(name: str, claim: ClaimMemory, asked: MemoryShare | None, asked_origin: str, by_pod: bool,
                   warnings: list[str]) -> tuple[MemoryShare, str, int | None]:
     """A container's memory share where its claim reserved ``claim``: the claim's amount, or the
-    pod's own memory annotation (``by_pod``) where that is lower (ShareError where it is higher); a
+    pod's own memory annotation (``by_pod``) where that is lower (Denial where it is higher); a
     percentage of the pod's is returned with the claim's bytes to hold beside it (both apply)."""
     if not by_pod or asked is None:
         return claim.share, claim.origin, None
@@ -394,7 +381,7 @@ def _within_claim(name: str, claim: ClaimMemory, asked: MemoryShare | None, aske
                         "so both apply: on each GPU the smaller is the limit")
         return asked, asked_origin, claim.share.bytes
     if asked.bytes > claim.share.bytes:
-        raise ShareError(
+        raise Denial(
             f"{asked_origin} is above what container {quote(name)}'s {claim.origin} reserved: the scheduler "
             f"promised the rest of that GPU to other claims; use at most {quote(claim.accepted)}, or ask the "
             "claim for more"

@@ -37,9 +37,9 @@ from gpufence.contract import (
     Mode,
     status_document,
 )
-from gpufence.webhook.core.podshape import MutationError
+from gpufence.webhook.core.denial import Denial, quote
 from gpufence.webhook.core.settings import InjectionSettings
-from gpufence.webhook.core.shares import SharePlan, quote
+from gpufence.webhook.core.shares import SharePlan
 
 # The one version source (gpufence/__init__.py), also right in a bare checkout.
 GPUFENCE_VERSION = __version__
@@ -175,7 +175,7 @@ ROOT_USER = MappingProxyType({"runAsUser": 0})
 def sidecar_user(spec: dict[str, Any], gpu_containers: Container[str], pod_security: str | None,
                  warnings: list[str]) -> dict[str, Any]:
     """The user fields of the sidecar's securityContext (``runAsUser``, and ``runAsGroup`` and
-    ``runAsNonRoot`` where the pod's would be wrong for it); raises ``MutationError`` where no user
+    ``runAsNonRoot`` where the pod's would be wrong for it); raises ``Denial`` where no user
     the namespace's Pod Security level allows the sidecar can act on every GPU container.
 
     ``gpu_containers`` holds the names of the GPU containers; ``spec`` has been shape-checked
@@ -197,7 +197,7 @@ def sidecar_user(spec: dict[str, Any], gpu_containers: Container[str], pod_secur
             user, group = (context.get(k, pod_context.get(k)) for k in _USER_KEYS)
             where = f"spec.{key}[{i}].securityContext"
             if user is None and level == RESTRICTED:
-                raise MutationError(
+                raise Denial(
                     f"container {quote(container['name'])} sets no runAsUser ({where}.runAsUser) and neither does the "
                     "pod (spec.securityContext.runAsUser), so it runs as its image's user, which gpufence cannot know: "
                     f"under Pod Security {quote(level)} the gpufence enforcer must run as the GPU containers' own user "
@@ -211,7 +211,7 @@ def sidecar_user(spec: dict[str, Any], gpu_containers: Container[str], pod_secur
                 continue
             for n, (value, wanted) in enumerate(zip((user, group), first[1:3], strict=True)):
                 if value != wanted:
-                    raise MutationError(
+                    raise Denial(
                         f"container {quote(container['name'])} runs with {_USER_KEYS[n]} {_shown(value)} "
                         f"({fields[n]}), container {quote(first[0])} with {_shown(wanted)} ({first[3][n]}): "
                         f"under Pod Security {quote(level)} the gpufence "
@@ -221,7 +221,7 @@ def sidecar_user(spec: dict[str, Any], gpu_containers: Container[str], pod_secur
                     )
     user, group = (first[1], first[2]) if first is not None else (None, None)
     if first is not None and user == 0 and level == RESTRICTED:
-        raise MutationError(
+        raise Denial(
             f"{first[3][0]} is 0 (container {quote(first[0])}): Pod Security {quote(level)} admits no "
             "root container, and the gpufence enforcer must run as the GPU containers' user; run them as a "
             "non-root user, e.g. spec.securityContext.runAsUser: 1000"
@@ -252,7 +252,7 @@ def sidecar_reaches_root(pod_security: str | None) -> bool:
 def without_privilege_escalation(container: dict[str, Any], where: str, pod_security: str | None) -> dict[str, Any]:
     """GPU container ``container`` (at ``where``, e.g. ``spec.containers[0]``) with
     ``allowPrivilegeEscalation: false``, where the sidecar cannot reach a root process
-    (``sidecar_reaches_root``); raises ``MutationError`` where the container asks for it explicitly.
+    (``sidecar_reaches_root``); raises ``Denial`` where the container asks for it explicitly.
 
     The kernel's no_new_privs: a setuid-root binary in the image (or one with file capabilities)
     then runs with its caller's uid and capabilities, so no process of the container becomes a
@@ -267,7 +267,7 @@ def without_privilege_escalation(container: dict[str, Any], where: str, pod_secu
     fix = ("remove the field (gpufence sets it to false), or run the pod in a namespace whose Pod "
            "Security level is privileged, where the enforcer runs as root")
     if value is True:
-        raise MutationError(
+        raise Denial(
             f"container {quote(container['name'])} sets allowPrivilegeEscalation: true "
             f"({where}.securityContext.allowPrivilegeEscalation): under Pod Security {quote(pod_security)} the "
             "gpufence enforcer runs as the GPU containers' user, and a process that becomes root through a "
@@ -276,7 +276,7 @@ def without_privilege_escalation(container: dict[str, Any], where: str, pod_secu
     capabilities = context.get("capabilities")
     added = capabilities.get("add") if isinstance(capabilities, dict) else None
     if isinstance(added, list) and any(c in ("SYS_ADMIN", "CAP_SYS_ADMIN") for c in added):
-        raise MutationError(
+        raise Denial(
             f"container {quote(container['name'])} adds capability SYS_ADMIN "
             f"({where}.securityContext.capabilities.add), which Kubernetes refuses beside the "
             "allowPrivilegeEscalation: false that gpufence sets on GPU containers under Pod Security "

@@ -74,6 +74,23 @@ async def test_gpu_pod_is_patched_and_the_patched_pod_is_left_alone(hook: Webhoo
     assert patch_of(again) is None
 
 
+def memo_lookups(text: str) -> dict[str, float]:
+    for family in text_string_to_metric_families(text):
+        if family.name == "gpufence_webhook_verdict_memo_lookups":
+            return {s.labels["result"]: s.value for s in family.samples if s.name.endswith("_total")}
+    raise AssertionError("no memo counter")
+
+
+async def test_a_second_pod_of_one_template_is_answered_from_the_memo_with_its_own_uid(
+        hook: Webhook, session: aiohttp.ClientSession):
+    _, first = await post(session, hook, pod_review("uid-1"))
+    _, second = await post(session, hook, pod_review("uid-2"))
+    assert second["response"]["uid"] == "uid-2"
+    assert {**second["response"], "uid": "uid-1"} == first["response"]
+    async with session.get(hook.url + "/metrics") as resp:
+        assert memo_lookups(await resp.text()) == {"hit": 1.0, "miss": 1.0}
+
+
 @pytest.mark.parametrize(("kind", "operation"), [("Deployment", "CREATE"), ("Pod", "UPDATE"), ("Pod", "DELETE")])
 async def test_non_pod_or_non_create_is_allowed_unpatched(hook: Webhook, session: aiohttp.ClientSession,
                                                           kind: str, operation: str):

@@ -8,12 +8,13 @@ from typing import Any
 import pytest
 
 from gpufence.contract import MemoryShare
+from gpufence.webhook.core.denial import Denial
 from gpufence.webhook.core.gpu_paths import PodGpuPaths
 from gpufence.webhook.core.kai import KaiFraction, kai_fraction, kai_memory
 from gpufence.webhook.core.namespace_policy import namespace_policy
 from gpufence.webhook.core.podshape import nvidia_side_door
 from gpufence.webhook.core.settings import InjectionSettings
-from gpufence.webhook.core.shares import ShareError, resolve_shares
+from gpufence.webhook.core.shares import resolve_shares
 
 DEFAULTS = InjectionSettings()
 
@@ -78,7 +79,7 @@ def test_the_share_a_request_means(annotations: dict[str, str], share: MemorySha
 ])
 def test_an_invalid_request_is_denied_by_name_value_rule_and_example(annotations: dict[str, str],
                                                                      needles: list[str]) -> None:
-    with pytest.raises(ShareError) as raised:
+    with pytest.raises(Denial) as raised:
         KaiFraction("main", annotations).memory_share()
     for needle in needles:
         assert needle in str(raised.value)
@@ -108,7 +109,7 @@ def test_the_namespace_ceiling_bounds_kai_s_request(ceiling: str, annotations: d
     if denied is None:
         assert kai_memory(kai, policy) == {"main": (kai.memory_share(), kai.origin())}
         return
-    with pytest.raises(ShareError) as raised:
+    with pytest.raises(Denial) as raised:
         kai_memory(kai, policy)
     message = str(raised.value)
     assert kai.origin() in message and "gpufence.io/max-memory" in message and denied in message

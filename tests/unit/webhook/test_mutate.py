@@ -20,9 +20,9 @@ from gpufence.contract import (
 )
 from gpufence.webhook.core import sidecar as sidecar_module
 from gpufence.webhook.core.admission import injection_patch
+from gpufence.webhook.core.denial import Denial
 from gpufence.webhook.core.desired import desired_pod
 from gpufence.webhook.core.patch import diff, dumps
-from gpufence.webhook.core.podshape import MutationError
 from gpufence.webhook.core.settings import InjectionSettings
 from gpufence.webhook.core.shares import SharePlan
 from gpufence.webhook.core.sidecar import (
@@ -187,7 +187,7 @@ def test_gpu_containers_the_sidecar_cannot_act_on_are_denied(level: str, pod_con
             container["securityContext"] = context
     plan = SharePlan(containers=tuple((c["name"], PLAN.containers[0][1]) for c in pod["spec"]["containers"]),
                      mode=PLAN.mode, grace_period_seconds=PLAN.grace_period_seconds)
-    with pytest.raises(MutationError) as raised:
+    with pytest.raises(Denial) as raised:
         desired_pod(pod, plan, DEFAULT, level)
     message = str(raised.value)
     assert field in message and f'Pod Security "{level}"' in message
@@ -204,7 +204,7 @@ def test_sidecar_user_ignores_non_gpu_containers() -> None:
     spec = gpu_pod(securityContext={"runAsUser": 1000})["spec"]
     spec["containers"].append({"name": "proxy", "image": "i", "securityContext": {"runAsUser": 101}})
     assert sidecar_user(spec, {"train"}, "restricted", []) == {"runAsUser": 1000, "runAsNonRoot": True}
-    with pytest.raises(MutationError, match='"proxy"'):
+    with pytest.raises(Denial, match='"proxy"'):
         sidecar_user(spec, {"train", "proxy"}, "restricted", [])
 
 
@@ -240,7 +240,7 @@ def test_where_the_root_sidecar_reaches_root_the_container_is_left_as_it_is(leve
 def test_an_explicit_escalation_is_denied_naming_the_field(context: dict, field: str) -> None:
     pod = gpu_pod(securityContext={"runAsUser": 1000})
     pod["spec"]["containers"][0]["securityContext"] = context
-    with pytest.raises(MutationError) as denied:
+    with pytest.raises(Denial) as denied:
         desired_pod(pod, PLAN, DEFAULT, "baseline")
     assert str(denied.value).startswith('container "train" ') and f"({field})" in str(denied.value)
     assert 'Pod Security "baseline"' in str(denied.value)
@@ -288,7 +288,7 @@ def test_mps_env() -> None:
 
 def test_reserved_volume_name_conflict_is_denied() -> None:
     pod = gpu_pod(volumes=[{"name": "gpufence-state", "hostPath": {"path": "/tmp"}}])
-    with pytest.raises(MutationError, match="reserved"):
+    with pytest.raises(Denial, match="reserved"):
         desired_pod(pod, PLAN, InjectionSettings())
 
 

@@ -5,9 +5,10 @@ from __future__ import annotations
 import pytest
 
 from gpufence.contract import MemoryShare, Mode
+from gpufence.webhook.core.denial import Denial
 from gpufence.webhook.core.namespace_policy import namespace_policy
 from gpufence.webhook.core.settings import InjectionSettings
-from gpufence.webhook.core.shares import ShareError, SharePlan, resolve_shares
+from gpufence.webhook.core.shares import SharePlan, resolve_shares
 
 GPU = ("a", "b")
 DEFAULTS = InjectionSettings()
@@ -19,7 +20,7 @@ def plan(pod: dict[str, str], ns: dict[str, str] | None = None, settings: Inject
 
 
 def test_the_safe_defaults_forbid_audit_by_the_pods_choice() -> None:
-    with pytest.raises(ShareError, match='namespace "team-a" runs in enforce mode'):
+    with pytest.raises(Denial, match='namespace "team-a" runs in enforce mode'):
         plan({"gpufence.io/memory": "1Gi", "gpufence.io/mode": "audit"})
     assert plan({"gpufence.io/memory": "1Gi", "gpufence.io/mode": "enforce"}).mode is Mode.ENFORCE
 
@@ -40,7 +41,7 @@ def test_who_may_allow_audit(ns: dict[str, str], flag: bool, allowed: bool) -> N
     if allowed:
         assert plan(pod, ns, settings).mode is Mode.AUDIT
     else:
-        with pytest.raises(ShareError, match="allow-audit"):
+        with pytest.raises(Denial, match="allow-audit"):
             plan(pod, ns, settings)
 
 
@@ -54,7 +55,7 @@ def test_the_namespace_mode_and_the_flag() -> None:
 
 def test_a_per_container_override_above_the_ceiling_is_named() -> None:
     ns = {"gpufence.io/max-memory": "10Gi"}
-    with pytest.raises(ShareError, match=r'annotation gpufence.io/memory.b="12Gi" is above .* use at most "10Gi"'):
+    with pytest.raises(Denial, match=r'annotation gpufence.io/memory.b="12Gi" is above .* use at most "10Gi"'):
         plan({"gpufence.io/memory": "8Gi", "gpufence.io/memory.b": "12Gi"}, ns)
     shares = dict(plan({"gpufence.io/memory": "8Gi", "gpufence.io/memory.b": "10Gi"}, ns).containers)
     assert shares["a"].memory == MemoryShare(bytes=8 << 30) and shares["b"].memory == MemoryShare(bytes=10 << 30)
@@ -62,7 +63,7 @@ def test_a_per_container_override_above_the_ceiling_is_named() -> None:
 
 def test_a_namespace_default_above_its_own_ceiling_is_the_admins_error() -> None:
     ns = {"gpufence.io/default-memory": "20Gi", "gpufence.io/max-memory": "10Gi"}
-    with pytest.raises(ShareError, match=r"^Namespace annotation gpufence.io/default-memory=\"20Gi\" is above"):
+    with pytest.raises(Denial, match=r"^Namespace annotation gpufence.io/default-memory=\"20Gi\" is above"):
         plan({}, ns)
 
 
@@ -82,7 +83,7 @@ def test_the_namespace_ceiling_wins_over_the_flag_and_fills_missing_shares() -> 
     ],
 )
 def test_an_admins_typo_is_denied_naming_the_namespace_annotation(ns: dict[str, str], needle: str) -> None:
-    with pytest.raises(ShareError, match=needle):
+    with pytest.raises(Denial, match=needle):
         plan({"gpufence.io/memory": "1Gi"}, ns)
 
 

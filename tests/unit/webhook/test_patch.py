@@ -24,10 +24,11 @@ from hypothesis import strategies as st
 from gpufence.contract import ANNOTATION_STATUS, SIDECAR_NAME
 from gpufence.webhook.client import decode_patch
 from gpufence.webhook.core.admission import injection_patch, review
+from gpufence.webhook.core.denial import Denial
 from gpufence.webhook.core.desired import desired_pod
 from gpufence.webhook.core.gpu_paths import PodGpuPaths
 from gpufence.webhook.core.patch import diff, dumps, escape
-from gpufence.webhook.core.podshape import MutationError, check_shape
+from gpufence.webhook.core.podshape import check_shape
 from gpufence.webhook.core.settings import AllNamespacesOptedIn, InjectionSettings
 from gpufence.webhook.core.shares import resolve_shares
 from tests.support.examples import examples
@@ -130,7 +131,7 @@ def _first_injection(pod: dict[str, Any], settings_: InjectionSettings) -> tuple
         all_names = check_shape(pod)
         plan = resolve_shares((pod.get("metadata") or {}).get("annotations") or {}, {}, settings_, names, all_names)
         text, _ = injection_patch(pod, plan, settings_)
-    except (MutationError, ValueError):
+    except (Denial, ValueError):
         return None
     return text, desired_pod(pod, plan, settings_)[0]
 
@@ -181,3 +182,28 @@ def test_benchmark_pods_get_a_small_patch(make: Any, native: bool) -> None:
     assert len(dumps(ops)) < 8192
     patched = jsonpatch.apply_patch(pod, ops)
     assert review(request(patched), settings_, NS).outcome == "unchanged"
+
+
+@pytest.mark.parametrize(("old", "new"), [
+    ({"a": 1}, {"a": True}),  # == says equal; JSON says a number is not a boolean
+    ({"a": [1]}, {"a": [1.0]}),
+    ({"a": {"b": 0}}, {"a": {"b": False}}),
+])
+def test_equal_in_python_but_not_in_json_is_still_a_replace(old: Any, new: Any) -> None:
+    ops = diff(old, new)
+    assert ops and all(op["op"] == "replace" for op in ops)
+    assert jsonpatch.apply_patch(copy.deepcopy(old), ops) == new
+
+
+def test_equal_copies_give_no_patch_without_sharing_a_subtree() -> None:
+    pod = {"spec": {"containers": [{"name": "a", "env": [{"name": "X", "value": "1"}]}]}, "n": 1.5}
+    assert diff(pod, copy.deepcopy(pod)) == []
+
+
+def test_nesting_deeper_than_equality_can_follow_still_diffs() -> None:
+    old: Any = "x"
+    for _ in range(5000):
+        old = [old]
+    new = {"deep": old, "k": 1}
+    assert diff({"deep": old, "k": 1}, new) == []  # the deep subtree is shared: the walk skips it
+    assert diff({"deep": old, "k": 1}, {"deep": old, "k": 2}) == [{"op": "replace", "path": "/k", "value": 2}]

@@ -5,8 +5,9 @@ from __future__ import annotations
 import pytest
 
 from gpufence.contract import ContainerShare, MemoryShare, Mode
+from gpufence.webhook.core.denial import Denial, quote
 from gpufence.webhook.core.settings import InjectionSettings
-from gpufence.webhook.core.shares import ShareError, parse_grace_period, quote, resolve_shares
+from gpufence.webhook.core.shares import parse_grace_period, resolve_shares
 
 S = InjectionSettings()
 
@@ -54,12 +55,12 @@ def test_namespace_default_typo_only_matters_when_used() -> None:
     assert resolve({"gpufence.io/memory": "1Gi"}, ns).mode is Mode.ENFORCE
     overrides = {"gpufence.io/memory.a": "1Gi", "gpufence.io/memory.b": "1Gi"}
     assert resolve(overrides, ns).mode is Mode.ENFORCE
-    with pytest.raises(ShareError, match=r"^Namespace annotation gpufence.io/default-memory=\"8 GB\""):
+    with pytest.raises(Denial, match=r"^Namespace annotation gpufence.io/default-memory=\"8 GB\""):
         resolve({"gpufence.io/memory.a": "1Gi"}, ns)
 
 
 def test_bad_flag_default_names_the_flag() -> None:
-    with pytest.raises(ShareError, match="webhook flag --default-compute"):
+    with pytest.raises(Denial, match="webhook flag --default-compute"):
         resolve({}, settings=InjectionSettings(default_compute="lots"))
 
 
@@ -82,14 +83,14 @@ def test_bad_flag_default_names_the_flag() -> None:
     ],
 )
 def test_denials_name_annotation_value_and_example(annotations: dict, fragment: str) -> None:
-    with pytest.raises(ShareError) as info:
+    with pytest.raises(Denial) as info:
         resolve(annotations)
     assert fragment in str(info.value)
     assert len(str(info.value)) < 400
 
 
 def test_override_typo_is_denied_even_when_shadowed() -> None:
-    with pytest.raises(ShareError):
+    with pytest.raises(Denial):
         resolve({"gpufence.io/memory": "1Gi", "gpufence.io/memory.a": "1 Gi"})
 
 
