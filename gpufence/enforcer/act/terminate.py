@@ -17,7 +17,8 @@ keeps the SIGKILL timers, which depend on signal outcomes and process exits).
   like a container over its memory share (``throttle_evaded``); an unattributed one on its own.
 
 Every signal goes through the ``SafeSignaller`` (start time checked, never outside the pod); a
-process held stopped by the throttle is exempted (continued) before its SIGTERM.
+process held stopped by the throttle is exempted (continued) before its SIGTERM, and every process
+gets a SIGCONT right after its SIGTERM, so one stopped by anything else handles it too.
 
 The SIGKILL deadlines are recorded (``kill_deadlines.py``) before the SIGTERMs that start them and
 taken over by a restarted enforcer (``restore``), so a restart of the sidecar never grants a new
@@ -343,6 +344,11 @@ class Terminator:
                     self._finished.add(target.key)
                 continue
             sent.append(target.pid)
+            # And SIGCONT after it (as systemd does): a process stopped by anything but our throttle
+            # (its own pod, job control, a debugger), or stopped again between the exemption's
+            # SIGCONT and the SIGTERM, would keep the SIGTERM pending and never handle it before
+            # the SIGKILL. SIGCONT stops nothing, so a running process loses nothing by it.
+            self._signaller.send(target, signal.SIGCONT, reason="after_sigterm")
             self._metrics.action(target.container or UNATTRIBUTED, "sigterm", why.resource)
             if why.container is None:
                 self._events.record(why.event_reason, why.unattributed(target.pid, process_used, grace),

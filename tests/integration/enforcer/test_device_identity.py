@@ -174,7 +174,7 @@ def test_a_workload_holding_an_mknod_alias_of_the_gpu_is_charged_by_the_enforcer
     hog = Workload(proc, "train")
     gpu.workloads.append(hog)
     gpu.write(gpu.device_with(gpu.proc(hog, 9 * GIB, sm=100)))
-    enforcer = gpu.enforcer(make_config({"train": {"memoryBytes": 2 * GIB}}, grace=0.5),
+    enforcer = gpu.enforcer(make_config({"train": {"memoryBytes": 2 * GIB}}, grace=30),
                             "--nvidia-devices", f"{ZERO[0]}:{ZERO[1]}")
     devices = enforcer.wait_event("nvidia_devices", 10)
     assert devices["devices"] == ["1:5"], devices
