@@ -18,6 +18,7 @@ PYTEST=${PYTEST:-.venv/bin/python -m pytest}
 LOG_DIR=$(mktemp -d /tmp/gpufence-stress.XXXXXX)
 
 hogs=()
+tier=""
 stop_hogs() {
     for pid in "${hogs[@]}"; do
         kill "$pid" 2>/dev/null
@@ -27,8 +28,16 @@ stop_hogs() {
     done
     hogs=()
 }
+# Interrupted: pytest gets SIGINT, so its fixtures end the workloads and enforcers they started.
+interrupted() {
+    if [ -n "$tier" ]; then
+        kill -INT "$tier" 2>/dev/null
+        wait "$tier" 2>/dev/null
+    fi
+    exit 130
+}
 trap stop_hogs EXIT
-trap 'exit 130' INT TERM
+trap interrupted INT TERM
 
 for _ in $(seq "$HOGS"); do
     sh -c 'while :; do :; done' &
@@ -43,8 +52,11 @@ while [ "$green" -lt "$ROUNDS" ]; do
     log="$LOG_DIR/round-$round.log"
     begin=$(date +%s)
     # shellcheck disable=SC2086  # PYTEST and PYTEST_ARGS are word lists
-    $PYTEST -q -p no:cacheprovider $TARGET ${PYTEST_ARGS:-} >"$log" 2>&1
+    $PYTEST -q -p no:cacheprovider $TARGET ${PYTEST_ARGS:-} >"$log" 2>&1 &
+    tier=$!
+    wait "$tier"
     rc=$?
+    tier=""
     took=$(($(date +%s) - begin))
     summary=$(tail -n 1 "$log")
     if [ "$rc" -ne 0 ]; then
