@@ -80,7 +80,7 @@ class DeviceIdentity:
         5). For matching that process's descriptors only: a file the container put there makes none
         of another process's files a GPU."""
         directory, _, stem = self.prefix.rpartition("/")
-        devices, files = _under_prefix(f"{proc_root}/{pid}/root{directory or '/'}", stem)
+        devices, files = _under_prefix(f"{proc_root}/{pid}/root{directory or '/'}", stem, follow=False)
         if devices <= self.devices and files <= self.files:
             return self
         return DeviceIdentity(self.prefix, self.majors, self.devices | devices, self.files | files)
@@ -98,11 +98,16 @@ class DeviceIdentity:
                 "devices": [f"{a}:{b}" for a, b in sorted(self.devices)], "files": len(self.files)}
 
 
-def _under_prefix(directory: str, stem: str) -> tuple[set[tuple[int, int]], set[tuple[int, int]]]:
+_Ids = set[tuple[int, int]]
+
+
+def _under_prefix(directory: str, stem: str, *, follow: bool = True) -> tuple[_Ids, _Ids]:
     """The files of ``directory`` whose name starts with ``stem``: character devices by their
-    ``(major, minor)``, regular files by their ``(st_dev, st_ino)``; nothing where it is unreadable."""
-    devices: set[tuple[int, int]] = set()
-    files: set[tuple[int, int]] = set()
+    ``(major, minor)``, regular files by their ``(st_dev, st_ino)``; nothing where it is unreadable.
+    ``follow`` False: a symlink is no device (in another process's root an absolute link would
+    resolve in ours)."""
+    devices: _Ids = set()
+    files: _Ids = set()
     try:
         names = os.listdir(directory)
     except OSError:
@@ -111,7 +116,7 @@ def _under_prefix(directory: str, stem: str) -> tuple[set[tuple[int, int]], set[
         if not name.startswith(stem):
             continue
         try:
-            st = os.stat(f"{directory.rstrip('/')}/{name}")
+            st = os.stat(f"{directory.rstrip('/')}/{name}", follow_symlinks=follow)
         except OSError:
             continue
         if stat_module.S_ISCHR(st.st_mode):
