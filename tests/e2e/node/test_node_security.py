@@ -483,7 +483,12 @@ if libc.mount(b"/dev/nvidia0", b"/dev/xgpu0", None, MS_BIND, None) != 0:
     print(f"bind mount failed: errno {ctypes.get_errno()}", flush=True)
     sys.exit(1)
 device = open("/dev/xgpu0")
-held = [os.readlink(f"/proc/self/fd/{fd}") for fd in os.listdir("/proc/self/fd")]
+held = []
+for fd in os.listdir("/proc/self/fd"):
+    try:  # the descriptor listdir used is closed by now
+        held.append(os.readlink(f"/proc/self/fd/{fd}"))
+    except OSError:
+        pass
 def on_term(signum, frame):
     print("got SIGTERM", flush=True)
     sys.exit(143)
