@@ -39,7 +39,9 @@ REEXEC = (
     sys.executable, "-c",
     "import os, sys; os.environ['GPUFENCE_CONTAINER'] = 'not-a-container'; os.execv(sys.argv[1], sys.argv[1:])",
 )
-# A helper of the same user: SIGCONT to the target every millisecond until it is gone.
+# A helper of the same user: SIGCONT to the target every millisecond until it is gone, then it waits
+# (a helper of the container stays until the container goes: one that exited on its own as the
+# target went could beat the enforcer's SIGTERM to it on a busy machine).
 ATTACKER = """
 import os, signal, sys, time
 pid = int(sys.argv[1])
@@ -51,6 +53,8 @@ while True:
         print("target gone", flush=True)
         break
     time.sleep(0.001)
+while True:
+    time.sleep(3600)
 """
 
 
