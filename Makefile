@@ -5,7 +5,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip --disable-pip-version-check
 
-.PHONY: venv demo test unit lint lock bench clean e2e e2e-binaries bench-pods bench-node helm-binary test-ops system-deps framework-python
+.PHONY: venv demo test unit lint lock bench clean stress-enforcer e2e e2e-binaries bench-pods bench-node helm-binary test-ops system-deps framework-python
 
 # The locked versions checked against their hashes (requirements/test.lock: the runtime lock's
 # versions and the test tools'), then gpufence itself, editable, resolving nothing more.
@@ -62,6 +62,15 @@ test: venv lint system-deps e2e-binaries helm-binary framework-python
 # whole suite with the full profile. PYTEST_ARGS passes more (make unit PYTEST_ARGS=-x).
 unit: venv lint
 	HYPOTHESIS_PROFILE=fast $(PY) -m pytest -q tests/unit $(PYTEST_ARGS)
+
+# The enforcer's integration tier beside STRESS_HOGS CPU-spinning processes (started and always
+# killed by the script), round after round until it is green STRESS_ROUNDS times in a row; stops at
+# the first failure and prints it (scripts/stress_enforcer.sh). Needs root like the tier; run it
+# alone on the machine (several minutes a round on 2 cores).
+STRESS_ROUNDS ?= 10
+STRESS_HOGS ?= 2
+stress-enforcer: venv
+	PYTEST="$(PY) -m pytest" ./scripts/stress_enforcer.sh $(STRESS_ROUNDS) $(STRESS_HOGS)
 
 e2e: venv system-deps e2e-binaries
 	$(PY) -m pytest tests/e2e

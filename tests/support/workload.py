@@ -30,10 +30,17 @@ def main() -> int:
     device = open(args.device, "rb")  # noqa: SIM115 - held open for the process's life
     continued = 0
 
+    def say(line: str) -> None:
+        # os.write, not print: Python runs a signal handler inside another's buffered write (its
+        # flush checks for signals), and print from there raises "reentrant call inside
+        # BufferedWriter" and ends the process, which a flood of SIGCONTs followed by a SIGTERM
+        # did (issue 38 row 6). One small write to a pipe is atomic, and has no lock to re-enter.
+        os.write(1, (line + "\n").encode())
+
     def on_term(signum: int, frame: object) -> None:
-        print("got SIGTERM", flush=True)
+        say("got SIGTERM")
         if args.ignore_term:
-            print("ignored SIGTERM", flush=True)
+            say("ignored SIGTERM")
             return
         device.close()
         sys.exit(0)
@@ -41,11 +48,11 @@ def main() -> int:
     def on_cont(signum: int, frame: object) -> None:
         nonlocal continued
         continued += 1
-        print(f"got SIGCONT {continued}", flush=True)
+        say(f"got SIGCONT {continued}")
 
     signal.signal(signal.SIGTERM, on_term)
     signal.signal(signal.SIGCONT, on_cont)
-    print(f"ready {os.getpid()}", flush=True)
+    say(f"ready {os.getpid()}")
     while True:
         signal.pause()
 

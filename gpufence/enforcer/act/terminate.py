@@ -16,8 +16,13 @@ keeps the SIGKILL timers, which depend on signal outcomes and process exits).
   throttle executor reports it, ``rules.evasion_orders`` decides) is terminated with its container,
   like a container over its memory share (``throttle_evaded``); an unattributed one on its own.
 
+An MPS client (the webhook set MPS limits) is first ended through its control daemon
+(``terminate_client``, ``act/mps.py``), within a bounded wait, so that the other clients of its GPU
+keep running; the signals follow in any case.
+
 Every signal goes through the ``SafeSignaller`` (start time checked, never outside the pod); a
-process held stopped by the throttle is exempted (continued) before its SIGTERM.
+process held stopped by the throttle is exempted (continued) before its SIGTERM, and every process
+gets a SIGCONT right after its SIGTERM, so one stopped by anything else handles it too.
 
 The SIGKILL deadlines are recorded (``kill_deadlines.py``) before the SIGTERMs that start them and
 taken over by a restarted enforcer (``restore``), so a restart of the sidecar never grants a new
@@ -34,12 +39,13 @@ from typing import Any
 
 from gpufence.contract import Mode
 from gpufence.enforcer.act.kill_deadlines import KillDeadlines, PendingKill
+from gpufence.enforcer.act.mps import MpsDrain
 from gpufence.enforcer.act.signals import Outcome, SafeSignaller, SignalTarget
 from gpufence.enforcer.act.throttle import ThrottleExecutor
 from gpufence.enforcer.decide.compute import UNATTRIBUTED as COMPUTE_UNATTRIBUTED
 from gpufence.enforcer.decide.machine import Decisions
 from gpufence.enforcer.decide.rules import TerminateOrder
-from gpufence.enforcer.observe.attribution import Attribution
+from gpufence.enforcer.observe.attribution import Attribution, PodProcess
 from gpufence.enforcer.observe.procfs import processes_in_cgroup
 from gpufence.enforcer.report.decision_log import DecisionLog
 from gpufence.enforcer.report.events import EventRecorder
@@ -174,8 +180,10 @@ class Terminator:
         clock: Callable[[], float] = time.monotonic,
         proc_root: str = "/proc",
         deadlines: KillDeadlines | None = None,
+        mps: MpsDrain | None = None,
     ) -> None:
         self._signaller = signaller
+        self._mps = mps if mps is not None else MpsDrain(log, proc_root=proc_root, clock=clock)
         self._deadlines = deadlines
         self._throttle = throttle
         self._log = log
@@ -207,6 +215,7 @@ class Terminator:
         for order in decisions.orders:
             why = Why.of(order)
             if order.container is None:
+                self._drain_mps(order.victims)
                 self._sigterm([(SignalTarget.of(v), v.used_memory_bytes) for v in order.victims], why, grace)
             else:
                 self._terminate_container(order.container, why, attribution, grace)
@@ -290,6 +299,7 @@ class Terminator:
             return  # its grace period is running, or it is already gone
         used = {(p.pid, p.start_time_ticks): p.used_memory_bytes for p in mine if p.device_index == why.device_index}
         victims = [(t, used.get(t.key)) for t in sorted(fresh, key=lambda t: t.pid)]
+        self._drain_mps(mine)
         sent = self._sigterm(victims, why, grace, cgroups=sorted(cgroups))
         if sent:
             if why.evaded_pids:
@@ -307,6 +317,20 @@ class Terminator:
                 f"{what}: container terminated (SIGTERM to pids {sent}, SIGKILL after {grace:g}s)",
                 action="Terminate",
             )
+
+    def _drain_mps(self, processes: Sequence[PodProcess]) -> None:
+        """MPS clients (where the webhook set MPS limits) are ended through their control daemon
+        before their SIGTERM (``act/mps.py``: killing one with work in flight can fail its GPU's
+        other clients); bounded, and the signals follow whatever it answers. Once per process."""
+        seen: set[tuple[int, int]] = set()
+        for p in processes:
+            key = (p.pid, p.start_time_ticks)
+            if key in seen or key in self._pending or key in self._finished:
+                continue
+            seen.add(key)
+            client = self._mps.client(p.pid, p.nvml_pid)
+            if client is not None:
+                self._mps.drain(client, p.container)
 
     def _sigterm(
         self, victims: list[tuple[SignalTarget, int | None]], why: Why, grace: float, *, cgroups: Sequence[str] = ()
@@ -339,6 +363,11 @@ class Terminator:
                     self._finished.add(target.key)
                 continue
             sent.append(target.pid)
+            # And SIGCONT after it (as systemd does): a process stopped by anything but our throttle
+            # (its own pod, job control, a debugger), or stopped again between the exemption's
+            # SIGCONT and the SIGTERM, would keep the SIGTERM pending and never handle it before
+            # the SIGKILL. SIGCONT stops nothing, so a running process loses nothing by it.
+            self._signaller.send(target, signal.SIGCONT, reason="after_sigterm")
             self._metrics.action(target.container or UNATTRIBUTED, "sigterm", why.resource)
             if why.container is None:
                 self._events.record(why.event_reason, why.unattributed(target.pid, process_used, grace),

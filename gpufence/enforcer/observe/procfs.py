@@ -67,24 +67,23 @@ class DeviceIdentity:
                     majors.add(int(major))
             except ValueError:
                 raise ValueError(f"not a device number MAJOR or MAJOR:MINOR: {item!r}") from None
-        files: set[tuple[int, int]] = set()
         directory, _, stem = prefix.rpartition("/")
-        try:
-            names = os.listdir(directory or "/")
-        except OSError:
-            names = []
-        for name in names:
-            if not name.startswith(stem):
-                continue
-            try:
-                st = os.stat(f"{directory}/{name}")
-            except OSError:
-                continue
-            if stat_module.S_ISCHR(st.st_mode):
-                devices.add((os.major(st.st_rdev), os.minor(st.st_rdev)))
-            elif stat_module.S_ISREG(st.st_mode):
-                files.add((st.st_dev, st.st_ino))
-        return cls(prefix, frozenset(majors), frozenset(devices), frozenset(files))
+        found, files = _under_prefix(directory or "/", stem)
+        return cls(prefix, frozenset(majors), frozenset(devices | found), frozenset(files))
+
+    def in_root_of(self, pid: int, proc_root: str) -> DeviceIdentity:
+        """This identity plus what is under the prefix as process ``pid`` sees it: its container's own
+        ``/dev/nvidia*``, through ``/proc/<pid>/root`` (its mount namespace). The sidecar's ``/dev``
+        need not hold them (a runtime may give it no device nodes, and the simulated driver's plain
+        files have no major to recognise them by), yet a root workload that bind-mounts its
+        ``/dev/nvidia0`` at ``/dev/xgpu0`` and holds it only there holds the same file (issue 38 row
+        5). For matching that process's descriptors only: a file the container put there makes none
+        of another process's files a GPU."""
+        directory, _, stem = self.prefix.rpartition("/")
+        devices, files = _under_prefix(f"{proc_root}/{pid}/root{directory or '/'}", stem, follow=False)
+        if devices <= self.devices and files <= self.files:
+            return self
+        return DeviceIdentity(self.prefix, self.majors, self.devices | devices, self.files | files)
 
     def matches(self, st: os.stat_result) -> bool:
         """Whether the file ``st`` describes is one of NVIDIA's devices (or the simulator's files)."""
@@ -97,6 +96,34 @@ class DeviceIdentity:
         """For the ``started`` log line."""
         return {"prefix": self.prefix, "majors": sorted(self.majors),
                 "devices": [f"{a}:{b}" for a, b in sorted(self.devices)], "files": len(self.files)}
+
+
+_Ids = set[tuple[int, int]]
+
+
+def _under_prefix(directory: str, stem: str, *, follow: bool = True) -> tuple[_Ids, _Ids]:
+    """The files of ``directory`` whose name starts with ``stem``: character devices by their
+    ``(major, minor)``, regular files by their ``(st_dev, st_ino)``; nothing where it is unreadable.
+    ``follow`` False: a symlink is no device (in another process's root an absolute link would
+    resolve in ours)."""
+    devices: _Ids = set()
+    files: _Ids = set()
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return devices, files
+    for name in names:
+        if not name.startswith(stem):
+            continue
+        try:
+            st = os.stat(f"{directory.rstrip('/')}/{name}", follow_symlinks=follow)
+        except OSError:
+            continue
+        if stat_module.S_ISCHR(st.st_mode):
+            devices.add((os.major(st.st_rdev), os.minor(st.st_rdev)))
+        elif stat_module.S_ISREG(st.st_mode):
+            files.add((st.st_dev, st.st_ino))
+    return devices, files
 
 
 def nvidia_majors(proc_devices: str = PROC_DEVICES) -> list[int]:
@@ -219,7 +246,8 @@ def fd_scan(pid: int, proc_root: str, device: DeviceIdentity | str) -> tuple[boo
 
     A descriptor is the device when its path is under the prefix, or when the file it is (``stat``
     through the descriptor: whatever its name, a link, a bind mount or a deleted alias) is one of
-    NVIDIA's (``DeviceIdentity.matches``). Without such a descriptor the process's mappings are
+    NVIDIA's (``DeviceIdentity.matches``), or the same file as one under the prefix in the process's
+    own root (``DeviceIdentity.in_root_of``). Without such a descriptor the process's mappings are
     looked at (``maps_hold_device``): a device mapped and its descriptor closed."""
     identity = _identity(device)
     fd_dir = f"{proc_root}/{pid}/fd"
@@ -230,6 +258,7 @@ def fd_scan(pid: int, proc_root: str, device: DeviceIdentity | str) -> tuple[boo
     except OSError:
         return False, True  # gone: nothing to inspect, and nothing denied
     denied = False
+    local: DeviceIdentity | None = None  # with the process's own /dev/nvidia*, read once if needed
     for name in names:
         path = f"{fd_dir}/{name}"
         try:
@@ -245,12 +274,20 @@ def fd_scan(pid: int, proc_root: str, device: DeviceIdentity | str) -> tuple[boo
         if target.startswith(_NO_FILE):
             continue
         try:
-            if identity.matches(os.stat(path)):
-                return True, True
+            st = os.stat(path)
         except OSError:
             continue
-    if not denied and maps_hold_device(pid, proc_root, identity):
-        return True, True
+        if identity.matches(st):
+            return True, True
+        if local is None:
+            local = identity.in_root_of(pid, proc_root)
+        if local is not identity and local.matches(st):
+            return True, True
+    if not denied:
+        if local is None:
+            local = identity.in_root_of(pid, proc_root)
+        if maps_hold_device(pid, proc_root, local):
+            return True, True
     return False, not denied
 
 

@@ -468,3 +468,62 @@ def test_a_root_gpu_container_under_a_pod_user_is_enforced_for_the_tenant(
         cluster.kubectl("-n", tenant.namespace, "delete", "pods", "--all", "--wait=true", "--timeout=90s",
                         check=False)
         cluster.kubectl("delete", "namespace", tenant.namespace, "--wait=false", check=False)
+
+
+# Issue 38 row 5 (round three's row 2 on the node): a root GPU container with SYS_ADMIN bind-mounts
+# its /dev/nvidia0 at /dev/xgpu0 and holds the GPU only there. The sidecar's own /dev has no
+# nvidia0 (the runtime gives it none here) and the simulated device is a plain file, so only the
+# workload's own root tells the enforcer what its alias is.
+ALIASED = """
+import ctypes, os, signal, sys, time
+MS_BIND = 4096
+open("/dev/xgpu0", "w").close()
+libc = ctypes.CDLL(None, use_errno=True)
+if libc.mount(b"/dev/nvidia0", b"/dev/xgpu0", None, MS_BIND, None) != 0:
+    print(f"bind mount failed: errno {ctypes.get_errno()}", flush=True)
+    sys.exit(1)
+device = open("/dev/xgpu0")
+held = []
+for fd in os.listdir("/proc/self/fd"):
+    try:  # the descriptor listdir used is closed by now
+        held.append(os.readlink(f"/proc/self/fd/{fd}"))
+    except OSError:
+        pass
+def on_term(signum, frame):
+    print("got SIGTERM", flush=True)
+    sys.exit(143)
+signal.signal(signal.SIGTERM, on_term)
+print(f"gpu process {os.getpid()} holds {sorted(h for h in held if h.startswith('/dev/'))}", flush=True)
+while True:
+    time.sleep(3600)
+"""
+
+
+def test_a_root_workload_holding_its_gpu_only_through_a_bind_mounted_alias_is_terminated(
+        cluster: ControlPlane, node: Node, sim: Node, tenant_on_node: Tenant):
+    """The tenant's pod, as the ``edit`` account submits it: a root GPU container adding SYS_ADMIN
+    (Pod Security unset) bind-mounts the device node at /dev/xgpu0 and holds it only there, using
+    5 GiB on a 4 GiB share at 100 % SM. The sidecar must see it as the pod's GPU process and
+    terminate it (before: nothing logged beyond start-up, 30 s untouched)."""
+    tenant = tenant_on_node
+    greedy = workload_container("greedy", ALIASED, securityContext={"runAsUser": 0,
+                                                                       "capabilities": {"add": ["SYS_ADMIN"]}})
+    pod = gpu_pod([greedy], {"gpufence.io/memory": "4Gi", "gpufence.io/compute": "20",
+                             "gpufence.io/grace-period": "3"})
+    created = kube.create_pod(tenant.api, tenant.namespace, pod)
+    assert created.admitted and kube.is_mutated(created.obj), created.message
+    name = created.obj["metadata"]["name"]
+    running = wait_running(cluster, node, tenant.namespace, name)
+    said = kube.wait_for(lambda: container_log(running, "greedy") or None, "greedy's first line", 30, 0.2)
+    assert "'/dev/xgpu0'" in said and "/dev/nvidia" not in said, said  # the alias, no name under /dev/nvidia
+
+    write_gpu_state(node, [(host_pid(node, running, "greedy"), 5 * GIB, 100)])
+    over = wait_record(running, lambda r: r.get("event") == "memory_over_share" and r.get("container") == "greedy",
+                       "memory_over_share for greedy, which holds only /dev/xgpu0", timeout=40)
+    assert over["used_bytes"] == 5 * GIB and over["limit_bytes"] == 4 * GIB, over
+    term = wait_record(running, lambda r: r.get("event") == "sigterm" and r.get("container") == "greedy",
+                       "the SIGTERM to greedy")
+    assert term["outcome"] == "sent" and term["reason"] == "memory_over_share", term
+    kube.wait_for(lambda: statuses(get_pod(cluster, tenant.namespace, name))["greedy"]["restartCount"] >= 1,
+                  "greedy terminated and restarted by the kubelet", 60, 0.3)
+    assert "got SIGTERM" in container_log(get_pod(cluster, tenant.namespace, name), "greedy", restart=0)

@@ -174,12 +174,86 @@ def test_a_workload_holding_an_mknod_alias_of_the_gpu_is_charged_by_the_enforcer
     hog = Workload(proc, "train")
     gpu.workloads.append(hog)
     gpu.write(gpu.device_with(gpu.proc(hog, 9 * GIB, sm=100)))
-    enforcer = gpu.enforcer(make_config({"train": {"memoryBytes": 2 * GIB}}, grace=0.5),
+    enforcer = gpu.enforcer(make_config({"train": {"memoryBytes": 2 * GIB}}, grace=30),
                             "--nvidia-devices", f"{ZERO[0]}:{ZERO[1]}")
     devices = enforcer.wait_event("nvidia_devices", 10)
     assert devices["devices"] == ["1:5"], devices
     over = enforcer.wait_event("memory_over_share", 10, container="train")
     assert over["victims"] == [hog.pid] and over["used_bytes"] == 9 * GIB
     hog.wait_line("got SIGTERM", 5)
+    assert enforcer.wait_event("sigterm", 5, pid=hog.pid)["reason"] == "memory_over_share"
+    assert enforcer.stop() == 0
+
+
+def _in_own_dev(prefix_dir: Path, device: Path, alias: Path, kind: str) -> tuple[str, ...]:
+    """A wrapper running the command in a mount namespace of its own, as a container with
+    ``SYS_ADMIN`` would: a fresh ``prefix_dir`` (a tmpfs) holds its ``nvidia0``, which only this
+    namespace sees, and the same device is bind-mounted at ``alias``, the one name it opens.
+    ``kind``: "file" binds the simulated driver's plain file ``device`` there; "char" makes a
+    character device with ``device``'s numbers (a node's /dev/nvidia0)."""
+    make = (f'touch "{prefix_dir}/nvidia0" && mount --bind "{device}" "{prefix_dir}/nvidia0"' if kind == "file"
+            else f'mknod -m 666 "{prefix_dir}/nvidia0" c {ZERO[0]} {ZERO[1]}')
+    script = (f'mount -t tmpfs gpufence-test "{prefix_dir}" && {make} && '
+              f'mount --bind "{prefix_dir}/nvidia0" "{alias}" && exec "$0" "$@"')
+    return ("unshare", "-m", "--propagation", "private", "sh", "-c", script)
+
+
+@root_only
+@pytest.mark.parametrize("kind", ["file", "char"])
+def test_a_device_only_the_workloads_mount_namespace_has_is_known_by_its_alias(tmp_path: Path, holders,
+                                                                             kind: str) -> None:
+    """Issue 38 row 5, as on the node: the sidecar's ``/dev`` has no ``nvidia0`` (the runtime gave it
+    none; the simulated driver's device is a plain file with no major), the workload's container has
+    one, bind-mounts it at ``xgpu0`` and holds it only there. The enforcer learns the device from the
+    workload's own root (``/proc/<pid>/root``), so the alias is charged; a process holding another
+    file is not."""
+    prefix_dir, elsewhere = tmp_path / "dev", tmp_path / "elsewhere"
+    prefix_dir.mkdir()
+    elsewhere.mkdir()
+    device = elsewhere / "driver-device"  # the simulated driver's file, under no prefix
+    device.write_bytes(b"\0" * 4096)
+    alias = elsewhere / "xgpu0"
+    alias.touch()
+    attributor = Attributor(PidMode.LOCAL, device_prefix=str(prefix_dir / "nvidia"), own_pid=NOBODY, devices="")
+    assert attributor.device.files == frozenset() and attributor.device.devices == frozenset()
+    holder = _hold(holders, alias, wrap=_in_own_dev(prefix_dir, device, alias, kind))
+    decoy = elsewhere / "decoy"
+    decoy.write_bytes(b"\0" * 4096)
+    control = _hold(holders, decoy)
+    assert os.readlink(f"/proc/{holder}/fd/3") == str(alias)  # the alias is all its descriptor says
+    assert os.listdir(prefix_dir) == []  # and the enforcer's own view of the prefix is empty
+    for _ in range(2):  # the second tick from the cache
+        result = attributor.attribute(_sample([holder, control]))
+        assert {p.pid for p in result.processes} == {holder}
+        assert result.foreign_pids == (control,)
+
+
+@root_only
+def test_a_workload_holding_its_bind_mounted_gpu_only_at_an_alias_is_terminated(gpu: GpuSandbox, make_config,
+                                                                                 tmp_path: Path) -> None:
+    """The node's attack end to end against the real enforcer (issue 38 row 5): the enforcer's device
+    prefix names a directory that is empty where it runs; the workload's mount namespace has the
+    simulated device there and at ``xgpu0``, and it holds only ``xgpu0``, using 9 GiB on a 2 GiB
+    share. It is terminated with its container (it was taken for another pod's before)."""
+    prefix_dir = tmp_path / "sidecar-dev"
+    prefix_dir.mkdir()
+    alias = tmp_path / "xgpu0"
+    alias.touch()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("GPUFENCE_")}
+    env["GPUFENCE_CONTAINER"] = "train"
+    wrap = _in_own_dev(prefix_dir, gpu.device, alias, "file")
+    proc = subprocess.Popen([*wrap, sys.executable, str(WORKLOAD), str(alias)], env=env, stdout=subprocess.PIPE,
+                            text=True)
+    hog = Workload(proc, "train")
+    gpu.workloads.append(hog)
+    gpu.write(gpu.device_with(gpu.proc(hog, 9 * GIB, sm=100)))
+    enforcer = gpu.enforcer(make_config({"train": {"memoryBytes": 2 * GIB}}, grace=30),
+                            "--nvidia-device-prefix", str(prefix_dir / "nvidia"))
+    devices = enforcer.wait_event("nvidia_devices", 10)
+    assert devices["files"] == 0 and devices["prefix"] == str(prefix_dir / "nvidia"), devices
+    over = enforcer.wait_event("memory_over_share", 10, container="train")
+    assert over["victims"] == [hog.pid] and over["used_bytes"] == 9 * GIB
+    hog.wait_line("got SIGTERM", 10)
+    assert hog.proc.wait(10) == 0
     assert enforcer.wait_event("sigterm", 5, pid=hog.pid)["reason"] == "memory_over_share"
     assert enforcer.stop() == 0

@@ -103,7 +103,7 @@ def test_driver_limit_refuses_the_allocation_and_the_enforcer_reports_driver(cgr
         SimLimit(UUID, namespace(cgroups, calm_cg), 4 * GIB, 4 * GIB),
     )
     hog, calm = _hog_and_calm_holding_1gib(cgroups, gpu, allocators, hog_cg, calm_cg)
-    config = make_config({"hog": {"memoryBytes": 2 * GIB}, "calm": {"memoryBytes": 4 * GIB}}, grace=0.5)
+    config = make_config({"hog": {"memoryBytes": 2 * GIB}, "calm": {"memoryBytes": 4 * GIB}}, grace=30)
     enforcer = gpu.enforcer(config)
     report = enforcer.wait_event("memory_enforcement", 10, container="hog")
     assert report["mechanism"] == "driver", report
@@ -132,7 +132,7 @@ def test_old_driver_reports_polling_and_still_terminates(cgroups, old_gpu, make_
     gpu = old_gpu
     hog_cg, calm_cg = cgroups.make("hog"), cgroups.make("calm")
     hog, calm = _hog_and_calm_holding_1gib(cgroups, gpu, allocators, hog_cg, calm_cg)
-    config = make_config({"hog": {"memoryBytes": 2 * GIB}, "calm": {"memoryBytes": 4 * GIB}}, grace=0.5)
+    config = make_config({"hog": {"memoryBytes": 2 * GIB}, "calm": {"memoryBytes": 4 * GIB}}, grace=30)
     enforcer = gpu.enforcer(config)
     report = enforcer.wait_event("memory_enforcement", 10, container="hog")
     assert report["mechanism"] == "polling", report
@@ -168,7 +168,7 @@ def test_current_used_is_the_usage_and_a_discrepancy_is_logged_once(cgroups, gpu
     worker = allocators(gpu, "train")
     cgroups.move(train_cg, worker.pid)
     assert worker.alloc(GIB + GIB // 2) == f"allocated {GIB + GIB // 2}"
-    config = make_config({"train": {"memoryBytes": 2 * GIB}}, grace=0.5)
+    config = make_config({"train": {"memoryBytes": 2 * GIB}}, grace=30)
     enforcer = gpu.enforcer(config)
     assert enforcer.wait_event("memory_enforcement", 10, container="train")["mechanism"] == "driver"
     enforcer.wait_polls(2)

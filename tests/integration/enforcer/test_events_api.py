@@ -291,7 +291,9 @@ def test_a_full_queue_drops_and_counts_without_blocking(api: HttpsEventsApi, sa:
     started = time.monotonic()
     for i in range(8):
         recorder.record("GPUMemoryOverShare", f"queued or dropped {i}")
-    assert time.monotonic() - started < 0.5
+    # A record() that blocked would wait for the held request, released only below: any bound
+    # shows it does not, and a wide one holds on a busy machine.
+    assert time.monotonic() - started < 5
     assert recorder.dropped == 5
     api.hold.set()
     assert recorder.flush(10)

@@ -216,6 +216,13 @@ def test_nvml_stops_answering_mid_run_releases_throttles_then_recovers(gpu, make
 
     gpu.write(gpu.device_with(gpu.proc(busy, GIB, sm=0)))
     enforcer.wait_ready()
+    # Readiness comes over HTTP, the log line through a pipe this test reads on a thread, which a
+    # busy machine can leave behind: wait for the second nvml_opened line, do not count a snapshot.
+    def opened(line: str) -> bool:
+        return '"nvml_opened"' in line
+
+    first, _ = enforcer.out.wait_for(opened, 5)
+    enforcer.out.wait_for(opened, 5, start=first + 1)
     assert len(enforcer.events("nvml_opened")) == 2
     assert enforcer.metric("gpufence_nvml_up") == 1
     assert busy.state() != "T"

@@ -108,6 +108,7 @@ def test_many_gpu_processes_then_one_over_share(gpu, tmp_path):
         gpu.write(gpu.device_with(*base, gpu.proc(hog, 3 * GIB)))
         hog.wait_line("got SIGTERM", timeout=INTERVAL + 3)
         assert time.monotonic() - over_at < INTERVAL + 3
+        enforcer.wait_event("sigterm", 5, pid=hog.pid)  # its log line, read on a thread, may lag the signal
         enforcer.wait_polls(3)  # a few more decisions: none of them may touch the crowd
         assert all(p.poll() is None for p in crowd)
         signalled = {r["pid"] for r in enforcer.events("sigterm")} | {r["pid"] for r in enforcer.events("sigkill")}

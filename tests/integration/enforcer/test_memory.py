@@ -10,6 +10,8 @@ import subprocess
 import time
 from datetime import datetime
 
+from tests.support.enforcer_harness import wait_state
+
 GIB = 1 << 30
 INTERVAL = 0.1
 GRACE = 0.5
@@ -93,6 +95,27 @@ def test_sigterm_ignored_gets_sigkill_after_grace(gpu, make_config):
     assert len(enforcer.events("sigterm", pid=stubborn.pid)) == 1
     assert stubborn.out.snapshot().count("got SIGTERM") == 1
     assert enforcer.metric("gpufence_enforcement_actions_total", container="stubborn", action="sigkill") == 1
+    assert enforcer.stop() == 0
+
+
+def test_a_process_stopped_by_its_own_pod_still_handles_its_sigterm(gpu, make_config):
+    """A process stopped by something other than the throttle (its pod's job control, a debugger, a
+    helper's SIGSTOP) keeps a SIGTERM pending, unhandled, until the SIGKILL: the enforcer continues
+    every process right after its SIGTERM, so it cleans up and exits on its own. The grace is long:
+    an enforcer without that SIGCONT leaves it stopped for the whole wait below (issue 38 row 6)."""
+    hog = gpu.workload("hog")
+    os.kill(hog.pid, signal.SIGSTOP)
+    wait_state(hog.pid, lambda s: s == "T", 5)
+    gpu.write(gpu.device_with(gpu.proc(hog, 3 * GIB)))
+    enforcer = gpu.enforcer(make_config({"hog": {"memoryBytes": 2 * GIB}}, grace=60, interval=INTERVAL),
+                            "--log-level", "debug")
+    term = enforcer.wait_event("sigterm", 10, pid=hog.pid)
+    assert term["outcome"] == "sent" and term["reason"] == "memory_over_share"
+    hog.wait_line("got SIGTERM", 10)
+    assert hog.proc.wait(10) == 0
+    cont = enforcer.wait_event("sigcont", 5, pid=hog.pid)
+    assert cont["reason"] == "after_sigterm" and cont["outcome"] in ("sent", "gone")
+    assert enforcer.events("sigkill") == []
     assert enforcer.stop() == 0
 
 
