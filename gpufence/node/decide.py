@@ -369,6 +369,9 @@ class NodeEngine:
                     "claim_used_bytes": over.total, "fair_part_bytes": over.fair,
                     "used_bytes": over.usage[over.culprit],
                     "sharing": {f"{index.pods[u].name}/{c}": b for (u, c), b in sorted(over.usage.items())},
+                    "why": (f"ResourceClaim {over.claim}: {over.total} bytes used by {len(over.usage)} containers, "
+                            f"{over.capacity} reserved; this one uses {over.usage[over.culprit]}, "
+                            f"the furthest past its part ({over.fair})"),
                 }),
             )))
         return found

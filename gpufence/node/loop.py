@@ -44,6 +44,7 @@ EVENT_REASONS = {
     "gpus_over_request": "GPUDevicesOverRequest",
     "throttle_ineffective": "GPUThrottleIneffective",
     "throttle_evaded": "GPUThrottleEvaded",
+    "claim_over_capacity": "GPUClaimOverCapacity",
 }
 
 
