@@ -201,6 +201,8 @@ class NodeDecisions:
     pods: Mapping[str, Decisions]  # pod UID -> the enforcer core's decisions for the pod
     new_census: tuple[CensusEntry, ...]  # processes not seen before, or whose standing changed
     report_only: tuple[Breach, ...] = ()  # breaches in audit (the guardian's or the pod's mode)
+    configs: Mapping[str, EnforcerConfig] = field(default_factory=lambda: MappingProxyType({}))  # pod UID ->
+    # the config the guardian holds it to (the admitted shares, lowered to DRA allocations)
 
 
 class NodeEngine:
@@ -285,7 +287,7 @@ class NodeEngine:
         for _, episode in step.actions:
             throttle.pop(episode.cgroup, None)
         return NodeDecisions(census, step, MappingProxyType(throttle), MappingProxyType(decisions), new,
-                             tuple({b.cgroup: b for b in report_only}.values()))
+                             tuple({b.cgroup: b for b in report_only}.values()), MappingProxyType(dict(self._configs)))
 
     def next_due(self) -> float | None:
         return self.backstop.next_due()
