@@ -21,7 +21,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from enum import StrEnum
 
-from gpufence.contract import EnforcerConfig
+from gpufence.contract import EnforcerConfig, Mode
 from gpufence.enforcer.facts import DriverLimit, DriverLimitState
 from gpufence.node.decide import CensusEntry, Standing
 
@@ -51,14 +51,15 @@ def nvml_namespace(unified: str | None) -> str | None:
 
 def limit_targets(census: tuple[CensusEntry, ...], configs: Mapping[str, EnforcerConfig],
                   device_totals: Mapping[int, int | None]) -> dict[Key, LimitTarget]:
-    """Each admitted GPU container's share per device it runs on, keyed by its NVML namespace."""
+    """Each admitted GPU container's share per device it runs on, keyed by its NVML namespace; a pod
+    in ``audit`` gets none (a hard limit fails its allocations: that is enforcing)."""
     targets: dict[Key, LimitTarget] = {}
     for entry in census:
         pod, name = entry.pod, entry.container
         if entry.standing is not Standing.ADMITTED or pod is None or name is None:
             continue
         config = configs.get(pod.uid)
-        share = config.containers.get(name) if config is not None else None
+        share = config.containers.get(name) if config is not None and config.mode is Mode.ENFORCE else None
         memory = share.memory if share is not None else None
         namespace = nvml_namespace(entry.process.placement.unified)
         found = memory.limit_on(device_totals.get(entry.process.device_index)) if memory is not None else None

@@ -20,6 +20,7 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
+from gpufence.contract import Mode
 from gpufence.enforcer.act.kill_deadlines import boot_clock
 from gpufence.enforcer.facts import DriverLimitState
 from gpufence.enforcer.observe.nvml import NvmlClient, NvmlSample, NvmlUnavailable
@@ -216,8 +217,8 @@ class Guardian:
         """Each admitted GPU container's share as the driver's limit on its cgroup (``limits.py``),
         handled when a container or its share is new: set where nobody set one and read back,
         left where one is there."""
-        if not self.nvml.has_memory_limits:
-            return
+        if not self.nvml.has_memory_limits or self.engine.mode is not Mode.ENFORCE:
+            return  # audit: a hard limit fails allocations, which is enforcing
         targets = limit_targets(decisions.census, decisions.configs, totals)
         for key in set(self._limits_seen) - set(targets):
             del self._limits_seen[key]  # the container is gone (or has no GPU process left)

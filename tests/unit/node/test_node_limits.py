@@ -3,7 +3,7 @@ sets it, leaves it, or does nothing."""
 
 from __future__ import annotations
 
-from gpufence.contract import ContainerShare, EnforcerConfig, MemoryShare
+from gpufence.contract import ContainerShare, EnforcerConfig, MemoryShare, Mode
 from gpufence.enforcer.facts import DriverLimit, DriverLimitState
 from gpufence.node.census import placement
 from gpufence.node.decide import GpuProc, NodeEngine
@@ -46,6 +46,8 @@ def test_each_admitted_container_gets_its_share_on_each_device_in_the_units_of_i
     targets = limit_targets(census.census, census.configs, {0: 80 * GIB, 1: 10 * GIB})
     ns = "/sys/fs/cgroup" + path
     assert {k: t.bytes for k, t in targets.items()} == {(ns, 0): 8 * GIB, (ns, 1): 5 * GIB}  # 50 % of 10 GiB
+    audit = {uid: EnforcerConfig(containers=c.containers, mode=Mode.AUDIT) for uid, c in census.configs.items()}
+    assert limit_targets(census.census, audit, {0: 80 * GIB, 1: 10 * GIB}) == {}  # audit enforces nothing
     v1_only = NodeEngine().step(100.0, [proc(f"12:freezer:{path}\n0::/\n")], {0: 80 * GIB}, idx())
     assert limit_targets(v1_only.census, v1_only.configs, {0: 80 * GIB}) == {}
 
