@@ -13,7 +13,7 @@ It runs in the host's PID namespace with the host's cgroupfs (``--cgroup-root``,
 the freezer and the signals reach every process of a container. The pods of its node come from the
 API server (``--node-name``, default ``$NODE_NAME``, the downward API's ``spec.nodeName``) with its
 own ServiceAccount (in-cluster) or ``--kubeconfig``; ``--pods-file`` reads them from a JSON file
-instead (``{"pods": [...], "namespaces": [...]}``, re-read when it changes: tests, the demo).
+instead (``{"pods": [...], "namespaces": [...], "resourceClaims": [...]}``, re-read when it changes: tests, the demo).
 
 Exit status: 0 after SIGTERM/SIGINT (everything it froze thawed first), 1 on a fatal start error
 (the simulated NVML cannot be built, no cluster configuration), 2 for usage errors.
@@ -39,7 +39,7 @@ from gpufence.enforcer.observe.watchdog import DeadlineRunner
 from gpufence.enforcer.report.decision_log import LEVELS, DecisionLog, forward_stdlib_logging
 from gpufence.node.cgroupfs import DEFAULT_ROOT, CgroupFs
 from gpufence.node.decide import NodeEngine
-from gpufence.node.kube import PodsFile, PodSource, PodWatch, load_core_api
+from gpufence.node.kube import PodsFile, PodSource, PodWatch, load_apis
 from gpufence.node.loop import Guardian
 from gpufence.node.report import NodeEvents, NodeMetrics
 from gpufence.node.state import GuardianState
@@ -152,7 +152,8 @@ def _pod_source(args: argparse.Namespace, log: DecisionLog) -> PodSource | None:
     if args.pods_file:
         return PodsFile(args.pods_file)
     try:
-        return PodWatch(load_core_api(args.kubeconfig), args.node_name)
+        core_api, custom_api = load_apis(args.kubeconfig)
+        return PodWatch(core_api, args.node_name, custom_api)
     except Exception as exc:  # the client's ConfigException, an unreadable kubeconfig
         log.error("no_cluster_configuration", error=f"{type(exc).__name__}: {exc}")
         return None

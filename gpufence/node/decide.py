@@ -34,13 +34,14 @@ from enum import StrEnum
 from types import MappingProxyType
 from typing import Any
 
-from gpufence.contract import DEFAULT_GRACE_PERIOD_SECONDS, Mode
+from gpufence.contract import DEFAULT_GRACE_PERIOD_SECONDS, EnforcerConfig, Mode
 from gpufence.enforcer.decide.compute import INEFFECTIVE_SECONDS
 from gpufence.enforcer.decide.machine import Core, Decisions
 from gpufence.enforcer.decide.rules import TerminateOrder
 from gpufence.enforcer.observe.attribution import Attribution, PodProcess
 from gpufence.node.census import Placement
 from gpufence.node.pods import Admission, NodePod, PodIndex
+from gpufence.node.reserved import ClaimOveruse, ContainerKey, claim_capped_config, claim_overuse
 
 
 class Standing(StrEnum):
@@ -200,6 +201,8 @@ class NodeDecisions:
     pods: Mapping[str, Decisions]  # pod UID -> the enforcer core's decisions for the pod
     new_census: tuple[CensusEntry, ...]  # processes not seen before, or whose standing changed
     report_only: tuple[Breach, ...] = ()  # breaches in audit (the guardian's or the pod's mode)
+    configs: Mapping[str, EnforcerConfig] = field(default_factory=lambda: MappingProxyType({}))  # pod UID ->
+    # the config the guardian holds it to (the admitted shares, lowered to DRA allocations)
 
 
 class NodeEngine:
@@ -225,6 +228,7 @@ class NodeEngine:
         self._ineffective = compute_ineffective_seconds
         self.backstop = Backstop()
         self._cores: dict[str, Core] = {}
+        self._configs: dict[str, EnforcerConfig] = {}
         self._pending_since: dict[str, float] = {}
         self._seen: dict[tuple[int, int, int], Standing] = {}
 
@@ -249,23 +253,32 @@ class NodeEngine:
                 (breaches if self.mode is Mode.ENFORCE else report_only).append(breach)
         for uid in set(self._cores) - set(by_pod):
             del self._cores[uid]  # the pod has no GPU process left (or is gone): its controller too
+            self._configs.pop(uid, None)
         decisions: dict[str, Decisions] = {}
         throttle: dict[str, ThrottleTarget] = {}
         for uid, entries in by_pod.items():
             pod = entries[0].pod
             assert pod is not None and pod.config is not None
+            config, lowered = claim_capped_config(pod, index)
             core = self._cores.get(uid)
-            if core is None:
-                core = self._cores[uid] = Core(pod.config, compute_window_seconds=self._window,
+            if core is None or self._configs.get(uid) != config:
+                # A claim allocated or replaced after admission changes the share: a new Core on
+                # the new config (its compute window starts again).
+                core = self._cores[uid] = Core(config, compute_window_seconds=self._window,
                                                compute_period_seconds=self._period,
                                                compute_ineffective_seconds=self._ineffective)
+                self._configs[uid] = config
             result = core.step(now, _attribution(entries), device_totals, mig_devices)
             decisions[uid] = result
             enforce = self.mode is Mode.ENFORCE and pod.config.mode is Mode.ENFORCE
-            for breach in self._pod_breaches(pod, entries, result):
+            for breach in self._pod_breaches(pod, entries, result, lowered):
                 (breaches if enforce else report_only).append(breach)
             if enforce:
                 throttle.update(_throttle_targets(pod, entries, result))
+        for over, breach in self._claim_breaches(census, index):
+            pod = index.pods[over.culprit[0]]
+            enforce = self.mode is Mode.ENFORCE and pod.config is not None and pod.config.mode is Mode.ENFORCE
+            (breaches if enforce else report_only).append(breach)
         # Unique keys: a container with processes on two devices is one breach (the first reason).
         unique = {b.cgroup: b for b in reversed(breaches)}
         step = self.backstop.step(now, unique.values())
@@ -274,7 +287,7 @@ class NodeEngine:
         for _, episode in step.actions:
             throttle.pop(episode.cgroup, None)
         return NodeDecisions(census, step, MappingProxyType(throttle), MappingProxyType(decisions), new,
-                             tuple({b.cgroup: b for b in report_only}.values()))
+                             tuple({b.cgroup: b for b in report_only}.values()), MappingProxyType(dict(self._configs)))
 
     def next_due(self) -> float | None:
         return self.backstop.next_due()
@@ -327,7 +340,46 @@ class NodeEngine:
             }),
         )
 
-    def _pod_breaches(self, pod: NodePod, entries: list[CensusEntry], result: Decisions) -> list[Breach]:
+    def _claim_breaches(self, census: tuple[CensusEntry, ...], index: PodIndex) -> list[tuple[ClaimOveruse, Breach]]:
+        """A shared claim over its capacity: the chosen container (``reserved.claim_overuse``) is the
+        guardian's to terminate at once (no sidecar sees the other pods), SIGKILL after its pod's grace
+        period. A claim with a member already being terminated waits for that one to end."""
+        usage: dict[ContainerKey, int] = {}
+        places: dict[ContainerKey, set[str]] = {}
+        placement: dict[ContainerKey, Placement] = {}
+        for entry in census:
+            if entry.standing is Standing.ADMITTED and entry.pod is not None and entry.container is not None:
+                key = (entry.pod.uid, entry.container)
+                usage[key] = usage.get(key, 0) + (entry.process.used_memory_bytes or 0)
+                if entry.process.placement.path is not None:
+                    places.setdefault(key, set()).add(entry.process.placement.path)
+                    placement.setdefault(key, entry.process.placement)
+        found = []
+        for over in claim_overuse(index, usage):
+            if any(places.get(m, set()) & set(self.backstop.episodes) for m in over.usage):
+                continue
+            place = placement.get(over.culprit)
+            pod = index.pods[over.culprit[0]]
+            if place is None or place.path is None or pod.config is None:
+                continue
+            found.append((over, Breach(
+                cgroup=place.path, placement=place, reason="claim_over_capacity", term_delay=0.0,
+                kill_delay=pod.config.grace_period_seconds,
+                record=MappingProxyType({
+                    "namespace": pod.namespace, "pod": pod.name, "pod_uid": pod.uid, "container": over.culprit[1],
+                    "container_id": place.container_id, "claim": over.claim, "claim_capacity_bytes": over.capacity,
+                    "claim_used_bytes": over.total, "fair_part_bytes": over.fair,
+                    "used_bytes": over.usage[over.culprit],
+                    "sharing": {f"{index.pods[u].name}/{c}": b for (u, c), b in sorted(over.usage.items())},
+                    "why": (f"ResourceClaim {over.claim}: {over.total} bytes used by {len(over.usage)} containers, "
+                            f"{over.capacity} reserved; this one uses {over.usage[over.culprit]}, "
+                            f"the furthest past its part ({over.fair})"),
+                }),
+            )))
+        return found
+
+    def _pod_breaches(self, pod: NodePod, entries: list[CensusEntry], result: Decisions,
+                      lowered: Mapping[str, int]) -> list[Breach]:
         assert pod.config is not None
         handover = pod.config.poll_interval_seconds + 2 * self.poll_interval
         grace = pod.config.grace_period_seconds
@@ -340,13 +392,18 @@ class NodeEngine:
             if order.container is None:
                 continue  # the guardian names every process's container: it gives the Core none unattributed
             one_shot = order.ineffective_use is not None or bool(order.evaded_pids)
+            # A share lowered to the claim's allocation is the guardian's alone: the sidecar holds
+            # the admitted (larger) one and never acts on it.
+            by_claim = _reason(order) == "memory_over_share" and order.container in lowered
+            one_shot = one_shot or by_claim
             for place in {p.path: p for p in by_name.get(order.container, ())}.values():
                 assert place.path is not None
                 breaches.append(Breach(
                     cgroup=place.path, placement=place, reason=_reason(order),
                     term_delay=0.0 if one_shot else None,
                     kill_delay=grace if one_shot else grace + handover,
-                    record=MappingProxyType(_order_record(pod, order, place)),
+                    record=MappingProxyType({**_order_record(pod, order, place),
+                                             **({"claim_bound_bytes": lowered[order.container]} if by_claim else {})}),
                 ))
         return breaches
 

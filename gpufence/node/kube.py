@@ -3,9 +3,14 @@
 * :class:`PodWatch`: list, then watch, the pods with ``fieldSelector=spec.nodeName=<node>`` (the
   webhook's ``ListWatch`` loop: relist after a 410 or any error, with backoff), with the webhook's
   Namespace cache beside it (labels and annotations, which only the namespace's admin writes).
-  Read-only RBAC: ``get``/``list``/``watch`` on pods and namespaces.
-* :class:`PodsFile`: the same from a JSON file (``{"pods": [...], "namespaces": [...]}``, Kubernetes
-  objects), re-read when it changes: for running the guardian outside a cluster (tests, the demo).
+  Beside them, every ResourceClaim (``resource.k8s.io/v1``, all namespaces: the webhook's DRA watch,
+  ``webhook.cluster.dra_cache.ObjectWatch``) reduced to its allocation (``gpufence.claims``); where
+  the API is not served the claims stay unknown and bound nothing. The claims never gate the sync:
+  a cluster without DRA would never sync otherwise.
+  Read-only RBAC: ``get``/``list``/``watch`` on pods, namespaces and resourceclaims.
+* :class:`PodsFile`: the same from a JSON file (``{"pods": [...], "namespaces": [...],
+  "resourceClaims": [...]}``, Kubernetes objects), re-read when it changes: for running the
+  guardian outside a cluster (tests, the demo).
 
 Both answer :meth:`index` with a ``pods.PodIndex``: what the API server says, never a request.
 """
@@ -19,7 +24,9 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Protocol
 
+from gpufence.claims import ClaimAllocation, claim_allocation
 from gpufence.node.pods import NodePod, PodIndex, node_pod
+from gpufence.webhook.cluster.dra_cache import ObjectWatch
 from gpufence.webhook.cluster.namespaces import NamespaceCache, namespace_info
 from gpufence.webhook.cluster.watch import ListWatch
 
@@ -36,20 +43,26 @@ class PodWatch(ListWatch):
 
     what = "pod"
 
-    def __init__(self, api: Any, node_name: str, **kwargs: Any) -> None:
-        # api: kubernetes.client.CoreV1Api
+    def __init__(self, api: Any, node_name: str, custom_api: Any = None, **kwargs: Any) -> None:
+        # api: kubernetes.client.CoreV1Api; custom_api: CustomObjectsApi (the claims; None: no claims)
         listing = functools.partial(api.list_pod_for_all_namespaces, field_selector=f"spec.nodeName={node_name}")
         super().__init__(listing, **kwargs)
         self._objects: dict[str, Mapping[str, Any]] = {}
         self.namespaces = NamespaceCache(api, **kwargs)
+        self.claims = (None if custom_api is None else
+                       ObjectWatch(custom_api, "resourceclaims", claim_allocation, kind="ResourceClaim", **kwargs))
 
     def start(self) -> None:
         self.namespaces.start()
+        if self.claims is not None:
+            self.claims.start()
         super().start()
 
     def stop(self, timeout: float | None = None) -> None:
         super().stop(timeout)
         self.namespaces.stop(timeout)
+        if self.claims is not None:
+            self.claims.stop(timeout)
 
     def has_synced(self) -> bool:
         return super().has_synced() and self.namespaces.has_synced()
@@ -66,7 +79,8 @@ class PodWatch(ListWatch):
                 pods.append(found)
             if info is not None and info.opted_in:
                 opted_in.add(namespace)
-        return PodIndex.of(pods, opted_in)
+        claims: list[ClaimAllocation] = list(self.claims.items.values()) if self.claims is not None else []
+        return PodIndex.of(pods, opted_in, claims)
 
     def _replace(self, items: list[Mapping[str, Any]]) -> None:
         self._objects = {_uid(obj): obj for obj in items if _uid(obj)}
@@ -125,12 +139,14 @@ def pods_file_index(doc: Any) -> PodIndex:
             found = node_pod(obj, annotations.get(ns, {}))
             if found is not None:
                 pods.append(found)
-    return PodIndex.of(pods, (n.name for n in namespaces if n.opted_in))
+    claims = [claim_allocation(c) for c in (doc.get("resourceClaims") or []) if isinstance(c, dict)]
+    return PodIndex.of(pods, (n.name for n in namespaces if n.opted_in), claims)
 
 
-def load_core_api(kubeconfig: str | None) -> Any:
-    """A ``CoreV1Api``: the in-cluster configuration (the guardian's own ServiceAccount), else the
-    kubeconfig given or found. Raises the client's ConfigException when none loads."""
+def load_apis(kubeconfig: str | None) -> tuple[Any, Any]:
+    """A ``CoreV1Api`` and a ``CustomObjectsApi`` on one client: the in-cluster configuration (the
+    guardian's own ServiceAccount), else the kubeconfig given or found. Raises the client's
+    ConfigException when none loads."""
     from kubernetes import client, config
     from kubernetes.config.config_exception import ConfigException
 
@@ -142,7 +158,8 @@ def load_core_api(kubeconfig: str | None) -> Any:
             config.load_incluster_config(client_configuration=configuration)
         except ConfigException:
             config.load_kube_config(client_configuration=configuration)
-    return client.CoreV1Api(client.ApiClient(configuration))
+    api_client = client.ApiClient(configuration)
+    return client.CoreV1Api(api_client), client.CustomObjectsApi(api_client)
 
 
 def _uid(obj: Mapping[str, Any]) -> str:

@@ -20,7 +20,9 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
+from gpufence.contract import Mode
 from gpufence.enforcer.act.kill_deadlines import boot_clock
+from gpufence.enforcer.facts import DriverLimitState
 from gpufence.enforcer.observe.nvml import NvmlClient, NvmlSample, NvmlUnavailable
 from gpufence.enforcer.observe.procfs import read_cgroup, read_stat
 from gpufence.enforcer.observe.watchdog import DeadlineRunner
@@ -29,6 +31,7 @@ from gpufence.node.census import Placement, placement
 from gpufence.node.cgroupfs import CgroupFs
 from gpufence.node.decide import Action, Breach, Episode, GpuProc, NodeDecisions, NodeEngine, Standing
 from gpufence.node.kube import PodSource
+from gpufence.node.limits import Key, LimitAction, LimitTarget, limit_step, limit_targets
 from gpufence.node.report import NodeEvents, NodeMetrics
 from gpufence.node.state import GuardianState
 from gpufence.node.throttle import FreezerThrottle
@@ -44,6 +47,7 @@ EVENT_REASONS = {
     "gpus_over_request": "GPUDevicesOverRequest",
     "throttle_ineffective": "GPUThrottleIneffective",
     "throttle_evaded": "GPUThrottleEvaded",
+    "claim_over_capacity": "GPUClaimOverCapacity",
 }
 
 
@@ -65,6 +69,8 @@ class Guardian:
     _nvml_retry_at: float = 0.0
     _placements: dict[tuple[int, int], Placement] = field(default_factory=dict)
     _reported: set[tuple[str, str]] = field(default_factory=set)
+    _limits_set: dict[Key, int] = field(default_factory=dict)  # the driver limits this guardian set
+    _limits_seen: dict[Key, int] = field(default_factory=dict)  # the share last handled per key
 
     # -- lifecycle ----------------------------------------------------------------------------
 
@@ -121,6 +127,7 @@ class Guardian:
                 self.metrics.poll_errors.inc()
                 self.log.error("guardian_action_failed", action=action.value, cgroup=episode.cgroup,
                                error=f"{type(exc).__name__}: {exc}")
+        self._driver_limits(decisions, totals)
         self.throttle.set_plan(decisions.throttle, LEASE_POLLS * self.engine.poll_interval + 0.5)
         self.metrics.throttle(decisions.throttle.values())
         self.metrics.census(decisions.census)
@@ -140,7 +147,8 @@ class Guardian:
                 self.throttle.set_plan({}, 0.0)
                 return None
             self._nvml_open = True
-            self.log.info("nvml_opened", driver_version=self.nvml.driver_version)
+            self.log.info("nvml_opened", driver_version=self.nvml.driver_version,
+                          driver_limits=self.nvml.has_memory_limits)
         utilisation = self.engine.wants_utilisation(now)
         try:
             sample = self.runner.call("sample", lambda: self.nvml.sample(utilisation=utilisation))
@@ -204,6 +212,59 @@ class Guardian:
             f"gpufence-node: {what} to container {record.get('container') or episode.placement.container_id} "
             f"({episode.reason}: {record.get('why') or _usage(record)}); {len(result.sent)} processes signalled",
         )
+
+    def _driver_limits(self, decisions: NodeDecisions, totals: Mapping[int, int | None]) -> None:
+        """Each admitted GPU container's share as the driver's limit on its cgroup (``limits.py``),
+        handled when a container or its share is new: set where nobody set one and read back,
+        left where one is there."""
+        if not self.nvml.has_memory_limits or self.engine.mode is not Mode.ENFORCE:
+            return  # audit: a hard limit fails allocations, which is enforcing
+        targets = limit_targets(decisions.census, decisions.configs, totals)
+        for key in set(self._limits_seen) - set(targets):
+            del self._limits_seen[key]  # the container is gone (or has no GPU process left)
+            self._limits_set.pop(key, None)
+        todo = [t for k, t in targets.items() if self._limits_seen.get(k) != t.bytes]
+        if not todo:
+            return
+        try:
+            done = self.runner.call("nvmlDeviceSetMemoryLimits", lambda: [self._limit_one(t) for t in todo])
+        except NvmlUnavailable as exc:
+            self.log.error("guardian_driver_limit_failed", error=str(exc))  # the next sample says more
+            return
+        for line in done:
+            if line is not None:
+                self.log.emit("guardian_driver_limit", level="info" if line["ok"] else "warning", **line)
+
+    def _limit_one(self, target: LimitTarget) -> dict[str, object] | None:
+        key = (target.namespace, target.device_index)
+        reading = self.nvml.memory_limit(target.device_index, target.namespace)
+        action = limit_step(target, reading, self._limits_set.get(key))
+        line: dict[str, object] = {
+            "namespace": target.namespace_of_pod, "pod": target.pod, "pod_uid": target.pod_uid,
+            "container": target.container, "uuid": target.device_uuid, "gpu": target.device_index,
+            "cgroup": target.namespace, "share_bytes": target.bytes,
+        }
+        if action is None:
+            if reading.state is DriverLimitState.ERROR:
+                return None  # asked again next poll
+            self._limits_seen[key] = target.bytes
+            return None
+        self._limits_seen[key] = target.bytes
+        if action is LimitAction.LEAVE:
+            return {**line, "action": "left", "by": "the toolkit's hook (or an earlier guardian)",
+                    "soft_bytes": reading.soft_bytes, "hard_bytes": reading.hard_bytes,
+                    "ok": reading.hard_bytes is not None and reading.hard_bytes <= target.bytes}
+        error = self.nvml.set_memory_limit(target.device_index, target.namespace, target.bytes, target.bytes)
+        back = self.nvml.memory_limit(target.device_index, target.namespace)
+        ok = error is None and back.state is DriverLimitState.SET and back.hard_bytes == target.bytes
+        if ok:
+            self._limits_set[key] = target.bytes
+        # A refusal (the cgroup already holds more than the share: the driver refuses a limit below
+        # its use) is said once and tried again when the share or the container changes; the
+        # guardian's memory rule holds the share meanwhile.
+        return {**line, "action": "set", "by": "gpufence-node", "error": error,
+                "read_back_state": back.state.value, "read_back_soft_bytes": back.soft_bytes,
+                "read_back_hard_bytes": back.hard_bytes, "ok": ok}
 
     # -- reporting ------------------------------------------------------------------------------
 

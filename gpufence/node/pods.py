@@ -16,6 +16,7 @@ from enum import StrEnum
 from types import MappingProxyType
 from typing import Any
 
+from gpufence.claims import ClaimAllocation, ClaimUse, container_claims
 from gpufence.contract import (
     ENV_CONFIG,
     NAMESPACE_ALLOW_OPT_OUT,
@@ -46,6 +47,7 @@ class NodePod:
     config: EnforcerConfig | None  # the admitted shares (ADMITTED only)
     containers: Mapping[str, str] = field(default_factory=lambda: MappingProxyType({}))  # container ID -> name
     problem: str | None = None  # why INVALID
+    claims: Mapping[str, tuple[ClaimUse, ...]] = field(default_factory=lambda: MappingProxyType({}))  # by container
 
     def share_of(self, container: str) -> bool:
         """Whether ``container`` holds an admitted GPU share (a GPU container of the config)."""
@@ -106,6 +108,7 @@ def node_pod(obj: Mapping[str, Any], namespace_annotations: Mapping[str, str] | 
     return NodePod(
         uid=uid.lower(), namespace=str(meta.get("namespace") or ""), name=str(meta.get("name") or ""),
         admission=admission, config=config, containers=MappingProxyType(containers), problem=problem,
+        claims=MappingProxyType(container_claims(obj)),
     )
 
 
@@ -119,14 +122,18 @@ def _opted_out(meta: Mapping[str, Any], namespace_annotations: Mapping[str, str]
 
 @dataclass(frozen=True)
 class PodIndex:
-    """The pods on the node by UID, and which namespaces are opted in."""
+    """The pods on the node by UID, which namespaces are opted in, and the ResourceClaims by
+    (namespace, name) with what the scheduler allocated."""
 
     pods: Mapping[str, NodePod]
     opted_in: frozenset[str]
+    claims: Mapping[tuple[str, str], ClaimAllocation] = field(default_factory=lambda: MappingProxyType({}))
 
     @classmethod
-    def of(cls, pods: Iterable[NodePod], opted_in: Iterable[str]) -> PodIndex:
-        return cls(MappingProxyType({p.uid: p for p in pods}), frozenset(opted_in))
+    def of(cls, pods: Iterable[NodePod], opted_in: Iterable[str],
+           claims: Iterable[ClaimAllocation] = ()) -> PodIndex:
+        return cls(MappingProxyType({p.uid: p for p in pods}), frozenset(opted_in),
+                   MappingProxyType({(c.namespace, c.name): c for c in claims}))
 
     def get(self, uid: str | None) -> NodePod | None:
         return None if uid is None else self.pods.get(uid)

@@ -27,6 +27,8 @@ ACTION_REASONS = (
     ("sigterm", "unaccounted"), ("sigkill", "unaccounted"),
     ("sigkill", "memory_over_share"), ("sigkill", "gpus_over_request"),
     ("sigterm", "throttle_ineffective"), ("sigkill", "throttle_ineffective"),
+    # DRA (gpufence.node.reserved): a share lowered to the claim's allocation, a shared claim's budget
+    ("sigterm", "memory_over_share"), ("sigterm", "claim_over_capacity"), ("sigkill", "claim_over_capacity"),
 )
 _MAX_RECORDERS = 256
 

@@ -16,10 +16,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from gpufence.contract import MAX_GRACE_PERIOD_SECONDS, MAX_POLL_INTERVAL_SECONDS, MIN_POLL_INTERVAL_SECONDS
+from gpufence.quantity import QuantityError, canonical_quantity, parse_bytes
 from gpufence.webhook.core.dra import driver_name
 from gpufence.webhook.core.gpu_paths import claim_name, resource_pattern
 from gpufence.webhook.core.kai import scheduler_name
-from gpufence.webhook.core.quantity import QuantityError, canonical_quantity, parse_bytes
 from gpufence.webhook.core.settings import (
     DEFAULT_ADMIN_GROUPS,
     DEFAULT_DRA_GPU_DRIVERS,

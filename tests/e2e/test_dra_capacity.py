@@ -22,7 +22,7 @@ from typing import Any
 import pytest
 from kubernetes import client
 
-from gpufence.webhook.core.quantity import parse_bytes
+from gpufence.quantity import parse_bytes
 from tests.e2e import kube
 from tests.e2e.controlplane import ControlPlane
 from tests.e2e.gpufence_install import WebhookProcess

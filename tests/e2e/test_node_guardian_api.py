@@ -14,7 +14,7 @@ import yaml
 from kubernetes import client
 
 from gpufence.contract import ContainerShare, EnforcerConfig, MemoryShare
-from gpufence.node.kube import PodWatch, load_core_api
+from gpufence.node.kube import PodWatch, load_apis
 from gpufence.node.pods import Admission
 from tests.e2e import kube
 from tests.e2e.controlplane import ControlPlane
@@ -82,7 +82,8 @@ def test_the_pod_watch_sees_its_nodes_pods_with_their_shares_and_container_ids(
     set_container_id(cluster, namespace, "mine", first_id)
 
     token = service_account_kubeconfig(cluster, "gpufence-node", "gpufence-node", tmp_path / "guardian.kubeconfig")
-    watch = PodWatch(load_core_api(str(token)), NODE, min_backoff=0.1, max_backoff=1.0)
+    core_api, custom_api = load_apis(str(token))
+    watch = PodWatch(core_api, NODE, custom_api, min_backoff=0.1, max_backoff=1.0)
     watch.start()
     try:
         kube.wait_for(watch.has_synced, "the guardian's pod list")

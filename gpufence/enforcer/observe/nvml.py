@@ -137,6 +137,7 @@ class NvmlClient:
         self._fn_mps: Callable[..., int] | None = None
         self._fn_util: Callable[..., int] | None = None
         self._fn_limits: Callable[..., int] | None = None
+        self._fn_set_limits: Callable[..., int] | None = None
         self._proc_record = PROC_V2
         self._proc_names = (
             "nvmlDeviceGetComputeRunningProcesses",
@@ -314,6 +315,26 @@ class NvmlClient:
                 return DriverLimit(DriverLimitState.NOT_SET, error=error_name(ret))
             return DriverLimit(DriverLimitState.ERROR, error=error_name(ret))
 
+    def set_memory_limit(self, device_index: int, namespace: str, soft_bytes: int, hard_bytes: int) -> str | None:
+        """``nvmlDeviceSetMemoryLimits_v1`` on ``namespace`` (a cgroup path under /sys/fs/cgroup) on one
+        device: None when the driver took it, else the NVML error's name (``FUNCTION_NOT_FOUND`` on a
+        driver before R615). Only the node guardian sets limits; the sidecar only reads them."""
+        with self._lock:
+            if not self._open:
+                raise NvmlUnavailable("NVML is not open: call NvmlClient.open() first")
+            fn = self._fn_set_limits
+            if fn is None:
+                return error_name(FUNCTION_NOT_FOUND)
+            device = self._devices[device_index] if 0 <= device_index < len(self._devices) else None
+            if device is None or device.handle is None:
+                return error_name(GPU_IS_LOST)
+            request = pynvml.c_nvmlSetMemoryLimits_v1_t()
+            request.nameSpace = namespace.encode()
+            request.softLimit = soft_bytes
+            request.hardLimit = hard_bytes
+            ret = fn(device.handle, ctypes.byref(request))
+            return None if ret == SUCCESS else error_name(ret)
+
     # -- NVML calls ------------------------------------------------------------------------------
 
     def _acquire(self, device: _Device, errors: list[NvmlErrorEvent]) -> None:
@@ -408,3 +429,4 @@ class NvmlClient:
         self._proc_record = functions.proc_record
         self._fn_compute, self._fn_graphics, self._fn_mps = functions.compute, functions.graphics, functions.mps
         self._fn_util, self._fn_limits = functions.util, functions.limits
+        self._fn_set_limits = functions.set_limits

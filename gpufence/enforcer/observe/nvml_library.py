@@ -109,6 +109,7 @@ class Functions:
     mps: Callable[..., int] | None
     util: Callable[..., int] | None
     limits: Callable[..., int] | None
+    set_limits: Callable[..., int] | None = None  # nvmlDeviceSetMemoryLimits_v1: the node guardian's
 
 
 def resolve_functions() -> Functions:
@@ -148,7 +149,8 @@ def resolve_functions() -> Functions:
     util, _ = first("nvmlDeviceGetProcessUtilization")
     # Drivers before R615 lack the per-cgroup memory limits: memory_limit() answers NO_CALL.
     limits, _ = first("nvmlDeviceGetMemoryLimits_v1")
-    return Functions(PROC_V1 if v1 else PROC_V2, compute, graphics, mps, util, limits)
+    set_limits, _ = first("nvmlDeviceSetMemoryLimits_v1")
+    return Functions(PROC_V1 if v1 else PROC_V2, compute, graphics, mps, util, limits, set_limits)
 
 
 def preload(path: str | None) -> ctypes.CDLL | None:

@@ -57,7 +57,7 @@ def _template(obj: Mapping[str, Any]) -> Summary:
     return template_classes(obj), template_memory_asks(obj)
 
 
-class _ObjectWatch(ListWatch):
+class ObjectWatch(ListWatch):
     """One kind's list-then-watch, keeping ``summary(obj)`` by (namespace, name)."""
 
     def __init__(self, api: Any, plural: str, summary: Any, *, kind: str, **options: Any) -> None:
@@ -100,9 +100,9 @@ class DraCache:
     """DeviceClasses, ResourceClaims and ResourceClaimTemplates, implementing ``webhook.core.dra.DraObjects``."""
 
     def __init__(self, api: Any, **options: Any) -> None:
-        self.classes = _ObjectWatch(api, "deviceclasses", _drivers, kind="DeviceClass", **options)
-        self.claims = _ObjectWatch(api, "resourceclaims", _claim, kind="ResourceClaim", **options)
-        self.templates = _ObjectWatch(api, "resourceclaimtemplates", _template, kind="ResourceClaimTemplate",
+        self.classes = ObjectWatch(api, "deviceclasses", _drivers, kind="DeviceClass", **options)
+        self.claims = ObjectWatch(api, "resourceclaims", _claim, kind="ResourceClaim", **options)
+        self.templates = ObjectWatch(api, "resourceclaimtemplates", _template, kind="ResourceClaimTemplate",
                                       **options)
         self._watches = (self.classes, self.claims, self.templates)
 

@@ -31,11 +31,11 @@ from gpufence.contract import (
     ENV_PRELOAD_MEMORY_LIMIT,
     ContainerShare,
 )
+from gpufence.quantity import mebibytes_floor
 from gpufence.webhook.core.denial import Denial, quote
 from gpufence.webhook.core.driver_limits import driver_limit_mib
 from gpufence.webhook.core.frameworks import DeviceMemory, framework_env, server_warnings
 from gpufence.webhook.core.gpu_paths import PodGpuPaths
-from gpufence.webhook.core.quantity import mebibytes_floor
 from gpufence.webhook.core.settings import InjectionSettings
 from gpufence.webhook.core.sidecar import PRELOAD_VOLUME
 

@@ -37,9 +37,9 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
 from gpufence.contract import SIDECAR_NAME, MemoryShare
+from gpufence.quantity import QuantityError, parse_bytes
 from gpufence.webhook.core.denial import Denial, quote
 from gpufence.webhook.core.namespace_policy import NamespacePolicy, _memory_above
-from gpufence.webhook.core.quantity import QuantityError, parse_bytes
 from gpufence.webhook.core.shares import ClaimMemory
 
 # The drivers a selector allows, or None where it allows any (pins no driver, or cannot be read).

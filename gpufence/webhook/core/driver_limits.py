@@ -39,9 +39,9 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from gpufence.contract import DRIVER_LIMITS_NODE_LABEL, MemoryShare, Mode
+from gpufence.quantity import mebibytes_floor
 from gpufence.webhook.core.denial import quote
 from gpufence.webhook.core.frameworks import DeviceMemory
-from gpufence.webhook.core.quantity import mebibytes_floor
 from gpufence.webhook.core.settings import InjectionSettings
 from gpufence.webhook.core.shares import SharePlan
 

@@ -47,9 +47,9 @@ from decimal import ROUND_DOWN, Decimal, InvalidOperation
 from typing import Any
 
 from gpufence.contract import MAX_STATUS_WARNINGS, NAMESPACE_PYTORCH_MEMORY_FRACTION, MemoryShare
+from gpufence.quantity import QuantityError, parse_bytes
 from gpufence.webhook.core.denial import quote
 from gpufence.webhook.core.gpu_paths import shared_gpu_resource
-from gpufence.webhook.core.quantity import QuantityError, parse_bytes
 from gpufence.webhook.core.settings import InjectionSettings
 
 ENV_XLA_FRACTION = "XLA_PYTHON_CLIENT_MEM_FRACTION"  # every jaxlib reads it

@@ -40,8 +40,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from gpufence.contract import SIDECAR_NAME
+from gpufence.quantity import QuantityError, is_positive_quantity, parse_bytes
 from gpufence.webhook.core.kai import KaiFraction, NvFraction
-from gpufence.webhook.core.quantity import QuantityError, is_positive_quantity, parse_bytes
 from gpufence.webhook.core.settings import InjectionSettings
 
 # An extended resource name (DOMAIN/NAME) or a prefix of one ending in "*": the domain keeps a

@@ -34,9 +34,9 @@ from decimal import Decimal, InvalidOperation
 from typing import Any
 
 from gpufence.contract import MemoryShare
+from gpufence.quantity import QuantityError, parse_bytes
 from gpufence.webhook.core.denial import Denial, quote
 from gpufence.webhook.core.namespace_policy import NamespacePolicy, _memory_above
-from gpufence.webhook.core.quantity import QuantityError, parse_bytes
 from gpufence.webhook.core.settings import DEFAULT_KAI_SCHEDULER, InjectionSettings
 from gpufence.webhook.core.shares import MIN_MEMORY_SHARE_BYTES
 

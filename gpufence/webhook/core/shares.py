@@ -38,8 +38,8 @@ from gpufence.contract import (
     MemoryShare,
     Mode,
 )
+from gpufence.quantity import QuantityError, parse_bytes, parse_percent
 from gpufence.webhook.core.denial import Denial, quote
-from gpufence.webhook.core.quantity import QuantityError, parse_bytes, parse_percent
 from gpufence.webhook.core.settings import InjectionSettings
 
 MEMORY_EXAMPLE = 'use a Kubernetes quantity such as "8Gi" or a percentage such as "25%"'

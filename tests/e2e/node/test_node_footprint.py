@@ -38,7 +38,7 @@ import pytest
 from kubernetes import client, watch
 
 from gpufence.contract import SIDECAR_NAME
-from gpufence.webhook.core.quantity import parse_bytes
+from gpufence.quantity import parse_bytes
 from tests.e2e import kube
 from tests.e2e.controlplane import ControlPlane
 from tests.e2e.gpufence_install import NAMESPACE, POLICY_CONFIGMAP, WebhookProcess, apply_objects

@@ -95,6 +95,7 @@ class FakePod:
         self.name = name
         self.path = f"{bed.prefix}/kubepods/burstable/pod{self.uid}"
         self.containers: list[Container] = []
+        self.claims: dict[str, str] = {}  # container name -> the ResourceClaim it uses (DRA)
 
     def container(self, name: str) -> Container:
         c = Container(self, name)
@@ -103,7 +104,14 @@ class FakePod:
 
     def object(self, config: EnforcerConfig | None) -> dict[str, Any]:
         """The pod as the API server serves it: the sidecar's config in the spec, the IDs in the status."""
-        spec: dict[str, Any] = {"containers": [{"name": c.name, "image": "cuda"} for c in self.containers]}
+        spec: dict[str, Any] = {"containers": [
+            {"name": c.name, "image": "cuda",
+             **({"resources": {"claims": [{"name": f"c-{c.name}"}]}} if c.name in self.claims else {})}
+            for c in self.containers
+        ]}
+        if self.claims:
+            spec["resourceClaims"] = [{"name": f"c-{name}", "resourceClaimName": claim}
+                                      for name, claim in self.claims.items()]
         if config is not None:
             spec["initContainers"] = [{"name": "gpufence-enforcer", "image": "gpufence", "restartPolicy": "Always",
                                        "env": [{"name": "GPUFENCE_CONFIG", "value": config.to_json()}]}]
@@ -126,6 +134,7 @@ class CgroupBed:
         else:
             self.tops = [CGROUP_ROOT / h for h in V1_HIERARCHIES]
         self.pods: list[FakePod] = []
+        self.claims: list[dict[str, Any]] = []  # ResourceClaim objects as the API server serves them
         self.pods_file = tmp / "pods.json"
         self.namespaces: list[dict[str, Any]] = [
             {"metadata": {"name": "team-a", "labels": {"gpufence.io/injection": "enabled"}}},
@@ -139,7 +148,8 @@ class CgroupBed:
 
     def publish(self, configs: dict[str, EnforcerConfig | None]) -> None:
         """Write the pods file (pod name -> its config, None: admitted without one)."""
-        doc = {"pods": [p.object(configs.get(p.name)) for p in self.pods], "namespaces": self.namespaces}
+        doc = {"pods": [p.object(configs.get(p.name)) for p in self.pods], "namespaces": self.namespaces,
+               "resourceClaims": self.claims}
         tmp = self.pods_file.with_suffix(".tmp")
         tmp.write_text(json.dumps(doc))
         tmp.replace(self.pods_file)

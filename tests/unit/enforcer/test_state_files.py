@@ -116,7 +116,7 @@ def test_the_sidecar_state_volume_is_a_small_tmpfs_the_files_fit_in(tmp_path: Pa
     and costs no disk I/O per signal. Its pages count against the sidecar's memory, so it is small,
     yet big enough for both files at their largest plausible size, twice (a temp file before its
     rename): 10,000 processes held stopped and 10,000 pending SIGKILLs."""
-    from gpufence.webhook.core.quantity import parse_bytes
+    from gpufence.quantity import parse_bytes
     from gpufence.webhook.core.settings import InjectionSettings
     from gpufence.webhook.core.sidecar import STATE_VOLUME, pod_volumes
 

@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from gpufence.webhook.core.quantity import (
+from gpufence.quantity import (
     MAX_BYTES,
     QuantityError,
     canonical_quantity,

@@ -19,7 +19,7 @@ Why not ``kubernetes.utils.parse_quantity`` (already a dependency): it hands the
 ``"Infinity"``, an exponent with a suffix such as ``"1e3Ki"``), and it computes in the ambient
 28-digit context (``"1.0000000000000000000000000000001Gi"`` comes out as exactly 1 GiB, where the
 share rounds up to one byte more). Behind our grammar and bounds all that would be left for it is
-one multiplication; tests/unit/webhook/test_quantity.py pins these cases.
+one multiplication; tests/unit/test_quantity.py pins these cases.
 """
 
 from __future__ import annotations
