@@ -83,10 +83,17 @@ class GuardianProcess:
 
 
 def frozen_pod_cgroups() -> list[Path]:
-    """v1 freezer cgroups of the node's pods that are frozen (the guardian must leave none)."""
-    base = CGROUP_ROOT / "freezer" / "kubepods"
-    return [p.parent for p in base.rglob("freezer.state") if p.read_text().strip() != "THAWED"] \
-        if base.is_dir() else []
+    """Cgroups of the node's pods that a freezer holds (the guardian must leave none): v1
+    ``freezer.state``, and ``cgroup.freeze`` of the v2 tree (where this hybrid host's runc places
+    every container too, and which the guardian uses when it has the container there)."""
+    found = []
+    v1 = CGROUP_ROOT / "freezer" / "kubepods"
+    if v1.is_dir():
+        found += [p for p in v1.rglob("freezer.state") if p.read_text().strip() != "THAWED"]
+    for v2 in (CGROUP_ROOT / "kubepods", CGROUP_ROOT / "unified" / "kubepods"):
+        if (v2 / "cgroup.procs").exists():
+            found += [p for p in v2.rglob("cgroup.freeze") if p.read_text().strip() != "0"]
+    return found
 
 
 @contextlib.contextmanager
@@ -121,7 +128,7 @@ def _stop(guardian: GuardianProcess) -> None:
             process.kill()
             process.wait()
     left = frozen_pod_cgroups()
-    for cgroup in left:  # never leave a pod frozen, whatever went wrong
+    for control in left:  # never leave a pod frozen, whatever went wrong
         with contextlib.suppress(OSError):
-            (cgroup / "freezer.state").write_text("THAWED")
+            control.write_text("THAWED" if control.name == "freezer.state" else "0")
     assert not left, f"gpufence-node left frozen cgroups: {left}\n{guardian.tail()}"

@@ -10,7 +10,9 @@ stop the guardian from ending it through its cgroup.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -173,3 +175,91 @@ def test_a_container_with_a_gpu_admission_never_saw_is_terminated_as_unaccounted
     assert statuses(ended)["sneaky"]["state"]["terminated"]["exitCode"] in (143, 137), statuses(ended)["sneaky"]
     assert process_state(sneaky) == ""
     print(f"unaccounted: {term['why']}; cgroup {term['cgroup']}")
+
+
+# Root, in the pod's shared PID namespace: SIGSTOPs every gpufence process (so no sidecar throttles)
+# and SIGCONTs every other process of the pod every 5 ms (what would undo a SIGSTOP duty cycle).
+CONTINUER = """
+import os, signal, time
+me = os.getpid()
+print(f"helper {me}", flush=True)
+sent = 0
+while True:
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit() or int(entry) in (me, 1):
+            continue
+        try:
+            argv = open(f"/proc/{entry}/cmdline", "rb").read()
+            os.kill(int(entry), signal.SIGSTOP if b"gpufence" in argv else signal.SIGCONT)
+        except OSError:
+            continue
+        sent += 1
+        if sent in (1, 100, 10000):
+            print(f"signals sent {sent}", flush=True)
+    time.sleep(0.005)
+"""
+
+
+def _cpu_ticks(pid: int) -> int:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return int(fields[11]) + int(fields[12])  # utime + stime
+
+
+def _freezer_state(pid: int) -> Callable[[], str]:
+    """The freezer state of ``pid``'s container as the guardian drives it: ``cgroup.events``' frozen
+    flag where the container is in the v2 tree (runc puts it there on this hybrid host too), else
+    v1 ``freezer.state``. "FROZEN" only once every task is held."""
+    paths = dict(line.split(":", 2)[1:] for line in Path(f"/proc/{pid}/cgroup").read_text().splitlines())
+    unified = Path("/sys/fs/cgroup/unified")
+    if paths.get("", "/") != "/" and (unified / "cgroup.controllers").exists():
+        events = unified / paths[""].lstrip("/") / "cgroup.events"
+        return lambda: "FROZEN" if "frozen 1" in events.read_text() else "THAWED"
+    v1 = next(Path("/sys/fs/cgroup/freezer") / p.lstrip("/") / "freezer.state"
+              for c, p in paths.items() if "freezer" in c.split(","))
+    return lambda: v1.read_text().strip()
+
+
+def test_a_compute_hog_with_a_sigcont_helper_is_held_by_the_guardians_freezer(
+        cluster: ControlPlane, node: Node, tenant_on_node: Tenant, guardian: GuardianProcess) -> None:
+    """95 % SM on a 20 % share, the sidecar held stopped and every process of the pod SIGCONTed
+    every 5 ms: the guardian's freezer holds the hog (no CPU tick while its cgroup is frozen), and
+    it runs while thawed."""
+    from tests.node.workloads import SPINNER
+
+    tenant = tenant_on_node
+    helper = {"name": "helper", "image": GPUFENCE_IMAGE, "imagePullPolicy": "Never",
+              "command": ["python3", "-u", "-c", CONTINUER], "securityContext": {"runAsUser": 0},
+              "resources": {"requests": {"cpu": "10m", "memory": "32Mi"}}}
+    pod = gpu_pod([workload_container("hog", SPINNER, user=0), helper],
+                  {"gpufence.io/memory": "4Gi", "gpufence.io/compute": "20"})
+    created = kube.create_pod(tenant.api, tenant.namespace, pod)
+    assert created.admitted and kube.is_mutated(created.obj), created.message
+    name = created.obj["metadata"]["name"]
+    running = wait_running(cluster, node, tenant.namespace, name)
+    kube.wait_for(lambda: process_state(host_pid(node, running, SIDECAR_NAME)) == "T",
+                  "the enforcer stopped by the helper", 30, 0.05)
+    hog = host_pid(node, running, "hog")
+    write_gpu_state(node, [(hog, 1 * GIB, 95)])
+    uid = running["metadata"]["uid"]
+    start = guardian.wait_record(lambda r: r.get("event") == "guardian_throttle_start" and r.get("pod_uid") == uid,
+                                 "the guardian throttling the hog", timeout=90)
+    assert start["container"] == "hog", start
+
+    state = _freezer_state(hog)
+    frozen: list[int] = []
+    thawed: list[int] = []
+
+    def sampled_enough() -> bool:
+        before, ticks = state(), _cpu_ticks(hog)
+        time.sleep(0.05)
+        after, advanced = state(), _cpu_ticks(hog) - ticks
+        if before == after == "FROZEN":
+            frozen.append(advanced)
+        elif before == after == "THAWED":
+            thawed.append(advanced)
+        return len(frozen) >= 20 and sum(thawed) > 0
+
+    kube.wait_for(sampled_enough, "20 samples of the hog frozen, and one running while thawed", 60, 0.0)
+    assert not any(frozen), f"the hog ran while frozen: ticks {frozen}"
+    assert "signals sent 100" in container_log(get_pod(cluster, tenant.namespace, name), "helper")
+    print(f"frozen samples {len(frozen)} (0 ticks), thawed samples {len(thawed)} ({sum(thawed)} ticks)")
