@@ -16,7 +16,10 @@ equivalent for the simulator, so neither the gpufence webhook nor the pods chang
   ``DRIVER_IN_GPU_CONTAINERS``), a GPU container also gets the simulator, as the toolkit gives every
   GPU container the driver's libraries, so that its workload allocates through the simulated driver
   and meets the limit the hook set. Read-write there: the simulated driver's allocations are a file
-  beside the state (``<state>.driver``), where the real driver's are behind ``/dev/nvidia*``.
+  beside the state (``<state>.driver``), where the real driver's are behind ``/dev/nvidia*``;
+* a container whose environment has ``TESTBED_NRI_DEVICE`` gets the stand-in device too, whatever
+  admission saw: a path to a GPU that no admission check sees (what the toolkit's NRI plugin or
+  another device-injecting runtime does from a pod annotation), for the node guardian's census.
 
 The OCI spec is a runtime detail, so Pod Security admission sees the pods exactly as users write
 them (no hostPath). containerd runs this file as ``BinaryName``; it must only use the standard
@@ -34,6 +37,7 @@ RUNC = "@RUNC@"
 DRIVER_IN_GPU_CONTAINERS = "@DRIVER_IN_GPU_CONTAINERS@" == "yes"
 SIM_MOUNT = "/opt/simnvml"
 DEVICE_PATH = "/dev/nvidia0"
+PLANTED_DEVICE_ENV = "TESTBED_NRI_DEVICE"
 
 
 def _bundle(argv: list[str]) -> str | None:
@@ -59,7 +63,8 @@ def edit_spec(spec: dict, sim_dir: str, driver_in_gpu_containers: bool = False) 
         env[:] = [e for e in env if not e.startswith(("LD_LIBRARY_PATH=", "GPUFENCE_SIM_STATE="))]
         env += [f"LD_LIBRARY_PATH={SIM_MOUNT}", f"GPUFENCE_SIM_STATE={SIM_MOUNT}/state"]
         changed = True
-    if "GPUFENCE_CONTAINER" in names and not any(m.get("destination") == DEVICE_PATH for m in mounts):
+    wants_device = "GPUFENCE_CONTAINER" in names or PLANTED_DEVICE_ENV in names
+    if wants_device and not any(m.get("destination") == DEVICE_PATH for m in mounts):
         mounts.append({"destination": DEVICE_PATH, "type": "bind", "source": os.path.join(sim_dir, "nvidia0"),
                        "options": ["rbind", "rw", "nosuid"]})
         changed = True
