@@ -38,7 +38,7 @@ from tests.e2e import kube
 from tests.e2e.binaries import GoMissing, prometheus_with_kubernetes_sd
 from tests.e2e.controlplane import ControlPlane
 from tests.integration.monitor.conftest import monitoring_object
-from tests.integration.monitor.test_prometheus import panels, substitute
+from tests.integration.monitor.test_prometheus import GUARDIAN_PANELS, panels, substitute
 from tests.node.driver_hook import GPU_UUID
 from tests.node.node import NODE_NAME, Node
 from tests.node.workloads import (
@@ -141,7 +141,8 @@ def monitored(admin: client.ApiClient, cluster: ControlPlane, node: Node, sim: N
         config = {
             "global": {"scrape_interval": SCRAPE, "evaluation_interval": SCRAPE, "scrape_timeout": SCRAPE},
             "rule_files": [str(root / "rules.yaml")],
-            "scrape_configs": [podmonitor_job(monitoring_object("PodMonitor"), sd=discovery, scrape_interval=SCRAPE)],
+            "scrape_configs": [podmonitor_job(monitoring_object("PodMonitor", "gpufence-enforcer"), sd=discovery,
+                                              scrape_interval=SCRAPE)],
         }
         prom = PrometheusServer(root / "prometheus", free_port())
         prom.root.mkdir()
@@ -253,7 +254,10 @@ def test_the_kill_alert_fires_for_the_terminated_container_only(monitored: Monit
     assert [(r["name"], r.get("lastError")) for r in rules if r.get("health") != "ok"] == []
 
 
-ENFORCER_PANELS = [p for p in panels() if not any("webhook" in t["expr"] for t in p["targets"])]
+# The webhook is not scraped here, and no guardian runs on this node (its panels on the real
+# guardian's scrapes: tests/integration/node/test_guardian_monitoring.py).
+ENFORCER_PANELS = [p for p in panels() if p["title"] not in GUARDIAN_PANELS
+                   and not any("webhook" in t["expr"] for t in p["targets"])]
 
 
 @pytest.mark.parametrize("panel", ENFORCER_PANELS, ids=[p["title"] for p in ENFORCER_PANELS])
