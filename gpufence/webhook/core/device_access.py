@@ -33,7 +33,7 @@ import posixpath
 from collections.abc import Collection, Iterable, Iterator, Mapping
 from typing import Any
 
-from gpufence.webhook.core.denial import quote
+from gpufence.webhook.core.denial import from_admin, quote
 
 # Where a hostPath reaches a GPU or its driver without a device request. A hostPath at one of these,
 # under one, or above one (``/``, ``/run``, ``/usr``) is refused:
@@ -117,7 +117,7 @@ def device_access_denial(spec: Any, namespace: str, groups: Any, admin_groups: C
     """
     if not isinstance(spec, dict) or namespace in allowed_namespaces:
         return None
-    if isinstance(groups, list) and any(g in admin_groups for g in groups if isinstance(g, str)):
+    if from_admin(groups, admin_groups):
         return None
     allowed = ", ".join(quote(n) for n in allowed_namespaces) or "none"
     how = (f"only the cluster admin allows it, by listing the namespace in device-access-namespaces of "
@@ -237,7 +237,7 @@ def device_annotation_denial(pod: Any, groups: Any, admin_groups: Collection[str
     annotations = metadata.get("annotations") if isinstance(metadata, dict) else None
     if not isinstance(annotations, dict):
         return None
-    if isinstance(groups, list) and any(g in admin_groups for g in groups if isinstance(g, str)):
+    if from_admin(groups, admin_groups):
         return None
     for key, value in annotations.items():
         reader = device_annotation(key) if isinstance(key, str) else None

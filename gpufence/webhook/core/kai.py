@@ -35,7 +35,7 @@ from typing import Any
 
 from gpufence.contract import MemoryShare
 from gpufence.quantity import QuantityError, parse_bytes
-from gpufence.webhook.core.denial import Denial, quote
+from gpufence.webhook.core.denial import Denial, from_admin, quote
 from gpufence.webhook.core.namespace_policy import NamespacePolicy, _memory_above
 from gpufence.webhook.core.settings import DEFAULT_KAI_SCHEDULER, InjectionSettings
 from gpufence.webhook.core.shares import MIN_MEMORY_SHARE_BYTES
@@ -312,7 +312,7 @@ def nv_devices_denial(pod: Any, groups: Any, admin_groups: tuple[str, ...]) -> s
     annotations = metadata.get("annotations") if isinstance(metadata, dict) else None
     if not isinstance(annotations, dict):
         return None
-    if isinstance(groups, list) and any(g in admin_groups for g in groups if isinstance(g, str)):
+    if from_admin(groups, admin_groups):
         return None
     for key in annotations:
         if isinstance(key, str) and key.startswith(NV_PREFIX) and (m := _NV_KEY.fullmatch(key)) is not None \
