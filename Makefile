@@ -5,7 +5,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip --disable-pip-version-check
 
-.PHONY: venv demo test unit lint lock bench clean stress-enforcer e2e e2e-binaries bench-pods bench-node helm-binary test-ops system-deps framework-python
+.PHONY: venv demo test unit lint lock bench clean stress-enforcer ci-under-load e2e e2e-binaries bench-pods bench-node helm-binary test-ops system-deps framework-python
 
 # The locked versions checked against their hashes (requirements/test.lock: the runtime lock's
 # versions and the test tools'), then gpufence itself, editable, resolving nothing more.
@@ -71,6 +71,10 @@ STRESS_ROUNDS ?= 10
 STRESS_HOGS ?= 2
 stress-enforcer: venv
 	PYTEST="$(PY) -m pytest" ./scripts/stress_enforcer.sh $(STRESS_ROUNDS) $(STRESS_HOGS)
+
+# .ci/run on a fresh clone of HEAD beside CPU hogs (default 2): the whole suite on a busy machine.
+ci-under-load:
+	./scripts/ci_under_load.sh $(STRESS_HOGS)
 
 e2e: venv system-deps e2e-binaries
 	$(PY) -m pytest tests/e2e
