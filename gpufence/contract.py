@@ -63,6 +63,10 @@ ANNOTATION_COMPUTE = "gpufence.io/compute"
 ANNOTATION_MODE = "gpufence.io/mode"
 ANNOTATION_GRACE_PERIOD = "gpufence.io/grace-period"
 ANNOTATION_STATUS = "gpufence.io/status"
+# The creator's user name, written by the webhook at creation where the requester is in admin-groups
+# (denied to anyone else; the protect policy keeps every gpufence.io/ annotation from updates): the
+# node guardian reports, and does not end, GPU processes of such a pod that hold no share.
+ANNOTATION_ADMIN_CREATED = "gpufence.io/admin-created"
 NAMESPACE_DEFAULT_MEMORY = "gpufence.io/default-memory"
 NAMESPACE_DEFAULT_COMPUTE = "gpufence.io/default-compute"
 # Admin-owned policy on the Namespace (gpufence/webhook/core/namespace_policy.py); the mode uses ANNOTATION_MODE's key.

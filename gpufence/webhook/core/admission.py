@@ -17,7 +17,12 @@ from gpufence.contract import MIRROR_POD_ANNOTATION, POD_OPT_OUT_LABEL, SIDECAR_
 from gpufence.webhook.core.container_env import with_void
 from gpufence.webhook.core.denial import Denial, quote
 from gpufence.webhook.core.desired import desired_plain_pod, desired_pod
-from gpufence.webhook.core.device_access import device_access_denial, device_annotation_denial
+from gpufence.webhook.core.device_access import (
+    admin_record_denial,
+    device_access_denial,
+    device_annotation_denial,
+    with_admin_record,
+)
 from gpufence.webhook.core.dra import DraObjects, check_claim_ceilings, claim_memory, claim_warnings
 from gpufence.webhook.core.driver_limits import KnownNodes, NodeLabels
 from gpufence.webhook.core.gpu_paths import PodGpuPaths, advised_resource
@@ -344,16 +349,22 @@ def _decide(
                                      pod_volumes(settings) if gpu_names else (), advised_resource(settings))
     if side_door is not None:
         raise Denial(side_door)
+    # Who created it, where the node guardian must know: a member of admin-groups, and no one else.
+    side_door = admin_record_denial(pod, groups, settings.admin_groups)
+    if side_door is not None:
+        raise Denial(side_door)
+    recorded = with_admin_record(pod, _dict(request.get("userInfo")).get("username"), groups, settings.admin_groups)
+    record = diff(pod, recorded)  # applied first; the rest of the patch is computed on the recorded pod
+    pod = recorded
     opted_out = labels.get(POD_OPT_OUT_LABEL) == "false"
     if not gpu_names:
         if not settings.void_non_gpu_containers or (opted_out and opt_out_allowed(namespace_annotations, settings)):
-            return OUTCOME_SKIPPED, None
-        patch = plain_pod_patch(pod, settings)
-        return (OUTCOME_MUTATED if patch else OUTCOME_UNCHANGED), patch
+            return _after(record, OUTCOME_SKIPPED, None)
+        return _after(record, OUTCOME_UNCHANGED, plain_pod_patch(pod, settings))
     if opted_out:
         # The namespace's admin decides whether a pod may opt out, not the pod.
         if opt_out_allowed(namespace_annotations, settings):
-            return OUTCOME_SKIPPED, None
+            return _after(record, OUTCOME_SKIPPED, None)
         raise Denial(opt_out_denial(namespace or ""))
 
     if SIDECAR_NAME in gpu_names:
@@ -384,7 +395,14 @@ def _decide(
     plan = replace(plan, warnings=(*plan.warnings, *claim_notes))
     patch, mutation_warnings = injection_patch(pod, plan, settings, pod_security, namespace_annotations, nodes)
     warnings.extend(mutation_warnings)
-    return (OUTCOME_MUTATED if patch else OUTCOME_UNCHANGED), patch
+    return _after(record, OUTCOME_UNCHANGED, patch)
+
+
+def _after(first: list[dict[str, Any]], outcome: str, patch: bytes | None) -> tuple[str, bytes | None]:
+    """The outcome of ``patch`` (operations on the pod after ``first``) with ``first`` applied before
+    it: ``outcome`` where neither changes anything."""
+    ops = first + (loads(patch) if patch else [])
+    return (OUTCOME_MUTATED, dumps(ops)) if ops else (outcome, None)
 
 
 def injection_patch(

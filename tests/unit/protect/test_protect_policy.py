@@ -23,7 +23,13 @@ from hypothesis import assume, given
 from hypothesis import settings as hypothesis_settings
 from hypothesis import strategies as st
 
-from gpufence.contract import ANNOTATION_STATUS, INJECTION_ENABLED, INJECTION_LABEL, SIDECAR_NAME
+from gpufence.contract import (
+    ANNOTATION_ADMIN_CREATED,
+    ANNOTATION_STATUS,
+    INJECTION_ENABLED,
+    INJECTION_LABEL,
+    SIDECAR_NAME,
+)
 from gpufence.webhook.cluster.policy import parse_policy
 from gpufence.webhook.core.device_access import DEVICE_ANNOTATIONS
 from gpufence.webhook.core.settings import DEFAULT_SIDECAR_IMAGE, InjectionSettings
@@ -218,6 +224,32 @@ def test_the_status_annotation_cannot_be_added() -> None:
     new = changed(old, lambda p: p["metadata"].update(annotations={ANNOTATION_STATUS: STATUS}))
     allowed, message = PROTECT.update(old, new)
     assert not allowed and "adds the annotation gpufence.io/status" in message
+
+
+@pytest.mark.parametrize("annotated", [True, False])
+def test_the_admin_created_record_cannot_be_added(annotated: bool) -> None:
+    # The node guardian leaves the GPU processes of a pod so marked alone: no tenant may mark one.
+    old = injected_pod() if annotated else changed(injected_pod(), lambda p: p["metadata"].pop("annotations"))
+    new = changed(old, lambda p: p["metadata"].setdefault("annotations", {}).update(
+        {ANNOTATION_ADMIN_CREATED: "mallory"}))
+    allowed, message = PROTECT.update(old, new)
+    assert not allowed
+    assert "adds the annotation gpufence.io/admin-created, which the gpufence webhook writes" in message
+    assert "node guardian" in message and "kubectl annotate pod train-1 example.com/note=x" in message
+
+
+@pytest.mark.parametrize(("change", "verb"), [
+    (lambda p: p["metadata"]["annotations"].update({ANNOTATION_ADMIN_CREATED: "bob"}), "changes"),
+    (lambda p: p["metadata"]["annotations"].pop(ANNOTATION_ADMIN_CREATED), "removes"),
+])
+def test_the_admin_created_record_cannot_change_or_go_but_for_an_admin(change: Any, verb: str) -> None:
+    old = changed(injected_pod(), lambda p: p["metadata"]["annotations"].update({ANNOTATION_ADMIN_CREATED: "alice"}))
+    allowed, message = PROTECT.update(old, changed(old, change))
+    assert not allowed and f"{verb} the annotation gpufence.io/admin-created," in message
+    assert PROTECT.update(old, changed(old, change), groups=("gpufence:admins",)) == (True, "allowed")
+    # Any other annotation still may change beside it.
+    note = changed(old, lambda p: p["metadata"]["annotations"].update({"example.com/note": "x"}))
+    assert PROTECT.update(old, note) == (True, "allowed")
 
 
 # --- the annotations the pod's GPU share was admitted with (issue 32 row 7) ------------------------

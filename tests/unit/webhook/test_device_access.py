@@ -3,6 +3,8 @@ that reach the node's devices are refused in opted-in namespaces, unless the adm
 
 from __future__ import annotations
 
+import base64
+import json
 from typing import Any
 
 import pytest
@@ -114,8 +116,58 @@ def test_the_review_denies_opted_out_pods_too_and_exempts_admins() -> None:
     assert _review(privileged, ["system:authenticated"]).outcome == "denied"
     assert _review(privileged, ["system:authenticated"], InjectionSettings(void_non_gpu_containers=False)
                    ).outcome == "denied"
-    assert _review(privileged, ["gpufence:admins"]).outcome == "skipped"
+    # An admin's pod is admitted, with the webhook's record of its creator (for the node guardian).
+    by_admin = _review(privileged, ["gpufence:admins"])
+    assert by_admin.outcome == "mutated" and _patch(by_admin) == [
+        {"op": "add", "path": "/metadata/annotations",
+         "value": {"gpufence.io/admin-created": "system:serviceaccount:kube-system:replicaset-controller"}}]
     assert _review(privileged, [], InjectionSettings(device_access_namespaces=("team",))).outcome == "skipped"
+
+
+def _patch(result: Any) -> list[dict[str, Any]]:
+    return json.loads(base64.b64decode(result.review["response"]["patch"]))
+
+
+def _pod_review(metadata: dict[str, Any], containers: list[dict[str, Any]], groups: list[str],
+                username: str = "alice") -> Any:
+    pod = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "p", "namespace": "team", **metadata},
+           "spec": {"containers": containers}}
+    payload = pod_admission_review(pod, uid="u", namespace="team", username=username)
+    payload["request"]["userInfo"]["groups"] = groups
+
+    class Lookup:
+        def get(self, name: str) -> NamespaceInfo:
+            return NamespaceInfo(name, labels={INJECTION_LABEL: INJECTION_ENABLED})
+
+    return review(payload, DEFAULT, Lookup())
+
+
+PLAIN = [{"name": "c", "image": "i", "env": [{"name": "NVIDIA_VISIBLE_DEVICES", "value": "void"}]}]
+GPU = [{"name": "train", "image": "cuda", "resources": {"limits": {"nvidia.com/gpu": "1"}}}]
+
+
+@pytest.mark.parametrize("containers", [PLAIN, GPU], ids=["plain", "gpu"])
+def test_the_admin_created_record_is_the_webhooks_alone(containers: list[dict[str, Any]]) -> None:
+    forged = {"annotations": {"gpufence.io/admin-created": "alice"}}
+    denied = _pod_review(forged, containers, ["system:authenticated"])
+    assert denied.outcome == "denied"
+    message = denied.review["response"]["status"]["message"]
+    assert message.startswith('annotation gpufence.io/admin-created="alice" (metadata.annotations): ')
+    assert "admin-groups" in message and "remove it" in message
+    # A member of admin-groups: written with the user's name (whatever the pod said), before the
+    # injection's own operations; a pod that already says so is left as it is.
+    admin = _pod_review({"annotations": {"gpufence.io/admin-created": "someone"}}, containers, ["gpufence:admins"])
+    assert admin.outcome == "mutated"
+    assert _patch(admin)[0] == {"op": "replace", "path": "/metadata/annotations/gpufence.io~1admin-created",
+                                "value": "alice"}
+    plain_admin = _pod_review({}, PLAIN, ["system:masters"])
+    assert plain_admin.outcome == "mutated" and _patch(plain_admin) == [
+        {"op": "add", "path": "/metadata/annotations", "value": {"gpufence.io/admin-created": "alice"}}]
+    again = _pod_review({"annotations": {"gpufence.io/admin-created": "alice"}}, PLAIN, ["system:masters"])
+    assert again.outcome == "unchanged"
+    # Anyone else's pod gets no record.
+    tenant = _pod_review({}, containers, ["system:authenticated"])
+    assert "gpufence.io/admin-created" not in json.dumps(_patch(tenant) if tenant.outcome == "mutated" else [])
 
 
 def test_memory_filesystems_pass_but_not_as_device_types() -> None:
@@ -142,3 +194,28 @@ def test_mounts_the_toolkit_reads_as_gpu_requests_are_denied(target: str) -> Non
     assert device_access_denial(pod, "team", ["gpufence:admins"], ADMINS, ()) is None
     fine = spec(containers=[{"name": "c", "volumeMounts": [{"name": "v", "mountPath": "/var/run/nvidia"}]}])
     assert device_access_denial(fine, "team", [], ADMINS, ()) is None
+
+
+def test_the_verify_step_passes_an_admins_recorded_pod_and_refuses_it_from_anyone_else() -> None:
+    import jsonpatch
+
+    from gpufence.webhook.core.admission import verify
+
+    admin = _pod_review({}, GPU, ["gpufence:admins"])
+    pod = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "p", "namespace": "team"},
+           "spec": {"containers": GPU}}
+    final = jsonpatch.apply_patch(pod, _patch(admin))
+    assert final["metadata"]["annotations"]["gpufence.io/admin-created"] == "alice"
+
+    def verified(groups: list[str]) -> str:
+        payload = pod_admission_review(final, uid="u", namespace="team", username="alice")
+        payload["request"]["userInfo"]["groups"] = groups
+
+        class Lookup:
+            def get(self, name: str) -> NamespaceInfo:
+                return NamespaceInfo(name, labels={INJECTION_LABEL: INJECTION_ENABLED})
+
+        return verify(payload, DEFAULT, Lookup()).outcome
+
+    assert verified(["gpufence:admins"]) == "verified"
+    assert verified(["system:authenticated"]) == "refused"  # added after the webhook, by someone else

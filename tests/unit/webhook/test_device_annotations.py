@@ -5,6 +5,8 @@ admin-groups creates the pod."""
 
 from __future__ import annotations
 
+import base64
+import json
 from typing import Any
 
 import pytest
@@ -82,7 +84,11 @@ def test_opted_out_pods_are_denied_too_and_admins_pass() -> None:
     opted_out = {"gpufence.io/inject": "false"}
     assert _review(annotations, [GPU], ["system:authenticated"], opted_out).outcome == "denied"
     assert _review(annotations, [PLAIN], ["system:authenticated"], opted_out).outcome == "denied"
-    assert _review(annotations, [GPU], ["gpufence:admins"], opted_out).outcome == "skipped"
+    # Admitted, opted out: only the webhook's record of the admin creator is written (for the node guardian).
+    by_admin = _review(annotations, [GPU], ["gpufence:admins"], opted_out)
+    assert by_admin.outcome == "mutated"
+    assert [op["path"] for op in json.loads(base64.b64decode(by_admin.review["response"]["patch"]))] == [
+        "/metadata/annotations/gpufence.io~1admin-created"]
     assert _review(annotations, [PLAIN], ["system:masters"]).outcome != "denied"
     assert _review({"example.com/note": "x"}, [PLAIN], ["system:authenticated"]).outcome != "denied"
 
