@@ -55,6 +55,9 @@ ENFORCER_METRICS = (
 NODE_GPU_PROCESSES = "gpufence_node_gpu_processes"  # + standing
 NODE_UNACCOUNTED_PROCESSES = "gpufence_node_unaccounted_processes"  # + namespace, pod, container
 NODE_UNACCOUNTED_MEMORY = "gpufence_node_unaccounted_memory_bytes"  # + namespace, pod, container
+# GPU processes without a share where the admin allowed the pod device access (reported, not acted on).
+NODE_ADMIN_ALLOWED_PROCESSES = "gpufence_node_admin_allowed_processes"  # + namespace, pod, container
+NODE_ADMIN_ALLOWED_MEMORY = "gpufence_node_admin_allowed_memory_bytes"  # + namespace, pod, container
 NODE_ACTIONS = "gpufence_node_actions_total"  # + action, reason
 NODE_THROTTLED = "gpufence_node_container_throttled"  # + namespace, pod, container
 NODE_POLL_DURATION = "gpufence_node_poll_duration_seconds"
@@ -64,6 +67,7 @@ NODE_PODS_SYNCED = "gpufence_node_pods_synced"
 NODE_POLL_ERRORS = "gpufence_node_poll_errors_total"
 
 NODE_METRICS = (
-    NODE_GPU_PROCESSES, NODE_UNACCOUNTED_PROCESSES, NODE_UNACCOUNTED_MEMORY, NODE_ACTIONS, NODE_THROTTLED,
-    NODE_POLL_DURATION, NODE_LAST_SUCCESSFUL_POLL, NODE_NVML_UP, NODE_PODS_SYNCED, NODE_POLL_ERRORS,
+    NODE_GPU_PROCESSES, NODE_UNACCOUNTED_PROCESSES, NODE_UNACCOUNTED_MEMORY, NODE_ADMIN_ALLOWED_PROCESSES,
+    NODE_ADMIN_ALLOWED_MEMORY, NODE_ACTIONS, NODE_THROTTLED, NODE_POLL_DURATION, NODE_LAST_SUCCESSFUL_POLL,
+    NODE_NVML_UP, NODE_PODS_SYNCED, NODE_POLL_ERRORS,
 )

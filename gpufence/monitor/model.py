@@ -124,6 +124,7 @@ class View:
     source: str = ""
     errors: tuple[str, ...] = field(default=())
     unaccounted: tuple[UnaccountedRow, ...] = ()
+    admin_allowed: tuple[UnaccountedRow, ...] = ()  # the same, where the admin's policy allowed device access
 
     @property
     def containers(self) -> tuple[ContainerRow, ...]:
@@ -163,14 +164,18 @@ def build_view(samples: Iterable[Sample], *, time: float = 0.0, source: str = ""
                     int(v.get(m.UNINSPECTABLE_PROCESSES, 0)))
         for (node, ns, pod), v in sorted(grouped.enforcers.items())
     )
-    unaccounted = tuple(
-        UnaccountedRow(node, ns, pod, container, int(v.get(m.NODE_UNACCOUNTED_PROCESSES, 0)),
-                       v.get(m.NODE_UNACCOUNTED_MEMORY))
-        for (node, ns, pod, container), v in sorted(grouped.unaccounted.items())
-        if v.get(m.NODE_UNACCOUNTED_PROCESSES, 0) > 0
-    )
     return View(_gpu_views(_container_rows(grouped), pod_rows), enforcer_rows, time, source, tuple(errors),
-                unaccounted)
+                _unaccounted_rows(grouped.unaccounted, m.NODE_UNACCOUNTED_PROCESSES, m.NODE_UNACCOUNTED_MEMORY),
+                _unaccounted_rows(grouped.unaccounted, m.NODE_ADMIN_ALLOWED_PROCESSES, m.NODE_ADMIN_ALLOWED_MEMORY))
+
+
+def _unaccounted_rows(grouped: Mapping[tuple[str, ...], Mapping[str, float]], processes: str,
+                      memory: str) -> tuple[UnaccountedRow, ...]:
+    return tuple(
+        UnaccountedRow(node, ns, pod, container, int(v.get(processes, 0)), v.get(memory))
+        for (node, ns, pod, container), v in sorted(grouped.items())
+        if v.get(processes, 0) > 0
+    )
 
 
 @dataclass
@@ -191,7 +196,8 @@ _DEVICE_METRICS = (m.CONTAINER_MEMORY_USED, m.CONTAINER_MEMORY_LIMIT, m.CONTAINE
 _POD_METRICS = (m.POD_MEMORY_USED, m.POD_MEMORY_UNATTRIBUTED, m.POD_MEMORY_BUDGET, m.POD_UNATTRIBUTED_PROCESSES,
                 m.DEVICE_MIG_UNENFORCED)
 _ENFORCER_METRICS = (m.NVML_UP, m.LAST_SUCCESSFUL_POLL, m.UNINSPECTABLE_PROCESSES)
-_UNACCOUNTED_METRICS = (m.NODE_UNACCOUNTED_PROCESSES, m.NODE_UNACCOUNTED_MEMORY)
+_UNACCOUNTED_METRICS = (m.NODE_UNACCOUNTED_PROCESSES, m.NODE_UNACCOUNTED_MEMORY, m.NODE_ADMIN_ALLOWED_PROCESSES,
+                        m.NODE_ADMIN_ALLOWED_MEMORY)
 
 
 def _group(samples: Iterable[Sample]) -> _Grouped:

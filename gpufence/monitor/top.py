@@ -98,15 +98,20 @@ def gpu_header(gpu: GpuView) -> str:
 UNACCOUNTED_COLUMNS = ("NODE", "NAMESPACE/POD", "CONTAINER", "PROCESSES", "GPU MEMORY")
 
 
-def unaccounted_lines(rows: Sequence[UnaccountedRow]) -> list[str]:
-    """The node guardian's unaccounted containers (none: no lines)."""
+def unaccounted_lines(rows: Sequence[UnaccountedRow],
+                      title: str = "GPU processes without an admitted share (node guardian):") -> list[str]:
+    """The node guardian's unaccounted containers, or those the admin allowed (none: no lines)."""
     if not rows:
         return []
     cells = [UNACCOUNTED_COLUMNS] + [
         (r.node or "?", f"{r.namespace}/{r.pod}", r.container or "(pod cgroup)", str(r.processes),
          human_bytes(r.memory_bytes)) for r in rows
     ]
-    return ["", "GPU processes without an admitted share (node guardian):", *_table(cells)]
+    return ["", title, *_table(cells)]
+
+
+ADMIN_ALLOWED_TITLE = ("GPU processes without a share that the admin's policy allowed (node guardian, "
+                       "reported, not ended):")
 
 
 STALE_POLL_SECONDS = 60  # the GpufenceEnforcerPollStale alert's threshold
@@ -149,6 +154,7 @@ def render_text(view: View, width: int | None = None) -> str:
         rows += [unattributed_cells(p) for p in gpu.pods if p.unattributed_processes or p.unattributed_bytes]
         lines += ["", gpu_header(gpu), *_table(rows)]
     lines += unaccounted_lines(view.unaccounted)
+    lines += unaccounted_lines(view.admin_allowed, ADMIN_ALLOWED_TITLE)
     unhealthy = [(e, why) for e in view.enforcers if (why := enforcer_trouble(e, view.time))]
     if unhealthy:
         lines += ["", "Enforcers that cannot see everything:"]
@@ -160,7 +166,7 @@ def render_text(view: View, width: int | None = None) -> str:
 
 def view_json(view: View) -> dict[str, Any]:
     """What ``-o json`` prints: every GPU with its containers and pods, the enforcers, and the node
-    guardian's unaccounted containers."""
+    guardian's unaccounted containers and those the admin allowed."""
     def container(c: ContainerRow) -> dict[str, Any]:
         doc = asdict(c)
         doc["actions"] = [asdict(a) for a in c.actions]
@@ -179,6 +185,7 @@ def view_json(view: View) -> dict[str, Any]:
         ],
         "enforcers": [asdict(e) for e in view.enforcers],
         "unaccounted": [asdict(u) for u in view.unaccounted],
+        "admin_allowed": [asdict(u) for u in view.admin_allowed],
     }
 
 

@@ -2,7 +2,8 @@
 
 Usage::
 
-    gpufence-node [--node-name NAME] [--kubeconfig FILE | --pods-file FILE] [--mode enforce|audit]
+    gpufence-node [--node-name NAME] [--kubeconfig FILE | --pods-file FILE] [--policy-configmap NS/NAME]
+                  [--mode enforce|audit]
                   [--poll-interval SECONDS] [--state-dir DIR] [--cgroup-root DIR] [--proc-root DIR]
                   [--metrics-port N] [--bind-address ADDR] [--unaccounted-grace SECONDS]
                   [--settle SECONDS] [--compute-window SECONDS] [--compute-period SECONDS]
@@ -13,7 +14,10 @@ It runs in the host's PID namespace with the host's cgroupfs (``--cgroup-root``,
 the freezer and the signals reach every process of a container. The pods of its node come from the
 API server (``--node-name``, default ``$NODE_NAME``, the downward API's ``spec.nodeName``) with its
 own ServiceAccount (in-cluster) or ``--kubeconfig``; ``--pods-file`` reads them from a JSON file
-instead (``{"pods": [...], "namespaces": [...], "resourceClaims": [...]}``, re-read when it changes: tests, the demo).
+instead (``{"pods": [...], "namespaces": [...], "resourceClaims": [...], "policy": <ConfigMap>}``, re-read
+when it changes: tests, the demo). The cluster policy is the webhook's ConfigMap (``--policy-configmap``,
+default ``gpufence/gpufence-policy``): GPU processes of pods its ``device-access-namespaces`` lists are
+reported, never ended.
 
 Exit status: 0 after SIGTERM/SIGINT (everything it froze thawed first), 1 on a fatal start error
 (the simulated NVML cannot be built, no cluster configuration), 2 for usage errors.
@@ -39,11 +43,12 @@ from gpufence.enforcer.observe.watchdog import DeadlineRunner
 from gpufence.enforcer.report.decision_log import LEVELS, DecisionLog, forward_stdlib_logging
 from gpufence.node.cgroupfs import DEFAULT_ROOT, CgroupFs
 from gpufence.node.decide import NodeEngine
-from gpufence.node.kube import PodsFile, PodSource, PodWatch, load_apis
+from gpufence.node.kube import DEFAULT_POLICY_CONFIGMAP, PodsFile, PodSource, PodWatch, load_apis
 from gpufence.node.loop import Guardian
 from gpufence.node.report import NodeEvents, NodeMetrics
 from gpufence.node.state import GuardianState
 from gpufence.node.throttle import FreezerThrottle
+from gpufence.webhook.flags import namespaced_name
 
 PROG = "gpufence-node"
 DEFAULT_STATE_DIR = "/var/lib/gpufence-node"
@@ -58,6 +63,13 @@ def _positive(text: str) -> float:
     return value
 
 
+def _namespaced_name(text: str) -> tuple[str, str]:
+    try:
+        return namespaced_name(text)  # the webhook's own rule for --policy-configmap
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"{exc}, got {text!r}") from None
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=PROG, description="gpufence's node guardian: holds every admitted GPU share "
                                 "from the host, and ends GPU processes that hold none.")
@@ -66,6 +78,10 @@ def parser() -> argparse.ArgumentParser:
     source = p.add_mutually_exclusive_group()
     source.add_argument("--kubeconfig", help="a kubeconfig (default: in-cluster, then ~/.kube/config)")
     source.add_argument("--pods-file", help="read the pods and namespaces from this JSON file, not the API server")
+    p.add_argument("--policy-configmap", type=_namespaced_name, default="/".join(DEFAULT_POLICY_CONFIGMAP),
+                   help="the cluster policy the webhook reads, NAMESPACE/NAME (default %(default)s): its "
+                   "device-access-namespaces are the namespaces whose GPU processes without a share are reported, "
+                   "not ended")
     p.add_argument("--mode", choices=[m.value for m in Mode], default=Mode.ENFORCE.value,
                    help="audit: report every breach, signal and freeze nothing (default enforce)")
     p.add_argument("--poll-interval", type=_positive, default=0.5, help="seconds between polls (default 0.5)")
@@ -153,7 +169,7 @@ def _pod_source(args: argparse.Namespace, log: DecisionLog) -> PodSource | None:
         return PodsFile(args.pods_file)
     try:
         core_api, custom_api = load_apis(args.kubeconfig)
-        return PodWatch(core_api, args.node_name, custom_api)
+        return PodWatch(core_api, args.node_name, custom_api, policy_configmap=args.policy_configmap)
     except Exception as exc:  # the client's ConfigException, an unreadable kubeconfig
         log.error("no_cluster_configuration", error=f"{type(exc).__name__}: {exc}")
         return None

@@ -6,7 +6,10 @@ per admitted pod, and when the guardian acts on a breach.
   opted-in namespace with none (``UNACCOUNTED``: admitted without a GPU, a container the config does
   not name, a pod whose config does not parse, a process in the pod's own cgroup), a pod the API
   server has not shown yet (``PENDING``), a pod of another namespace (``OTHER``) or the host's
-  (``HOST``).
+  (``HOST``). Where the admin allowed the pod device access at admission (:func:`admin_allowance`:
+  its namespace is in the policy's ``device-access-namespaces``, or a member of ``admin-groups``
+  created it, as the webhook's annotation records), what would be ``UNACCOUNTED`` is
+  ``ADMIN_ALLOWED``: reported, never acted on. A container with an admitted share stays held to it.
 * **The enforcer's rules**: one ``enforcer.decide.machine.Core`` per admitted pod, fed the pod's
   processes with the container names the pod's status gives their cgroups. Nothing of the rules is
   written here: memory over share, GPUs over request and ineffective throttles are the Core's
@@ -50,6 +53,7 @@ class Standing(StrEnum):
     PENDING = "pending"
     OTHER = "other_namespace"
     HOST = "host"
+    ADMIN_ALLOWED = "admin_allowed"  # no share, but the admin's policy allowed the pod device access
 
 
 @dataclass(frozen=True)
@@ -74,9 +78,36 @@ class CensusEntry:
     why: str
 
 
+def admin_allowance(pod: NodePod, index: PodIndex) -> str | None:
+    """Why the admin's policy allowed ``pod`` device access without a device request (None: it did
+    not). Only what no tenant writes counts: the policy ConfigMap's ``device-access-namespaces`` and
+    the webhook's record of a creator in ``admin-groups`` (an annotation the webhook denies to
+    anyone else at creation and the protect policy keeps from every update). The policy's
+    ``non-gpu-resource-claims`` allows nothing: it says which claims hold no GPU, and a tenant may
+    create a claim under a listed name (docs/gpu-paths.md), so a GPU there stays unaccounted."""
+    if pod.namespace in index.device_access:
+        return f"admin-allowed device access: namespace {pod.namespace} is in device-access-namespaces"
+    if pod.admin_creator is not None:
+        return f"admin-allowed device access: created by {pod.admin_creator}, a member of admin-groups"
+    return None
+
+
 def classify(proc: GpuProc, index: PodIndex) -> CensusEntry:
     """Where one GPU process stands (see the module's docstring); ``PENDING`` is promoted to
-    ``UNACCOUNTED`` by :class:`NodeEngine` once it has lasted its settle time."""
+    ``UNACCOUNTED`` (or ``ADMIN_ALLOWED``) by :class:`NodeEngine` once it has lasted its settle time."""
+    return _allowed(_classify(proc, index), index)
+
+
+def _allowed(entry: CensusEntry, index: PodIndex) -> CensusEntry:
+    if entry.standing is not Standing.UNACCOUNTED or entry.pod is None:
+        return entry
+    allowance = admin_allowance(entry.pod, index)
+    if allowance is None:
+        return entry
+    return replace(entry, standing=Standing.ADMIN_ALLOWED, why=f"{allowance} ({entry.why})")
+
+
+def _classify(proc: GpuProc, index: PodIndex) -> CensusEntry:
     place = proc.placement
     if not place.in_pod:
         return CensusEntry(proc, Standing.HOST, None, None, "in no pod's cgroup")
@@ -240,7 +271,7 @@ class NodeEngine:
         index: PodIndex,
         mig_devices: frozenset[int] = frozenset(),
     ) -> NodeDecisions:
-        census = tuple(self._settle(now, classify(p, index)) for p in processes)
+        census = tuple(self._settle(now, classify(p, index), index) for p in processes)
         new = self._new(census)
         breaches: list[Breach] = []
         report_only: list[Breach] = []
@@ -298,10 +329,11 @@ class NodeEngine:
 
     # -- helpers ------------------------------------------------------------------------------
 
-    def _settle(self, now: float, entry: CensusEntry) -> CensusEntry:
+    def _settle(self, now: float, entry: CensusEntry, index: PodIndex) -> CensusEntry:
         """A pod or container the API server has not shown yet is given ``settle_seconds`` (the
         kubelet writes a new container's ID into the pod's status a moment after it starts); a
-        known pod's unknown container is then unaccounted, an unknown pod stays pending."""
+        known pod's unknown container is then unaccounted (or admin-allowed), an unknown pod stays
+        pending."""
         path = entry.process.placement.path
         if entry.standing is not Standing.PENDING or path is None:
             if path is not None:
@@ -309,8 +341,8 @@ class NodeEngine:
             return entry
         since = self._pending_since.setdefault(path, now)
         if entry.pod is not None and now - since >= self.settle_seconds:
-            return replace(entry, standing=Standing.UNACCOUNTED,
-                           why=f"{entry.why}, for {self.settle_seconds:g} s")
+            return _allowed(replace(entry, standing=Standing.UNACCOUNTED,
+                                    why=f"{entry.why}, for {self.settle_seconds:g} s"), index)
         return entry
 
     def _new(self, census: tuple[CensusEntry, ...]) -> tuple[CensusEntry, ...]:

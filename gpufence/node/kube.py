@@ -7,10 +7,15 @@
   ``webhook.cluster.dra_cache.ObjectWatch``) reduced to its allocation (``gpufence.claims``); where
   the API is not served the claims stay unknown and bound nothing. The claims never gate the sync:
   a cluster without DRA would never sync otherwise.
-  Read-only RBAC: ``get``/``list``/``watch`` on pods, namespaces and resourceclaims.
+  And the cluster policy, ConfigMap ``gpufence/gpufence-policy``, through the webhook's own watch
+  and parser (``webhook.cluster.policy``): one source of each setting, read as the webhook reads
+  it. The guardian takes ``device-access-namespaces`` from it; until a valid version is read, or
+  where none can be, it takes none (the stricter answer), keeping the last valid one meanwhile.
+  Read-only RBAC: ``get``/``list``/``watch`` on pods, namespaces and resourceclaims, and on that
+  one ConfigMap (a Role with ``resourceNames``).
 * :class:`PodsFile`: the same from a JSON file (``{"pods": [...], "namespaces": [...],
-  "resourceClaims": [...]}``, Kubernetes objects), re-read when it changes: for running the
-  guardian outside a cluster (tests, the demo).
+  "resourceClaims": [...], "policy": <the ConfigMap>}``, Kubernetes objects), re-read when it
+  changes: for running the guardian outside a cluster (tests, the demo).
 
 Both answer :meth:`index` with a ``pods.PodIndex``: what the API server says, never a request.
 """
@@ -28,7 +33,10 @@ from gpufence.claims import ClaimAllocation, claim_allocation
 from gpufence.node.pods import NodePod, PodIndex, node_pod
 from gpufence.webhook.cluster.dra_cache import ObjectWatch
 from gpufence.webhook.cluster.namespaces import NamespaceCache, namespace_info
+from gpufence.webhook.cluster.policy import DEFAULT_NAME, DEFAULT_NAMESPACE, ClusterPolicy, PolicyWatch
 from gpufence.webhook.cluster.watch import ListWatch
+
+DEFAULT_POLICY_CONFIGMAP = (DEFAULT_NAMESPACE, DEFAULT_NAME)
 
 
 class PodSource(Protocol):
@@ -43,7 +51,8 @@ class PodWatch(ListWatch):
 
     what = "pod"
 
-    def __init__(self, api: Any, node_name: str, custom_api: Any = None, **kwargs: Any) -> None:
+    def __init__(self, api: Any, node_name: str, custom_api: Any = None,
+                 policy_configmap: tuple[str, str] = DEFAULT_POLICY_CONFIGMAP, **kwargs: Any) -> None:
         # api: kubernetes.client.CoreV1Api; custom_api: CustomObjectsApi (the claims; None: no claims)
         listing = functools.partial(api.list_pod_for_all_namespaces, field_selector=f"spec.nodeName={node_name}")
         super().__init__(listing, **kwargs)
@@ -51,9 +60,12 @@ class PodWatch(ListWatch):
         self.namespaces = NamespaceCache(api, **kwargs)
         self.claims = (None if custom_api is None else
                        ObjectWatch(custom_api, "resourceclaims", claim_allocation, kind="ResourceClaim", **kwargs))
+        self.policy = ClusterPolicy(source="/".join(policy_configmap))
+        self.policy_watch = PolicyWatch(api, *policy_configmap, self.policy, **kwargs)
 
     def start(self) -> None:
         self.namespaces.start()
+        self.policy_watch.start()
         if self.claims is not None:
             self.claims.start()
         super().start()
@@ -61,13 +73,19 @@ class PodWatch(ListWatch):
     def stop(self, timeout: float | None = None) -> None:
         super().stop(timeout)
         self.namespaces.stop(timeout)
+        self.policy_watch.stop(timeout)
         if self.claims is not None:
             self.claims.stop(timeout)
 
     def has_synced(self) -> bool:
-        return super().has_synced() and self.namespaces.has_synced()
+        # The policy's first read too (whatever it found: see index()).
+        return super().has_synced() and self.namespaces.has_synced() and self.policy_watch.has_synced()
 
     def index(self) -> PodIndex:
+        if not self.policy_watch.has_synced():
+            # No pod before the policy's first read: a pod the admin allowed device access would be
+            # taken for unaccounted meanwhile. Its processes stay pending, and pods_synced says why.
+            return PodIndex.of((), ())
         objects = list(self._objects.values())
         pods = []
         opted_in = set()
@@ -80,7 +98,7 @@ class PodWatch(ListWatch):
             if info is not None and info.opted_in:
                 opted_in.add(namespace)
         claims: list[ClaimAllocation] = list(self.claims.items.values()) if self.claims is not None else []
-        return PodIndex.of(pods, opted_in, claims)
+        return PodIndex.of(pods, opted_in, claims, _device_access(self.policy))
 
     def _replace(self, items: list[Mapping[str, Any]]) -> None:
         self._objects = {_uid(obj): obj for obj in items if _uid(obj)}
@@ -104,6 +122,7 @@ class PodsFile:
         self.path = Path(path)
         self._stamp: int | None = None
         self._index = PodIndex.of((), ())
+        self.policy = ClusterPolicy(source=f"{path}:policy")
 
     def start(self) -> None:
         self.index()
@@ -124,12 +143,19 @@ class PodsFile:
                 doc = json.loads(self.path.read_text())
             except (OSError, ValueError):
                 return self._index  # being rewritten: the last good one holds
-            self._index = pods_file_index(doc)
+            if isinstance(doc, dict) and isinstance(doc.get("policy"), dict):
+                self.policy.offer(doc["policy"])  # an invalid one is logged and the last valid one kept
+            self._index = pods_file_index(doc, _device_access(self.policy))
             self._stamp = stamp
         return self._index
 
 
-def pods_file_index(doc: Any) -> PodIndex:
+def _device_access(policy: ClusterPolicy) -> tuple[str, ...]:
+    settings = policy.current
+    return settings.device_access_namespaces if settings is not None else ()
+
+
+def pods_file_index(doc: Any, device_access: tuple[str, ...] = ()) -> PodIndex:
     namespaces = [namespace_info(n) for n in (doc.get("namespaces") or []) if isinstance(n, dict)]
     annotations = {n.name: n.annotations for n in namespaces}
     pods: list[NodePod] = []
@@ -140,7 +166,7 @@ def pods_file_index(doc: Any) -> PodIndex:
             if found is not None:
                 pods.append(found)
     claims = [claim_allocation(c) for c in (doc.get("resourceClaims") or []) if isinstance(c, dict)]
-    return PodIndex.of(pods, (n.name for n in namespaces if n.opted_in), claims)
+    return PodIndex.of(pods, (n.name for n in namespaces if n.opted_in), claims, device_access)
 
 
 def load_apis(kubeconfig: str | None) -> tuple[Any, Any]:

@@ -18,6 +18,7 @@ from typing import Any
 
 from gpufence.claims import ClaimAllocation, ClaimUse, container_claims
 from gpufence.contract import (
+    ANNOTATION_ADMIN_CREATED,
     ENV_CONFIG,
     NAMESPACE_ALLOW_OPT_OUT,
     POD_OPT_OUT_LABEL,
@@ -48,6 +49,8 @@ class NodePod:
     containers: Mapping[str, str] = field(default_factory=lambda: MappingProxyType({}))  # container ID -> name
     problem: str | None = None  # why INVALID
     claims: Mapping[str, tuple[ClaimUse, ...]] = field(default_factory=lambda: MappingProxyType({}))  # by container
+    # Who created the pod, where the webhook recorded a member of admin-groups (ANNOTATION_ADMIN_CREATED).
+    admin_creator: str | None = None
 
     def share_of(self, container: str) -> bool:
         """Whether ``container`` holds an admitted GPU share (a GPU container of the config)."""
@@ -109,7 +112,16 @@ def node_pod(obj: Mapping[str, Any], namespace_annotations: Mapping[str, str] | 
         uid=uid.lower(), namespace=str(meta.get("namespace") or ""), name=str(meta.get("name") or ""),
         admission=admission, config=config, containers=MappingProxyType(containers), problem=problem,
         claims=MappingProxyType(container_claims(obj)),
+        admin_creator=_admin_creator(meta),
     )
+
+
+def _admin_creator(meta: Mapping[str, Any]) -> str | None:
+    # The webhook writes it for a creator in admin-groups and denies it to anyone else at creation;
+    # the protect policy refuses adding, changing or removing it afterwards (gpufence.io/*).
+    annotations = meta.get("annotations") or {}
+    value = annotations.get(ANNOTATION_ADMIN_CREATED) if isinstance(annotations, Mapping) else None
+    return value if isinstance(value, str) and value else None
 
 
 def _opted_out(meta: Mapping[str, Any], namespace_annotations: Mapping[str, str]) -> bool:
@@ -122,18 +134,20 @@ def _opted_out(meta: Mapping[str, Any], namespace_annotations: Mapping[str, str]
 
 @dataclass(frozen=True)
 class PodIndex:
-    """The pods on the node by UID, which namespaces are opted in, and the ResourceClaims by
-    (namespace, name) with what the scheduler allocated."""
+    """The pods on the node by UID, which namespaces are opted in, the ResourceClaims by
+    (namespace, name) with what the scheduler allocated, and the namespaces the cluster policy's
+    ``device-access-namespaces`` lists (the admin's ConfigMap, read as the webhook reads it)."""
 
     pods: Mapping[str, NodePod]
     opted_in: frozenset[str]
     claims: Mapping[tuple[str, str], ClaimAllocation] = field(default_factory=lambda: MappingProxyType({}))
+    device_access: frozenset[str] = frozenset()
 
     @classmethod
     def of(cls, pods: Iterable[NodePod], opted_in: Iterable[str],
-           claims: Iterable[ClaimAllocation] = ()) -> PodIndex:
+           claims: Iterable[ClaimAllocation] = (), device_access: Iterable[str] = ()) -> PodIndex:
         return cls(MappingProxyType({p.uid: p for p in pods}), frozenset(opted_in),
-                   MappingProxyType({(c.namespace, c.name): c for c in claims}))
+                   MappingProxyType({(c.namespace, c.name): c for c in claims}), frozenset(device_access))
 
     def get(self, uid: str | None) -> NodePod | None:
         return None if uid is None else self.pods.get(uid)

@@ -45,6 +45,14 @@ class NodeMetrics:
         self.unaccounted_memory = Gauge(names.NODE_UNACCOUNTED_MEMORY,
                                         "GPU memory held by those processes (what NVML reports for them)",
                                         ["namespace", "pod", "container"], registry=r)
+        self.admin_allowed = Gauge(names.NODE_ADMIN_ALLOWED_PROCESSES,
+                                   "GPU processes of opted-in namespaces that hold no admitted GPU share where the "
+                                   "admin's policy allowed the pod device access (reported, not acted on)",
+                                   ["namespace", "pod", "container"], registry=r)
+        self.admin_allowed_memory = Gauge(names.NODE_ADMIN_ALLOWED_MEMORY,
+                                          "GPU memory held by the GPU processes without a share that the admin's "
+                                          "policy allowed (what NVML reports for them)",
+                                          ["namespace", "pod", "container"], registry=r)
         self.actions = Counter(names.NODE_ACTIONS, "Signals the guardian sent to containers, by reason",
                                ["action", "reason"], registry=r)
         self.throttled = Gauge(names.NODE_THROTTLED, "Run fraction the guardian's freezer holds a container to",
@@ -61,21 +69,12 @@ class NodeMetrics:
             self.actions.labels(action, reason)
 
     def census(self, census: Iterable[CensusEntry]) -> None:
-        counts = Tally(e.standing for e in census)
-        unaccounted: Tally[tuple[str, str, str]] = Tally()
-        memory: Tally[tuple[str, str, str]] = Tally()
-        for e in census:
-            if e.standing is Standing.UNACCOUNTED:
-                key = (e.pod.namespace if e.pod else "", e.pod.name if e.pod else "", e.container or "")
-                unaccounted[key] += 1
-                memory[key] += e.process.used_memory_bytes or 0
+        entries = list(census)
+        counts = Tally(e.standing for e in entries)
         for standing in Standing:
             self.processes.labels(standing.value).set(counts.get(standing, 0))
-        self.unaccounted.clear()
-        self.unaccounted_memory.clear()
-        for labels, count in unaccounted.items():
-            self.unaccounted.labels(*labels).set(count)
-            self.unaccounted_memory.labels(*labels).set(memory[labels])
+        _per_container(entries, Standing.UNACCOUNTED, self.unaccounted, self.unaccounted_memory)
+        _per_container(entries, Standing.ADMIN_ALLOWED, self.admin_allowed, self.admin_allowed_memory)
 
     def throttle(self, targets: Iterable[ThrottleTarget]) -> None:
         self.throttled.clear()
@@ -131,3 +130,19 @@ class NodeEvents:
             with contextlib.suppress(Exception):
                 recorder.close(timeout=1.0)
         self._recorders.clear()
+
+
+def _per_container(census: Iterable[CensusEntry], standing: Standing, processes: Gauge, memory: Gauge) -> None:
+    """The processes and memory of each container of ``standing``; the series of a container gone are dropped."""
+    counted: Tally[tuple[str, str, str]] = Tally()
+    used: Tally[tuple[str, str, str]] = Tally()
+    for e in census:
+        if e.standing is standing:
+            key = (e.pod.namespace if e.pod else "", e.pod.name if e.pod else "", e.container or "")
+            counted[key] += 1
+            used[key] += e.process.used_memory_bytes or 0
+    processes.clear()
+    memory.clear()
+    for labels, count in counted.items():
+        processes.labels(*labels).set(count)
+        memory.labels(*labels).set(used[labels])

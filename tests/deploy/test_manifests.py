@@ -370,6 +370,14 @@ def test_the_node_guardian_is_read_only_through_the_api_and_host_bound_on_the_no
         ("resource.k8s.io", "resourceclaims", v) for v in ("get", "list", "watch")} | {("", "events", "create")}
     binding = one(objects, "ClusterRoleBinding", "gpufence-node")
     assert binding["subjects"] == [{"kind": "ServiceAccount", "name": "gpufence-node", "namespace": NODE_NAMESPACE}]
+    # The cluster policy (device-access-namespaces), that one ConfigMap read-only, as the webhook reads it.
+    policy_role = one(objects, "Role", "gpufence-node-policy")
+    assert policy_role["metadata"]["namespace"] == NAMESPACE and policy_role["rules"] == [
+        {"apiGroups": [""], "resources": ["configmaps"], "resourceNames": ["gpufence-policy"],
+         "verbs": ["get", "list", "watch"]}]
+    policy_binding = one(objects, "RoleBinding", "gpufence-node-policy")
+    assert policy_binding["roleRef"]["name"] == "gpufence-node-policy"
+    assert policy_binding["subjects"] == binding["subjects"]
     daemonset = one(objects, "DaemonSet", "gpufence-node")
     spec = daemonset["spec"]["template"]["spec"]
     assert spec["hostPID"] is True and spec["serviceAccountName"] == "gpufence-node"

@@ -30,7 +30,9 @@ SHARE = EnforcerConfig(containers={"train": ContainerShare(memory=MemoryShare(by
 
 @pytest.fixture(scope="module")
 def guardian_rbac(cluster: ControlPlane) -> None:
-    files = [COMPONENT / "namespace.yaml", COMPONENT / "rbac.yaml", COMPONENT / "protect-events.yaml"]
+    # gpufence's namespace first: the guardian's Role on the policy ConfigMap lives there.
+    files = [ROOT / "k8s" / "base" / "namespace.yaml", COMPONENT / "namespace.yaml", COMPONENT / "rbac.yaml",
+             COMPONENT / "protect-events.yaml"]
     objects = [o for path in files for o in yaml.safe_load_all(path.read_text())]
     apply_objects(cluster, objects)
 
@@ -65,6 +67,17 @@ def set_container_id(cluster: ControlPlane, namespace: str, name: str, container
     ("create", "pods/exec", False), ("get", "secrets", False), ("create", "serviceaccounts/token", False),
     ("update", "namespaces", False),
 ])
+def test_the_guardian_may_read_the_policy_configmap_and_no_other(cluster: ControlPlane, guardian_rbac: None) -> None:
+    def may(verb: str, name: str) -> bool:
+        result = cluster.kubectl("auth", "can-i", verb, f"configmaps/{name}", "-n", "gpufence", "--as", GUARDIAN,
+                                 check=False)
+        assert result.stdout.strip() in ("yes", "no"), result.stderr
+        return result.stdout.strip() == "yes"
+
+    assert may("get", "gpufence-policy") and may("watch", "gpufence-policy") and may("list", "gpufence-policy")
+    assert not may("get", "other") and not may("update", "gpufence-policy")
+
+
 def test_the_guardian_may_read_and_report_and_change_nothing(
     cluster: ControlPlane, guardian_rbac: None, verb: str, resource: str, allowed: bool
 ) -> None:

@@ -44,7 +44,9 @@ STOP_TIMEOUT = 15.0
 
 def apply_rbac(cp: ControlPlane) -> None:
     """The component's namespace, ServiceAccount, read-only RBAC and Event policy (not its DaemonSet)."""
-    files = [COMPONENT / "namespace.yaml", COMPONENT / "rbac.yaml", COMPONENT / "protect-events.yaml"]
+    # gpufence's namespace first: the guardian's Role on the policy ConfigMap lives there.
+    files = [COMPONENT.parents[1] / "base" / "namespace.yaml", COMPONENT / "namespace.yaml", COMPONENT / "rbac.yaml",
+             COMPONENT / "protect-events.yaml"]
     apply_objects(cp, [o for path in files for o in yaml.safe_load_all(path.read_text())])
 
 

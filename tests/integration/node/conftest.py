@@ -140,6 +140,7 @@ class CgroupBed:
             {"metadata": {"name": "team-a", "labels": {"gpufence.io/injection": "enabled"}}},
             {"metadata": {"name": "other"}},
         ]
+        self.policy: dict[str, str] | None = None  # the policy ConfigMap's data (None: no policy in the file)
 
     def pod(self, name: str = "p", namespace: str = "team-a") -> FakePod:
         p = FakePod(self, namespace, name)
@@ -150,6 +151,8 @@ class CgroupBed:
         """Write the pods file (pod name -> its config, None: admitted without one)."""
         doc = {"pods": [p.object(configs.get(p.name)) for p in self.pods], "namespaces": self.namespaces,
                "resourceClaims": self.claims}
+        if self.policy is not None:
+            doc["policy"] = {"metadata": {"name": "gpufence-policy", "namespace": "gpufence"}, "data": self.policy}
         tmp = self.pods_file.with_suffix(".tmp")
         tmp.write_text(json.dumps(doc))
         tmp.replace(self.pods_file)

@@ -132,6 +132,34 @@ def test_an_unaccounted_gpu_process_is_ended_in_enforce(gpu: GpuSandbox, bed: Cg
     assert stray.proc.wait(10) == -signal.SIGKILL
 
 
+def test_a_gpu_process_in_a_device_access_namespace_is_reported_not_ended(gpu: GpuSandbox, bed: CgroupBed) -> None:
+    # The admin's policy lets pods of gpu-operator reach devices without a request (an exporter, a
+    # diagnostic): its GPU process is the admin's, while one of team-a without a share is ended.
+    bed.namespaces.append({"metadata": {"name": "gpu-operator", "labels": {"gpufence.io/injection": "enabled"}}})
+    bed.policy = {"device-access-namespaces": "gpu-operator"}
+    exporter = bed.pod("exporter", namespace="gpu-operator").container("dcgm")
+    plain = bed.pod("plain").container("app")
+    bed.publish({})
+    allowed = exporter.start(gpu)
+    stray = plain.start(gpu, ignore_term=True)
+    gpu.write(gpu.device_with(gpu.proc(allowed, GIB), gpu.proc(stray, 6 * GIB)))
+    g = start_guardian(gpu, bed, "--unaccounted-grace", "0.5")
+    seen = g.wait_event("gpu_process", 20, standing="admin_allowed")
+    assert seen["pod"] == "exporter" and seen["pid"] == allowed.pid and seen["why"] == (
+        "admin-allowed device access: namespace gpu-operator is in device-access-namespaces "
+        "(a pod admitted without a GPU share)")
+    g.wait_event("guardian_sigkill", 20, reason="unaccounted", pod="plain")
+    assert stray.proc.wait(10) == -signal.SIGKILL
+    wait_polls(g, 5)  # polls after the other container's end: the allowed one is still only reported
+    assert allowed.alive() and not allowed.said("got SIGTERM")
+    assert [e["pod"] for e in g.events("guardian_sigterm") + g.events("guardian_sigkill")] == ["plain", "plain"]
+    assert g.metric("gpufence_node_admin_allowed_processes", namespace="gpu-operator", pod="exporter",
+                    container="dcgm") == 1
+    assert g.metric("gpufence_node_gpu_processes", standing="admin_allowed") == 1
+    assert g.metric("gpufence_node_unaccounted_processes", namespace="gpu-operator", pod="exporter",
+                    container="dcgm") is None
+
+
 def test_an_unaccounted_gpu_process_is_only_reported_in_audit(gpu: GpuSandbox, bed: CgroupBed) -> None:
     pod = bed.pod("plain")
     c = pod.container("app")

@@ -102,9 +102,11 @@ def guardian_view():
 
     sneaky = NodePod("u1", "team-b", "sneaky-0", Admission.NOT_ADMITTED, None)
     alias = NodePod("u2", "team-a", "alias-0", Admission.NOT_ADMITTED, None)
+    exporter = NodePod("u3", "gpu-operator", "dcgm-exporter-0", Admission.NOT_ADMITTED, None)
     metrics = NodeMetrics()
     metrics.census([entry(1, 2 * GIB, sneaky, "main"), entry(2, GIB, sneaky, "main"), entry(3, None, alias, "cuda"),
-                    entry(4, 6 * GIB, sneaky, "ok", Standing.ADMITTED)])
+                    entry(4, 6 * GIB, sneaky, "ok", Standing.ADMITTED),
+                    entry(5, GIB, exporter, "exporter", Standing.ADMIN_ALLOWED)])
     guardian = {"namespace": "gpufence-node", "pod": "gpufence-node-x1", "container": "gpufence-node", "node": "node-b"}
     sidecar = {"namespace": "team-a", "pod": "train-0", "container": "gpufence-enforcer", "node": "node-a"}
     from prometheus_client import generate_latest
@@ -120,10 +122,13 @@ def test_unaccounted_rows_from_the_guardians_series() -> None:
         ("node-b", "team-a", "alias-0", "cuda", 1, 0),  # NVML gave no figure for its process
         ("node-b", "team-b", "sneaky-0", "main", 2, 3 * GIB),
     ]
+    # Admin-allowed processes have rows of their own, never among the unaccounted.
+    assert [(u.namespace, u.pod, u.container, u.processes, u.memory_bytes) for u in v.admin_allowed] == [
+        ("gpu-operator", "dcgm-exporter-0", "exporter", 1, GIB)]
     # The guardian's own series (its node, its pod) make no GPU, container or enforcer row.
     assert {g.node for g in v.gpus} == {"node-a"}
     assert {(e.namespace, e.pod) for e in v.enforcers} == {("team-a", "train-0")}
 
 
 def test_no_unaccounted_rows_without_the_guardian() -> None:
-    assert view().unaccounted == ()
+    assert view().unaccounted == () and view().admin_allowed == ()

@@ -119,3 +119,9 @@ def test_unaccounted_processes_shown_by_node_pod_container_and_memory() -> None:
     assert doc["unaccounted"][1] == {"node": "node-b", "namespace": "team-b", "pod": "sneaky-0", "container": "main",
                                      "processes": 2, "memory_bytes": 3 * GIB}
     assert json.loads(json.dumps(top.view_json(view())))["unaccounted"] == []
+    # Those the admin's policy allowed: a section of their own, after the unaccounted.
+    start = lines.index(top.ADMIN_ALLOWED_TITLE)
+    assert start > lines.index("GPU processes without an admitted share (node guardian):")
+    assert lines[start + 2].split() == ["node-b", "gpu-operator/dcgm-exporter-0", "exporter", "1", "1.0", "GiB"]
+    assert doc["admin_allowed"] == [{"node": "node-b", "namespace": "gpu-operator", "pod": "dcgm-exporter-0",
+                                     "container": "exporter", "processes": 1, "memory_bytes": GIB}]

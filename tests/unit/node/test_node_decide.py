@@ -25,7 +25,8 @@ def config(**containers: ContainerShare) -> EnforcerConfig:
 
 
 def pod(uid: str = UID, namespace: str = "team-a", cfg: EnforcerConfig | str | None = None,
-        statuses: dict[str, str] | None = None, labels: dict[str, str] | None = None) -> dict[str, Any]:
+        statuses: dict[str, str] | None = None, labels: dict[str, str] | None = None,
+        annotations: dict[str, str] | None = None) -> dict[str, Any]:
     sidecar: dict[str, Any] = {"name": "gpufence-enforcer", "image": "gpufence", "restartPolicy": "Always"}
     if cfg is not None:
         text = cfg if isinstance(cfg, str) else cfg.to_json()
@@ -35,7 +36,8 @@ def pod(uid: str = UID, namespace: str = "team-a", cfg: EnforcerConfig | str | N
         spec["initContainers"] = [sidecar]
     statuses = statuses if statuses is not None else {"train": TRAIN, "helper": HELPER, "gpufence-enforcer": SIDE}
     return {
-        "metadata": {"uid": uid, "namespace": namespace, "name": "p", "labels": labels or {}},
+        "metadata": {"uid": uid, "namespace": namespace, "name": "p", "labels": labels or {},
+                     "annotations": annotations or {}},
         "spec": spec,
         "status": {
             "initContainerStatuses": [
@@ -56,9 +58,10 @@ def proc(pid: int, cid: str | None, used: int, sm: int = 0, uid: str = UID, devi
 EIGHT = config(train=ContainerShare(memory=MemoryShare(bytes=8 * GIB), compute_percent=20))
 
 
-def index(*pods: dict[str, Any], opted_in: tuple[str, ...] = ("team-a",)) -> PodIndex:
+def index(*pods: dict[str, Any], opted_in: tuple[str, ...] = ("team-a",),
+          device_access: tuple[str, ...] = ()) -> PodIndex:
     found = [node_pod(p) for p in pods]
-    return PodIndex.of([p for p in found if p is not None], opted_in)
+    return PodIndex.of([p for p in found if p is not None], opted_in, device_access=device_access)
 
 
 # -- the pods ---------------------------------------------------------------------------------------
@@ -112,6 +115,57 @@ def test_a_pod_admitted_without_a_gpu_in_an_opted_in_namespace_is_unaccounted() 
     assert entry.standing is Standing.UNACCOUNTED
     assert entry.why == "a pod admitted without a GPU share"
     assert classify(proc(10, TRAIN, 6 * GIB), index(pod(), opted_in=())).standing is Standing.OTHER
+
+
+def test_a_gpu_process_the_admins_policy_allowed_is_reported_apart_and_never_acted_on() -> None:
+    ops = "gpu-operator"
+    idx = index(pod(namespace=ops), pod(uid=OTHER_UID, cfg=EIGHT, namespace=ops),
+                opted_in=("team-a", ops), device_access=(ops,))
+    allowed = classify(proc(10, TRAIN, 6 * GIB), idx)  # admitted without a GPU, in a device-access namespace
+    assert allowed.standing is Standing.ADMIN_ALLOWED and allowed.container == "train"
+    assert allowed.why == ("admin-allowed device access: namespace gpu-operator is in device-access-namespaces "
+                           "(a pod admitted without a GPU share)")
+    # A GPU pod there: the container with a share is held to it, the one without is the admin's.
+    assert classify(proc(11, TRAIN, GIB, uid=OTHER_UID), idx).standing is Standing.ADMITTED
+    assert classify(proc(12, HELPER, GIB, uid=OTHER_UID), idx).standing is Standing.ADMIN_ALLOWED
+    assert classify(proc(13, None, GIB, uid=OTHER_UID), idx).standing is Standing.ADMIN_ALLOWED
+    # The same pods where the namespace is not listed: unaccounted, as before.
+    plain = index(pod(namespace=ops), opted_in=("team-a", ops))
+    assert classify(proc(10, TRAIN, 6 * GIB), plain).standing is Standing.UNACCOUNTED
+    for mode in Mode:
+        result = NodeEngine(mode=mode, unaccounted_grace=1.0).step(
+            100.0, [proc(10, TRAIN, 6 * GIB), proc(12, HELPER, GIB, uid=OTHER_UID)], {0: 80 * GIB}, idx)
+        assert [e.standing for e in result.new_census] == [Standing.ADMIN_ALLOWED] * 2
+        assert not result.step.actions and not result.step.started and not result.report_only
+
+
+def test_a_pod_the_webhook_recorded_as_created_by_an_admin_is_admin_allowed() -> None:
+    stamped = pod(annotations={"gpufence.io/admin-created": "alice"})
+    entry = classify(proc(10, TRAIN, 6 * GIB), index(stamped))
+    assert entry.standing is Standing.ADMIN_ALLOWED
+    assert entry.why.startswith("admin-allowed device access: created by alice, a member of admin-groups")
+    # An empty value records nobody; outside opted-in namespaces nothing changes.
+    assert classify(proc(10, TRAIN, GIB), index(pod(annotations={"gpufence.io/admin-created": ""}))
+                    ).standing is Standing.UNACCOUNTED
+    assert classify(proc(10, TRAIN, GIB), index(stamped, opted_in=())).standing is Standing.OTHER
+
+
+def test_a_listed_non_gpu_claim_allows_no_gpu() -> None:
+    # non-gpu-resource-claims says which claims hold no GPU, by names a tenant may create: a GPU
+    # process of a container with no share stays unaccounted, whatever claim it names.
+    claimed = pod()
+    claimed["spec"]["resourceClaims"] = [{"name": "nic", "resourceClaimTemplateName": "nic-claim"}]
+    claimed["spec"]["containers"][0]["resources"] = {"claims": [{"name": "nic"}]}
+    assert classify(proc(10, TRAIN, 6 * GIB), index(claimed)).standing is Standing.UNACCOUNTED
+
+
+def test_an_unknown_container_of_a_device_access_pod_settles_as_admin_allowed() -> None:
+    engine = NodeEngine(settle_seconds=5.0, unaccounted_grace=3.0)
+    idx = index(pod(cfg=EIGHT), device_access=("team-a",))
+    assert engine.step(100.0, [proc(13, STRAY, GIB)], {0: 80 * GIB}, idx).census[0].standing is Standing.PENDING
+    later = engine.step(105.0, [proc(13, STRAY, GIB)], {0: 80 * GIB}, idx)
+    assert later.census[0].standing is Standing.ADMIN_ALLOWED and not later.step.actions
+    assert later.census[0].why.endswith("(a container ID the pod's status does not name (yet), for 5 s)")
 
 
 def test_an_unknown_container_of_a_known_pod_is_unaccounted_after_its_settle_time() -> None:

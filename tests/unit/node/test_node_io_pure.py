@@ -80,9 +80,23 @@ class _Api:
     def list_namespace(self, **kwargs: Any) -> None:
         raise AssertionError("not called")
 
+    def list_namespaced_config_map(self, *args: Any, **kwargs: Any) -> None:
+        raise AssertionError("not called")
+
+
+def policy_configmap(**data: str) -> dict[str, Any]:
+    return {"metadata": {"name": "gpufence-policy", "namespace": "gpufence", "resourceVersion": "1"}, "data": data}
+
+
+def read_policy(watch: PodWatch, configmap: dict[str, Any]) -> None:
+    """What the policy watch's first list does (its loop is not started)."""
+    watch.policy_watch._replace([configmap])
+    watch.policy_watch._synced.set()
+
 
 def test_the_pod_watch_keeps_the_nodes_pods_by_uid_and_the_opted_in_namespaces() -> None:
     watch = PodWatch(_Api(), "gpu-node-1")
+    read_policy(watch, policy_configmap())
     watch.namespaces._replace([{"metadata": {"name": "team-a", "labels": {"gpufence.io/injection": "enabled"}}},
                                {"metadata": {"name": "other"}}])
     watch._replace([pod_object(UID)])
@@ -93,6 +107,20 @@ def test_the_pod_watch_keeps_the_nodes_pods_by_uid_and_the_opted_in_namespaces()
     assert index.pods[UID].containers == {CID: "train"}
     watch._apply("DELETED", pod_object(UID))
     assert set(watch.index().pods) == {"22222222-2222-3333-4444-555555555555"}
+
+
+def test_no_pod_is_shown_before_the_policy_is_read_and_its_device_access_namespaces_after() -> None:
+    watch = PodWatch(_Api(), "gpu-node-1")
+    watch.namespaces._replace([{"metadata": {"name": "team-a", "labels": {"gpufence.io/injection": "enabled"}}}])
+    watch._replace([pod_object(UID)])
+    # Before the policy's first read, a pod of a device-access namespace would be taken for unaccounted.
+    assert not watch.index().pods and not watch.has_synced()
+    read_policy(watch, policy_configmap(**{"device-access-namespaces": "team-a, gpu-operator"}))
+    index = watch.index()
+    assert set(index.pods) == {UID} and index.device_access == {"team-a", "gpu-operator"}
+    # An invalid version keeps the last valid one (the webhook's own rule).
+    watch.policy_watch._apply("MODIFIED", policy_configmap(**{"device-access-namespaces": "Not A Name"}))
+    assert watch.index().device_access == {"team-a", "gpu-operator"}
 
 
 def test_the_pods_file_holds_pods_and_namespaces() -> None:

@@ -35,3 +35,16 @@ def test_unaccounted_memory_is_summed_per_container_and_cleared_when_gone() -> N
     text = generate_latest(metrics.registry).decode()
     assert "gpufence_node_unaccounted_memory_bytes{" not in text
     assert "gpufence_node_unaccounted_processes{" not in text
+
+
+def test_admin_allowed_processes_have_series_of_their_own() -> None:
+    metrics = NodeMetrics()
+    metrics.census([entry(1, 2 * GIB, Standing.ADMIN_ALLOWED), entry(2, GIB, Standing.ADMIN_ALLOWED),
+                    entry(3, 4 * GIB, container="side")])
+    assert value(metrics, "gpufence_node_admin_allowed_processes", "main") == 2
+    assert value(metrics, "gpufence_node_admin_allowed_memory_bytes", "main") == 3 * GIB
+    assert value(metrics, "gpufence_node_unaccounted_processes", "main") is None  # not counted as unaccounted
+    assert value(metrics, "gpufence_node_unaccounted_processes", "side") == 1
+    assert metrics.registry.get_sample_value("gpufence_node_gpu_processes", {"standing": "admin_allowed"}) == 2
+    metrics.census([])
+    assert "gpufence_node_admin_allowed_processes{" not in generate_latest(metrics.registry).decode()
