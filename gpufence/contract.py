@@ -63,10 +63,11 @@ ANNOTATION_COMPUTE = "gpufence.io/compute"
 ANNOTATION_MODE = "gpufence.io/mode"
 ANNOTATION_GRACE_PERIOD = "gpufence.io/grace-period"
 ANNOTATION_STATUS = "gpufence.io/status"
-# The creator's user name, written by the webhook at creation where the requester is in admin-groups
-# (denied to anyone else; the protect policy keeps every gpufence.io/ annotation from updates): the
-# node guardian reports, and does not end, GPU processes of such a pod that hold no share.
-ANNOTATION_ADMIN_CREATED = "gpufence.io/admin-created"
+# The creator's user name, written by the webhook at creation where a member of admin-groups creates a
+# pod that only they may (device access without a device request, an annotation that hands out
+# devices); denied to anyone else, and the protect policy keeps it from every update. The node
+# guardian reports, and does not end, GPU processes of such a pod that hold no share.
+ANNOTATION_ADMIN_DEVICE_ACCESS = "gpufence.io/admin-device-access"
 NAMESPACE_DEFAULT_MEMORY = "gpufence.io/default-memory"
 NAMESPACE_DEFAULT_COMPUTE = "gpufence.io/default-compute"
 # Admin-owned policy on the Namespace (gpufence/webhook/core/namespace_policy.py); the mode uses ANNOTATION_MODE's key.

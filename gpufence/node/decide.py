@@ -8,8 +8,9 @@ per admitted pod, and when the guardian acts on a breach.
   server has not shown yet (``PENDING``), a pod of another namespace (``OTHER``) or the host's
   (``HOST``). Where the admin allowed the pod device access at admission (:func:`admin_allowance`:
   its namespace is in the policy's ``device-access-namespaces``, or a member of ``admin-groups``
-  created it, as the webhook's annotation records), what would be ``UNACCOUNTED`` is
-  ``ADMIN_ALLOWED``: reported, never acted on. A container with an admitted share stays held to it.
+  created it with device access only they may grant, as the webhook's annotation records), what
+  would be ``UNACCOUNTED`` is ``ADMIN_ALLOWED``: reported, never acted on. A container with an
+  admitted share stays held to it.
 * **The enforcer's rules**: one ``enforcer.decide.machine.Core`` per admitted pod, fed the pod's
   processes with the container names the pod's status gives their cgroups. Nothing of the rules is
   written here: memory over share, GPUs over request and ineffective throttles are the Core's
@@ -81,14 +82,15 @@ class CensusEntry:
 def admin_allowance(pod: NodePod, index: PodIndex) -> str | None:
     """Why the admin's policy allowed ``pod`` device access without a device request (None: it did
     not). Only what no tenant writes counts: the policy ConfigMap's ``device-access-namespaces`` and
-    the webhook's record of a creator in ``admin-groups`` (an annotation the webhook denies to
+    the webhook's record of a creator in ``admin-groups`` whose pod used their exemption from the
+    side-door rules (an annotation the webhook denies to
     anyone else at creation and the protect policy keeps from every update). The policy's
     ``non-gpu-resource-claims`` allows nothing: it says which claims hold no GPU, and a tenant may
     create a claim under a listed name (docs/gpu-paths.md), so a GPU there stays unaccounted."""
     if pod.namespace in index.device_access:
         return f"admin-allowed device access: namespace {pod.namespace} is in device-access-namespaces"
     if pod.admin_creator is not None:
-        return f"admin-allowed device access: created by {pod.admin_creator}, a member of admin-groups"
+        return f"admin-allowed device access: created with it by {pod.admin_creator}, a member of admin-groups"
     return None
 
 

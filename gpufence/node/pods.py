@@ -18,7 +18,7 @@ from typing import Any
 
 from gpufence.claims import ClaimAllocation, ClaimUse, container_claims
 from gpufence.contract import (
-    ANNOTATION_ADMIN_CREATED,
+    ANNOTATION_ADMIN_DEVICE_ACCESS,
     ENV_CONFIG,
     NAMESPACE_ALLOW_OPT_OUT,
     POD_OPT_OUT_LABEL,
@@ -49,7 +49,7 @@ class NodePod:
     containers: Mapping[str, str] = field(default_factory=lambda: MappingProxyType({}))  # container ID -> name
     problem: str | None = None  # why INVALID
     claims: Mapping[str, tuple[ClaimUse, ...]] = field(default_factory=lambda: MappingProxyType({}))  # by container
-    # Who created the pod, where the webhook recorded a member of admin-groups (ANNOTATION_ADMIN_CREATED).
+    # Who created the pod with device access only admin-groups may grant (ANNOTATION_ADMIN_DEVICE_ACCESS).
     admin_creator: str | None = None
 
     def share_of(self, container: str) -> bool:
@@ -117,10 +117,11 @@ def node_pod(obj: Mapping[str, Any], namespace_annotations: Mapping[str, str] | 
 
 
 def _admin_creator(meta: Mapping[str, Any]) -> str | None:
-    # The webhook writes it for a creator in admin-groups and denies it to anyone else at creation;
+    # The webhook writes it for a creator in admin-groups whose pod has device access only they may
+    # grant, and denies it to anyone else at creation;
     # the protect policy refuses adding, changing or removing it afterwards (gpufence.io/*).
     annotations = meta.get("annotations") or {}
-    value = annotations.get(ANNOTATION_ADMIN_CREATED) if isinstance(annotations, Mapping) else None
+    value = annotations.get(ANNOTATION_ADMIN_DEVICE_ACCESS) if isinstance(annotations, Mapping) else None
     return value if isinstance(value, str) and value else None
 
 

@@ -15,7 +15,7 @@ from typing import Any
 
 from gpufence.contract import MIRROR_POD_ANNOTATION, POD_OPT_OUT_LABEL, SIDECAR_NAME, SIDECAR_PORT_NAME
 from gpufence.webhook.core.container_env import with_void
-from gpufence.webhook.core.denial import Denial, quote
+from gpufence.webhook.core.denial import Denial, from_admin, quote
 from gpufence.webhook.core.desired import desired_plain_pod, desired_pod
 from gpufence.webhook.core.device_access import (
     admin_record_denial,
@@ -333,27 +333,18 @@ def _decide(
                                  kai.container if kai is not None else None)
     if side_door is not None:
         raise Denial(side_door)  # GPU pod or not, opted out or not
-    # KAI's binder writes a container's gpus.devices after allocation; its author, at CREATE, must not.
     groups = _dict(request.get("userInfo")).get("groups")
-    side_door = nv_devices_denial(pod, groups, settings.admin_groups)
+    side_door = _admin_only(pod, namespace or "", groups, settings, bool(gpu_names))
     if side_door is not None:
         raise Denial(side_door)
-    # Annotations a node component turns into devices (NVIDIA's NRI plugin, CDI, ...): the admin's.
-    side_door = device_annotation_denial(pod, groups, settings.admin_groups, advised_resource(settings))
-    if side_door is not None:
-        raise Denial(side_door)
-    # Devices without a device request (privileged, hostPath of /dev and the driver's paths): GPU
-    # pod or not, opted out or not, unless the admin allows it (docs/install.md, Pod Security).
-    side_door = device_access_denial(pod.get("spec"), namespace or "", groups, settings.admin_groups,
-                                     settings.device_access_namespaces,
-                                     pod_volumes(settings) if gpu_names else (), advised_resource(settings))
-    if side_door is not None:
-        raise Denial(side_door)
-    # Who created it, where the node guardian must know: a member of admin-groups, and no one else.
+    # Who created it with what only admin-groups may have, for the node guardian: no one else may say so.
     side_door = admin_record_denial(pod, groups, settings.admin_groups)
     if side_door is not None:
         raise Denial(side_door)
-    recorded = with_admin_record(pod, _dict(request.get("userInfo")).get("username"), groups, settings.admin_groups)
+    recorded = pod
+    if from_admin(groups, settings.admin_groups) and _admin_only(pod, namespace or "", None, settings,
+                                                                  bool(gpu_names)) is not None:
+        recorded = with_admin_record(pod, _dict(request.get("userInfo")).get("username"))
     record = diff(pod, recorded)  # applied first; the rest of the patch is computed on the recorded pod
     pod = recorded
     opted_out = labels.get(POD_OPT_OUT_LABEL) == "false"
@@ -396,6 +387,23 @@ def _decide(
     patch, mutation_warnings = injection_patch(pod, plan, settings, pod_security, namespace_annotations, nodes)
     warnings.extend(mutation_warnings)
     return _after(record, OUTCOME_UNCHANGED, patch)
+
+
+def _admin_only(pod: dict[str, Any], namespace: str, groups: Any, settings: InjectionSettings,
+                gpu_pod: bool) -> str | None:
+    """The first rule that refuses ``pod`` to a requester in ``groups`` unless they are in admin-groups
+    (None: none does). With ``groups`` None: whether the pod needs an admin at all."""
+    return (
+        # KAI's binder writes a container's gpus.devices after allocation; its author, at CREATE, must not.
+        nv_devices_denial(pod, groups, settings.admin_groups)
+        # Annotations a node component turns into devices (NVIDIA's NRI plugin, CDI, ...): the admin's.
+        or device_annotation_denial(pod, groups, settings.admin_groups, advised_resource(settings))
+        # Devices without a device request (privileged, hostPath of /dev and the driver's paths): GPU
+        # pod or not, opted out or not, unless the admin allows it (docs/install.md, Pod Security).
+        or device_access_denial(pod.get("spec"), namespace, groups, settings.admin_groups,
+                                settings.device_access_namespaces, pod_volumes(settings) if gpu_pod else (),
+                                advised_resource(settings))
+    )
 
 
 def _after(first: list[dict[str, Any]], outcome: str, patch: bytes | None) -> tuple[str, bytes | None]:

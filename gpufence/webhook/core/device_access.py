@@ -33,7 +33,7 @@ import posixpath
 from collections.abc import Collection, Iterable, Iterator, Mapping
 from typing import Any
 
-from gpufence.contract import ANNOTATION_ADMIN_CREATED
+from gpufence.contract import ANNOTATION_ADMIN_DEVICE_ACCESS
 from gpufence.webhook.core.denial import from_admin, quote
 
 # Where a hostPath reaches a GPU or its driver without a device request. A hostPath at one of these,
@@ -253,42 +253,42 @@ def device_annotation_denial(pod: Any, groups: Any, admin_groups: Collection[str
 
 
 # --- the record of an admin's pod -------------------------------------------------------------------
-# The node guardian reports, and does not end, GPU processes without a share in a pod a member of
-# admin-groups created (the exemption above). It cannot tell the creator from the pod, so the webhook
-# records it at creation in ANNOTATION_ADMIN_CREATED: written for a member, denied to anyone else
-# (a controller's pod too: its template is the tenant's), and kept from every update by the
-# gpufence-protect policy (k8s/base/protect-policy.yaml, with gpufence.io/status).
+# The node guardian reports, and does not end, GPU processes without a share in a pod that a member of
+# admin-groups created with what only they may have (the exemptions above, and KAI's gpus.devices).
+# It cannot tell the creator from the pod, so the webhook records it at creation in
+# ANNOTATION_ADMIN_DEVICE_ACCESS: written where the exemption was used, denied to anyone else (a
+# controller's pod too: its template is the tenant's), and kept from every update by the
+# gpufence-protect policy (k8s/base/protect-policy.yaml, with gpufence.io/status). An admin's pod that
+# needed no exemption gets no record: the admin allowed it no device.
 
 
 def admin_record_denial(pod: Any, groups: Any, admin_groups: Collection[str]) -> str | None:
-    """The denial for a pod that carries ``ANNOTATION_ADMIN_CREATED`` at creation by a request whose
-    ``groups`` are not in ``admin_groups``; else None."""
+    """The denial for a pod that carries ``ANNOTATION_ADMIN_DEVICE_ACCESS`` at creation by a request
+    whose ``groups`` are not in ``admin_groups``; else None."""
     metadata = pod.get("metadata") if isinstance(pod, dict) else None
     annotations = metadata.get("annotations") if isinstance(metadata, dict) else None
-    if not isinstance(annotations, dict) or ANNOTATION_ADMIN_CREATED not in annotations:
+    if not isinstance(annotations, dict) or ANNOTATION_ADMIN_DEVICE_ACCESS not in annotations:
         return None
     if from_admin(groups, admin_groups):
         return None
     return (
-        f"annotation {ANNOTATION_ADMIN_CREATED}={quote(annotations[ANNOTATION_ADMIN_CREATED])} "
+        f"annotation {ANNOTATION_ADMIN_DEVICE_ACCESS}={quote(annotations[ANNOTATION_ADMIN_DEVICE_ACCESS])} "
         "(metadata.annotations): the gpufence webhook writes it when a member of admin-groups (ConfigMap "
-        "gpufence/gpufence-policy) creates a pod, and the node guardian leaves the GPU processes of such a pod "
-        "alone; no one else may set it (in a controller's pod template neither); remove it, e.g. "
-        f"metadata.annotations without {ANNOTATION_ADMIN_CREATED}"
+        "gpufence/gpufence-policy) creates a pod with device access only they may grant, and the node guardian "
+        "leaves the GPU processes of such a pod alone; no one else may set it (in a controller's pod template "
+        f"neither); remove it, e.g. metadata.annotations without {ANNOTATION_ADMIN_DEVICE_ACCESS}"
     )
 
 
-def with_admin_record(pod: dict[str, Any], user: Any, groups: Any, admin_groups: Collection[str]) -> dict[str, Any]:
-    """``pod`` with ``ANNOTATION_ADMIN_CREATED`` set to the requester's user name (``userInfo.username``)
-    where one of ``groups`` is in ``admin_groups`` (copy-on-write; ``pod`` itself otherwise, or when it
-    already says so). The pod must have passed ``podshape.check_shape``."""
-    if not from_admin(groups, admin_groups):
-        return pod
+def with_admin_record(pod: dict[str, Any], user: Any) -> dict[str, Any]:
+    """``pod`` with ``ANNOTATION_ADMIN_DEVICE_ACCESS`` set to ``user`` (the request's
+    ``userInfo.username``; copy-on-write, ``pod`` itself when it already says so). For a member of
+    admin-groups whose pod used an exemption; the pod must have passed ``podshape.check_shape``."""
     name = user if isinstance(user, str) and user else "(no user name)"
     found = pod.get("metadata")
     metadata: dict[str, Any] = found if isinstance(found, dict) else {}
     found = metadata.get("annotations")
     annotations: dict[str, Any] = found if isinstance(found, dict) else {}
-    if annotations.get(ANNOTATION_ADMIN_CREATED) == name:
+    if annotations.get(ANNOTATION_ADMIN_DEVICE_ACCESS) == name:
         return pod
-    return {**pod, "metadata": {**metadata, "annotations": {**annotations, ANNOTATION_ADMIN_CREATED: name}}}
+    return {**pod, "metadata": {**metadata, "annotations": {**annotations, ANNOTATION_ADMIN_DEVICE_ACCESS: name}}}

@@ -140,12 +140,12 @@ def test_a_gpu_process_the_admins_policy_allowed_is_reported_apart_and_never_act
 
 
 def test_a_pod_the_webhook_recorded_as_created_by_an_admin_is_admin_allowed() -> None:
-    stamped = pod(annotations={"gpufence.io/admin-created": "alice"})
+    stamped = pod(annotations={"gpufence.io/admin-device-access": "alice"})
     entry = classify(proc(10, TRAIN, 6 * GIB), index(stamped))
     assert entry.standing is Standing.ADMIN_ALLOWED
-    assert entry.why.startswith("admin-allowed device access: created by alice, a member of admin-groups")
+    assert entry.why.startswith("admin-allowed device access: created with it by alice, a member of admin-groups")
     # An empty value records nobody; outside opted-in namespaces nothing changes.
-    assert classify(proc(10, TRAIN, GIB), index(pod(annotations={"gpufence.io/admin-created": ""}))
+    assert classify(proc(10, TRAIN, GIB), index(pod(annotations={"gpufence.io/admin-device-access": ""}))
                     ).standing is Standing.UNACCOUNTED
     assert classify(proc(10, TRAIN, GIB), index(stamped, opted_in=())).standing is Standing.OTHER
 

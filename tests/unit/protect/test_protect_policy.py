@@ -24,7 +24,7 @@ from hypothesis import settings as hypothesis_settings
 from hypothesis import strategies as st
 
 from gpufence.contract import (
-    ANNOTATION_ADMIN_CREATED,
+    ANNOTATION_ADMIN_DEVICE_ACCESS,
     ANNOTATION_STATUS,
     INJECTION_ENABLED,
     INJECTION_LABEL,
@@ -227,25 +227,26 @@ def test_the_status_annotation_cannot_be_added() -> None:
 
 
 @pytest.mark.parametrize("annotated", [True, False])
-def test_the_admin_created_record_cannot_be_added(annotated: bool) -> None:
+def test_the_admin_device_access_record_cannot_be_added(annotated: bool) -> None:
     # The node guardian leaves the GPU processes of a pod so marked alone: no tenant may mark one.
     old = injected_pod() if annotated else changed(injected_pod(), lambda p: p["metadata"].pop("annotations"))
     new = changed(old, lambda p: p["metadata"].setdefault("annotations", {}).update(
-        {ANNOTATION_ADMIN_CREATED: "mallory"}))
+        {ANNOTATION_ADMIN_DEVICE_ACCESS: "mallory"}))
     allowed, message = PROTECT.update(old, new)
     assert not allowed
-    assert "adds the annotation gpufence.io/admin-created, which the gpufence webhook writes" in message
+    assert "adds the annotation gpufence.io/admin-device-access, which the gpufence webhook writes" in message
     assert "node guardian" in message and "kubectl annotate pod train-1 example.com/note=x" in message
 
 
 @pytest.mark.parametrize(("change", "verb"), [
-    (lambda p: p["metadata"]["annotations"].update({ANNOTATION_ADMIN_CREATED: "bob"}), "changes"),
-    (lambda p: p["metadata"]["annotations"].pop(ANNOTATION_ADMIN_CREATED), "removes"),
+    (lambda p: p["metadata"]["annotations"].update({ANNOTATION_ADMIN_DEVICE_ACCESS: "bob"}), "changes"),
+    (lambda p: p["metadata"]["annotations"].pop(ANNOTATION_ADMIN_DEVICE_ACCESS), "removes"),
 ])
-def test_the_admin_created_record_cannot_change_or_go_but_for_an_admin(change: Any, verb: str) -> None:
-    old = changed(injected_pod(), lambda p: p["metadata"]["annotations"].update({ANNOTATION_ADMIN_CREATED: "alice"}))
+def test_the_admin_device_access_record_cannot_change_or_go_but_for_an_admin(change: Any, verb: str) -> None:
+    old = changed(injected_pod(),
+                  lambda p: p["metadata"]["annotations"].update({ANNOTATION_ADMIN_DEVICE_ACCESS: "alice"}))
     allowed, message = PROTECT.update(old, changed(old, change))
-    assert not allowed and f"{verb} the annotation gpufence.io/admin-created," in message
+    assert not allowed and f"{verb} the annotation gpufence.io/admin-device-access," in message
     assert PROTECT.update(old, changed(old, change), groups=("gpufence:admins",)) == (True, "allowed")
     # Any other annotation still may change beside it.
     note = changed(old, lambda p: p["metadata"]["annotations"].update({"example.com/note": "x"}))

@@ -4,6 +4,7 @@ that reach the node's devices are refused in opted-in namespaces, unless the adm
 from __future__ import annotations
 
 import base64
+import copy
 import json
 from typing import Any
 
@@ -120,7 +121,7 @@ def test_the_review_denies_opted_out_pods_too_and_exempts_admins() -> None:
     by_admin = _review(privileged, ["gpufence:admins"])
     assert by_admin.outcome == "mutated" and _patch(by_admin) == [
         {"op": "add", "path": "/metadata/annotations",
-         "value": {"gpufence.io/admin-created": "system:serviceaccount:kube-system:replicaset-controller"}}]
+         "value": {"gpufence.io/admin-device-access": "system:serviceaccount:kube-system:replicaset-controller"}}]
     assert _review(privileged, [], InjectionSettings(device_access_namespaces=("team",))).outcome == "skipped"
 
 
@@ -144,30 +145,42 @@ def _pod_review(metadata: dict[str, Any], containers: list[dict[str, Any]], grou
 
 PLAIN = [{"name": "c", "image": "i", "env": [{"name": "NVIDIA_VISIBLE_DEVICES", "value": "void"}]}]
 GPU = [{"name": "train", "image": "cuda", "resources": {"limits": {"nvidia.com/gpu": "1"}}}]
+PRIVILEGED = [{"name": "c", "image": "i", "env": [{"name": "NVIDIA_VISIBLE_DEVICES", "value": "void"}],
+               "securityContext": {"privileged": True}}]
+RECORD = "gpufence.io/admin-device-access"
 
 
 @pytest.mark.parametrize("containers", [PLAIN, GPU], ids=["plain", "gpu"])
-def test_the_admin_created_record_is_the_webhooks_alone(containers: list[dict[str, Any]]) -> None:
-    forged = {"annotations": {"gpufence.io/admin-created": "alice"}}
-    denied = _pod_review(forged, containers, ["system:authenticated"])
+def test_the_admin_device_access_record_is_the_webhooks_alone(containers: list[dict[str, Any]]) -> None:
+    denied = _pod_review({"annotations": {RECORD: "alice"}}, containers, ["system:authenticated"])
     assert denied.outcome == "denied"
     message = denied.review["response"]["status"]["message"]
-    assert message.startswith('annotation gpufence.io/admin-created="alice" (metadata.annotations): ')
+    assert message.startswith(f'annotation {RECORD}="alice" (metadata.annotations): ')
     assert "admin-groups" in message and "remove it" in message
-    # A member of admin-groups: written with the user's name (whatever the pod said), before the
-    # injection's own operations; a pod that already says so is left as it is.
-    admin = _pod_review({"annotations": {"gpufence.io/admin-created": "someone"}}, containers, ["gpufence:admins"])
-    assert admin.outcome == "mutated"
-    assert _patch(admin)[0] == {"op": "replace", "path": "/metadata/annotations/gpufence.io~1admin-created",
-                                "value": "alice"}
-    plain_admin = _pod_review({}, PLAIN, ["system:masters"])
-    assert plain_admin.outcome == "mutated" and _patch(plain_admin) == [
-        {"op": "add", "path": "/metadata/annotations", "value": {"gpufence.io/admin-created": "alice"}}]
-    again = _pod_review({"annotations": {"gpufence.io/admin-created": "alice"}}, PLAIN, ["system:masters"])
-    assert again.outcome == "unchanged"
     # Anyone else's pod gets no record.
     tenant = _pod_review({}, containers, ["system:authenticated"])
-    assert "gpufence.io/admin-created" not in json.dumps(_patch(tenant) if tenant.outcome == "mutated" else [])
+    assert RECORD not in json.dumps(_patch(tenant) if tenant.outcome == "mutated" else [])
+
+
+def test_an_admins_pod_is_recorded_where_it_has_what_only_admins_may_grant() -> None:
+    # Device access only an admin may grant (privileged): recorded with the user's name, whatever
+    # the pod said, before the injection's own operations; a pod that already says so is left as is.
+    privileged = _pod_review({}, PRIVILEGED, ["system:masters"])
+    assert privileged.outcome == "mutated" and _patch(privileged) == [
+        {"op": "add", "path": "/metadata/annotations", "value": {RECORD: "alice"}}]
+    renamed = _pod_review({"annotations": {RECORD: "someone"}}, PRIVILEGED, ["gpufence:admins"])
+    assert _patch(renamed) == [{"op": "replace", "path": "/metadata/annotations/gpufence.io~1admin-device-access",
+                                "value": "alice"}]
+    assert _pod_review({"annotations": {RECORD: "alice"}}, PRIVILEGED, ["system:masters"]).outcome == "unchanged"
+    # An annotation that hands out devices, on a GPU pod: the record comes first, then the injection.
+    nri = _pod_review({"annotations": {"nvidia.cdi.k8s.io/pod": "nvidia.com/gpu=0"}}, GPU, ["gpufence:admins"])
+    ops = _patch(nri)
+    assert ops[0] == {"op": "add", "path": "/metadata/annotations/gpufence.io~1admin-device-access", "value": "alice"}
+    assert len(ops) > 1  # the sidecar and the rest
+    # An admin's pod that needed no exemption gets no record: the admin allowed it no device.
+    for containers in (PLAIN, GPU):
+        plain = _pod_review({}, containers, ["system:masters"])
+        assert RECORD not in json.dumps(_patch(plain) if plain.outcome == "mutated" else [])
 
 
 def test_memory_filesystems_pass_but_not_as_device_types() -> None:
@@ -201,21 +214,27 @@ def test_the_verify_step_passes_an_admins_recorded_pod_and_refuses_it_from_anyon
 
     from gpufence.webhook.core.admission import verify
 
-    admin = _pod_review({}, GPU, ["gpufence:admins"])
-    pod = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "p", "namespace": "team"},
+    admin = _pod_review({"annotations": {"nvidia.cdi.k8s.io/pod": "nvidia.com/gpu=0"}}, GPU, ["gpufence:admins"])
+    pod = {"apiVersion": "v1", "kind": "Pod",
+           "metadata": {"name": "p", "namespace": "team", "annotations": {"nvidia.cdi.k8s.io/pod": "nvidia.com/gpu=0"}},
            "spec": {"containers": GPU}}
     final = jsonpatch.apply_patch(pod, _patch(admin))
-    assert final["metadata"]["annotations"]["gpufence.io/admin-created"] == "alice"
+    assert final["metadata"]["annotations"][RECORD] == "alice"
 
-    def verified(groups: list[str]) -> str:
-        payload = pod_admission_review(final, uid="u", namespace="team", username="alice")
+    def verified(pod: dict[str, Any], groups: list[str]) -> Any:
+        payload = pod_admission_review(pod, uid="u", namespace="team", username="alice")
         payload["request"]["userInfo"]["groups"] = groups
 
         class Lookup:
             def get(self, name: str) -> NamespaceInfo:
                 return NamespaceInfo(name, labels={INJECTION_LABEL: INJECTION_ENABLED})
 
-        return verify(payload, DEFAULT, Lookup()).outcome
+        return verify(payload, DEFAULT, Lookup())
 
-    assert verified(["gpufence:admins"]) == "verified"
-    assert verified(["system:authenticated"]) == "refused"  # added after the webhook, by someone else
+    assert verified(final, ["gpufence:admins"]).outcome == "verified"
+    # The record on a tenant's pod, whatever put it there after gpufence's webhook: refused.
+    tenants = copy.deepcopy(final)
+    del tenants["metadata"]["annotations"]["nvidia.cdi.k8s.io/pod"]
+    refused = verified(tenants, ["system:authenticated"])
+    assert refused.outcome == "refused"
+    assert f"annotation {RECORD}=" in refused.review["response"]["status"]["message"]

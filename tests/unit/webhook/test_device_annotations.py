@@ -88,7 +88,7 @@ def test_opted_out_pods_are_denied_too_and_admins_pass() -> None:
     by_admin = _review(annotations, [GPU], ["gpufence:admins"], opted_out)
     assert by_admin.outcome == "mutated"
     assert [op["path"] for op in json.loads(base64.b64decode(by_admin.review["response"]["patch"]))] == [
-        "/metadata/annotations/gpufence.io~1admin-created"]
+        "/metadata/annotations/gpufence.io~1admin-device-access"]
     assert _review(annotations, [PLAIN], ["system:masters"]).outcome != "denied"
     assert _review({"example.com/note": "x"}, [PLAIN], ["system:authenticated"]).outcome != "denied"
 
