@@ -83,8 +83,8 @@ def admin_allowance(pod: NodePod, index: PodIndex) -> str | None:
     """Why the admin's policy allowed ``pod`` device access without a device request (None: it did
     not). Only what no tenant writes counts: the policy ConfigMap's ``device-access-namespaces`` and
     the webhook's record of a creator in ``admin-groups`` whose pod used their exemption from the
-    side-door rules (an annotation the webhook denies to
-    anyone else at creation and the protect policy keeps from every update). The policy's
+    side-door rules (an annotation the webhook denies to anyone else at creation and the protect
+    policy keeps from every update). The policy's
     ``non-gpu-resource-claims`` allows nothing: it says which claims hold no GPU, and a tenant may
     create a claim under a listed name (docs/gpu-paths.md), so a GPU there stays unaccounted."""
     if pod.namespace in index.device_access:

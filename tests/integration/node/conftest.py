@@ -96,6 +96,7 @@ class FakePod:
         self.path = f"{bed.prefix}/kubepods/burstable/pod{self.uid}"
         self.containers: list[Container] = []
         self.claims: dict[str, str] = {}  # container name -> the ResourceClaim it uses (DRA)
+        self.annotations: dict[str, str] = {}
 
     def container(self, name: str) -> Container:
         c = Container(self, name)
@@ -116,7 +117,8 @@ class FakePod:
             spec["initContainers"] = [{"name": "gpufence-enforcer", "image": "gpufence", "restartPolicy": "Always",
                                        "env": [{"name": "GPUFENCE_CONFIG", "value": config.to_json()}]}]
         return {
-            "metadata": {"uid": self.uid, "namespace": self.namespace, "name": self.name},
+            "metadata": {"uid": self.uid, "namespace": self.namespace, "name": self.name,
+                         "annotations": self.annotations},
             "spec": spec,
             "status": {"containerStatuses": [{"name": c.name, "containerID": f"containerd://{c.id}"}
                                              for c in self.containers]},

@@ -1,8 +1,9 @@
 """The node guardian against real processes in real cgroups, under cgroup v1 and v2: a container over
 its memory share is killed from the host with no sidecar to help (SIGTERM ignored, other users'
 processes included), a freezer throttle that no SIGCONT undoes, an unaccounted GPU process ended in
-enforce and only reported in audit, and a restart mid-termination that neither grants a new grace
-period nor signals twice (nor leaves a container frozen)."""
+enforce and only reported in audit, GPU processes the admin allowed (device-access-namespaces, the
+webhook's record of an admin's pod) reported and never ended, and a restart mid-termination that
+neither grants a new grace period nor signals twice (nor leaves a container frozen)."""
 
 from __future__ import annotations
 
@@ -132,17 +133,21 @@ def test_an_unaccounted_gpu_process_is_ended_in_enforce(gpu: GpuSandbox, bed: Cg
     assert stray.proc.wait(10) == -signal.SIGKILL
 
 
-def test_a_gpu_process_in_a_device_access_namespace_is_reported_not_ended(gpu: GpuSandbox, bed: CgroupBed) -> None:
+def test_gpu_processes_the_admin_allowed_are_reported_not_ended(gpu: GpuSandbox, bed: CgroupBed) -> None:
     # The admin's policy lets pods of gpu-operator reach devices without a request (an exporter, a
     # diagnostic): its GPU process is the admin's, while one of team-a without a share is ended.
     bed.namespaces.append({"metadata": {"name": "gpu-operator", "labels": {"gpufence.io/injection": "enabled"}}})
     bed.policy = {"device-access-namespaces": "gpu-operator"}
     exporter = bed.pod("exporter", namespace="gpu-operator").container("dcgm")
     plain = bed.pod("plain").container("app")
+    # And a pod of team-a that a member of admin-groups created with device access (the webhook's record).
+    diag = bed.pod("diag")
+    diag.annotations["gpufence.io/admin-device-access"] = "oncall"
     bed.publish({})
     allowed = exporter.start(gpu)
     stray = plain.start(gpu, ignore_term=True)
-    gpu.write(gpu.device_with(gpu.proc(allowed, GIB), gpu.proc(stray, 6 * GIB)))
+    diagnostic = diag.container("probe").start(gpu)
+    gpu.write(gpu.device_with(gpu.proc(allowed, GIB), gpu.proc(stray, 6 * GIB), gpu.proc(diagnostic, GIB)))
     g = start_guardian(gpu, bed, "--unaccounted-grace", "0.5")
     seen = g.wait_event("gpu_process", 20, standing="admin_allowed")
     assert seen["pod"] == "exporter" and seen["pid"] == allowed.pid and seen["why"] == (
@@ -152,10 +157,13 @@ def test_a_gpu_process_in_a_device_access_namespace_is_reported_not_ended(gpu: G
     assert stray.proc.wait(10) == -signal.SIGKILL
     wait_polls(g, 5)  # polls after the other container's end: the allowed one is still only reported
     assert allowed.alive() and not allowed.said("got SIGTERM")
+    assert diagnostic.alive() and not diagnostic.said("got SIGTERM")
+    assert g.events("gpu_process", standing="admin_allowed", pod="diag")[0]["why"].startswith(
+        "admin-allowed device access: created with it by oncall, a member of admin-groups")
     assert [e["pod"] for e in g.events("guardian_sigterm") + g.events("guardian_sigkill")] == ["plain", "plain"]
     assert g.metric("gpufence_node_admin_allowed_processes", namespace="gpu-operator", pod="exporter",
                     container="dcgm") == 1
-    assert g.metric("gpufence_node_gpu_processes", standing="admin_allowed") == 1
+    assert g.metric("gpufence_node_gpu_processes", standing="admin_allowed") == 2  # the exporter and diag
     assert g.metric("gpufence_node_unaccounted_processes", namespace="gpu-operator", pod="exporter",
                     container="dcgm") is None
 
