@@ -30,6 +30,9 @@ from gpufence.webhook.cluster.dra_cache import ObjectWatch
 from gpufence.webhook.cluster.namespaces import NamespaceCache, namespace_info
 from gpufence.webhook.cluster.watch import ListWatch
 
+# What a PodIndex was built from: its pods and claims (compared by identity) and the opted-in namespaces.
+_IndexKey = tuple[tuple[NodePod, ...], frozenset[str], tuple[ClaimAllocation, ...]]
+
 
 class PodSource(Protocol):
     def start(self) -> None: ...
@@ -48,6 +51,8 @@ class PodWatch(ListWatch):
         listing = functools.partial(api.list_pod_for_all_namespaces, field_selector=f"spec.nodeName={node_name}")
         super().__init__(listing, **kwargs)
         self._objects: dict[str, Mapping[str, Any]] = {}
+        self._parsed: dict[str, tuple[Mapping[str, Any], Any, NodePod | None]] = {}
+        self._last: tuple[_IndexKey, PodIndex] | None = None
         self.namespaces = NamespaceCache(api, **kwargs)
         self.claims = (None if custom_api is None else
                        ObjectWatch(custom_api, "resourceclaims", claim_allocation, kind="ResourceClaim", **kwargs))
@@ -68,19 +73,38 @@ class PodWatch(ListWatch):
         return super().has_synced() and self.namespaces.has_synced()
 
     def index(self) -> PodIndex:
+        """The pods, namespaces and claims as last seen. Each pod object is read (its sidecar's
+        config parsed) once per version of it and of its namespace, and the same ``PodIndex`` is
+        returned while nothing changed: the engine reuses what it derived from it, poll after poll."""
         objects = list(self._objects.values())
         pods = []
         opted_in = set()
+        parsed: dict[str, tuple[Mapping[str, Any], Any, NodePod | None]] = {}
         for obj in objects:
             namespace = (obj.get("metadata") or {}).get("namespace") or ""
             info = self.namespaces.get(namespace)
-            found = node_pod(obj, info.annotations if info else {})
+            uid = _uid(obj)
+            seen = self._parsed.get(uid)
+            if seen is not None and seen[0] is obj and seen[1] is info:
+                found = seen[2]
+            else:
+                found = node_pod(obj, info.annotations if info else {})
+            parsed[uid] = (obj, info, found)
             if found is not None:
                 pods.append(found)
             if info is not None and info.opted_in:
                 opted_in.add(namespace)
+        self._parsed = parsed
         claims: list[ClaimAllocation] = list(self.claims.items.values()) if self.claims is not None else []
-        return PodIndex.of(pods, opted_in, claims)
+        key = (tuple(pods), frozenset(opted_in), tuple(claims))
+        last = self._last
+        if last is not None and len(last[0][0]) == len(key[0]) and last[0][1] == key[1] \
+                and len(last[0][2]) == len(key[2]) and all(a is b for a, b in zip(last[0][0], key[0], strict=True)) \
+                and all(a is b for a, b in zip(last[0][2], key[2], strict=True)):
+            return last[1]
+        index = PodIndex.of(pods, opted_in, claims)
+        self._last = (key, index)
+        return index
 
     def _replace(self, items: list[Mapping[str, Any]]) -> None:
         self._objects = {_uid(obj): obj for obj in items if _uid(obj)}
