@@ -235,7 +235,8 @@ class NodeEngine:
         # loop hands over last poll's GpuProc where nothing changed; the pod index is replaced only
         # when a pod, namespace or claim changes): a quiet node costs the Cores' steps, little else.
         self._classified: dict[tuple[int, int, int], tuple[GpuProc, PodIndex, CensusEntry]] = {}
-        self._capped: dict[str, tuple[NodePod, Mapping[Any, Any], tuple[EnforcerConfig, Mapping[str, int]]]] = {}
+        self._capped: dict[str, tuple[NodePod, PodIndex, Mapping[str, frozenset[str]],
+                                      tuple[EnforcerConfig, Mapping[str, int]]]] = {}
         self._attributions: dict[str, tuple[tuple[tuple[GpuProc, str | None], ...], Attribution]] = {}
         # Bumped whenever the census's processes or standings, or a pod's config, change: what the
         # driver-limit targets depend on besides the devices' sizes.
@@ -271,7 +272,7 @@ class NodeEngine:
         for uid, entries in by_pod.items():
             pod = entries[0].pod
             assert pod is not None and pod.config is not None
-            core, lowered = self._core(pod, index)
+            core, lowered = self._core(pod, index, entries)
             result = core.step(now, self._attribution(uid, entries), device_totals, mig_devices)
             decisions[uid] = result
             enforce = self.mode is Mode.ENFORCE and pod.config.mode is Mode.ENFORCE
@@ -312,11 +313,15 @@ class NodeEngine:
         self._classified[key] = (proc, index, entry)
         return entry
 
-    def _core(self, pod: NodePod, index: PodIndex) -> tuple[Core, Mapping[str, int]]:
-        """The pod's Core on its config as the guardian holds it (lowered to its claims), and what
-        was lowered. A claim allocated or replaced after admission changes the share: a new Core on
-        the new config (its compute window starts again)."""
-        config, lowered = self._capped_config(pod, index)
+    def _core(self, pod: NodePod, index: PodIndex, entries: list[CensusEntry]) -> tuple[Core, Mapping[str, int]]:
+        """The pod's Core on its config as the guardian holds it (lowered to its claims on the GPUs
+        its containers are on), and what was lowered. A claim allocated or replaced after admission
+        changes the share: a new Core on the new config (its compute window starts again)."""
+        on: dict[str, set[str]] = {}
+        for e in entries:
+            if e.container is not None:
+                on.setdefault(e.container, set()).add(e.process.device_uuid)
+        config, lowered = self._capped_config(pod, index, {c: frozenset(u) for c, u in on.items()})
         core = self._cores.get(pod.uid)
         held = self._configs.get(pod.uid)
         if core is None or (held is not config and held != config):
@@ -327,13 +332,14 @@ class NodeEngine:
             self.generation += 1
         return core, lowered
 
-    def _capped_config(self, pod: NodePod, index: PodIndex) -> tuple[EnforcerConfig, Mapping[str, int]]:
-        """``claim_capped_config``, reused while the pod and the claims are the same objects."""
+    def _capped_config(self, pod: NodePod, index: PodIndex, on: Mapping[str, frozenset[str]],
+                       ) -> tuple[EnforcerConfig, Mapping[str, int]]:
+        """``claim_capped_config``, reused while the pod, the index and the GPUs are the same."""
         cached = self._capped.get(pod.uid)
-        if cached is not None and cached[0] is pod and cached[1] is index.claims:
-            return cached[2]
-        found = claim_capped_config(pod, index)
-        self._capped[pod.uid] = (pod, index.claims, found)
+        if cached is not None and cached[0] is pod and cached[1] is index and cached[2] == on:
+            return cached[3]
+        found = claim_capped_config(pod, index, on)
+        self._capped[pod.uid] = (pod, index, on, found)
         return found
 
     def _attribution(self, uid: str, entries: list[CensusEntry]) -> Attribution:

@@ -6,10 +6,11 @@
   Beside them, every ResourceClaim (``resource.k8s.io/v1``, all namespaces: the webhook's DRA watch,
   ``webhook.cluster.dra_cache.ObjectWatch``) reduced to its allocation (``gpufence.claims``); where
   the API is not served the claims stay unknown and bound nothing. The claims never gate the sync:
-  a cluster without DRA would never sync otherwise.
-  Read-only RBAC: ``get``/``list``/``watch`` on pods, namespaces and resourceclaims.
+  a cluster without DRA would never sync otherwise. And the node's ResourceSlices
+  (``spec.nodeName``), reduced to each device's NVML UUID, so a reservation bounds its own GPU.
+  Read-only RBAC: ``get``/``list``/``watch`` on pods, namespaces, resourceclaims and resourceslices.
 * :class:`PodsFile`: the same from a JSON file (``{"pods": [...], "namespaces": [...],
-  "resourceClaims": [...]}``, Kubernetes objects), re-read when it changes: for running the
+  "resourceClaims": [...], "resourceSlices": [...]}``, Kubernetes objects), re-read when it changes: for running the
   guardian outside a cluster (tests, the demo).
 
 Both answer :meth:`index` with a ``pods.PodIndex``: what the API server says, never a request.
@@ -24,14 +25,24 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Protocol
 
-from gpufence.claims import ClaimAllocation, claim_allocation
+from gpufence.claims import ClaimAllocation, SliceDevices, claim_allocation, device_uuids, slice_device_uuids
 from gpufence.node.pods import NodePod, PodIndex, node_pod
-from gpufence.webhook.cluster.dra_cache import ObjectWatch
+from gpufence.webhook.cluster.dra_cache import GROUP, VERSION, ObjectWatch
 from gpufence.webhook.cluster.namespaces import NamespaceCache, namespace_info
 from gpufence.webhook.cluster.watch import ListWatch
 
-# What a PodIndex was built from: its pods and claims (compared by identity) and the opted-in namespaces.
-_IndexKey = tuple[tuple[NodePod, ...], frozenset[str], tuple[ClaimAllocation, ...]]
+# What a PodIndex was built from: its pods, claims and slices (compared by identity), the opted-in namespaces.
+_IndexKey = tuple[tuple[NodePod, ...], frozenset[str], tuple[ClaimAllocation, ...], tuple[SliceDevices, ...]]
+
+
+class SliceWatch(ObjectWatch):
+    """The ResourceSlices of one node (``fieldSelector=spec.nodeName=<node>``), each reduced to its
+    devices' NVML UUIDs (``claims.slice_device_uuids``)."""
+
+    def __init__(self, api: Any, node_name: str, **kwargs: Any) -> None:
+        super().__init__(api, "resourceslices", slice_device_uuids, kind="ResourceSlice", **kwargs)
+        self._list_call = functools.partial(api.list_cluster_custom_object, GROUP, VERSION, "resourceslices",
+                                            field_selector=f"spec.nodeName={node_name}")
 
 
 class PodSource(Protocol):
@@ -56,18 +67,22 @@ class PodWatch(ListWatch):
         self.namespaces = NamespaceCache(api, **kwargs)
         self.claims = (None if custom_api is None else
                        ObjectWatch(custom_api, "resourceclaims", claim_allocation, kind="ResourceClaim", **kwargs))
+        # The node's ResourceSlices: which NVML UUID each allocated device is (read-only, this node's).
+        self.slices = None if custom_api is None else SliceWatch(custom_api, node_name, **kwargs)
 
     def start(self) -> None:
         self.namespaces.start()
-        if self.claims is not None:
-            self.claims.start()
+        for watch in (self.claims, self.slices):
+            if watch is not None:
+                watch.start()
         super().start()
 
     def stop(self, timeout: float | None = None) -> None:
         super().stop(timeout)
         self.namespaces.stop(timeout)
-        if self.claims is not None:
-            self.claims.stop(timeout)
+        for watch in (self.claims, self.slices):
+            if watch is not None:
+                watch.stop(timeout)
 
     def has_synced(self) -> bool:
         return super().has_synced() and self.namespaces.has_synced()
@@ -96,13 +111,14 @@ class PodWatch(ListWatch):
                 opted_in.add(namespace)
         self._parsed = parsed
         claims: list[ClaimAllocation] = list(self.claims.items.values()) if self.claims is not None else []
-        key = (tuple(pods), frozenset(opted_in), tuple(claims))
+        slices: list[SliceDevices] = list(self.slices.items.values()) if self.slices is not None else []
+        key = (tuple(pods), frozenset(opted_in), tuple(claims), tuple(slices))
         last = self._last
-        if last is not None and len(last[0][0]) == len(key[0]) and last[0][1] == key[1] \
-                and len(last[0][2]) == len(key[2]) and all(a is b for a, b in zip(last[0][0], key[0], strict=True)) \
-                and all(a is b for a, b in zip(last[0][2], key[2], strict=True)):
+        if last is not None and last[0][1] == key[1] and all(
+                len(a) == len(b) and all(x is y for x, y in zip(a, b, strict=True))
+                for a, b in ((last[0][0], key[0]), (last[0][2], key[2]), (last[0][3], key[3]))):
             return last[1]
-        index = PodIndex.of(pods, opted_in, claims)
+        index = PodIndex.of(pods, opted_in, claims, device_uuids(slices))
         self._last = (key, index)
         return index
 
@@ -164,7 +180,8 @@ def pods_file_index(doc: Any) -> PodIndex:
             if found is not None:
                 pods.append(found)
     claims = [claim_allocation(c) for c in (doc.get("resourceClaims") or []) if isinstance(c, dict)]
-    return PodIndex.of(pods, (n.name for n in namespaces if n.opted_in), claims)
+    slices = [slice_device_uuids(c) for c in (doc.get("resourceSlices") or []) if isinstance(c, dict)]
+    return PodIndex.of(pods, (n.name for n in namespaces if n.opted_in), claims, device_uuids(slices))
 
 
 def load_apis(kubeconfig: str | None) -> tuple[Any, Any]:
