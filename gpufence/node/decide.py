@@ -28,6 +28,7 @@ guardian neither grants a new grace period nor signals twice.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from enum import StrEnum
@@ -298,8 +299,13 @@ class NodeEngine:
         return self.backstop.next_due()
 
     def wants_utilisation(self, now: float) -> bool:
-        # Every core is asked (each keeps its own timer); no core: the census needs no SM reading.
-        return any([core.wants_utilisation(now) for core in self._cores.values()])
+        """Whether this poll reads SM utilisation: when any pod's Core wants a fresh reading. Every
+        core is asked (each keeps its own timer; no core: the census needs no SM reading), on a clock
+        that counts whole compute periods, so that the cores of pods started at different polls stay
+        in step and one read, about once a period, serves them all (on their own clocks two groups
+        of cores half a period apart would have the driver read at every poll)."""
+        periods = math.floor(now / self._period) * self._period
+        return any([core.wants_utilisation(periods) for core in self._cores.values()])
 
     # -- helpers ------------------------------------------------------------------------------
 

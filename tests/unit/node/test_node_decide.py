@@ -253,3 +253,17 @@ def test_the_engine_reuses_what_did_not_change_and_notices_what_did() -> None:
     generation = engine.generation
     engine.step(102.5, [], {0: 80 * GIB}, index(pod(cfg=four)))
     assert engine.generation > generation and UID not in engine._cores
+
+
+def test_pods_started_at_different_polls_share_one_utilisation_read_a_period() -> None:
+    engine = NodeEngine(poll_interval=0.5, compute_period_seconds=1.0)
+    other = "22222222-3333-4444-5555-666666666666"
+    first, second = pod(cfg=EIGHT), pod(uid=other, cfg=EIGHT, statuses={"train": STRAY})
+    both = index(first, second)
+    reads = []
+    for poll in range(20):
+        now = 100.0 + 0.5 * poll
+        reads.append(engine.wants_utilisation(now))
+        procs = [proc(10, TRAIN, GIB, sm=30)] + ([proc(11, STRAY, GIB, sm=30, uid=other)] if poll >= 3 else [])
+        engine.step(now, procs, {0: 80 * GIB}, both)  # the second pod's Core is made half a period later
+    assert sum(reads[4:]) == 8  # once a period for both, not at every poll
