@@ -4,7 +4,7 @@ through cgroups, report.
 One poll (``Guardian.poll``)::
 
     NvmlClient.sample()  (through the enforcer's DeadlineRunner: a hung driver call never hangs the loop)
-      -> each listed PID's start time and /proc/<pid>/cgroup on the host -> census.placement
+      -> each listed PID's start time and /proc/<pid>/cgroup, read once (liveness.py) -> census.placement
       -> NodeEngine.step(now, processes, device totals, pods.index())     (pure: gpufence/node/decide.py)
       -> state file (episodes, before any signal) -> SIGTERM / SIGKILL through the cgroup (cgroupfs)
       -> the freezer's plan (throttle.FreezerThrottle) -> log lines, metrics, Events
