@@ -27,16 +27,12 @@ RATCHETED = "gpufence/webhook/core/"
 # path::qualified name. Only shrinks: remove an entry when its function is split.
 ALLOWED = frozenset({
     "gpufence/webhook/core/admission.py::_decide",
-    "gpufence/webhook/core/container_env.py::add_share_env",
-    "gpufence/webhook/core/container_env.py::gpu_container",
-    "gpufence/webhook/core/desired.py::desired_pod",
     "gpufence/webhook/core/dra.py::claim_memory",
     "gpufence/webhook/core/frameworks.py::framework_env",
     "gpufence/webhook/core/frameworks.py::server_warnings",
     "gpufence/webhook/core/podshape.py::check_shape",
     "gpufence/webhook/core/shares.py::resolve_shares",
     "gpufence/webhook/core/sidecar.py::build_sidecar",
-    "gpufence/webhook/core/sidecar.py::sidecar_user",
 })
 
 

@@ -348,7 +348,7 @@ def _decide(
     if not gpu_names:
         if not settings.void_non_gpu_containers or (opted_out and opt_out_allowed(namespace_annotations, settings)):
             return OUTCOME_SKIPPED, None
-        patch = plain_pod_patch(pod, settings)
+        patch = plain_pod_patch(pod, settings, paths)
         return (OUTCOME_MUTATED if patch else OUTCOME_UNCHANGED), patch
     if opted_out:
         # The namespace's admin decides whether a pod may opt out, not the pod.
@@ -382,7 +382,7 @@ def _decide(
     # In the status annotation too, so the enforcer posts them as Events on the pod: a pod a
     # controller creates never shows its author the admission warnings.
     plan = replace(plan, warnings=(*plan.warnings, *claim_notes))
-    patch, mutation_warnings = injection_patch(pod, plan, settings, pod_security, namespace_annotations, nodes)
+    patch, mutation_warnings = injection_patch(pod, plan, settings, pod_security, namespace_annotations, nodes, paths)
     warnings.extend(mutation_warnings)
     return (OUTCOME_MUTATED if patch else OUTCOME_UNCHANGED), patch
 
@@ -390,17 +390,19 @@ def _decide(
 def injection_patch(
     pod: dict[str, Any], plan: SharePlan, settings: InjectionSettings, pod_security: str | None = None,
     namespace_annotations: Mapping[str, object] | None = None, nodes: NodeLabels | None = None,
+    paths: PodGpuPaths | None = None,
 ) -> tuple[bytes | None, list[str]]:
     """The JSON Patch (compact UTF-8 JSON; None when the pod needs none) and the warnings.
 
     Raises ``Denial`` (a denial). The pod must have passed ``podshape.check_shape``.
     """
-    new_pod, warnings = desired_pod(pod, plan, settings, pod_security, namespace_annotations, nodes)
+    new_pod, warnings = desired_pod(pod, plan, settings, pod_security, namespace_annotations, nodes, paths)
     ops = diff(pod, new_pod)
     return (dumps(ops) if ops else None), warnings
 
 
-def plain_pod_patch(pod: dict[str, Any], settings: InjectionSettings) -> bytes | None:
+def plain_pod_patch(pod: dict[str, Any], settings: InjectionSettings,
+                    paths: PodGpuPaths | None = None) -> bytes | None:
     """The same for a pod that requests no GPU: only ``NVIDIA_VISIBLE_DEVICES=void`` where missing."""
-    ops = diff(pod, desired_plain_pod(pod, settings))
+    ops = diff(pod, desired_plain_pod(pod, settings, paths))
     return dumps(ops) if ops else None

@@ -39,7 +39,7 @@ from typing import Any, Literal, Protocol
 from gpufence.contract import SIDECAR_NAME, MemoryShare
 from gpufence.quantity import QuantityError, parse_bytes
 from gpufence.webhook.core.denial import Denial, quote
-from gpufence.webhook.core.namespace_policy import NamespacePolicy, _memory_above
+from gpufence.webhook.core.namespace_policy import NamespacePolicy, memory_above
 from gpufence.webhook.core.shares import ClaimMemory
 
 # The drivers a selector allows, or None where it allows any (pins no driver, or cannot be read).
@@ -519,7 +519,7 @@ def check_claim_ceilings(shares: Mapping[str, ClaimMemory], policy: NamespacePol
     if ceiling is None or ceiling.share.bytes is None:
         return
     for container, claimed in shares.items():
-        if _memory_above(claimed.share, ceiling.share):
+        if memory_above(claimed.share, ceiling.share):
             raise Denial(
                 f"container {quote(container)}: {claimed.origin} is above the memory ceiling of namespace "
                 f"{quote(policy.namespace)} ({ceiling.origin}): ask the claim for at most that, e.g. "

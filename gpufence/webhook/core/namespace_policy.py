@@ -98,7 +98,7 @@ class NamespacePolicy:
                         f"{quote(self.namespace)} ({ceiling.origin}) are in different units, so both apply: on "
                         f"each GPU the smaller is the limit"
                     )
-            elif _memory_above(memory, ceiling.share):
+            elif memory_above(memory, ceiling.share):
                 raise Denial(
                     f"{memory_origin} is above the memory ceiling of namespace {quote(self.namespace)} "
                     f"({ceiling.origin}): use at most {quote(ceiling.text)}"
@@ -116,7 +116,9 @@ class NamespacePolicy:
         return ContainerShare(memory=memory, compute_percent=compute)
 
 
-def _memory_above(share: MemoryShare, ceiling: MemoryShare) -> bool:
+def memory_above(share: MemoryShare, ceiling: MemoryShare) -> bool:
+    """Whether ``share`` is above ``ceiling``, both in the same unit (bytes where both have bytes):
+    the one comparison of a memory share with a ceiling (the namespace's, KAI's, a claim's)."""
     if share.bytes is not None and ceiling.bytes is not None:
         return share.bytes > ceiling.bytes
     assert share.percent is not None and ceiling.percent is not None

@@ -16,6 +16,7 @@ import functools
 import json
 import posixpath
 from collections.abc import Container, Mapping, Sequence
+from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any
 
@@ -172,11 +173,11 @@ _USER_KEYS = ("runAsUser", "runAsGroup")
 ROOT_USER = MappingProxyType({"runAsUser": 0})
 
 
-def sidecar_user(spec: dict[str, Any], gpu_containers: Container[str], pod_security: str | None,
-                 warnings: list[str]) -> dict[str, Any]:
+def sidecar_user(spec: dict[str, Any], gpu_containers: Container[str],
+                 pod_security: str | None) -> tuple[dict[str, Any], list[str]]:
     """The user fields of the sidecar's securityContext (``runAsUser``, and ``runAsGroup`` and
-    ``runAsNonRoot`` where the pod's would be wrong for it); raises ``Denial`` where no user
-    the namespace's Pod Security level allows the sidecar can act on every GPU container.
+    ``runAsNonRoot`` where the pod's would be wrong for it) and the warnings; raises ``Denial`` where
+    no user the namespace's Pod Security level allows the sidecar can act on every GPU container.
 
     ``gpu_containers`` holds the names of the GPU containers; ``spec`` has been shape-checked
     (``podshape.check_shape``); ``pod_security`` as for ``sidecar_security_context``.
@@ -184,11 +185,50 @@ def sidecar_user(spec: dict[str, Any], gpu_containers: Container[str], pod_secur
     pod_context = spec.get("securityContext") or {}
     pod_non_root = pod_context.get("runAsNonRoot") is True
     if pod_security in (None, PRIVILEGED):
-        return {"runAsUser": 0, **({"runAsNonRoot": False} if pod_non_root else {})}
+        return {"runAsUser": 0, **({"runAsNonRoot": False} if pod_non_root else {})}, []
     level = pod_security
-    # The first GPU container's name, user and group, and the fields they come from.
-    first: tuple[str, int | None, int | None, tuple[str, str]] | None = None
-    non_root_image = False
+    first = _gpu_containers_user(spec, gpu_containers, level)
+    user, group = (first.user, first.group) if first is not None else (None, None)
+    if first is not None and user == 0 and level == RESTRICTED:
+        raise Denial(
+            f"{first.fields[0]} is 0 (container {quote(first.name)}): Pod Security {quote(level)} admits no "
+            "root container, and the gpufence enforcer must run as the GPU containers' user; run them as a "
+            "non-root user, e.g. spec.securityContext.runAsUser: 1000"
+        )
+    warnings = []
+    if first is not None and first.non_root_image:
+        warnings.append(
+            "gpufence: the GPU containers run as their image's user (runAsNonRoot without runAsUser); the "
+            f"enforcer (root, no SYS_PTRACE under {level}) stops them but charges their GPU use to the "
+            "pod, not a container; set spec.securityContext.runAsUser"
+        )
+    own: dict[str, Any] = {"runAsUser": 0 if user is None else user}
+    if group is not None and group != pod_context.get("runAsGroup"):
+        own["runAsGroup"] = group
+    if own["runAsUser"] == 0 and pod_non_root:
+        own["runAsNonRoot"] = False
+    elif level == RESTRICTED and not pod_non_root:
+        own["runAsNonRoot"] = True  # restricted requires it of every container where the pod does not say it
+    return own, warnings
+
+
+@dataclass(frozen=True)
+class _ContainerUser:
+    """The first GPU container's name, user and group, the fields they come from, and whether it
+    runs as its image's (non-root) user."""
+
+    name: str
+    user: int | None
+    group: int | None
+    fields: tuple[str, str]
+    non_root_image: bool
+
+
+def _gpu_containers_user(spec: dict[str, Any], gpu_containers: Container[str], level: str) -> _ContainerUser | None:
+    """The GPU containers' one user and group (the first's); Denial where under ``level`` one runs as
+    its image's unknown user, or two differ: the sidecar can act on one user's processes only."""
+    pod_context = spec.get("securityContext") or {}
+    first: _ContainerUser | None = None
     for key in ("initContainers", "containers"):
         for i, container in enumerate(spec.get(key) or ()):
             if container["name"] not in gpu_containers:
@@ -206,40 +246,21 @@ def sidecar_user(spec: dict[str, Any], gpu_containers: Container[str], pod_secur
                 )
             fields = tuple(f"{where}.{k}" if k in context else f"spec.securityContext.{k}" for k in _USER_KEYS)
             if first is None:
-                first = (container["name"], user, group, (fields[0], fields[1]))
-                non_root_image = user is None and context.get("runAsNonRoot", pod_non_root) is True
+                non_root = context.get("runAsNonRoot", pod_context.get("runAsNonRoot") is True) is True
+                first = _ContainerUser(container["name"], user, group, (fields[0], fields[1]),
+                                       user is None and non_root)
                 continue
-            for n, (value, wanted) in enumerate(zip((user, group), first[1:3], strict=True)):
+            for n, (value, wanted) in enumerate(zip((user, group), (first.user, first.group), strict=True)):
                 if value != wanted:
                     raise Denial(
                         f"container {quote(container['name'])} runs with {_USER_KEYS[n]} {_shown(value)} "
-                        f"({fields[n]}), container {quote(first[0])} with {_shown(wanted)} ({first[3][n]}): "
+                        f"({fields[n]}), container {quote(first.name)} with {_shown(wanted)} ({first.fields[n]}): "
                         f"under Pod Security {quote(level)} the gpufence "
                         "enforcer has no capability to act on another user's processes, so it runs as the GPU "
                         "containers' one user and group; give every GPU container the same runAsUser and runAsGroup, "
                         "e.g. at pod level only: spec.securityContext.runAsUser: 1000"
                     )
-    user, group = (first[1], first[2]) if first is not None else (None, None)
-    if first is not None and user == 0 and level == RESTRICTED:
-        raise Denial(
-            f"{first[3][0]} is 0 (container {quote(first[0])}): Pod Security {quote(level)} admits no "
-            "root container, and the gpufence enforcer must run as the GPU containers' user; run them as a "
-            "non-root user, e.g. spec.securityContext.runAsUser: 1000"
-        )
-    if non_root_image:
-        warnings.append(
-            "gpufence: the GPU containers run as their image's user (runAsNonRoot without runAsUser); the "
-            f"enforcer (root, no SYS_PTRACE under {level}) stops them but charges their GPU use to the "
-            "pod, not a container; set spec.securityContext.runAsUser"
-        )
-    own: dict[str, Any] = {"runAsUser": 0 if user is None else user}
-    if group is not None and group != pod_context.get("runAsGroup"):
-        own["runAsGroup"] = group
-    if own["runAsUser"] == 0 and pod_non_root:
-        own["runAsNonRoot"] = False
-    elif level == RESTRICTED and not pod_non_root:
-        own["runAsNonRoot"] = True  # restricted requires it of every container where the pod does not say it
-    return own
+    return first
 
 
 def sidecar_reaches_root(pod_security: str | None) -> bool:
