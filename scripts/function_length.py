@@ -31,7 +31,6 @@ ALLOWED = frozenset({
     "gpufence/webhook/core/frameworks.py::framework_env",
     "gpufence/webhook/core/frameworks.py::server_warnings",
     "gpufence/webhook/core/podshape.py::check_shape",
-    "gpufence/webhook/core/shares.py::resolve_shares",
     "gpufence/webhook/core/sidecar.py::build_sidecar",
 })
 
