@@ -30,7 +30,6 @@ ALLOWED = frozenset({
     "gpufence/webhook/core/dra.py::claim_memory",
     "gpufence/webhook/core/frameworks.py::framework_env",
     "gpufence/webhook/core/frameworks.py::server_warnings",
-    "gpufence/webhook/core/podshape.py::check_shape",
     "gpufence/webhook/core/sidecar.py::build_sidecar",
 })
 
