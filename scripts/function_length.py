@@ -27,9 +27,6 @@ RATCHETED = "gpufence/webhook/core/"
 # path::qualified name. Only shrinks: remove an entry when its function is split.
 ALLOWED = frozenset({
     "gpufence/webhook/core/admission.py::_decide",
-    "gpufence/webhook/core/dra.py::claim_memory",
-    "gpufence/webhook/core/frameworks.py::framework_env",
-    "gpufence/webhook/core/frameworks.py::server_warnings",
     "gpufence/webhook/core/sidecar.py::build_sidecar",
 })
 
