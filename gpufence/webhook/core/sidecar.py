@@ -144,9 +144,8 @@ def _config_json_cached(key: tuple[Any, ...]) -> str:
 
 # --- the sidecar ---------------------------------------------------------------------------------
 
-# The namespace's enforced Pod Security level (the label's value; unlabelled: `privileged`, as
-# Kubernetes treats it) decides the sidecar's user and capabilities.
-POD_SECURITY_LABEL = "pod-security.kubernetes.io/enforce"
+# The namespace's enforced Pod Security level (its label's value, facts.POD_SECURITY_LABEL; unlabelled:
+# `privileged`, as Kubernetes treats it) decides the sidecar's user and capabilities.
 PRIVILEGED = "privileged"
 RESTRICTED = "restricted"
 
@@ -392,16 +391,9 @@ def sidecar_security_context(user: Mapping[str, Any], pod_security: str | None) 
     return context
 
 
-def build_sidecar(plan: SharePlan, settings: InjectionSettings, *, user: Mapping[str, Any] = ROOT_USER,
-                  pod_security: str | None = None, fixed_port: bool = True,
-                  status_warnings: bool = False) -> dict[str, Any]:
-    """The enforcer container; ``user`` from ``sidecar_user`` (see there why),
-    ``pod_security`` the namespace's enforced Pod Security level (see ``sidecar_security_context``);
-    ``fixed_port`` False where the pod's network namespace may already hold the metrics port (host
-    network, or a container declaring it): the enforcer then serves its metrics on any free port (0)
-    and is not scraped. The port matters for metrics only: the probes read the heartbeat.
-    ``status_warnings``: whether the status annotation records warnings for the enforcer's Events."""
-    port = settings.metrics_port if fixed_port else 0
+def _sidecar_env(plan: SharePlan, settings: InjectionSettings, port: int,
+                 status_warnings: bool) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """The enforcer's variables and volume mounts."""
     env = [
         # No pod name, namespace or uid: the enforcer reads them from the service-account token the
         # kubelet mounts (gpufence/enforcer/observe/pod_identity.py), which saves every pod three variables.
@@ -421,6 +413,20 @@ def build_sidecar(plan: SharePlan, settings: InjectionSettings, *, user: Mapping
     if settings.mount_host_proc:
         env.append({"name": ENV_HOST_PROC, "value": settings.host_proc_mount_path})
         mounts.append({"name": HOST_PROC_VOLUME, "mountPath": settings.host_proc_mount_path, "readOnly": True})
+    return env, mounts
+
+
+def build_sidecar(plan: SharePlan, settings: InjectionSettings, *, user: Mapping[str, Any] = ROOT_USER,
+                  pod_security: str | None = None, fixed_port: bool = True,
+                  status_warnings: bool = False) -> dict[str, Any]:
+    """The enforcer container; ``user`` from ``sidecar_user`` (see there why),
+    ``pod_security`` the namespace's enforced Pod Security level (see ``sidecar_security_context``);
+    ``fixed_port`` False where the pod's network namespace may already hold the metrics port (host
+    network, or a container declaring it): the enforcer then serves its metrics on any free port (0)
+    and is not scraped. The port matters for metrics only: the probes read the heartbeat.
+    ``status_warnings``: whether the status annotation records warnings for the enforcer's Events."""
+    port = settings.metrics_port if fixed_port else 0
+    env, mounts = _sidecar_env(plan, settings, port, status_warnings)
     sidecar: dict[str, Any] = {"name": SIDECAR_NAME, "image": settings.sidecar_image}
     if settings.sidecar_image_pull_policy != default_pull_policy(settings.sidecar_image):
         sidecar["imagePullPolicy"] = settings.sidecar_image_pull_policy
