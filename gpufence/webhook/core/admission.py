@@ -9,7 +9,7 @@ warnings) or denied with ``status.code`` 400 and a message for the user.
 from __future__ import annotations
 
 import base64
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -64,7 +64,7 @@ def review(payload: Any, settings: InjectionSettings, namespaces: NamespaceLooku
     none are known. Read once per review: one review sees one snapshot."""
     request = _request(payload)
     decision = _decide(request, settings, namespaces, claims, nodes.node_labels() if nodes is not None else None)
-    return _result(request["uid"], decision.outcome, list(decision.warnings), patch=decision.patch,
+    return _result(request["uid"], decision.outcome, decision.warnings, patch=decision.patch,
                    denied=decision.denied)
 
 
@@ -134,7 +134,7 @@ def _request(payload: Any) -> dict[str, Any]:
 
 
 def _result(
-    uid: str, outcome: str, warnings: list[str], *, patch: bytes | None = None, denied: str | None = None
+    uid: str, outcome: str, warnings: Sequence[str], *, patch: bytes | None = None, denied: str | None = None
 ) -> ReviewResult:
     response: dict[str, Any] = {"uid": uid, "allowed": denied is None}
     if denied is not None:

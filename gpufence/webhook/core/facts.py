@@ -6,6 +6,11 @@ rules and the injection ask of it: its namespace and that namespace's policy inp
 annotations, who sent it, its containers, KAI-Scheduler's fractions and the GPU paths
 (``gpu_paths.PodGpuPaths``). The facts are immutable; the raw pod stays in them only for the rules
 that read fields of their own and for the desired pod and its patch, which are computed on it.
+
+The shape check stays hand-written rather than a typed decoder's (msgspec structs were weighed): the
+rules and the patch read the decoded JSON objects, so a typed decode would be a second pass beside
+the server's ``json.loads``, not instead of it, and its errors name JSON types where a denial here
+names the field and what it must be.
 """
 
 from __future__ import annotations
