@@ -11,7 +11,7 @@ from __future__ import annotations
 import base64
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, NamedTuple
 
 from gpufence.contract import MIRROR_POD_ANNOTATION, POD_OPT_OUT_LABEL, SIDECAR_NAME, SIDECAR_PORT_NAME
 from gpufence.webhook.core.container_env import with_void
@@ -263,8 +263,7 @@ def _ephemeral(request: dict[str, Any], namespaces: NamespaceLookup) -> tuple[st
     return (OUTCOME_MUTATED if patch else OUTCOME_UNCHANGED), patch
 
 
-@dataclass(frozen=True)
-class Decision:
+class Decision(NamedTuple):
     """What the review decided: the outcome, the patch (None: none), the warnings for the pod's
     creator, and the denial's message where it is one."""
 

@@ -18,8 +18,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 from gpufence.contract import (
     ENV_CONTAINER,
@@ -114,8 +113,7 @@ def _percent_part_left(name: str, limiter: str, share: str) -> str:
             "part, where it is the smaller, is enforced by the gpufence enforcer only")
 
 
-@dataclass(frozen=True)
-class ShareLimits:
+class ShareLimits(NamedTuple):
     """How a GPU container's share reaches it (``share_env``'s flags): the driver's limit applies to
     the pod (``driver_limits``), the share's bytes are its percentage resolved (``resolved``), no other
     runtime holds its limit (``limiters``), and whether KAI hands it its legacy fraction."""
@@ -129,8 +127,7 @@ class ShareLimits:
 NO_LIMITS = ShareLimits()
 
 
-@dataclass(frozen=True)
-class InjectedContainer:
+class InjectedContainer(NamedTuple):
     """A GPU container as gpufence wants it, and what to tell its author: ``warnings`` about its
     limits and frameworks, ``replaced`` about the author's values of gpufence's variables that the
     webhook replaced or removed (for the pod's creator only: a reinvocation no longer sees them)."""

@@ -14,8 +14,7 @@ is never modified.
 from __future__ import annotations
 
 from collections.abc import Container, Mapping, Sequence
-from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 from gpufence.contract import ANNOTATION_STATUS, SIDECAR_NAME, ContainerShare
 from gpufence.webhook.core.container_env import InjectedContainer, ShareLimits, gpu_container, void_container
@@ -118,8 +117,7 @@ def _driver_limits(plan: SharePlan, spec: Mapping[str, Any], settings: Injection
                               lambda name: device_memory(spec, by_name.get(name, {}), settings), nodes)
 
 
-@dataclass(frozen=True)
-class EditedContainers:
+class EditedContainers(NamedTuple):
     """The pod's (init) containers as gpufence wants them, ours left out, and what the pass found."""
 
     lists: dict[str, list[Any]]  # "initContainers"/"containers" -> the containers, where the pod has any

@@ -16,9 +16,8 @@ names the field and what it must be.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
 from types import MappingProxyType
-from typing import Any
+from typing import Any, NamedTuple
 
 from gpufence.webhook.core.gpu_paths import PodGpuPaths
 from gpufence.webhook.core.kai import KaiFraction, NvFraction, kai_fraction, nv_fractions
@@ -31,9 +30,10 @@ POD_SECURITY_LABEL = "pod-security.kubernetes.io/enforce"
 _EMPTY: Mapping[str, Any] = MappingProxyType({})
 
 
-@dataclass(frozen=True)
-class PodFacts:
-    """One pod under review, as every rule reads it (after ``check_shape``)."""
+class PodFacts(NamedTuple):
+    """One pod under review, as every rule reads it (after ``check_shape``). A NamedTuple, as the
+    core's other per-review records: made on every review, where a frozen dataclass's ``__init__``
+    costs several times as much."""
 
     pod: dict[str, Any]  # the raw object, never modified: the desired pod and the patch start from it
     spec: dict[str, Any]

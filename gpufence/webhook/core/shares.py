@@ -22,7 +22,7 @@ import functools
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from decimal import Decimal, InvalidOperation
-from typing import Protocol, TypeVar
+from typing import NamedTuple, Protocol, TypeVar
 
 from gpufence.contract import (
     ANNOTATION_COMPUTE,
@@ -294,8 +294,7 @@ def _overrides(annotations: Mapping[str, object], gpu_containers: Sequence[str],
     return memory_overrides, compute_overrides, warnings
 
 
-@dataclass(frozen=True)
-class _Sources:
+class _Sources(NamedTuple):
     """Where a pod's shares come from, parsed: the per-container annotations, the pod-wide value (else
     the namespace default, else the flag) as written and parsed, the scheduler's and the claims' memory."""
 

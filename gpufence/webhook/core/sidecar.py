@@ -16,9 +16,8 @@ import functools
 import json
 import posixpath
 from collections.abc import Container, Mapping, Sequence
-from dataclasses import dataclass
 from types import MappingProxyType
-from typing import Any
+from typing import Any, NamedTuple
 
 from gpufence import __version__
 from gpufence.contract import (
@@ -211,8 +210,7 @@ def sidecar_user(spec: dict[str, Any], gpu_containers: Container[str],
     return own, warnings
 
 
-@dataclass(frozen=True)
-class _ContainerUser:
+class _ContainerUser(NamedTuple):
     """The first GPU container's name, user and group, the fields they come from, and whether it
     runs as its image's (non-root) user."""
 

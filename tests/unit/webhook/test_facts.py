@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any
 
 import pytest
@@ -45,7 +44,7 @@ def test_the_facts_are_what_every_rule_reads_in_pod_order() -> None:
 
 def test_the_facts_cannot_be_changed_by_a_rule() -> None:
     facts = pod_facts(REQUEST, pod(), "team-a", None, S)
-    with pytest.raises(dataclasses.FrozenInstanceError):
+    with pytest.raises(AttributeError):
         facts.gpu_names = ()  # type: ignore[misc]
     with pytest.raises(TypeError):
         facts.annotations["gpufence.io/memory"] = "80Gi"  # type: ignore[index]
