@@ -117,6 +117,8 @@ def device_memory(spec: Mapping[str, Any], container: Mapping[str, Any],
         value = selector.get(GFD_MEMORY_LABEL)
         if isinstance(value, str) and value.isdigit() and 0 < int(value) < (1 << 40):
             return DeviceMemory(int(value) * MiB, f"node selector {GFD_MEMORY_LABEL}={quote(value)}")
+    if not settings.gpu_memory:
+        return None  # no pool's memory given: the container's resource need not be looked up
     resource = shared_gpu_resource(container, settings)
     for name, num_bytes in settings.gpu_memory:
         if name == resource:
