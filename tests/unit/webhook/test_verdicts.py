@@ -235,6 +235,7 @@ def test_pods_whose_token_volumes_differ_share_a_verdict_and_get_their_own_name(
         assert got == judge(payload, settings, ns)
         answers.append(got)
     assert cache.hits == 2 and len(cache) == 1
+    assert cache.lookups == {(judge.__name__, "miss"): 1, (judge.__name__, "hit"): 2}
     if judge is review:  # the sidecar mounts the pod's own token volume
         assert "x7k2q" in base64.b64decode(answers[1].review["response"]["patch"]).decode()
         assert "abcde" not in base64.b64decode(answers[1].review["response"]["patch"]).decode()
