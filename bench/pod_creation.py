@@ -60,6 +60,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
+import functools
 import json
 import re
 import ssl
@@ -178,7 +179,7 @@ async def create_many(cp: ControlPlane, namespace: str, pods: int, concurrency: 
 
 
 def run_phase(cp: ControlPlane, name: str, pods: int, concurrency: int, *, expect_mutated: bool,
-              webhook_pid: int | None, pod: dict[str, Any] | None = None, opted_in: bool = True,
+              webhook_pid: int | tuple[int, ...] | None, pod: dict[str, Any] | None = None, opted_in: bool = True,
               verify_off: bool = False, gpufence_calls: Callable[[], float] | None = None,
               distinct: bool = False, gpufence_stats: Callable[[], dict[str, float]] | None = None,
               webhook_port: int | None = None) -> Phase:
@@ -277,11 +278,60 @@ def _established(port: int) -> int:
                if c.status == psutil.CONN_ESTABLISHED and c.laddr and c.laddr.port == port)
 
 
-def _cpu(pid: int | None) -> float | None:
+def _cpu(pid: int | tuple[int, ...] | None) -> float | None:
     if pid is None:
         return None
-    times = psutil.Process(pid).cpu_times()
-    return times.user + times.system
+    return sum(t.user + t.system for t in (psutil.Process(p).cpu_times()
+                                           for p in (pid if isinstance(pid, tuple) else (pid,))))
+
+
+@dataclass
+class Extra:
+    """gpufence webhook processes started besides the shipped one, all on one port."""
+    components: list[Any]
+    port: int
+
+
+def baseline_name(tree: Path) -> str:
+    """The commit a baseline tree was made from (its .git or a BASELINE file), else its folder's name."""
+    marker = tree / "BASELINE"
+    return marker.read_text().strip() if marker.exists() else tree.name
+
+
+def start_extra(hook: WebhookProcess, workdir: Path, name: str, command: list[str], env: dict[str, str], *,
+                processes: int = 1) -> Extra:
+    """``command`` (a gpufence-webhook) with the shipped webhook's arguments on a port of its own,
+    ``processes`` times (they share the port only where ``command`` sets SO_REUSEPORT)."""
+    port = free_port()
+    argv = [*command, "--bind-address", "127.0.0.1", "--port", str(port),
+            "--tls-cert-file", str(hook.secret.cert_file), "--tls-private-key-file", str(hook.secret.key_file),
+            "--cert-reload-interval", "100ms", "--kubeconfig", str(hook.kubeconfig), "--shutdown-delay", "0",
+            *hook.extra_args]
+    prefix = ["env", *(f"{k}={v}" for k, v in env.items())] if env else []
+    components = [start(f"{name}-{i}", [*prefix, *argv], workdir) for i in range(processes)]
+    ctx = hook.client_context()
+
+    def ready() -> bool:
+        # Each new connection goes to one of the processes: several answers in a row, all ready.
+        for component in components:
+            component.check_alive()
+        try:
+            for _ in range(4 * processes):
+                with urllib.request.urlopen(f"https://127.0.0.1:{port}/readyz", context=ctx, timeout=2) as resp:
+                    if resp.status != 200:
+                        return False
+        except OSError:
+            return False
+        return True
+
+    kube.wait_for(ready, f"gpufence webhook {name}", timeout=60)
+    return Extra(components, port)
+
+
+def extra_phase(cp: ControlPlane, label: str, extra: Extra, concurrency: int, pods: int) -> Phase:
+    point_webhook_at(cp, f"https://127.0.0.1:{extra.port}")
+    return run_phase(cp, label, pods, concurrency, expect_mutated=True,
+                     webhook_pid=tuple(c.process.pid for c in extra.components), webhook_port=extra.port)
 
 
 # Phase order, as in the report; the expected webhook calls per create (mutating, validating).
@@ -289,6 +339,9 @@ def _cpu(pid: int | None) -> float | None:
  REFERENCE_HTTP1) = range(8)
 EXPECTED_CALLS = {NO_WEBHOOK: (0, 0), PRE_INJECTED: (0, 0), GPUFENCE: (1, 1), GPUFENCE_NO_VERIFY: (1, 0),
                   REFERENCE: (1, 1), REFERENCE_NO_VERIFY: (1, 0), GPUFENCE_DISTINCT: (1, 1), REFERENCE_HTTP1: (1, 1)}
+# Optional phases, after those: gpufence from another tree (--baseline), gpufence as several processes
+# on one port (--processes); both as shipped otherwise (inject + verify).
+OPTIONAL_CALLS = (1, 1)
 GPUFENCE_PHASES = (GPUFENCE, GPUFENCE_NO_VERIFY, GPUFENCE_DISTINCT)
 
 
@@ -300,6 +353,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sequential-pods", type=int, default=300, help="pods per phase and round, one at a time")
     parser.add_argument("--concurrency", type=int, default=100)
     parser.add_argument("--no-write", action="store_true", help="print only, leave docs/PERFORMANCE.md alone")
+    parser.add_argument("--baseline", type=Path, metavar="TREE",
+                        help="also run gpufence from TREE (a checkout of an earlier commit): before/after in one run")
+    parser.add_argument("--processes", type=int, default=0, metavar="N",
+                        help="also run gpufence as N processes sharing one port (SO_REUSEPORT)")
     args = parser.parse_args(argv)
 
     # As measured before the e2e control plane ran kube-scheduler (1.37): no scheduler writing an
@@ -318,7 +375,16 @@ def main(argv: list[str] | None = None) -> int:
         # registered as a Service, as in a cluster (k8s.io/apiserver/pkg/util/webhook/client.go):
         # this second peer is the reference as a cluster calls it.
         ref_http1 = start_reference(cp, hook, ref_binary, ref_patch, Path(tmp), http2=False)
+        extras: dict[str, Extra] = {}
         try:
+            if args.baseline is not None:
+                extras[f"gpufence at {baseline_name(args.baseline)}"] = start_extra(
+                    hook, Path(tmp), "baseline", [sys.executable, "-m", "gpufence.webhook"],
+                    {"PYTHONPATH": str(args.baseline.resolve())})
+            if args.processes > 1:
+                extras[f"gpufence, {args.processes} processes"] = start_extra(
+                    hook, Path(tmp), "reuse-port", [sys.executable, "-m", "bench.reuse_port_webhook"], {},
+                    processes=args.processes)
             assert hook.component is not None
             gpufence_pid = hook.component.process.pid
             gpufence_url, ref_url = hook.url, f"https://127.0.0.1:{ref.port}"
@@ -377,6 +443,8 @@ def main(argv: list[str] | None = None) -> int:
 
             order = [no_webhook, pre_injected, gpufence, gpufence_no_verify, reference, reference_no_verify,
                      gpufence_distinct, reference_http1]
+            for label, extra in extras.items():
+                order.append(functools.partial(extra_phase, cp, label, extra))
             for level, pods in ((1, args.sequential_pods), (args.concurrency, args.pods)):
                 for r in range(args.rounds):
                     # Each round starts with another phase, so that neither the machine's changing
@@ -388,6 +456,9 @@ def main(argv: list[str] | None = None) -> int:
                           + ", ".join(f"{p.name} {p.rate:.0f}/s" for p in (sequential if level == 1 else rounds)[-1]),
                           file=sys.stderr, flush=True)
         finally:
+            for extra in extras.values():
+                for component in extra.components:
+                    component.stop()
             ref.component.stop()
             ref_http1.component.stop()
             hook.stop()
@@ -409,7 +480,7 @@ def check_calls(runs: list[list[Phase]]) -> list[str]:
     problems = []
     for run in runs:
         for i, phase in enumerate(run):
-            mutating, validating = EXPECTED_CALLS[i]
+            mutating, validating = EXPECTED_CALLS.get(i, OPTIONAL_CALLS)
             got = (phase.calls(MUTATING) / phase.pods, phase.calls(VALIDATING) / phase.pods)
             if abs(got[0] - mutating) > 0.01 or abs(got[1] - validating) > 0.01:
                 problems.append(f"{phase.name}: {got[0]:.2f} mutating and {got[1]:.2f} validating webhook calls "
@@ -439,6 +510,12 @@ def verdicts(rounds: list[list[Phase]], sequential: list[list[Phase]], args: arg
     vs_http1_rounds = " / ".join(f"{r[GPUFENCE].rate / r[REFERENCE_HTTP1].rate:.2f}" for r in rounds)
     vs_http1_distinct = rate(GPUFENCE_DISTINCT) / rate(REFERENCE_HTTP1)
     added_http1 = p50(REFERENCE_HTTP1) - p50(NO_WEBHOOK)
+    extra_lines = "".join(
+        f"- {rounds[0][i].name}: **{rate(i) / rate(REFERENCE):.2f}** x the Go reference, "
+        f"**{rate(i) / rate(REFERENCE_HTTP1):.2f}** x on HTTP/1.1, {rate(i) / rate(GPUFENCE):.2f} x gpufence "
+        f"(per round {' / '.join(f'{r[i].rate / r[GPUFENCE].rate:.2f}' for r in rounds)}); one create at a "
+        f"time it adds {p50(i) - p50(NO_WEBHOOK):+.1f} ms.\n"
+        for i in range(REFERENCE_HTTP1 + 1, len(rounds[0])))
     return (
         f"\n\nKubernetes {args.version}; medians of {args.rounds} rounds, phases rotated round by round.\n\n"
         f"- With {args.concurrency} creates in flight, gpufence as shipped runs at **{vs_ref:.2f}** x the Go "
@@ -454,6 +531,7 @@ def verdicts(rounds: list[list[Phase]], sequential: list[list[Phase]], args: arg
         f"**{'met' if vs_http1 >= TARGET_VS_REFERENCE else 'missed'}**), distinct pods **{vs_http1_distinct:.2f}** "
         f"(**{'met' if vs_http1_distinct >= TARGET_VS_REFERENCE else 'missed'}**); one create at a time it adds "
         f"{added_http1:+.1f} ms.\n"
+        f"{extra_lines}"
         f"- One create at a time, gpufence adds **{added:+.1f} ms** to the median (p50 {p50(NO_WEBHOOK):.1f} -> "
         f"{p50(GPUFENCE):.1f} ms; target <= {TARGET_ADDED_P50_MS:g} ms): "
         f"**{'met' if added <= TARGET_ADDED_P50_MS else 'missed'}**. Without verify {added_no_verify:+.1f} ms; "
