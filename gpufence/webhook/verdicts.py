@@ -137,7 +137,7 @@ class _Nodes:
 
 
 def _namespace_name(request: dict[str, Any]) -> str | None:
-    """The namespace the review looks up: the request's, else the pod's (core.admission._decide)."""
+    """The namespace the review looks up: the request's, else the pod's (core.admission._namespace)."""
     name = request.get("namespace")
     if isinstance(name, str) and name:
         return name
