@@ -297,3 +297,20 @@ def metrics(pod: dict[str, Any], port: int = 9401) -> dict[str, float]:
             key, _, value = line.rpartition(" ")
             values[key] = float(value)
     return values
+
+
+def sidecar_terminates_over_memory(cp: ControlPlane, running: dict[str, Any], container: str,
+                                   used: int, limit: int, what: str) -> None:
+    """The sidecar's whole answer to ``container`` holding ``used`` bytes on a ``limit`` share: its
+    ``memory_over_share`` record, a SIGTERM it sent, and the kubelet restarting the container, whose
+    workload saw the signal (the stand-in workloads print "got SIGTERM")."""
+    namespace, name = running["metadata"]["namespace"], running["metadata"]["name"]
+    over = wait_record(running, lambda r: r.get("event") == "memory_over_share" and r.get("container") == container,
+                       f"memory_over_share for {container}, {what}", timeout=40)
+    assert over["used_bytes"] == used and over["limit_bytes"] == limit, over
+    term = wait_record(running, lambda r: r.get("event") == "sigterm" and r.get("container") == container,
+                       f"the sidecar's SIGTERM to {container}, {what}")
+    assert term["outcome"] == "sent" and term["reason"] == "memory_over_share", term
+    kube.wait_for(lambda: statuses(get_pod(cp, namespace, name))[container]["restartCount"] >= 1,
+                  f"{container} terminated and restarted by the kubelet", 60, 0.3)
+    assert "got SIGTERM" in container_log(get_pod(cp, namespace, name), container, restart=0)

@@ -31,6 +31,7 @@ from tests.node.workloads import (
     host_pid,
     metrics,
     process_state,
+    sidecar_terminates_over_memory,
     statuses,
     wait_record,
     wait_running,
@@ -479,12 +480,4 @@ def test_a_root_workload_holding_its_gpu_only_through_a_bind_mounted_alias_is_te
     assert "'/dev/xgpu0'" in said and "/dev/nvidia" not in said, said  # the alias, no name under /dev/nvidia
 
     write_gpu_state(node, [(host_pid(node, running, "greedy"), 5 * GIB, 100)])
-    over = wait_record(running, lambda r: r.get("event") == "memory_over_share" and r.get("container") == "greedy",
-                       "memory_over_share for greedy, which holds only /dev/xgpu0", timeout=40)
-    assert over["used_bytes"] == 5 * GIB and over["limit_bytes"] == 4 * GIB, over
-    term = wait_record(running, lambda r: r.get("event") == "sigterm" and r.get("container") == "greedy",
-                       "the SIGTERM to greedy")
-    assert term["outcome"] == "sent" and term["reason"] == "memory_over_share", term
-    kube.wait_for(lambda: statuses(get_pod(cluster, tenant.namespace, name))["greedy"]["restartCount"] >= 1,
-                  "greedy terminated and restarted by the kubelet", 60, 0.3)
-    assert "got SIGTERM" in container_log(get_pod(cluster, tenant.namespace, name), "greedy", restart=0)
+    sidecar_terminates_over_memory(cluster, running, "greedy", 5 * GIB, 4 * GIB, "which holds only /dev/xgpu0")

@@ -35,8 +35,8 @@ from tests.node.workloads import (
     proc_status,
     process_state,
     setuid_root_command,
+    sidecar_terminates_over_memory,
     statuses,
-    wait_record,
     wait_running,
     wait_terminated,
     workload_container,
@@ -103,15 +103,7 @@ def test_a_setuid_root_binary_stays_uid_1000_and_the_uid_1000_sidecar_terminates
     assert _uids(host_pid(node, running, SIDECAR_NAME))[1] == 1000
 
     write_gpu_state(node, [(pid, 9 * GIB, 10)])
-    over = wait_record(running, lambda r: r.get("event") == "memory_over_share" and r.get("container") == "greedy",
-                       "memory_over_share for greedy", timeout=40)
-    assert over["used_bytes"] == 9 * GIB and over["limit_bytes"] == 8 * GIB, over
-    term = wait_record(running, lambda r: r.get("event") == "sigterm" and r.get("container") == "greedy",
-                       "the uid-1000 sidecar's SIGTERM to greedy")
-    assert term["outcome"] == "sent" and term["reason"] == "memory_over_share", term
-    kube.wait_for(lambda: statuses(get_pod(cluster, tenant.namespace, name))["greedy"]["restartCount"] >= 1,
-                  "greedy terminated and restarted by the kubelet", 60, 0.3)
-    assert "got SIGTERM" in container_log(get_pod(cluster, tenant.namespace, name), "greedy", restart=0)
+    sidecar_terminates_over_memory(cluster, running, "greedy", 9 * GIB, 8 * GIB, "the uid-1000 sidecar")
     assert not [r for r in enforcer_records(running) if r.get("event") == "process_uninspectable"]
 
     def over_share_event() -> dict | None:
