@@ -191,8 +191,9 @@ class DraCache:
             key = (watch.plural, ns, name)
             if key in fresh:
                 return fresh[key]
-            if synced and (ns, name) in watch.items:
-                return watch.items[(ns, name)]
+            cached = watch.items.get((ns, name)) if synced else None
+            if cached is not None:
+                return cached
             left = deadline - time.monotonic()
             if len(fresh) >= MAX_FRESH_READS or left <= 0:
                 complete = False
