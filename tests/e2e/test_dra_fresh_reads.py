@@ -29,6 +29,7 @@ from gpufence.webhook.core.settings import AllNamespacesOptedIn, InjectionSettin
 from gpufence.webhook.server import create_app, start_server
 from gpufence.webhook.tls import CertReloader
 from tests.e2e import kube
+from tests.e2e.controlplane import ControlPlane
 from tests.e2e.kube import enforcer_config
 from tests.e2e.test_dra import API, device_class, dra  # noqa: F401  (fixture)
 from tests.support.tlsutil import make_pki
@@ -37,10 +38,12 @@ GIB = 1 << 30
 
 
 @pytest.fixture
-async def served_webhook(dra: None, admin: client.ApiClient,  # noqa: F811
+async def served_webhook(dra: None, cluster: ControlPlane,  # noqa: F811
                          tmp_path: Path) -> AsyncIterator[tuple[str, DraCache, Any]]:
     pki = make_pki(tmp_path / "pki")
-    cache = DraCache(client.CustomObjectsApi(admin), min_backoff=0.1, max_backoff=1.0)
+    # The webhook's own client (its pool and watches), as in its process; never the tests' admin client.
+    cache = DraCache(client.CustomObjectsApi(kube.api_client(cluster.admin_kubeconfig)), min_backoff=0.1,
+                     max_backoff=1.0)
     reloader = CertReloader(pki.volume.cert_file, pki.volume.key_file)
     app = create_app(InjectionSettings(), AllNamespacesOptedIn(), reloader, claims=cache)
     running = await start_server(app, host="127.0.0.1", port=0)  # starts the cache with the app
@@ -66,7 +69,7 @@ def claim_pod(namespace: str, claim_name: str) -> dict[str, Any]:
 
 
 async def test_mutate_and_validate_agree_while_the_claim_watch_lags(
-    served_webhook: tuple[str, DraCache, Any], admin: client.ApiClient,
+    served_webhook: tuple[str, DraCache, Any], admin: client.ApiClient, cluster: ControlPlane,
 ) -> None:
     url, cache, pki = served_webhook
     gpu_class = kube.unique("fresh-gpu")
@@ -92,7 +95,8 @@ async def test_mutate_and_validate_agree_while_the_claim_watch_lags(
         pod = jsonpatch.apply_patch(pod, json.loads(base64.b64decode(mutated["patch"])))
 
         # The watch catches up (a new list) before /validate, as a delayed watch does.
-        caught_up = ObjectWatch(client.CustomObjectsApi(admin), "resourceclaims", _claim, kind="ResourceClaim")
+        caught_up = ObjectWatch(client.CustomObjectsApi(kube.api_client(cluster.admin_kubeconfig)), "resourceclaims",
+                                _claim, kind="ResourceClaim")
         caught_up.start()
         try:
             assert caught_up.wait_for(lambda w: (ns, claim) in w.items, timeout=60), "the claim never listed"
