@@ -27,6 +27,7 @@ from aiohttp.web_protocol import RequestPayloadError
 
 from gpufence import __version__
 from gpufence.logs import log_event
+from gpufence.webhook.cluster.dra_cache import DraCache
 from gpufence.webhook.cluster.policy import ClusterPolicy
 from gpufence.webhook.cluster.watch import BackgroundLookup
 from gpufence.webhook.core.admission import InvalidReview, ReviewResult, denial, request_namespace, review, verify
@@ -311,6 +312,25 @@ async def _fresh_namespaces(payload: Any, namespaces: NamespaceLookup,
     return namespaces
 
 
+async def _fresh_claims(payload: Any, claims: DraObjects | None) -> DraObjects | None:
+    """The DRA objects to review ``payload`` with: the watch cache, or, where it misses an object the
+    pod names, the cache with those objects read now from the API server (cluster.dra_cache).
+
+    /mutate and /validate of one create must see the same objects: a claim created a moment before
+    its pod, missing from a lagging cache at /mutate and present at /validate, would make the two
+    compute different pods and verify.gpufence.io refuse the pod gpufence made.
+    """
+    if not isinstance(claims, DraCache):
+        return claims
+    request = payload.get("request") if isinstance(payload, dict) else None
+    pod = request.get("object") if isinstance(request, dict) else None
+    spec = pod.get("spec") if isinstance(pod, dict) else None
+    namespace = request_namespace(payload)
+    if namespace is None or not claims.needs_fresh(namespace, spec):
+        return claims
+    return await asyncio.to_thread(claims.for_review, namespace, spec)
+
+
 def _short(exc: Exception) -> str:
     status = getattr(exc, "status", None)
     reason = getattr(exc, "reason", None)
@@ -337,16 +357,17 @@ async def _judge(request: web.Request, judge: Judge) -> web.Response:
         log_decision(payload, namespaces)
         request[OUTCOME] = namespaces.outcome
         return web.Response(body=dumps(namespaces.review), content_type="application/json")
+    claims = await _fresh_claims(payload, app[CLAIMS])
     if large:
         # A body this large takes milliseconds to decode and review (tens at the 6 MiB limit); on the event
         # loop that would stall every other request of this replica. In a worker thread the GIL
         # still serialises the Python work, but its switch interval lets the loop keep answering
         # small reviews meanwhile.
-        outcome, answer = await asyncio.to_thread(_answer, payload, judge, settings, namespaces, app[CLAIMS],
+        outcome, answer = await asyncio.to_thread(_answer, payload, judge, settings, namespaces, claims,
                                                   app[NODES])
     else:
         outcome, answer = _answer(payload, functools.partial(app[VERDICTS].judge, judge), settings, namespaces,
-                                  app[CLAIMS], app[NODES])
+                                  claims, app[NODES])
     request[OUTCOME] = outcome
     return web.Response(body=answer, content_type="application/json")
 
