@@ -25,7 +25,19 @@ peer. Each round runs six phases, each creating ``--pods`` GPU pods (``generateN
 6. **reference, no verify**: as 5 in the namespace that the validating webhook skips;
 7. **gpufence, distinct pods**: as 3, each pod with a label value of its own. Phases 3 and 4 create
    pods of one template, as a Deployment or a Job does: after the first, gpufence answers them from
-   its memo of verdicts (webhook.verdicts); here every pod is reviewed on both calls.
+   its memo of verdicts (webhook.verdicts); here every pod is reviewed on both calls;
+8. **reference, HTTP/1.1**: as 5, the Go peer with HTTP/2 off (``GODEBUG=http2server=0``). The API
+   server calls a webhook registered by a loopback URL, as all are here, over HTTP/2 where the
+   webhook offers it (Go's server does, aiohttp cannot), one connection for every call in flight;
+   it calls a webhook registered as a Service, as in a cluster, over HTTP/1.1 only
+   (k8s.io/apiserver/pkg/util/webhook/client.go), a connection per call in flight, keeping 25 of
+   them idle (client-go's transport) and handshaking anew beyond that. This phase is the reference
+   as a cluster calls it.
+
+Besides the rates, a second table per level gives each webhook's CPU as a share of one core, the
+connections the API server held open to it at the end of the window and, for gpufence (its
+/metrics), the connections it accepted per create and the share of each path's reviews answered
+from the memo.
 
 Phases 4 and 6 need one change to the installed objects, made once before the first phase: the
 ValidatingWebhookConfiguration's namespaceSelector gains a term excluding namespaces labelled
@@ -48,6 +60,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
+import functools
 import json
 import re
 import ssl
@@ -97,6 +110,10 @@ class Phase:
     # The API server's webhook calls in the measured window, by type: (calls, seconds).
     webhooks: dict[str, tuple[float, float]] = field(default_factory=dict)
     gpufence_calls: float | None = None  # gpufence's own count of the reviews it answered
+    # gpufence's own counters over the window (its /metrics): connections accepted, memo lookups.
+    gpufence_stats: dict[str, float] = field(default_factory=dict)
+    # Connections to the webhook's port open at the end of the window (the API server's pool).
+    open_connections: int | None = None
 
     @property
     def rate(self) -> float:
@@ -110,6 +127,10 @@ class Phase:
 
     def webhook_us_per_create(self, kind: str) -> float:
         return self.webhooks.get(kind, (0.0, 0.0))[1] / self.pods * 1e6
+
+    def hit_rate(self, judge: str) -> float | None:
+        hits, misses = self.gpufence_stats.get(f"{judge} hit", 0.0), self.gpufence_stats.get(f"{judge} miss", 0.0)
+        return hits / (hits + misses) if hits + misses else None
 
 
 def bench_pod(generate_name: str = "bench-") -> dict[str, Any]:
@@ -158,9 +179,10 @@ async def create_many(cp: ControlPlane, namespace: str, pods: int, concurrency: 
 
 
 def run_phase(cp: ControlPlane, name: str, pods: int, concurrency: int, *, expect_mutated: bool,
-              webhook_pid: int | None, pod: dict[str, Any] | None = None, opted_in: bool = True,
+              webhook_pid: int | tuple[int, ...] | None, pod: dict[str, Any] | None = None, opted_in: bool = True,
               verify_off: bool = False, gpufence_calls: Callable[[], float] | None = None,
-              distinct: bool = False) -> Phase:
+              distinct: bool = False, gpufence_stats: Callable[[], dict[str, float]] | None = None,
+              webhook_port: int | None = None) -> Phase:
     """One phase; ``verify_off`` labels the namespace so that only the validating webhook skips it."""
     pod = pod or bench_pod()
     admin = kube.api_client(cp.admin_kubeconfig)
@@ -182,12 +204,18 @@ def run_phase(cp: ControlPlane, name: str, pods: int, concurrency: int, *, expec
     cpu: list[float | None] = []
     hooks: list[dict[str, tuple[float, float]]] = []
     calls: list[float] = []
+    stats: list[dict[str, float]] = []
+    open_connections: list[int] = []
 
     def mark() -> None:
         cpu.append(_cpu(webhook_pid))
         hooks.append(webhook_time(cp))
         if gpufence_calls is not None:
             calls.append(gpufence_calls())
+        if gpufence_stats is not None:
+            stats.append(gpufence_stats())
+        if webhook_port is not None:
+            open_connections.append(_established(webhook_port))
 
     elapsed, latencies, failures = asyncio.run(create_many(cp, namespace, pods, concurrency, pod, mark, distinct))
     webhooks = {kind: (hooks[1].get(kind, (0.0, 0.0))[0] - hooks[0].get(kind, (0.0, 0.0))[0],
@@ -195,7 +223,9 @@ def run_phase(cp: ControlPlane, name: str, pods: int, concurrency: int, *, expec
                 for kind in (MUTATING, VALIDATING)}
     return Phase(name, pods, elapsed, latencies, failures,
                  None if cpu[0] is None or cpu[1] is None else cpu[1] - cpu[0], namespace, concurrency,
-                 webhooks, calls[1] - calls[0] if calls else None)
+                 webhooks, calls[1] - calls[0] if calls else None,
+                 {k: v - stats[0].get(k, 0.0) for k, v in stats[1].items()} if stats else {},
+                 open_connections[1] if open_connections else None)
 
 
 def add_verify_switch(cp: ControlPlane) -> None:
@@ -228,17 +258,91 @@ def webhook_time(cp: ControlPlane) -> dict[str, tuple[float, float]]:
     return out
 
 
-def _cpu(pid: int | None) -> float | None:
+def gpufence_counters(hook: WebhookProcess) -> dict[str, float]:
+    """gpufence's connections accepted and memo lookups by judge and result (its /metrics)."""
+    with urllib.request.urlopen(hook.url + "/metrics", context=hook.client_context(), timeout=10) as resp:
+        text = resp.read().decode()
+    out: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            if s.name == "gpufence_webhook_connections_total":
+                out["connections"] = s.value
+            elif s.name == "gpufence_webhook_verdict_memo_lookups_total":
+                out[f"{s.labels['judge']} {s.labels['result']}"] = s.value
+    return out
+
+
+def _established(port: int) -> int:
+    """Connections to ``port`` on this machine now established (the server's side of each)."""
+    return sum(1 for c in psutil.net_connections(kind="tcp")
+               if c.status == psutil.CONN_ESTABLISHED and c.laddr and c.laddr.port == port)
+
+
+def _cpu(pid: int | tuple[int, ...] | None) -> float | None:
     if pid is None:
         return None
-    times = psutil.Process(pid).cpu_times()
-    return times.user + times.system
+    return sum(t.user + t.system for t in (psutil.Process(p).cpu_times()
+                                           for p in (pid if isinstance(pid, tuple) else (pid,))))
+
+
+@dataclass
+class Extra:
+    """gpufence webhook processes started besides the shipped one, all on one port."""
+    components: list[Any]
+    port: int
+
+
+def baseline_name(tree: Path) -> str:
+    """The commit a baseline tree was made from (its .git or a BASELINE file), else its folder's name."""
+    marker = tree / "BASELINE"
+    return marker.read_text().strip() if marker.exists() else tree.name
+
+
+def start_extra(hook: WebhookProcess, workdir: Path, name: str, command: list[str], env: dict[str, str], *,
+                processes: int = 1) -> Extra:
+    """``command`` (a gpufence-webhook) with the shipped webhook's arguments on a port of its own,
+    ``processes`` times (they share the port only where ``command`` sets SO_REUSEPORT)."""
+    port = free_port()
+    argv = [*command, "--bind-address", "127.0.0.1", "--port", str(port),
+            "--tls-cert-file", str(hook.secret.cert_file), "--tls-private-key-file", str(hook.secret.key_file),
+            "--cert-reload-interval", "100ms", "--kubeconfig", str(hook.kubeconfig), "--shutdown-delay", "0",
+            *hook.extra_args]
+    prefix = ["env", *(f"{k}={v}" for k, v in env.items())] if env else []
+    components = [start(f"{name}-{i}", [*prefix, *argv], workdir) for i in range(processes)]
+    ctx = hook.client_context()
+
+    def ready() -> bool:
+        # Each new connection goes to one of the processes: several answers in a row, all ready.
+        for component in components:
+            component.check_alive()
+        try:
+            for _ in range(4 * processes):
+                with urllib.request.urlopen(f"https://127.0.0.1:{port}/readyz", context=ctx, timeout=2) as resp:
+                    if resp.status != 200:
+                        return False
+        except OSError:
+            return False
+        return True
+
+    kube.wait_for(ready, f"gpufence webhook {name}", timeout=60)
+    return Extra(components, port)
+
+
+def extra_phase(cp: ControlPlane, label: str, extra: Extra, concurrency: int, pods: int) -> Phase:
+    point_webhook_at(cp, f"https://127.0.0.1:{extra.port}")
+    return run_phase(cp, label, pods, concurrency, expect_mutated=True,
+                     webhook_pid=tuple(c.process.pid for c in extra.components), webhook_port=extra.port)
 
 
 # Phase order, as in the report; the expected webhook calls per create (mutating, validating).
-NO_WEBHOOK, PRE_INJECTED, GPUFENCE, GPUFENCE_NO_VERIFY, REFERENCE, REFERENCE_NO_VERIFY, GPUFENCE_DISTINCT = range(7)
+(NO_WEBHOOK, PRE_INJECTED, GPUFENCE, GPUFENCE_NO_VERIFY, REFERENCE, REFERENCE_NO_VERIFY, GPUFENCE_DISTINCT,
+ REFERENCE_HTTP1) = range(8)
 EXPECTED_CALLS = {NO_WEBHOOK: (0, 0), PRE_INJECTED: (0, 0), GPUFENCE: (1, 1), GPUFENCE_NO_VERIFY: (1, 0),
-                  REFERENCE: (1, 1), REFERENCE_NO_VERIFY: (1, 0), GPUFENCE_DISTINCT: (1, 1)}
+                  REFERENCE: (1, 1), REFERENCE_NO_VERIFY: (1, 0), GPUFENCE_DISTINCT: (1, 1), REFERENCE_HTTP1: (1, 1)}
+# Optional phases, after those: gpufence from another tree (--baseline), gpufence as several processes
+# on one port (--processes); both as shipped otherwise (inject + verify).
+OPTIONAL_CALLS = (1, 1)
+GPUFENCE_PHASES = (GPUFENCE, GPUFENCE_NO_VERIFY, GPUFENCE_DISTINCT)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -249,6 +353,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sequential-pods", type=int, default=300, help="pods per phase and round, one at a time")
     parser.add_argument("--concurrency", type=int, default=100)
     parser.add_argument("--no-write", action="store_true", help="print only, leave docs/PERFORMANCE.md alone")
+    parser.add_argument("--baseline", type=Path, metavar="TREE",
+                        help="also run gpufence from TREE (a checkout of an earlier commit): before/after in one run")
+    parser.add_argument("--processes", type=int, default=0, metavar="N",
+                        help="also run gpufence as N processes sharing one port (SO_REUSEPORT)")
     args = parser.parse_args(argv)
 
     # As measured before the e2e control plane ran kube-scheduler (1.37): no scheduler writing an
@@ -262,13 +370,30 @@ def main(argv: list[str] | None = None) -> int:
         add_verify_switch(cp)
         injected, ref_patch = injected_pod(cp, hook)
         ref = start_reference(cp, hook, ref_binary, ref_patch, Path(tmp))
+        # The API server speaks HTTP/2 to a webhook registered by a loopback URL, as here, when the
+        # webhook offers it (Go's server does; aiohttp cannot), and HTTP/1.1 to every webhook
+        # registered as a Service, as in a cluster (k8s.io/apiserver/pkg/util/webhook/client.go):
+        # this second peer is the reference as a cluster calls it.
+        ref_http1 = start_reference(cp, hook, ref_binary, ref_patch, Path(tmp), http2=False)
+        extras: dict[str, Extra] = {}
         try:
+            if args.baseline is not None:
+                extras[f"gpufence at {baseline_name(args.baseline)}"] = start_extra(
+                    hook, Path(tmp), "baseline", [sys.executable, "-m", "gpufence.webhook"],
+                    {"PYTHONPATH": str(args.baseline.resolve())})
+            if args.processes > 1:
+                extras[f"gpufence, {args.processes} processes"] = start_extra(
+                    hook, Path(tmp), "reuse-port", [sys.executable, "-m", "bench.reuse_port_webhook"], {},
+                    processes=args.processes)
             assert hook.component is not None
             gpufence_pid = hook.component.process.pid
             gpufence_url, ref_url = hook.url, f"https://127.0.0.1:{ref.port}"
 
             def gpufence_calls() -> float:
                 return sum(hook.request_counts().values())
+
+            def stats() -> dict[str, float]:
+                return gpufence_counters(hook)
 
             def no_webhook(concurrency: int, pods: int) -> Phase:
                 # A namespace that is not opted in: the API server calls nothing.
@@ -283,31 +408,43 @@ def main(argv: list[str] | None = None) -> int:
             def gpufence(concurrency: int, pods: int) -> Phase:
                 point_webhook_at(cp, gpufence_url)
                 return run_phase(cp, "gpufence", pods, concurrency, expect_mutated=True,
-                                 webhook_pid=gpufence_pid, gpufence_calls=gpufence_calls)
+                                 webhook_pid=gpufence_pid, gpufence_calls=gpufence_calls, gpufence_stats=stats,
+                                 webhook_port=hook.port)
 
             def gpufence_no_verify(concurrency: int, pods: int) -> Phase:
                 point_webhook_at(cp, gpufence_url)
                 return run_phase(cp, "gpufence, no verify", pods, concurrency, expect_mutated=True,
-                                 webhook_pid=gpufence_pid, verify_off=True, gpufence_calls=gpufence_calls)
+                                 webhook_pid=gpufence_pid, verify_off=True, gpufence_calls=gpufence_calls,
+                                 gpufence_stats=stats, webhook_port=hook.port)
 
             def reference(concurrency: int, pods: int) -> Phase:
                 point_webhook_at(cp, ref_url)
                 return run_phase(cp, "reference", pods, concurrency, expect_mutated=True,
-                                 webhook_pid=ref.component.process.pid, gpufence_calls=gpufence_calls)
+                                 webhook_pid=ref.component.process.pid, gpufence_calls=gpufence_calls,
+                                 webhook_port=ref.port)
 
             def reference_no_verify(concurrency: int, pods: int) -> Phase:
                 point_webhook_at(cp, ref_url)
                 return run_phase(cp, "reference, no verify", pods, concurrency, expect_mutated=True,
                                  webhook_pid=ref.component.process.pid, verify_off=True,
-                                 gpufence_calls=gpufence_calls)
+                                 gpufence_calls=gpufence_calls, webhook_port=ref.port)
+
+            def reference_http1(concurrency: int, pods: int) -> Phase:
+                point_webhook_at(cp, f"https://127.0.0.1:{ref_http1.port}")
+                return run_phase(cp, "reference, HTTP/1.1", pods, concurrency, expect_mutated=True,
+                                 webhook_pid=ref_http1.component.process.pid, gpufence_calls=gpufence_calls,
+                                 webhook_port=ref_http1.port)
 
             def gpufence_distinct(concurrency: int, pods: int) -> Phase:
                 point_webhook_at(cp, gpufence_url)
                 return run_phase(cp, "gpufence, distinct pods", pods, concurrency, expect_mutated=True,
-                                 webhook_pid=gpufence_pid, gpufence_calls=gpufence_calls, distinct=True)
+                                 webhook_pid=gpufence_pid, gpufence_calls=gpufence_calls, distinct=True,
+                                 gpufence_stats=stats, webhook_port=hook.port)
 
             order = [no_webhook, pre_injected, gpufence, gpufence_no_verify, reference, reference_no_verify,
-                     gpufence_distinct]
+                     gpufence_distinct, reference_http1]
+            for label, extra in extras.items():
+                order.append(functools.partial(extra_phase, cp, label, extra))
             for level, pods in ((1, args.sequential_pods), (args.concurrency, args.pods)):
                 for r in range(args.rounds):
                     # Each round starts with another phase, so that neither the machine's changing
@@ -319,7 +456,11 @@ def main(argv: list[str] | None = None) -> int:
                           + ", ".join(f"{p.name} {p.rate:.0f}/s" for p in (sequential if level == 1 else rounds)[-1]),
                           file=sys.stderr, flush=True)
         finally:
+            for extra in extras.values():
+                for component in extra.components:
+                    component.stop()
             ref.component.stop()
+            ref_http1.component.stop()
             hook.stop()
 
     problems = check_calls(rounds + sequential)
@@ -339,12 +480,12 @@ def check_calls(runs: list[list[Phase]]) -> list[str]:
     problems = []
     for run in runs:
         for i, phase in enumerate(run):
-            mutating, validating = EXPECTED_CALLS[i]
+            mutating, validating = EXPECTED_CALLS.get(i, OPTIONAL_CALLS)
             got = (phase.calls(MUTATING) / phase.pods, phase.calls(VALIDATING) / phase.pods)
             if abs(got[0] - mutating) > 0.01 or abs(got[1] - validating) > 0.01:
                 problems.append(f"{phase.name}: {got[0]:.2f} mutating and {got[1]:.2f} validating webhook calls "
                                 f"per create, expected {mutating} and {validating}")
-            reaches_gpufence = i in (GPUFENCE, GPUFENCE_NO_VERIFY, GPUFENCE_DISTINCT)
+            reaches_gpufence = i in GPUFENCE_PHASES
             if not reaches_gpufence and phase.gpufence_calls:
                 problems.append(f"{phase.name}: gpufence answered {phase.gpufence_calls:.0f} reviews")
     return problems
@@ -365,6 +506,16 @@ def verdicts(rounds: list[list[Phase]], sequential: list[list[Phase]], args: arg
     added_no_verify = p50(GPUFENCE_NO_VERIFY) - p50(NO_WEBHOOK)
     vs_ref_distinct = rate(GPUFENCE_DISTINCT) / rate(REFERENCE)
     added_distinct = p50(GPUFENCE_DISTINCT) - p50(NO_WEBHOOK)
+    vs_http1 = rate(GPUFENCE) / rate(REFERENCE_HTTP1)
+    vs_http1_rounds = " / ".join(f"{r[GPUFENCE].rate / r[REFERENCE_HTTP1].rate:.2f}" for r in rounds)
+    vs_http1_distinct = rate(GPUFENCE_DISTINCT) / rate(REFERENCE_HTTP1)
+    added_http1 = p50(REFERENCE_HTTP1) - p50(NO_WEBHOOK)
+    extra_lines = "".join(
+        f"- {rounds[0][i].name}: **{rate(i) / rate(REFERENCE):.2f}** x the Go reference, "
+        f"**{rate(i) / rate(REFERENCE_HTTP1):.2f}** x on HTTP/1.1, {rate(i) / rate(GPUFENCE):.2f} x gpufence "
+        f"(per round {' / '.join(f'{r[i].rate / r[GPUFENCE].rate:.2f}' for r in rounds)}); one create at a "
+        f"time it adds {p50(i) - p50(NO_WEBHOOK):+.1f} ms.\n"
+        for i in range(REFERENCE_HTTP1 + 1, len(rounds[0])))
     return (
         f"\n\nKubernetes {args.version}; medians of {args.rounds} rounds, phases rotated round by round.\n\n"
         f"- With {args.concurrency} creates in flight, gpufence as shipped runs at **{vs_ref:.2f}** x the Go "
@@ -375,6 +526,12 @@ def verdicts(rounds: list[list[Phase]], sequential: list[list[Phase]], args: arg
         f"pod with no webhook {rate(PRE_INJECTED) / base:.2f}. Distinct pods (none answered from the memo): "
         f"**{vs_ref_distinct:.2f}** x the Go reference "
         f"(**{'met' if vs_ref_distinct >= TARGET_VS_REFERENCE else 'missed'}**).\n"
+        f"- The same against the Go reference on HTTP/1.1, as the API server calls a webhook registered as a "
+        f"Service (gpufence is always called so): **{vs_http1:.2f}** (per round {vs_http1_rounds}; "
+        f"**{'met' if vs_http1 >= TARGET_VS_REFERENCE else 'missed'}**), distinct pods **{vs_http1_distinct:.2f}** "
+        f"(**{'met' if vs_http1_distinct >= TARGET_VS_REFERENCE else 'missed'}**); one create at a time it adds "
+        f"{added_http1:+.1f} ms.\n"
+        f"{extra_lines}"
         f"- One create at a time, gpufence adds **{added:+.1f} ms** to the median (p50 {p50(NO_WEBHOOK):.1f} -> "
         f"{p50(GPUFENCE):.1f} ms; target <= {TARGET_ADDED_P50_MS:g} ms): "
         f"**{'met' if added <= TARGET_ADDED_P50_MS else 'missed'}**. Without verify {added_no_verify:+.1f} ms; "
@@ -410,7 +567,33 @@ def report(rounds: list[list[Phase]], pods: int, title: str = "") -> str:
     return f"**{concurrency}**\n\n" + table(
         ["phase", "pods", "pods/s", "x no webhook", "x no webhook per round", "p50 ms", "added p50 ms", "p99 ms",
          "failed", "webhook CPU µs/pod", "webhook calls/pod (mutating + validating)",
-         "API server in webhooks µs/create (mutating + validating)"], rows)
+         "API server in webhooks µs/create (mutating + validating)"], rows) + "\n\n" + connections_table(rounds)
+
+
+def connections_table(rounds: list[list[Phase]]) -> str:
+    """Per phase with a webhook: its CPU as a share of one core over the window, the connections the API
+    server held open to it at the window's end and, for gpufence, the connections it accepted (each a
+    TLS handshake) per create and the share of each path's reviews answered from the memo."""
+    def med(values: list[float | None], fmt: str) -> str:
+        known = [v for v in values if v is not None]
+        return format(median(known), fmt) if known else "-"
+
+    rows = []
+    for i, name in enumerate(p.name for p in rounds[0]):
+        runs = [r[i] for r in rounds]
+        if all(p.webhook_cpu_s is None for p in runs):
+            continue
+        gpufence = i in GPUFENCE_PHASES
+        rows.append([
+            name,
+            med([100 * p.webhook_cpu_s / p.seconds if p.webhook_cpu_s is not None else None for p in runs], ".0f"),
+            med([p.open_connections for p in runs], ".0f"),
+            med([p.gpufence_stats.get("connections", 0.0) / p.pods for p in runs], ".2f") if gpufence else "-",
+            med([p.hit_rate("review") for p in runs], ".2f") if gpufence else "-",
+            med([p.hit_rate("verify") for p in runs], ".2f") if gpufence else "-",
+        ])
+    return table(["phase", "webhook CPU, % of one core", "connections open at the end",
+                  "connections accepted per create", "memo hits, /mutate", "memo hits, /validate"], rows)
 
 
 def injected_pod(cp: ControlPlane, hook: WebhookProcess) -> tuple[dict[str, Any], list[dict[str, Any]]]:
@@ -442,13 +625,17 @@ class Reference:
 
 
 def start_reference(cp: ControlPlane, hook: WebhookProcess, binary: Path, patch: list[dict[str, Any]],
-                    workdir: Path) -> Reference:
-    """The Go peer, serving gpufence's own certificate and gpufence's patch for the benchmark pod."""
+                    workdir: Path, *, http2: bool = True) -> Reference:
+    """The Go peer, serving gpufence's own certificate and gpufence's patch for the benchmark pod;
+    ``http2=False``: HTTP/1.1 only (Go's own switch), as the API server calls a Service webhook."""
     patch_file = workdir / "patch.json"
     patch_file.write_text(json.dumps(patch))
     port = free_port()
-    ref = start("refwebhook", [str(binary), "-addr", f"127.0.0.1:{port}", "-cert", str(hook.secret.cert_file),
-                               "-key", str(hook.secret.key_file), "-patch", str(patch_file)], workdir)
+    # `env` execs the binary: the pid is the server's.
+    env = [] if http2 else ["env", "GODEBUG=http2server=0"]
+    ref = start("refwebhook" if http2 else "refwebhook-http1",
+                [*env, str(binary), "-addr", f"127.0.0.1:{port}", "-cert", str(hook.secret.cert_file),
+                 "-key", str(hook.secret.key_file), "-patch", str(patch_file)], workdir)
     kube.wait_for(lambda: _ready(port, ref, hook.client_context()), "the reference webhook", timeout=30)
     return Reference(ref, port)
 

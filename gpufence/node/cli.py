@@ -14,10 +14,10 @@ It runs in the host's PID namespace with the host's cgroupfs (``--cgroup-root``,
 the freezer and the signals reach every process of a container. The pods of its node come from the
 API server (``--node-name``, default ``$NODE_NAME``, the downward API's ``spec.nodeName``) with its
 own ServiceAccount (in-cluster) or ``--kubeconfig``; ``--pods-file`` reads them from a JSON file
-instead (``{"pods": [...], "namespaces": [...], "resourceClaims": [...], "policy": <ConfigMap>}``, re-read
-when it changes: tests, the demo). The cluster policy is the webhook's ConfigMap (``--policy-configmap``,
-default ``gpufence/gpufence-policy``): GPU processes of pods its ``device-access-namespaces`` lists are
-reported, never ended.
+instead (``{"pods": [...], "namespaces": [...], "resourceClaims": [...], "resourceSlices": [...],
+"policy": <ConfigMap>}``, re-read when it changes: tests, the demo). The cluster policy is the webhook's
+ConfigMap (``--policy-configmap``, default ``gpufence/gpufence-policy``): GPU processes of pods its
+``device-access-namespaces`` lists are reported, never ended.
 
 Exit status: 0 after SIGTERM/SIGINT (everything it froze thawed first), 1 on a fatal start error
 (the simulated NVML cannot be built, no cluster configuration), 2 for usage errors.

@@ -32,6 +32,7 @@ guardian neither grants a new grace period nor signals twice.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from enum import StrEnum
@@ -264,6 +265,16 @@ class NodeEngine:
         self._configs: dict[str, EnforcerConfig] = {}
         self._pending_since: dict[str, float] = {}
         self._seen: dict[tuple[int, int, int], Standing] = {}
+        # Caches of what does not change between polls while its inputs are the same objects (the
+        # loop hands over last poll's GpuProc where nothing changed; the pod index is replaced only
+        # when a pod, namespace or claim changes): a quiet node costs the Cores' steps, little else.
+        self._classified: dict[tuple[int, int, int], tuple[GpuProc, PodIndex, CensusEntry]] = {}
+        self._capped: dict[str, tuple[NodePod, PodIndex, Mapping[str, frozenset[str]],
+                                      tuple[EnforcerConfig, Mapping[str, int]]]] = {}
+        self._attributions: dict[str, tuple[tuple[tuple[GpuProc, str | None], ...], Attribution]] = {}
+        # Bumped whenever the census's processes or standings, or a pod's config, change: what the
+        # driver-limit targets depend on besides the devices' sizes.
+        self.generation = 0
 
     def step(
         self,
@@ -273,7 +284,7 @@ class NodeEngine:
         index: PodIndex,
         mig_devices: frozenset[int] = frozenset(),
     ) -> NodeDecisions:
-        census = tuple(self._settle(now, classify(p, index), index) for p in processes)
+        census = tuple(self._settle(now, self._classify(p, index), index) for p in processes)
         new = self._new(census)
         breaches: list[Breach] = []
         report_only: list[Breach] = []
@@ -287,21 +298,16 @@ class NodeEngine:
         for uid in set(self._cores) - set(by_pod):
             del self._cores[uid]  # the pod has no GPU process left (or is gone): its controller too
             self._configs.pop(uid, None)
+            self._capped.pop(uid, None)
+            self._attributions.pop(uid, None)
+            self.generation += 1
         decisions: dict[str, Decisions] = {}
         throttle: dict[str, ThrottleTarget] = {}
         for uid, entries in by_pod.items():
             pod = entries[0].pod
             assert pod is not None and pod.config is not None
-            config, lowered = claim_capped_config(pod, index)
-            core = self._cores.get(uid)
-            if core is None or self._configs.get(uid) != config:
-                # A claim allocated or replaced after admission changes the share: a new Core on
-                # the new config (its compute window starts again).
-                core = self._cores[uid] = Core(config, compute_window_seconds=self._window,
-                                               compute_period_seconds=self._period,
-                                               compute_ineffective_seconds=self._ineffective)
-                self._configs[uid] = config
-            result = core.step(now, _attribution(entries), device_totals, mig_devices)
+            core, lowered = self._core(pod, index, entries)
+            result = core.step(now, self._attribution(uid, entries), device_totals, mig_devices)
             decisions[uid] = result
             enforce = self.mode is Mode.ENFORCE and pod.config.mode is Mode.ENFORCE
             for breach in self._pod_breaches(pod, entries, result, lowered):
@@ -326,10 +332,65 @@ class NodeEngine:
         return self.backstop.next_due()
 
     def wants_utilisation(self, now: float) -> bool:
-        # Every core is asked (each keeps its own timer); no core: the census needs no SM reading.
-        return any([core.wants_utilisation(now) for core in self._cores.values()])
+        """Whether this poll reads SM utilisation: when any pod's Core wants a fresh reading. Every
+        core is asked (each keeps its own timer; no core: the census needs no SM reading), on a clock
+        that counts whole compute periods, so that the cores of pods started at different polls stay
+        in step and one read, about once a period, serves them all (on their own clocks two groups
+        of cores half a period apart would have the driver read at every poll)."""
+        periods = math.floor(now / self._period) * self._period
+        return any([core.wants_utilisation(periods) for core in self._cores.values()])
 
     # -- helpers ------------------------------------------------------------------------------
+
+    def _classify(self, proc: GpuProc, index: PodIndex) -> CensusEntry:
+        """``classify``, reused while the process's record and the pod index are the same objects."""
+        key = (proc.pid, proc.start_time_ticks, proc.device_index)
+        cached = self._classified.get(key)
+        if cached is not None and cached[0] is proc and cached[1] is index:
+            return cached[2]
+        entry = classify(proc, index)
+        self._classified[key] = (proc, index, entry)
+        return entry
+
+    def _core(self, pod: NodePod, index: PodIndex, entries: list[CensusEntry]) -> tuple[Core, Mapping[str, int]]:
+        """The pod's Core on its config as the guardian holds it (lowered to its claims on the GPUs
+        its containers are on), and what was lowered. A claim allocated or replaced after admission
+        changes the share: a new Core on the new config (its compute window starts again)."""
+        on: dict[str, set[str]] = {}
+        for e in entries:
+            if e.container is not None:
+                on.setdefault(e.container, set()).add(e.process.device_uuid)
+        config, lowered = self._capped_config(pod, index, {c: frozenset(u) for c, u in on.items()})
+        core = self._cores.get(pod.uid)
+        held = self._configs.get(pod.uid)
+        if core is None or (held is not config and held != config):
+            core = self._cores[pod.uid] = Core(config, compute_window_seconds=self._window,
+                                               compute_period_seconds=self._period,
+                                               compute_ineffective_seconds=self._ineffective)
+            self._configs[pod.uid] = config
+            self.generation += 1
+        return core, lowered
+
+    def _capped_config(self, pod: NodePod, index: PodIndex, on: Mapping[str, frozenset[str]],
+                       ) -> tuple[EnforcerConfig, Mapping[str, int]]:
+        """``claim_capped_config``, reused while the pod, the index and the GPUs are the same."""
+        cached = self._capped.get(pod.uid)
+        if cached is not None and cached[0] is pod and cached[1] is index and cached[2] == on:
+            return cached[3]
+        found = claim_capped_config(pod, index, on)
+        self._capped[pod.uid] = (pod, index, on, found)
+        return found
+
+    def _attribution(self, uid: str, entries: list[CensusEntry]) -> Attribution:
+        """The pod's processes as the Core takes them, reused while they are the same records."""
+        key = tuple((e.process, e.container) for e in entries)
+        cached = self._attributions.get(uid)
+        if cached is not None and len(cached[0]) == len(key) and all(
+                a[0] is b[0] and a[1] == b[1] for a, b in zip(cached[0], key, strict=True)):
+            return cached[1]
+        attribution = _attribution(entries)
+        self._attributions[uid] = (key, attribution)
+        return attribution
 
     def _settle(self, now: float, entry: CensusEntry, index: PodIndex) -> CensusEntry:
         """A pod or container the API server has not shown yet is given ``settle_seconds`` (the
@@ -356,6 +417,9 @@ class NodeEngine:
             seen[key] = entry.standing
             if self._seen.get(key) is not entry.standing:
                 fresh.append(entry)
+        if fresh or len(seen) != len(self._seen):
+            self.generation += 1
+            self._classified = {k: v for k, v in self._classified.items() if k in seen}
         self._seen = seen
         return tuple(fresh)
 

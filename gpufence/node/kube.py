@@ -6,16 +6,17 @@
   Beside them, every ResourceClaim (``resource.k8s.io/v1``, all namespaces: the webhook's DRA watch,
   ``webhook.cluster.dra_cache.ObjectWatch``) reduced to its allocation (``gpufence.claims``); where
   the API is not served the claims stay unknown and bound nothing. The claims never gate the sync:
-  a cluster without DRA would never sync otherwise.
+  a cluster without DRA would never sync otherwise. And the node's ResourceSlices
+  (``spec.nodeName``), reduced to each device's NVML UUID, so a reservation bounds its own GPU.
   And the cluster policy, ConfigMap ``gpufence/gpufence-policy``, through the webhook's own watch
   and parser (``webhook.cluster.policy``): one source of each setting, read as the webhook reads
   it. The guardian takes ``device-access-namespaces`` from it; until a valid version is read, or
   where none can be, it takes none (the stricter answer), keeping the last valid one meanwhile.
-  Read-only RBAC: ``get``/``list``/``watch`` on pods, namespaces and resourceclaims, and on that
-  one ConfigMap (a Role with ``resourceNames``).
+  Read-only RBAC: ``get``/``list``/``watch`` on pods, namespaces, resourceclaims and resourceslices,
+  and on that one ConfigMap (a Role with ``resourceNames``).
 * :class:`PodsFile`: the same from a JSON file (``{"pods": [...], "namespaces": [...],
-  "resourceClaims": [...], "policy": <the ConfigMap>}``, Kubernetes objects), re-read when it
-  changes: for running the guardian outside a cluster (tests, the demo).
+  "resourceClaims": [...], "resourceSlices": [...], "policy": <the ConfigMap>}``, Kubernetes
+  objects), re-read when it changes: for running the guardian outside a cluster (tests, the demo).
 
 Both answer :meth:`index` with a ``pods.PodIndex``: what the API server says, never a request.
 """
@@ -29,14 +30,28 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Protocol
 
-from gpufence.claims import ClaimAllocation, claim_allocation
+from gpufence.claims import ClaimAllocation, SliceDevices, claim_allocation, device_uuids, slice_device_uuids
 from gpufence.node.pods import NodePod, PodIndex, node_pod
-from gpufence.webhook.cluster.dra_cache import ObjectWatch
+from gpufence.webhook.cluster.dra_cache import GROUP, VERSION, ObjectWatch
 from gpufence.webhook.cluster.namespaces import NamespaceCache, namespace_info
 from gpufence.webhook.cluster.policy import DEFAULT_NAME, DEFAULT_NAMESPACE, ClusterPolicy, PolicyWatch
 from gpufence.webhook.cluster.watch import ListWatch
 
 DEFAULT_POLICY_CONFIGMAP = (DEFAULT_NAMESPACE, DEFAULT_NAME)
+# What a PodIndex was built from: its pods, claims and slices (compared by identity), the opted-in
+# namespaces and the policy's device-access namespaces.
+_IndexKey = tuple[tuple[NodePod, ...], frozenset[str], tuple[ClaimAllocation, ...], tuple[SliceDevices, ...],
+                  tuple[str, ...]]
+
+
+class SliceWatch(ObjectWatch):
+    """The ResourceSlices of one node (``fieldSelector=spec.nodeName=<node>``), each reduced to its
+    devices' NVML UUIDs (``claims.slice_device_uuids``)."""
+
+    def __init__(self, api: Any, node_name: str, **kwargs: Any) -> None:
+        super().__init__(api, "resourceslices", slice_device_uuids, kind="ResourceSlice", **kwargs)
+        self._list_call = functools.partial(api.list_cluster_custom_object, GROUP, VERSION, "resourceslices",
+                                            field_selector=f"spec.nodeName={node_name}")
 
 
 class PodSource(Protocol):
@@ -57,31 +72,40 @@ class PodWatch(ListWatch):
         listing = functools.partial(api.list_pod_for_all_namespaces, field_selector=f"spec.nodeName={node_name}")
         super().__init__(listing, **kwargs)
         self._objects: dict[str, Mapping[str, Any]] = {}
+        self._parsed: dict[str, tuple[Mapping[str, Any], Any, NodePod | None]] = {}
+        self._last: tuple[_IndexKey, PodIndex] | None = None
         self.namespaces = NamespaceCache(api, **kwargs)
         self.claims = (None if custom_api is None else
                        ObjectWatch(custom_api, "resourceclaims", claim_allocation, kind="ResourceClaim", **kwargs))
+        # The node's ResourceSlices: which NVML UUID each allocated device is (read-only, this node's).
+        self.slices = None if custom_api is None else SliceWatch(custom_api, node_name, **kwargs)
         self.policy = ClusterPolicy(source="/".join(policy_configmap))
         self.policy_watch = PolicyWatch(api, *policy_configmap, self.policy, **kwargs)
 
     def start(self) -> None:
         self.namespaces.start()
         self.policy_watch.start()
-        if self.claims is not None:
-            self.claims.start()
+        for watch in (self.claims, self.slices):
+            if watch is not None:
+                watch.start()
         super().start()
 
     def stop(self, timeout: float | None = None) -> None:
         super().stop(timeout)
         self.namespaces.stop(timeout)
         self.policy_watch.stop(timeout)
-        if self.claims is not None:
-            self.claims.stop(timeout)
+        for watch in (self.claims, self.slices):
+            if watch is not None:
+                watch.stop(timeout)
 
     def has_synced(self) -> bool:
         # The policy's first read too (whatever it found: see index()).
         return super().has_synced() and self.namespaces.has_synced() and self.policy_watch.has_synced()
 
     def index(self) -> PodIndex:
+        """The pods, namespaces and claims as last seen. Each pod object is read (its sidecar's
+        config parsed) once per version of it and of its namespace, and the same ``PodIndex`` is
+        returned while nothing changed: the engine reuses what it derived from it, poll after poll."""
         if not self.policy_watch.has_synced():
             # No pod before the policy's first read: a pod the admin allowed device access would be
             # taken for unaccounted meanwhile. Its processes stay pending, and pods_synced says why.
@@ -89,16 +113,34 @@ class PodWatch(ListWatch):
         objects = list(self._objects.values())
         pods = []
         opted_in = set()
+        parsed: dict[str, tuple[Mapping[str, Any], Any, NodePod | None]] = {}
         for obj in objects:
             namespace = (obj.get("metadata") or {}).get("namespace") or ""
             info = self.namespaces.get(namespace)
-            found = node_pod(obj, info.annotations if info else {})
+            uid = _uid(obj)
+            seen = self._parsed.get(uid)
+            if seen is not None and seen[0] is obj and seen[1] is info:
+                found = seen[2]
+            else:
+                found = node_pod(obj, info.annotations if info else {})
+            parsed[uid] = (obj, info, found)
             if found is not None:
                 pods.append(found)
             if info is not None and info.opted_in:
                 opted_in.add(namespace)
+        self._parsed = parsed
         claims: list[ClaimAllocation] = list(self.claims.items.values()) if self.claims is not None else []
-        return PodIndex.of(pods, opted_in, claims, _device_access(self.policy))
+        slices: list[SliceDevices] = list(self.slices.items.values()) if self.slices is not None else []
+        # The policy's device-access namespaces are in the key: a policy change makes a new index.
+        key = (tuple(pods), frozenset(opted_in), tuple(claims), tuple(slices), _device_access(self.policy))
+        last = self._last
+        if last is not None and last[0][1] == key[1] and last[0][4] == key[4] and all(
+                len(a) == len(b) and all(x is y for x, y in zip(a, b, strict=True))
+                for a, b in ((last[0][0], key[0]), (last[0][2], key[2]), (last[0][3], key[3]))):
+            return last[1]
+        index = PodIndex.of(pods, opted_in, claims, device_uuids=device_uuids(slices), device_access=key[4])
+        self._last = (key, index)
+        return index
 
     def _replace(self, items: list[Mapping[str, Any]]) -> None:
         self._objects = {_uid(obj): obj for obj in items if _uid(obj)}
@@ -166,7 +208,9 @@ def pods_file_index(doc: Any, device_access: tuple[str, ...] = ()) -> PodIndex:
             if found is not None:
                 pods.append(found)
     claims = [claim_allocation(c) for c in (doc.get("resourceClaims") or []) if isinstance(c, dict)]
-    return PodIndex.of(pods, (n.name for n in namespaces if n.opted_in), claims, device_access)
+    slices = [slice_device_uuids(c) for c in (doc.get("resourceSlices") or []) if isinstance(c, dict)]
+    return PodIndex.of(pods, (n.name for n in namespaces if n.opted_in), claims,
+                       device_uuids=device_uuids(slices), device_access=device_access)
 
 
 def load_apis(kubeconfig: str | None) -> tuple[Any, Any]:

@@ -4,7 +4,7 @@ through cgroups, report.
 One poll (``Guardian.poll``)::
 
     NvmlClient.sample()  (through the enforcer's DeadlineRunner: a hung driver call never hangs the loop)
-      -> each listed PID's start time and /proc/<pid>/cgroup on the host -> census.placement
+      -> each listed PID's start time and /proc/<pid>/cgroup, read once (liveness.py) -> census.placement
       -> NodeEngine.step(now, processes, device totals, pods.index())     (pure: gpufence/node/decide.py)
       -> state file (episodes, before any signal) -> SIGTERM / SIGKILL through the cgroup (cgroupfs)
       -> the freezer's plan (throttle.FreezerThrottle) -> log lines, metrics, Events
@@ -24,7 +24,7 @@ from gpufence.contract import Mode
 from gpufence.enforcer.act.kill_deadlines import boot_clock
 from gpufence.enforcer.facts import DriverLimitState
 from gpufence.enforcer.observe.nvml import NvmlClient, NvmlSample, NvmlUnavailable
-from gpufence.enforcer.observe.procfs import read_cgroup, read_stat
+from gpufence.enforcer.observe.procfs import read_cgroup
 from gpufence.enforcer.observe.watchdog import DeadlineRunner
 from gpufence.enforcer.report.decision_log import DecisionLog
 from gpufence.node.census import Placement, placement
@@ -32,6 +32,7 @@ from gpufence.node.cgroupfs import CgroupFs
 from gpufence.node.decide import Action, Breach, Episode, GpuProc, NodeDecisions, NodeEngine, Standing
 from gpufence.node.kube import PodSource
 from gpufence.node.limits import Key, LimitAction, LimitTarget, limit_step, limit_targets
+from gpufence.node.liveness import LiveProcesses
 from gpufence.node.report import NodeEvents, NodeMetrics
 from gpufence.node.state import GuardianState
 from gpufence.node.throttle import FreezerThrottle
@@ -68,9 +69,15 @@ class Guardian:
     _nvml_open: bool = False
     _nvml_retry_at: float = 0.0
     _placements: dict[tuple[int, int], Placement] = field(default_factory=dict)
+    _live: LiveProcesses = field(init=False)
+    _procs: dict[tuple[tuple[int, int], int], GpuProc] = field(default_factory=dict)
     _reported: set[tuple[str, str]] = field(default_factory=set)
     _limits_set: dict[Key, int] = field(default_factory=dict)  # the driver limits this guardian set
     _limits_seen: dict[Key, int] = field(default_factory=dict)  # the share last handled per key
+    _limits_stamp: tuple[object, ...] | None = None
+
+    def __post_init__(self) -> None:
+        self._live = LiveProcesses(self.proc_root)
 
     # -- lifecycle ----------------------------------------------------------------------------
 
@@ -167,25 +174,31 @@ class Guardian:
         totals: dict[int, int | None] = {}
         mig = set()
         live: set[tuple[int, int]] = set()
-        for device in sample.devices:
-            if device.lost:
-                continue
+        devices = [d for d in sample.devices if not d.lost]
+        started = self._live.start_times(p.pid for d in devices for p in d.processes)
+        for device in devices:
             totals[device.index] = device.total_memory_bytes
             if device.mig:
                 mig.add(device.index)
             for p in device.processes:
-                stat = read_stat(p.pid, self.proc_root)
-                if stat is None or stat.is_dead:
-                    continue
-                key = (p.pid, stat.start_time_ticks)
+                start = started.get(p.pid)
+                if start is None:
+                    continue  # exited, or a zombie
+                key = (p.pid, start)
                 live.add(key)
                 where = self._placements.get(key)
                 if where is None:
                     # A process never leaves its cgroup: read once per (pid, start time).
                     where = placement(read_cgroup(p.pid, self.proc_root))
                     self._placements[key] = where
-                processes.append(GpuProc(p.pid, stat.start_time_ticks, device.index, device.uuid,
-                                         p.used_memory_bytes, device.sm_util_by_pid.get(p.pid), where))
+                sm = device.sm_util_by_pid.get(p.pid)
+                # The same record as last poll where nothing changed (most processes, most polls).
+                proc = self._procs.get((key, device.index))
+                if proc is None or proc.used_memory_bytes != p.used_memory_bytes or proc.sm_util != sm \
+                        or proc.device_uuid != device.uuid or proc.placement is not where:
+                    proc = GpuProc(p.pid, start, device.index, device.uuid, p.used_memory_bytes, sm, where)
+                processes.append(proc)
+        self._procs = {((p.pid, p.start_time_ticks), p.device_index): p for p in processes}
         if len(self._placements) > _PLACEMENT_CACHE_MAX or len(self._placements) > 2 * len(live) + 64:
             self._placements = {k: v for k, v in self._placements.items() if k in live}
         return processes, totals, frozenset(mig)
@@ -219,21 +232,28 @@ class Guardian:
         left where one is there."""
         if not self.nvml.has_memory_limits or self.engine.mode is not Mode.ENFORCE:
             return  # audit: a hard limit fails allocations, which is enforcing
+        # The targets follow the census, the configs and the devices' sizes: nothing to do while
+        # none of them changed since a pass that left nothing undone.
+        stamp = (self.engine.generation, tuple(sorted(totals.items())))
+        if stamp == self._limits_stamp:
+            return
         targets = limit_targets(decisions.census, decisions.configs, totals)
         for key in set(self._limits_seen) - set(targets):
             del self._limits_seen[key]  # the container is gone (or has no GPU process left)
             self._limits_set.pop(key, None)
         todo = [t for k, t in targets.items() if self._limits_seen.get(k) != t.bytes]
-        if not todo:
-            return
-        try:
-            done = self.runner.call("nvmlDeviceSetMemoryLimits", lambda: [self._limit_one(t) for t in todo])
-        except NvmlUnavailable as exc:
-            self.log.error("guardian_driver_limit_failed", error=str(exc))  # the next sample says more
-            return
-        for line in done:
-            if line is not None:
-                self.log.emit("guardian_driver_limit", level="info" if line["ok"] else "warning", **line)
+        if todo:
+            try:
+                done = self.runner.call("nvmlDeviceSetMemoryLimits", lambda: [self._limit_one(t) for t in todo])
+            except NvmlUnavailable as exc:
+                self.log.error("guardian_driver_limit_failed", error=str(exc))  # the next sample says more
+                return
+            for line in done:
+                if line is not None:
+                    self.log.emit("guardian_driver_limit", level="info" if line["ok"] else "warning", **line)
+        # A reading that failed is asked again next poll: no stamp while one is left.
+        if all(self._limits_seen.get(k) == t.bytes for k, t in targets.items()):
+            self._limits_stamp = stamp
 
     def _limit_one(self, target: LimitTarget) -> dict[str, object] | None:
         key = (target.namespace, target.device_index)

@@ -16,7 +16,7 @@ from enum import StrEnum
 from types import MappingProxyType
 from typing import Any
 
-from gpufence.claims import ClaimAllocation, ClaimUse, container_claims
+from gpufence.claims import ClaimAllocation, ClaimUse, DeviceRef, container_claims
 from gpufence.contract import (
     ANNOTATION_ADMIN_DEVICE_ACCESS,
     ENV_CONFIG,
@@ -136,19 +136,22 @@ def _opted_out(meta: Mapping[str, Any], namespace_annotations: Mapping[str, str]
 @dataclass(frozen=True)
 class PodIndex:
     """The pods on the node by UID, which namespaces are opted in, the ResourceClaims by
-    (namespace, name) with what the scheduler allocated, and the namespaces the cluster policy's
+    (namespace, name) with what the scheduler allocated, the NVML UUID of each DRA device the
+    ResourceSlices name (driver, pool, device), and the namespaces the cluster policy's
     ``device-access-namespaces`` lists (the admin's ConfigMap, read as the webhook reads it)."""
 
     pods: Mapping[str, NodePod]
     opted_in: frozenset[str]
     claims: Mapping[tuple[str, str], ClaimAllocation] = field(default_factory=lambda: MappingProxyType({}))
+    device_uuids: Mapping[DeviceRef, str] = field(default_factory=lambda: MappingProxyType({}))
     device_access: frozenset[str] = frozenset()
 
     @classmethod
-    def of(cls, pods: Iterable[NodePod], opted_in: Iterable[str],
-           claims: Iterable[ClaimAllocation] = (), device_access: Iterable[str] = ()) -> PodIndex:
+    def of(cls, pods: Iterable[NodePod], opted_in: Iterable[str], claims: Iterable[ClaimAllocation] = (), *,
+           device_uuids: Mapping[DeviceRef, str] | None = None, device_access: Iterable[str] = ()) -> PodIndex:
         return cls(MappingProxyType({p.uid: p for p in pods}), frozenset(opted_in),
-                   MappingProxyType({(c.namespace, c.name): c for c in claims}), frozenset(device_access))
+                   MappingProxyType({(c.namespace, c.name): c for c in claims}),
+                   MappingProxyType(dict(device_uuids or {})), frozenset(device_access))
 
     def get(self, uid: str | None) -> NodePod | None:
         return None if uid is None else self.pods.get(uid)

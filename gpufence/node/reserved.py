@@ -25,30 +25,49 @@ from gpufence.node.pods import NodePod, PodIndex
 ContainerKey = tuple[str, str]  # (pod UID, container name)
 
 
-def claim_bound(pod: NodePod, container: str, index: PodIndex) -> int | None:
+def claim_bound(pod: NodePod, container: str, index: PodIndex, on: frozenset[str] | None = None) -> int | None:
     """The memory the container's claims reserved on one device, or None where they bound nothing
     (no claim, a claim unknown or not allocated, a device allocated whole). Claims add up: a
-    container naming two claims may use what both reserved."""
+    container naming two claims may use what both reserved.
+
+    Per device where the ResourceSlices give every allocated device's NVML UUID: the most reserved
+    on a GPU in ``on`` (the UUIDs the container's processes are on now), so a 4 GiB reservation on
+    one GPU bounds the container there, not the 10 GiB of another. Elsewhere (a UUID unknown, or
+    the container on none of its allocated GPUs) the largest per-device reservation, as a result
+    alone cannot say which GPU NVML shows."""
     uses = pod.claims.get(container) or ()
-    total = 0
+    if not uses:
+        return None
+    per_uuid: dict[str, int] = {}
+    largest = 0
+    known = True
     for use in uses:
         claim = index.claims.get((pod.namespace, use.claim)) if use.claim is not None else None
-        amount = claim.memory_for(use.request) if claim is not None else None
-        if amount is None:
+        per_device = claim.memory_by_device(use.request) if claim is not None else None
+        if per_device is None:
             return None
-        total += amount
-    return total if uses else None
+        largest += max(per_device.values())
+        for ref, amount in per_device.items():
+            uuid = index.device_uuids.get(ref)
+            known = known and uuid is not None
+            if uuid is not None:
+                per_uuid[uuid] = per_uuid.get(uuid, 0) + amount
+    here = [per_uuid[u] for u in on or () if u in per_uuid]
+    return max(here) if known and here else largest
 
 
-def claim_capped_config(pod: NodePod, index: PodIndex) -> tuple[EnforcerConfig, Mapping[str, int]]:
-    """The pod's config with each GPU container's memory share lowered to its claims' bound, and
-    the containers it lowered (name -> bound in bytes)."""
+def claim_capped_config(pod: NodePod, index: PodIndex, on: Mapping[str, frozenset[str]] | None = None,
+                        ) -> tuple[EnforcerConfig, Mapping[str, int]]:
+    """The pod's config with each GPU container's memory share lowered to its claims' bound (on the
+    GPUs ``on`` names for it: container -> NVML UUIDs), and the containers it lowered (name ->
+    bound in bytes). The Core holds one share per container on every GPU it uses: a container on two
+    of its allocated GPUs at once is held to the larger of their reservations."""
     assert pod.config is not None
     config = pod.config
     lowered: dict[str, int] = {}
     containers = dict(config.containers)
     for name, share in config.containers.items():
-        bound = claim_bound(pod, name, index)
+        bound = claim_bound(pod, name, index, (on or {}).get(name))
         if bound is None or bound <= 0:
             continue
         memory = share.memory

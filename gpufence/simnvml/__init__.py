@@ -16,6 +16,13 @@ Simulated driver behaviour worth knowing:
 * ``nvmlDeviceGetProcessUtilization`` returns one sample per visible process per 10 ms window,
   timestamped with the window start (microseconds since the epoch); within the same window, or with
   ``lastSeenTimeStamp`` at or after it, ``NVML_ERROR_NOT_FOUND``.
+* With ``SimState.util_lag_ms``, a process's SM use is its ``sm_util`` only while it runs: the
+  driver samples every listed process's run state every 10 ms on a thread of its own (not at the
+  callers' reads), and a process stopped by a signal (``T`` in ``/proc/<pid>/stat``) or held by the
+  cgroup freezer (v1 ``freezer.state`` FROZEN/FREEZING, v2 ``cgroup.events`` ``frozen 1``, read from
+  ``/proc/<pid>/cgroup``) counts as idle, with that lag (queued kernels). Each reading is the mean
+  since the reader's previous one, so a sampler weighting its readings by the time between them
+  measures the mean use over any span.
 * A lost device (or one removed from the state) answers ``NVML_ERROR_GPU_IS_LOST``, including from
   ``nvmlDeviceGetHandleByIndex_v2``; ``nvmlDeviceGetCount_v2`` still counts it.
 * ``failures`` keys: an NVML function name (the unversioned name also matches ``_vN`` symbols),

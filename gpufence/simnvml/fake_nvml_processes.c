@@ -8,6 +8,7 @@
 
 /* version: 1 -> nvmlProcessInfo_v1_t, 2/3 -> nvmlProcessInfo_v2_t. */
 static void lag_tick(const struct sim_proc *p, unsigned long long now);
+static void lag_sampler_start(void);
 static unsigned long long now_us(void);
 
 static nvmlReturn_t do_running(const char *fn, int graphics, int version, nvmlDevice_t device, unsigned int *count,
@@ -71,11 +72,12 @@ static unsigned long long now_us(void) {
 /* Utilisation that follows the process's run state with a lag. A GPU keeps executing the kernels a
  * process queued after the process is stopped, so its utilisation falls only gradually (and rises
  * gradually after SIGCONT): each process's SM use is its state-file value times an exponential
- * average (time constant util_lag_ms) of "running" (not stopped, read from /proc at each process
- * list and utilisation call). A utilisation read reports, as a real driver does, each process's
- * mean since the previous read (an H200 with driver 580: one record per process, its mean over the
- * samples since lastSeenTimeStamp), integrated over those calls. Kept across state reloads, keyed
- * by host PID. */
+ * average (time constant util_lag_ms) of "running" (neither stopped by a signal nor frozen by the
+ * cgroup freezer, read from /proc and cgroupfs every SAMPLE_PERIOD_US by lag_sampler and at each
+ * process list and utilisation call). A utilisation read reports, as a real driver does, each
+ * process's mean since the previous read (an H200 with driver 580: one record per process, its mean
+ * over the samples since lastSeenTimeStamp), integrated over those samples. Kept across state
+ * reloads, keyed by host PID. */
 #define MAX_LAGGED 4096
 static struct {
     unsigned int pid;
@@ -100,11 +102,63 @@ static const char *proc_stat_fields(const char *proc_dir, char *buf, size_t n) {
     return close && close[1] == ' ' ? close + 2 : NULL;
 }
 
+/* The cgroup2 tree: /sys/fs/cgroup on a v2 host, /sys/fs/cgroup/unified on a hybrid one. */
+static const char *cgroup2_root(void) {
+    static const char *root;
+    if (!root) root = access("/sys/fs/cgroup/cgroup.controllers", F_OK) == 0 ? "/sys/fs/cgroup" : "/sys/fs/cgroup/unified";
+    return root;
+}
+
+/* Whether <root><cgroup>/<file> has a line starting with `want` (e.g. "frozen 1", "FROZEN"). */
+static int cgroup_file_says(const char *root, const char *cgroup, const char *file, const char *want) {
+    char path[CGROUP_PATH_MAX + 96], line[128];
+    if (strcmp(cgroup, "/") == 0) return 0; /* the root is never frozen */
+    if ((size_t)snprintf(path, sizeof path, "%s%s/%s", root, cgroup, file) >= sizeof path) return 0;
+    FILE *f = fopen(path, "r");
+    if (!f) return 0;
+    int found = 0;
+    while (!found && fgets(line, sizeof line, f)) found = strncmp(line, want, strlen(want)) == 0;
+    fclose(f);
+    return found;
+}
+
+/* Frozen by the cgroup freezer: a frozen task runs no instruction whatever signal it gets, so it
+ * submits no GPU work, yet /proc shows it 'D' (v1) or 'S' (v2), never 'T'. Read from the cgroups of
+ * /proc/<pid>/cgroup (the host's view, as the driver has it): v1's freezer.state (FROZEN, or
+ * FREEZING: part of it stopped already; a parent's freeze shows in the child's state) and v2's
+ * cgroup.events ("frozen 1", which an ancestor's cgroup.freeze sets too). */
+static int proc_frozen(unsigned int pid) {
+    char path[32], line[CGROUP_PATH_MAX + 64];
+    snprintf(path, sizeof path, "/proc/%u/cgroup", pid);
+    FILE *f = fopen(path, "r");
+    if (!f) return 0;
+    int frozen = 0;
+    while (!frozen && fgets(line, sizeof line, f)) {
+        line[strcspn(line, "\n")] = 0;
+        char *controllers = strchr(line, ':');
+        char *cgroup = controllers ? strchr(controllers + 1, ':') : NULL;
+        if (!cgroup) continue;
+        *controllers++ = 0;
+        *cgroup++ = 0;
+        if (strcmp(line, "0") == 0 && *controllers == 0) {
+            frozen = cgroup_file_says(cgroup2_root(), cgroup, "cgroup.events", "frozen 1");
+        } else {
+            for (char *save = NULL, *c = strtok_r(controllers, ",", &save); c; c = strtok_r(NULL, ",", &save))
+                if (strcmp(c, "freezer") == 0)
+                    frozen = cgroup_file_says("/sys/fs/cgroup/freezer", cgroup, "freezer.state", "FROZEN") ||
+                             cgroup_file_says("/sys/fs/cgroup/freezer", cgroup, "freezer.state", "FREEZING");
+        }
+    }
+    fclose(f);
+    return frozen;
+}
+
+/* Runnable: neither stopped by a signal (T, t) nor held by the cgroup freezer. */
 static int proc_running(unsigned int pid) {
     char dir[32], buf[1024];
     snprintf(dir, sizeof dir, "/proc/%u", pid);
     const char *state = proc_stat_fields(dir, buf, sizeof buf);
-    return state && *state != 'T' && *state != 't';
+    return state && *state != 'T' && *state != 't' && !proc_frozen(pid);
 }
 
 /* The process's slot, advanced to now (created running at its first call); MAX_LAGGED when full. */
@@ -112,6 +166,7 @@ static size_t lag_advance(const struct sim_proc *p, unsigned long long now) {
     size_t i;
     for (i = 0; i < g_nlagged && g_lagged[i].pid != p->host_pid; i++) {
     }
+    lag_sampler_start();
     if (i == g_nlagged) {
         if (g_nlagged == MAX_LAGGED) return MAX_LAGGED;
         g_nlagged++;
@@ -129,6 +184,51 @@ static size_t lag_advance(const struct sim_proc *p, unsigned long long now) {
     g_lagged[i].sum += p->sm_util * (before + g_lagged[i].running) / 2.0 * dt_us; /* trapezoid */
     g_lagged[i].t_us = now;
     return i;
+}
+
+/* The driver samples every process's run state on its own clock, however often a caller reads: a
+ * thread of the library, every SAMPLE_PERIOD_US while NVML is initialised, started with the first
+ * lagged reading. Sampled only at the callers' reads, a caller polling at a steady phase of a duty
+ * cycle (a throttle's period close to a multiple of its poll) would see that phase for many periods
+ * and report a use the process did not have; a real driver's samples are the GPU's, not the caller's. */
+static void *lag_sampler(void *arg) {
+    (void)arg;
+    for (;;) {
+        usleep(SAMPLE_PERIOD_US);
+        pthread_mutex_lock(&g_lock);
+        if (g_state && g_state->util_lag_ms != 0 && g_init_count > 0) {
+            unsigned long long now = now_us();
+            for (size_t i = 0; i < g_state->ndevs; i++)
+                for (size_t j = 0; j < g_state->devs[i].nprocs; j++) lag_advance(&g_state->devs[i].procs[j], now);
+        }
+        pthread_mutex_unlock(&g_lock);
+    }
+    return NULL;
+}
+
+static int g_sampler_started;
+
+static void sampler_after_fork(void) { g_sampler_started = 0; } /* the child has no such thread */
+
+static void lag_sampler_start(void) {
+    if (g_sampler_started) return;
+    g_sampler_started = 1;
+    static int atfork;
+    if (!atfork) atfork = pthread_atfork(NULL, NULL, sampler_after_fork) == 0;
+    /* Every signal blocked in it: a process's signals (a Python program's handlers) go to its own threads. */
+    sigset_t all, old;
+    sigfillset(&all);
+    pthread_sigmask(SIG_SETMASK, &all, &old);
+    pthread_attr_t attr;
+    pthread_t thread;
+    pthread_attr_init(&attr);
+    pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
+    if (pthread_create(&thread, &attr, lag_sampler, NULL) != 0) {
+        g_sampler_started = 0;
+        warn("cannot start the utilisation sampler thread; the run state is sampled at reads only");
+    }
+    pthread_attr_destroy(&attr);
+    pthread_sigmask(SIG_SETMASK, &old, NULL);
 }
 
 static void lag_tick(const struct sim_proc *p, unsigned long long now) {

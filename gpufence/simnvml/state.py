@@ -6,7 +6,7 @@ by ``$GPUFENCE_SIM_STATE``). The file format is private to this module and ``fak
     gpufence-simnvml 1
     driver namespace_aware|legacy
     host_pidns <inode>
-    util_lag_ms <ms>                                    (optional: utilisation follows SIGSTOP/SIGCONT with a lag)
+    util_lag_ms <ms>                                    (optional: utilisation follows the run state with a lag)
     init_error <code>                                   (optional)
     fail <function>[@<device index>] <code>             (zero or more)
     hang <function>[@<device index>]                    (zero or more: the call blocks until dropped)
@@ -201,8 +201,9 @@ class SimState:
     # a state without them is written.
     hangs: tuple[str, ...] = ()
     # When set, a process's reported SM use is its sm_util times an exponential average (this time
-    # constant, ms) of whether it is running: a stopped process's queued kernels keep the GPU busy
-    # for a while, and a continued one takes a while to fill it again. None: sm_util as written.
+    # constant, ms) of whether it is running (neither stopped by a signal nor held by the cgroup
+    # freezer), sampled by the driver every 10 ms: a stopped process's queued kernels keep the GPU
+    # busy for a while, and a continued one takes a while to fill it again. None: sm_util as written.
     util_lag_ms: int | None = None
 
     def __post_init__(self) -> None:

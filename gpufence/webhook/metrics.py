@@ -17,6 +17,8 @@ from gpufence.webhook.verdicts import VerdictCache
 OUTCOMES = ("mutated", "unchanged", "denied", "skipped", "verified", "refused", "invalid", "error")
 # Admission reviews take well under a millisecond to tens of milliseconds; the API server's
 # timeout is at most 30 s.
+# The memo's judges: core.admission.review answers /mutate, core.admission.verify /validate.
+JUDGES = ("review", "verify")
 DURATION_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 
 
@@ -77,11 +79,14 @@ class _VerdictCollector(Collector):
         lookups = CounterMetricFamily(
             "gpufence_webhook_verdict_memo_lookups",
             "Reviews answered from the memo of verdicts (hit: a request that carried nothing new, such as "
-            "another pod of one template) or reviewed (miss), by result.",
-            labels=["result"],
+            "another pod of one template) or reviewed (miss), by judge (review: /mutate, verify: /validate) and "
+            "result.",
+            labels=["judge", "result"],
         )
-        lookups.add_metric(["hit"], self._verdicts.hits)
-        lookups.add_metric(["miss"], self._verdicts.misses)
+        counts = self._verdicts.lookups
+        for judge in JUDGES:
+            for result in ("hit", "miss"):
+                lookups.add_metric([judge, result], counts.get((judge, result), 0))
         yield lookups
         entries = GaugeMetricFamily("gpufence_webhook_verdict_memo_entries", "Verdicts the memo holds now.")
         entries.add_metric([], len(self._verdicts))
@@ -100,6 +105,12 @@ class WebhookMetrics:
         self.duration = Histogram(
             "gpufence_webhook_request_duration_seconds", "Time to answer a /mutate or /validate request.",
             buckets=DURATION_BUCKETS, registry=self.registry,
+        )
+        # Each is a TLS handshake: an API server that keeps few connections idle (client-go keeps 25
+        # per host) opens new ones under load, and each costs more than a request.
+        self.connections = Counter(
+            "gpufence_webhook_connections", "TCP connections accepted (each one TLS handshake).",
+            registry=self.registry,
         )
 
     def observe(self, outcome: str, seconds: float) -> None:

@@ -40,6 +40,11 @@ def new_server_context() -> ssl.SSLContext:
     ctx.minimum_version = ssl.TLSVersion.TLSv1_2
     # HTTP/1.1 only (aiohttp); advertising it lets HTTP/2-preferring clients settle quickly.
     ctx.set_alpn_protocols(["http/1.1"])
+    # No session tickets: the API server's webhook client (client-go) keeps no session cache, so it
+    # never resumes a session, and OpenSSL would otherwise mint and send two tickets after every
+    # TLS 1.3 handshake. TLS 1.2 clients get no ticket either (OP_NO_TICKET).
+    ctx.num_tickets = 0
+    ctx.options |= ssl.OP_NO_TICKET
     return ctx
 
 

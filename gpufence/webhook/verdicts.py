@@ -137,7 +137,7 @@ class _Nodes:
 
 
 def _namespace_name(request: dict[str, Any]) -> str | None:
-    """The namespace the review looks up: the request's, else the pod's (core.admission._decide)."""
+    """The namespace the review looks up: the request's, else the pod's (core.admission._namespace)."""
     name = request.get("namespace")
     if isinstance(name, str) and name:
         return name
@@ -180,8 +180,20 @@ class VerdictCache:
         self._memo: OrderedDict[_Key, _Entry] = OrderedDict()
         self._settings: InjectionSettings | None = None
         self._nodes: NodeLabels | None = None
-        self.hits = 0
-        self.misses = 0
+        # Lookups by judge (``review`` for /mutate, ``verify`` for /validate) and result (hit, miss).
+        self.lookups: dict[tuple[str, str], int] = {}
+
+    @property
+    def hits(self) -> int:
+        return sum(n for (_, result), n in self.lookups.items() if result == "hit")
+
+    @property
+    def misses(self) -> int:
+        return sum(n for (_, result), n in self.lookups.items() if result == "miss")
+
+    def _count(self, judge: Judge, result: str) -> None:
+        key = (getattr(judge, "__name__", "judge"), result)
+        self.lookups[key] = self.lookups.get(key, 0) + 1
 
     def __len__(self) -> int:
         return len(self._memo)
@@ -214,13 +226,13 @@ class VerdictCache:
         entry = self._memo.get(key)
         if entry is not None:
             self._memo.move_to_end(key)
-            self.hits += 1
+            self._count(judge, "hit")
             response = {"uid": request["uid"], **entry.response}
             if entry.patch is not None:
                 patch = entry.patch.replace(_PLACEHOLDER, b'"' + token_json + b'"')
                 response["patch"] = base64.b64encode(patch).decode("ascii")
             return ReviewResult(review={**entry.envelope, "response": response}, outcome=entry.outcome)
-        self.misses += 1
+        self._count(judge, "miss")
         result = judge(payload, settings, namespace, recorded, snapshot)
         if namespace.strayed or (recorded is not None and recorded.read):
             return result

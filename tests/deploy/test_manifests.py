@@ -359,15 +359,16 @@ def test_build_contents(directory: str) -> None:
 
 
 def test_the_node_guardian_is_read_only_through_the_api_and_host_bound_on_the_node() -> None:
-    """Least privilege, as docs/internals/node-guardian.md states it: read pods, namespaces and
-    ResourceClaims, create Events, nothing else; on the node, the host's PID namespace, cgroupfs and
+    """Least privilege, as docs/internals/node-guardian.md states it: read pods, namespaces,
+    ResourceClaims and ResourceSlices, create Events, nothing else; on the node, the host's PID namespace, cgroupfs and
     a state directory, in a namespace of its own so that gpufence's stays restricted."""
     objects = render("k8s/overlays/node-guardian")
     role = one(objects, "ClusterRole", "gpufence-node")
     granted = {(group, resource, verb) for rule in role["rules"] for group in rule["apiGroups"]
                for resource in rule["resources"] for verb in rule["verbs"]}  # fmt: skip
     assert granted == {("", r, v) for r in ("pods", "namespaces") for v in ("get", "list", "watch")} | {
-        ("resource.k8s.io", "resourceclaims", v) for v in ("get", "list", "watch")} | {("", "events", "create")}
+        ("resource.k8s.io", r, v) for r in ("resourceclaims", "resourceslices") for v in ("get", "list", "watch")} | {
+        ("", "events", "create")}
     binding = one(objects, "ClusterRoleBinding", "gpufence-node")
     assert binding["subjects"] == [{"kind": "ServiceAccount", "name": "gpufence-node", "namespace": NODE_NAMESPACE}]
     # The cluster policy (device-access-namespaces), that one ConfigMap read-only, as the webhook reads it.

@@ -2,7 +2,8 @@
 allocate consumable-capacity claims (the ResourceSlice of tests/e2e/test_dra_capacity.py: shareable
 GPUs on a Node object with no kubelet), and the guardian's own watch (its ServiceAccount's bound
 token, the RBAC of k8s/components/node-guardian) reads the allocations: a claim created after its
-pod lowers the pod's admitted share to what was reserved, and two pods on one claim are one budget.
+pod lowers the pod's admitted share to what was reserved, the allocated device is mapped to the NVML
+UUID the node's ResourceSlice publishes for it, and two pods on one claim are one budget.
 The node side (planted processes in real cgroups, the real gpufence-node) is
 tests/integration/node/test_guardian_claims.py, fed allocations of the same shape; a kubelet that
 joins a 1.37 control plane is not part of the node bed."""
@@ -83,6 +84,24 @@ def test_the_guardians_claim_watch_holds_shares_to_what_the_scheduler_reserved(
         kube.wait_for(lowered, "the guardian to hold pod late to its 1 GiB allocation", timeout=90)
         allocation = watch.index().claims[(ns, "late")]
         assert allocation.reserved_for == {late}
+
+        # The driver publishes each GPU's NVML UUID (NVIDIA's: the attribute ``uuid``): the guardian
+        # reads the node's ResourceSlice with its own token and maps the allocated device to it.
+        custom = client.CustomObjectsApi(admin)
+        published: Any = custom.get_cluster_custom_object("resource.k8s.io", "v1", "resourceslices", f"{node}-gpus")
+        uuids = {d["name"]: f"GPU-{node}-{d['name']}" for d in published["spec"]["devices"]}
+        for device in published["spec"]["devices"]:
+            device["attributes"] = {"uuid": {"string": uuids[device["name"]]}}
+        custom.replace_cluster_custom_object("resource.k8s.io", "v1", "resourceslices", f"{node}-gpus", published)
+        expected = {("gpu.nvidia.com", node, name): uuid for name, uuid in uuids.items()}
+        kube.wait_for(lambda: dict(watch.index().device_uuids) == expected, "the guardian to read the slice's UUIDs")
+        index = watch.index()
+        ((_, _, _, device),) = index.claims[(ns, "late")].memory
+        own, other = uuids[device], next(u for name, u in uuids.items() if name != device)
+        late_pod = index.pods[late]
+        assert claim_capped_config(late_pod, index, {"train": frozenset({own})})[1] == {"train": GIB}
+        # On a GPU it was not allocated it is still held (to the largest reservation it has).
+        assert claim_capped_config(late_pod, index, {"train": frozenset({other})})[1] == {"train": GIB}
 
         # One 4 GiB claim for two pods, each admitted at 4 GiB: one budget of 4 GiB.
         assert kube.create(admin, f"{API}/namespaces/{ns}/resourceclaims",

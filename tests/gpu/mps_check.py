@@ -5,7 +5,7 @@ With ``--mps-limits`` the webhook gives a GPU container ``CUDA_MPS_PINNED_DEVICE
 memory share) and ``CUDA_MPS_ACTIVE_THREAD_PERCENTAGE`` (its compute share); they hold only where an
 MPS control daemon serves the container. This run starts one (``nvidia-cuda-mps-control -d``, pipe
 and log directories of its own), starts a PyTorch client with exactly the variables
-``webhook.core.container_env.add_share_env`` writes for a ``--share-mib`` share and a 30 % compute
+``webhook.core.container_env.share_env`` writes for a ``--share-mib`` share and a 30 % compute
 share, lets it allocate 256 MiB blocks until its own allocation fails (or it holds the whole GPU),
 and while it holds them reads NVML's compute and MPS process lists: the enforcer finds MPS clients
 only in the second (``nvmlDeviceGetMPSComputeRunningProcesses``).
@@ -48,12 +48,12 @@ sys.stdin.read()
 def mps_variables(share_mib: int, compute_percent: float) -> dict[str, str]:
     """The MPS variables the webhook writes for this share (its own code, not a copy)."""
     from gpufence.contract import ContainerShare, MemoryShare
-    from gpufence.webhook.core.container_env import add_share_env
+    from gpufence.webhook.core.container_env import share_env
     from gpufence.webhook.core.settings import InjectionSettings
 
-    env: dict[str, str] = {}
     share = ContainerShare(memory=MemoryShare(bytes=share_mib << 20), compute_percent=compute_percent)
-    add_share_env("greedy", share, InjectionSettings(mps_limits=True), None, [], env.__setitem__)
+    variables, _ = share_env("greedy", share, InjectionSettings(mps_limits=True), None)
+    env = dict(variables)
     return {k: v for k, v in env.items() if k.startswith("CUDA_MPS_")}
 
 

@@ -5,7 +5,8 @@
 * ``gpufence``: a Debian bookworm root filesystem (``debootstrap --variant=minbase`` with python3)
   holding, like the Dockerfile, a virtualenv at ``/opt/gpufence`` with the project installed
   from ``requirements/runtime.lock`` (its versions and hashes). The same image runs the sidecar and the test workloads
-  (python3 is all a workload needs to hold the stand-in device open).
+  (python3 is all a workload needs to hold the stand-in device open), and a setuid-root copy of
+  python3 (``SETUID_ROOT_PYTHON``) for the tenant's setuid attacks.
 
 Each is written as an OCI image layout tarball (one layer: the root filesystem as a tar, a config,
 a manifest, an index) with Python's tarfile and json, and imported with
@@ -263,9 +264,24 @@ def _debian_rootfs() -> Path:
     return rootfs
 
 
+# A setuid-root binary, as a tenant's GPU image may hold one (issue 38 row 2): a copy of the image's
+# python3, owned by root with the setuid bit, so whoever runs it gets effective uid 0 unless the
+# kernel's no_new_privs holds (``allowPrivilegeEscalation: false``). The node tests' workloads use
+# this image; the sidecar runs it with no_new_privs always, and the project's Dockerfile has none.
+SETUID_ROOT_PYTHON = "/usr/bin/python3-setuid-root"
+
+
+def _add_setuid_root_python(rootfs: Path) -> None:
+    target = rootfs / SETUID_ROOT_PYTHON.lstrip("/")
+    shutil.copyfile(rootfs / "usr" / "bin" / "python3.11", target)
+    os.chown(target, 0, 0)
+    target.chmod(0o4755)  # after the chown, which clears the setuid bit
+
+
 def gpufence_image() -> OciImage:
     base = _debian_rootfs()
-    key = _digest_files([REPO / p for p in PROJECT_SOURCES], f"{base} {' '.join(COMPILE_PYC)}".encode())
+    key = _digest_files([REPO / p for p in PROJECT_SOURCES],
+                        f"{base} {' '.join(COMPILE_PYC)} {SETUID_ROOT_PYTHON}".encode())
     directory = cache_root() / f"gpufence-{key}"
     tarball = directory / "gpufence.oci.tar"
     if tarball.exists():
@@ -302,6 +318,7 @@ def gpufence_image() -> OciImage:
             shutil.rmtree(wheel_dir)
             subprocess.run(["chroot", str(rootfs), "/opt/gpufence/bin/python", *COMPILE_PYC,
                             "/opt/gpufence/lib/python3.11/site-packages/gpufence"], check=True)
+            _add_setuid_root_python(rootfs)
             write_oci_tarball(
                 tarball, GPUFENCE_IMAGE, rootfs, cmd=["gpufence-webhook", "--help"], user="65532:65532",
                 workdir="/tmp",

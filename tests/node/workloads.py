@@ -13,7 +13,7 @@ from gpufence.simnvml import SimDevice, SimProcess, SimState, write_state
 from tests.e2e import kube
 from tests.e2e.controlplane import ControlPlane
 from tests.node.driver_hook import GPU_UUID
-from tests.node.images import GPUFENCE_IMAGE
+from tests.node.images import GPUFENCE_IMAGE, SETUID_ROOT_PYTHON
 from tests.node.node import NODE_NAME, Node
 
 GPU_MEMORY = 80 << 30
@@ -55,6 +55,34 @@ if os.environ.get("GPUFENCE_CONTAINER") != "not-a-container":
     argv = open("/proc/self/cmdline", "rb").read().rstrip(b"\\0").split(b"\\0")
     os.execve("/proc/self/exe", argv, {**os.environ, "GPUFENCE_CONTAINER": "not-a-container"})
 """ + WORKLOAD
+
+
+# Run by the image's setuid-root python3 (``images.SETUID_ROOT_PYTHON``) as the pod's non-root user:
+# makes itself root for good (real, effective and saved uid 0) where the setuid bit took, says
+# whether it did, and holds the device over its share like any workload. With argv[1] "ignore" it
+# ignores SIGTERM, as an attacker would (only a SIGKILL ends it).
+SETUID_ROOT_WORKLOAD = """
+import os, signal, sys, time
+started = os.getresuid()
+try:
+    os.setresuid(0, 0, 0)
+    became = "became root"
+except OSError as exc:
+    became = f"stayed uid {os.geteuid()} ({exc.strerror})"
+device = open("/dev/nvidia0")
+def on_term(signum, frame):
+    print("got SIGTERM", flush=True)
+    sys.exit(143)
+signal.signal(signal.SIGTERM, signal.SIG_IGN if sys.argv[1:] == ["ignore"] else on_term)
+print(f"gpu process {os.getpid()} started with uids {started}: {became}", flush=True)
+while True:
+    time.sleep(3600)
+"""
+
+
+def setuid_root_command(*args: str) -> list[str]:
+    """The command of a container that runs ``SETUID_ROOT_WORKLOAD`` through the setuid-root binary."""
+    return [SETUID_ROOT_PYTHON, "-u", "-c", SETUID_ROOT_WORKLOAD, *args]
 
 
 def workload_container(name: str, script: str = WORKLOAD, *, user: int | None = 0, **extra: Any) -> dict[str, Any]:
@@ -131,6 +159,39 @@ def write_gpu_state(node: Node, processes: Iterable[tuple[int, int, int]]) -> No
     to the one the sidecar sees in the pod's PID namespace, as the driver does."""
     write_state(node.state_file, SimState(devices=(SimDevice(
         GPU_UUID, GPU_MEMORY, tuple(SimProcess.for_pid(pid, used, sm_util=sm) for pid, used, sm in processes)),)))
+
+
+def clear_namespace(cp: ControlPlane, node: Node, namespace: str) -> None:
+    """After a node test: no GPU process left in the simulated driver, the namespace's pods gone
+    before the next test starts (GPUs, CPU of 2-core machines), the namespace on its way out."""
+    write_gpu_state(node, ())
+    cp.kubectl("-n", namespace, "delete", "pods", "--all", "--wait=true", "--timeout=90s", check=False)
+    cp.kubectl("delete", "namespace", namespace, "--wait=false", check=False)
+
+
+def wait_terminated(cp: ControlPlane, namespace: str, name: str, container: str,
+                    timeout: float = 60.0) -> dict[str, Any]:
+    """The pod once ``container`` is terminated (a pod with ``restartPolicy: Never``)."""
+    def terminated() -> dict[str, Any] | None:
+        current = get_pod(cp, namespace, name)
+        return current if "terminated" in (statuses(current)[container].get("state") or {}) else None
+    return kube.wait_for(terminated, f"{container} of {namespace}/{name} terminated", timeout, 0.3)
+
+
+def wait_sidecar_restarted(cp: ControlPlane, namespace: str, name: str, what: str, timeout: float) -> dict[str, Any]:
+    """The pod once its sidecar has been restarted and has started again."""
+    def restarted() -> dict[str, Any] | None:
+        current = get_pod(cp, namespace, name)
+        status = statuses(current)[SIDECAR_NAME]
+        return current if status["restartCount"] >= 1 and status.get("started") else None
+    return kube.wait_for(restarted, what, timeout, 0.3)
+
+
+def proc_status(pid: int) -> dict[str, str]:
+    """``/proc/<pid>/status`` as the kernel reports it (``Uid``: real, effective, saved, filesystem;
+    ``NoNewPrivs``: 1 where setuid bits and file capabilities no longer raise privileges)."""
+    fields = (line.partition(":") for line in Path(f"/proc/{pid}/status").read_text().splitlines())
+    return {key: value.strip() for key, _, value in fields}
 
 
 def events(cp: ControlPlane, namespace: str, pod: str) -> list[dict[str, Any]]:
@@ -236,3 +297,20 @@ def metrics(pod: dict[str, Any], port: int = 9401) -> dict[str, float]:
             key, _, value = line.rpartition(" ")
             values[key] = float(value)
     return values
+
+
+def sidecar_terminates_over_memory(cp: ControlPlane, running: dict[str, Any], container: str,
+                                   used: int, limit: int, what: str) -> None:
+    """The sidecar's whole answer to ``container`` holding ``used`` bytes on a ``limit`` share: its
+    ``memory_over_share`` record, a SIGTERM it sent, and the kubelet restarting the container, whose
+    workload saw the signal (the stand-in workloads print "got SIGTERM")."""
+    namespace, name = running["metadata"]["namespace"], running["metadata"]["name"]
+    over = wait_record(running, lambda r: r.get("event") == "memory_over_share" and r.get("container") == container,
+                       f"memory_over_share for {container}, {what}", timeout=40)
+    assert over["used_bytes"] == used and over["limit_bytes"] == limit, over
+    term = wait_record(running, lambda r: r.get("event") == "sigterm" and r.get("container") == container,
+                       f"the sidecar's SIGTERM to {container}, {what}")
+    assert term["outcome"] == "sent" and term["reason"] == "memory_over_share", term
+    kube.wait_for(lambda: statuses(get_pod(cp, namespace, name))[container]["restartCount"] >= 1,
+                  f"{container} terminated and restarted by the kubelet", 60, 0.3)
+    assert "got SIGTERM" in container_log(get_pod(cp, namespace, name), container, restart=0)

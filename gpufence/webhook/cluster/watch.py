@@ -152,6 +152,7 @@ class ListWatch:
             _request_timeout=(self._request_timeout, self._watch_timeout + 30),
         )
         self._response = resp  # published before the check below, so stop() cannot miss it
+        ended = False  # the server ended the stream: its connection can serve another request
         try:
             if self._stopping.is_set():
                 return resource_version
@@ -163,8 +164,13 @@ class ListWatch:
                 resource_version = str((obj.get("metadata") or {}).get("resourceVersion") or resource_version)
                 if kind in ("ADDED", "MODIFIED", "DELETED"):
                     self._publish(lambda: self._apply(kind, obj))  # noqa: B023 - called at once
+            ended = not self._stopping.is_set()
         finally:
             self._response = None
+            if not ended:
+                # A stream left open must not go back to the client's pool: the next request on that
+                # connection (a GET of this client, from another thread) would read its events.
+                resp.close()
             resp.release_conn()
         return resource_version
 

@@ -9,9 +9,10 @@ warnings) or denied with ``status.code`` 400 and a message for the user.
 from __future__ import annotations
 
 import base64
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
-from typing import Any
+from types import MappingProxyType
+from typing import Any, NamedTuple
 
 from gpufence.contract import MIRROR_POD_ANNOTATION, POD_OPT_OUT_LABEL, SIDECAR_NAME, SIDECAR_PORT_NAME
 from gpufence.webhook.core.container_env import with_void
@@ -25,16 +26,16 @@ from gpufence.webhook.core.device_access import (
 )
 from gpufence.webhook.core.dra import DraObjects, check_claim_ceilings, claim_memory, claim_warnings
 from gpufence.webhook.core.driver_limits import KnownNodes, NodeLabels
+from gpufence.webhook.core.facts import PodFacts, pod_facts
 from gpufence.webhook.core.gpu_paths import PodGpuPaths, advised_resource
-from gpufence.webhook.core.kai import kai_fraction, kai_memory, nv_devices_denial, nv_fractions, nv_memory
-from gpufence.webhook.core.namespace_policy import namespace_policy, opt_out_allowed, opt_out_denial
+from gpufence.webhook.core.kai import kai_memory, nv_devices_denial, nv_memory
+from gpufence.webhook.core.namespace_policy import NamespacePolicy, namespace_policy, opt_out_allowed, opt_out_denial
 from gpufence.webhook.core.patch import diff, dumps, loads
-from gpufence.webhook.core.podshape import check_shape, nvidia_side_door, sidecar_resource_use
-from gpufence.webhook.core.settings import InjectionSettings, NamespaceLookup
+from gpufence.webhook.core.podshape import nvidia_side_door, sidecar_resource_use
+from gpufence.webhook.core.settings import InjectionSettings, NamespaceInfo, NamespaceLookup
 from gpufence.webhook.core.shares import ClaimMemory, SharePlan, resolve_shares, with_gpu_counts
 from gpufence.webhook.core.sidecar import (
     HOST_PROC_VOLUME,
-    POD_SECURITY_LABEL,
     PRELOAD_VOLUME,
     STATE_VOLUME,
     pod_volumes,
@@ -68,20 +69,9 @@ def review(payload: Any, settings: InjectionSettings, namespaces: NamespaceLooku
     ``nodes``: the nodes' labels (webhook.cluster.nodes), for the driver limits under ``auto``; None where
     none are known. Read once per review: one review sees one snapshot."""
     request = _request(payload)
-    uid = request["uid"]
-    warnings: list[str] = []
-    try:
-        outcome, patch = _decide(request, settings, namespaces, warnings, claims,
-                                 nodes.node_labels() if nodes is not None else None)
-    except Denial as denied:  # every rule's refusal
-        return _result(uid, OUTCOME_DENIED, warnings, denied=str(denied))
-    except RecursionError:
-        return _result(uid, OUTCOME_DENIED, warnings, denied="the pod is nested too deeply to be reviewed")
-    except UnicodeEncodeError:
-        # Only in process: a string with a lone surrogate, which JSON over HTTP cannot carry (the
-        # server's decoder refuses it with a 400) and a patch cannot hold.
-        return _result(uid, OUTCOME_DENIED, warnings, denied="the pod holds a string that is not valid Unicode")
-    return _result(uid, outcome, warnings, patch=patch)
+    decision = _decide(request, settings, namespaces, claims, nodes.node_labels() if nodes is not None else None)
+    return _result(request["uid"], decision.outcome, decision.warnings, patch=decision.patch,
+                   denied=decision.denied)
 
 
 # Where /validate denies for the mutating rules' own reason: the pod it judged is the final one, as
@@ -150,7 +140,7 @@ def _request(payload: Any) -> dict[str, Any]:
 
 
 def _result(
-    uid: str, outcome: str, warnings: list[str], *, patch: bytes | None = None, denied: str | None = None
+    uid: str, outcome: str, warnings: Sequence[str], *, patch: bytes | None = None, denied: str | None = None
 ) -> ReviewResult:
     response: dict[str, Any] = {"uid": uid, "allowed": denied is None}
     if denied is not None:
@@ -279,154 +269,215 @@ def _ephemeral(request: dict[str, Any], namespaces: NamespaceLookup) -> tuple[st
     return (OUTCOME_MUTATED if patch else OUTCOME_UNCHANGED), patch
 
 
-def _decide(
-    request: dict[str, Any], settings: InjectionSettings, namespaces: NamespaceLookup, warnings: list[str],
-    claims: DraObjects | None = None, nodes: NodeLabels | None = None,
-) -> tuple[str, bytes | None]:
-    if _is_ephemeral_request(request):
-        return _ephemeral(request, namespaces)
+class Decision(NamedTuple):
+    """What the review decided: the outcome, the patch (None: none), the warnings for the pod's
+    creator, and the denial's message where it is one."""
+
+    outcome: str
+    patch: bytes | None = None
+    warnings: tuple[str, ...] = ()
+    denied: str | None = None
+
+
+def _decide(request: dict[str, Any], settings: InjectionSettings, namespaces: NamespaceLookup,
+            claims: DraObjects | None = None, nodes: NodeLabels | None = None) -> Decision:
+    """The review as a pipeline: which request, the pod's facts, the rules that refuse, then (a GPU
+    pod) the shares and the patch. A denial carries the warnings said before it."""
+    said: list[str] = []
+    try:
+        if _is_ephemeral_request(request):
+            return Decision(*_ephemeral(request, namespaces))
+        pod = _created_pod(request)
+        if pod is None:
+            return Decision(OUTCOME_SKIPPED)
+        namespace, info = _namespace(request, pod, namespaces)
+        if info is not None and not info.opted_in:
+            return Decision(OUTCOME_SKIPPED)
+        if info is None:
+            # The API server's namespaceSelector already let only opted-in namespaces through.
+            said.append(f"gpufence: namespace {quote(namespace)} is not in the webhook's cache yet, so its "
+                        "default shares and policy (if any) were not applied; the webhook's flags were")
+        if _static_mirror(request, pod):
+            return Decision(OUTCOME_SKIPPED)  # a static pod's mirror: the kubelet would not run a changed one
+        facts = pod_facts(request, pod, namespace, info, settings)
+        # What the claims hold, said where it differs from what the pod gets: the pod gets what the
+        # admin's list decides, not a cache that may lag (docs/gpu-paths.md, "DRA").
+        claim_notes = claim_warnings(namespace, facts.spec, claims, settings.dra_gpu_drivers,
+                                     settings.non_gpu_resource_claims) if claims is not None and namespace else []
+        said += claim_notes
+        _check_side_doors(facts, settings)
+        # The admin's record is applied first; the rest of the patch is computed on the recorded pod.
+        record, facts = _admin_record(request, facts, settings)
+        early = _without_injection(facts, settings)
+        if early is not None:
+            return Decision(*_after(record, *early), warnings=tuple(said))
+        _check_reserved(facts, settings)
+        policy = namespace_policy(namespace, facts.namespace_annotations, settings)
+        claimed, capacity_notes = _claimed_memory(facts, claims, settings, policy)
+        said += capacity_notes
+        plan = _share_plan(facts, settings, policy, claimed)
+        said += plan.warnings
+        # In the status annotation too, so the enforcer posts them as Events on the pod: a pod a
+        # controller creates never shows its author the admission warnings.
+        plan = replace(plan, warnings=(*plan.warnings, *claim_notes, *capacity_notes))
+        patch, mutation_warnings = injection_patch(facts.pod, plan, settings, facts.pod_security,
+                                                   facts.namespace_annotations, nodes, facts.paths)
+        return Decision(*_after(record, OUTCOME_UNCHANGED, patch), (*said, *mutation_warnings))
+    except Denial as denied:  # every rule's refusal
+        return Decision(OUTCOME_DENIED, warnings=tuple(said), denied=str(denied))
+    except RecursionError:
+        return Decision(OUTCOME_DENIED, warnings=tuple(said), denied="the pod is nested too deeply to be reviewed")
+    except UnicodeEncodeError:
+        # Only in process: a string with a lone surrogate, which JSON over HTTP cannot carry (the
+        # server's decoder refuses it with a 400) and a patch cannot hold.
+        return Decision(OUTCOME_DENIED, warnings=tuple(said), denied="the pod holds a string that is not valid Unicode")
+
+
+def _created_pod(request: dict[str, Any]) -> dict[str, Any] | None:
+    """The pod a CREATE of a pod makes (None: another request, skipped); Denial where it is no object."""
     if not _is_pod_request(request) or request.get("operation") != "CREATE":
-        return OUTCOME_SKIPPED, None
+        return None
     pod = request.get("object")
     if not isinstance(pod, dict):
         raise Denial("request.object must be a Pod object")
-    metadata = _dict(pod.get("metadata"))
+    return pod
 
+
+def _namespace(request: dict[str, Any], pod: dict[str, Any],
+               namespaces: NamespaceLookup) -> tuple[str, NamespaceInfo | None]:
+    """The pod's namespace ("" where none is named) and what the cache knows of it (None: nothing)."""
     namespace = request.get("namespace")
     if not isinstance(namespace, str) or not namespace:
-        namespace = metadata.get("namespace")
-    namespace_annotations: dict[str, Any] = {}
-    pod_security: str | None = None
-    info = namespaces.get(namespace) if isinstance(namespace, str) and namespace else None
-    if info is None:
-        # The API server's namespaceSelector already let only opted-in namespaces through.
-        warnings.append(
-            f"gpufence: namespace {quote(namespace or '')} is not in the webhook's cache yet, so its "
-            "default shares and policy (if any) were not applied; the webhook's flags were"
-        )
-    elif not info.opted_in:
+        namespace = _dict(pod.get("metadata")).get("namespace")
+    if not isinstance(namespace, str):
+        namespace = ""
+    return namespace, namespaces.get(namespace) if namespace else None
+
+
+def _static_mirror(request: dict[str, Any], pod: dict[str, Any]) -> bool:
+    """A static pod's mirror, which a node sends: the kubelet would not run a changed one."""
+    return MIRROR_POD_ANNOTATION in _dict(_dict(pod.get("metadata")).get("annotations")) and _by_a_node(request)
+
+
+def _check_side_doors(facts: PodFacts, settings: InjectionSettings) -> None:
+    """Denial for the first way to a device outside a device request, GPU pod or not, opted out or not,
+    and for an admin record (``gpufence.io/admin-device-access``) a non-admin wrote."""
+    denial = (
+        nvidia_side_door(facts.spec, SIDECAR_NAME if facts.gpu_names else None, advised_resource(settings),
+                         facts.kai_container)
+        or _admin_only(facts, settings, facts.groups)
+        # Who created it with what only admin-groups may have, for the node guardian: no one else may say so.
+        or admin_record_denial(facts.pod, facts.groups, settings.admin_groups)
+    )
+    if denial is not None:
+        raise Denial(denial)
+
+
+def _admin_only(facts: PodFacts, settings: InjectionSettings, groups: object) -> str | None:
+    """The first rule that refuses the pod to a requester in ``groups`` unless they are in admin-groups
+    (None: none does). With ``groups`` None: whether the pod needs an admin at all."""
+    advised = advised_resource(settings)
+    return (
+        # KAI's binder writes a container's gpus.devices after allocation; its author, at CREATE, must not.
+        nv_devices_denial(facts.pod, groups, settings.admin_groups)
+        # Annotations a node component turns into devices (NVIDIA's NRI plugin, CDI, ...): the admin's.
+        or device_annotation_denial(facts.pod, groups, settings.admin_groups, advised)
+        # Devices without a device request (privileged, hostPath of /dev and the driver's paths), unless
+        # the admin allows it (docs/install.md, Pod Security).
+        or device_access_denial(facts.spec, facts.namespace, groups, settings.admin_groups,
+                                settings.device_access_namespaces,
+                                pod_volumes(settings) if facts.gpu_names else (), advised)
+    )
+
+
+def _admin_record(request: dict[str, Any], facts: PodFacts,
+                  settings: InjectionSettings) -> tuple[list[dict[str, Any]], PodFacts]:
+    """For an admin's pod that used the exemption (``_admin_only`` refuses it to anyone else), the
+    patch that records who created it (``with_admin_record``, for the node guardian) and the facts of
+    the recorded pod, on which the rest of the patch is computed; else no operation and ``facts``."""
+    if not from_admin(facts.groups, settings.admin_groups) or _admin_only(facts, settings, None) is None:
+        return [], facts
+    recorded = with_admin_record(facts.pod, _dict(request.get("userInfo")).get("username"))
+    annotations = MappingProxyType(_dict(_dict(recorded.get("metadata")).get("annotations")))
+    return diff(facts.pod, recorded), facts._replace(pod=recorded, annotations=annotations)
+
+
+def _without_injection(facts: PodFacts, settings: InjectionSettings) -> tuple[str, bytes | None] | None:
+    """The outcome of a pod that gets no sidecar (no GPU container, or opted out where the namespace
+    allows it), None for a GPU pod to inject; Denial where the pod opts out and may not."""
+    opted_out = facts.labels.get(POD_OPT_OUT_LABEL) == "false"
+    # The namespace's admin decides whether a pod may opt out, not the pod.
+    allowed = opted_out and opt_out_allowed(facts.namespace_annotations, settings)
+    if not facts.gpu_names:
+        if not settings.void_non_gpu_containers or allowed:
+            return OUTCOME_SKIPPED, None
+        patch = plain_pod_patch(facts.pod, settings, facts.paths)
+        return (OUTCOME_MUTATED if patch else OUTCOME_UNCHANGED), patch
+    if allowed:
         return OUTCOME_SKIPPED, None
-    else:
-        namespace_annotations = dict(info.annotations)
-        pod_security = info.labels.get(POD_SECURITY_LABEL)
-
-    labels = _dict(metadata.get("labels"))
-    annotations = _dict(metadata.get("annotations"))
-    if MIRROR_POD_ANNOTATION in annotations and _by_a_node(request):
-        return OUTCOME_SKIPPED, None  # a static pod's mirror: the kubelet would not run a changed one
-    # Once, before any rule reads the pod: a field of the wrong JSON type is a denial naming it,
-    # never an exception (HTTP 500) in a rule that trusted the type.
-    all_names = check_shape(pod)
-
-    kai = kai_fraction(pod, settings)
-    nv = nv_fractions(pod)
-    paths = PodGpuPaths(pod.get("spec"), settings, kai, nv)
-    gpu_names = paths.gpu_container_names()
-    claim_notes: list[str] = []
-    if claims is not None and isinstance(namespace, str) and namespace:
-        # What the claims hold, said where it differs from what the pod gets: the pod gets what the
-        # admin's list decides, not a cache that may lag (docs/gpu-paths.md, "DRA").
-        claim_notes = claim_warnings(namespace, pod.get("spec"), claims, settings.dra_gpu_drivers,
-                                     settings.non_gpu_resource_claims)
-        warnings.extend(claim_notes)
-    side_door = nvidia_side_door(pod.get("spec"), SIDECAR_NAME if gpu_names else None, advised_resource(settings),
-                                 kai.container if kai is not None else None)
-    if side_door is not None:
-        raise Denial(side_door)  # GPU pod or not, opted out or not
-    groups = _dict(request.get("userInfo")).get("groups")
-    side_door = _admin_only(pod, namespace or "", groups, settings, bool(gpu_names))
-    if side_door is not None:
-        raise Denial(side_door)
-    # Who created it with what only admin-groups may have, for the node guardian: no one else may say so.
-    side_door = admin_record_denial(pod, groups, settings.admin_groups)
-    if side_door is not None:
-        raise Denial(side_door)
-    recorded = pod
-    if from_admin(groups, settings.admin_groups) and _admin_only(pod, namespace or "", None, settings,
-                                                                  bool(gpu_names)) is not None:
-        recorded = with_admin_record(pod, _dict(request.get("userInfo")).get("username"))
-    record = diff(pod, recorded)  # applied first; the rest of the patch is computed on the recorded pod
-    pod = recorded
-    opted_out = labels.get(POD_OPT_OUT_LABEL) == "false"
-    if not gpu_names:
-        if not settings.void_non_gpu_containers or (opted_out and opt_out_allowed(namespace_annotations, settings)):
-            return _after(record, OUTCOME_SKIPPED, None)
-        return _after(record, OUTCOME_UNCHANGED, plain_pod_patch(pod, settings))
     if opted_out:
-        # The namespace's admin decides whether a pod may opt out, not the pod.
-        if opt_out_allowed(namespace_annotations, settings):
-            return _after(record, OUTCOME_SKIPPED, None)
-        raise Denial(opt_out_denial(namespace or ""))
+        raise Denial(opt_out_denial(facts.namespace))
+    return None
 
-    if SIDECAR_NAME in gpu_names:
+
+def _check_reserved(facts: PodFacts, settings: InjectionSettings) -> None:
+    """Denial where a GPU pod takes what is the enforcer's: its name, volumes or port."""
+    if SIDECAR_NAME in facts.gpu_names:
         raise Denial(f"the container name {SIDECAR_NAME} is reserved by gpufence; rename the container")
-    taken = sidecar_resource_use(pod["spec"], SIDECAR_NAME, settings.metrics_port, SIDECAR_PORT_NAME,
+    taken = sidecar_resource_use(facts.spec, SIDECAR_NAME, settings.metrics_port, SIDECAR_PORT_NAME,
                                  (STATE_VOLUME, HOST_PROC_VOLUME), (PRELOAD_VOLUME,))
     if taken is not None:
         raise Denial(taken)
-    policy = namespace_policy(namespace or "", namespace_annotations, settings)
-    claimed: dict[str, ClaimMemory] = {}
-    if claims is not None and isinstance(namespace, str) and namespace:
-        # Consumable capacity: what a claim reserved on a shareable GPU is the container's share.
-        claimed, capacity_notes = claim_memory(namespace, pod.get("spec"), claims, settings.dra_gpu_drivers,
-                                               paths.gpu_claims_by_container())
-        check_claim_ceilings(claimed, policy)
-        claim_notes += capacity_notes
-        warnings.extend(capacity_notes)
-    # KAI's requests (its NvFractions limit over its legacy fraction for one container).
-    scheduler_memory = {**kai_memory(kai, policy), **nv_memory(nv, policy)}
-    plan = resolve_shares(annotations, namespace_annotations, settings, gpu_names, all_names, policy,
-                          scheduler_memory=scheduler_memory, claim_memory=claimed)
-    plan = replace(plan, runtime_limited=frozenset(f.container for f in nv),
-                   kai_fraction=kai.container if kai is not None else None)
-    plan = with_gpu_counts(plan, paths.gpu_counts())
-    warnings.extend(plan.warnings)
-    # In the status annotation too, so the enforcer posts them as Events on the pod: a pod a
-    # controller creates never shows its author the admission warnings.
-    plan = replace(plan, warnings=(*plan.warnings, *claim_notes))
-    patch, mutation_warnings = injection_patch(pod, plan, settings, pod_security, namespace_annotations, nodes)
-    warnings.extend(mutation_warnings)
-    return _after(record, OUTCOME_UNCHANGED, patch)
-
-
-def _admin_only(pod: dict[str, Any], namespace: str, groups: Any, settings: InjectionSettings,
-                gpu_pod: bool) -> str | None:
-    """The first rule that refuses ``pod`` to a requester in ``groups`` unless they are in admin-groups
-    (None: none does). With ``groups`` None: whether the pod needs an admin at all."""
-    return (
-        # KAI's binder writes a container's gpus.devices after allocation; its author, at CREATE, must not.
-        nv_devices_denial(pod, groups, settings.admin_groups)
-        # Annotations a node component turns into devices (NVIDIA's NRI plugin, CDI, ...): the admin's.
-        or device_annotation_denial(pod, groups, settings.admin_groups, advised_resource(settings))
-        # Devices without a device request (privileged, hostPath of /dev and the driver's paths): GPU
-        # pod or not, opted out or not, unless the admin allows it (docs/install.md, Pod Security).
-        or device_access_denial(pod.get("spec"), namespace, groups, settings.admin_groups,
-                                settings.device_access_namespaces, pod_volumes(settings) if gpu_pod else (),
-                                advised_resource(settings))
-    )
 
 
 def _after(first: list[dict[str, Any]], outcome: str, patch: bytes | None) -> tuple[str, bytes | None]:
     """The outcome of ``patch`` (operations on the pod after ``first``) with ``first`` applied before
     it: ``outcome`` where neither changes anything."""
+    if not first:  # the common case: the patch as it is, not parsed again
+        return (OUTCOME_MUTATED, patch) if patch else (outcome, None)
     ops = first + (loads(patch) if patch else [])
     return (OUTCOME_MUTATED, dumps(ops)) if ops else (outcome, None)
+
+
+def _claimed_memory(facts: PodFacts, claims: DraObjects | None, settings: InjectionSettings,
+                    policy: NamespacePolicy) -> tuple[dict[str, ClaimMemory], list[str]]:
+    """Consumable capacity: what a claim reserved on a shareable GPU is the container's share, within
+    the namespace's ceiling (Denial above it); and the warnings about it."""
+    if claims is None or not facts.namespace:
+        return {}, []
+    claimed, notes = claim_memory(facts.namespace, facts.spec, claims, settings.dra_gpu_drivers,
+                                  facts.paths.gpu_claims_by_container())
+    check_claim_ceilings(claimed, policy)
+    return claimed, notes
+
+
+def _share_plan(facts: PodFacts, settings: InjectionSettings, policy: NamespacePolicy,
+                claimed: dict[str, ClaimMemory]) -> SharePlan:
+    """Every GPU container's share, with KAI's requests (its NvFractions limit over its legacy
+    fraction for one container) and the GPU counts; Denial for an invalid or too large one."""
+    scheduler_memory = {**kai_memory(facts.kai, policy), **nv_memory(list(facts.nv), policy)}
+    plan = resolve_shares(facts.annotations, facts.namespace_annotations, settings, facts.gpu_names,
+                          facts.container_names, policy, scheduler_memory=scheduler_memory, claim_memory=claimed)
+    plan = replace(plan, runtime_limited=frozenset(f.container for f in facts.nv), kai_fraction=facts.kai_container)
+    return with_gpu_counts(plan, facts.paths.gpu_counts())
 
 
 def injection_patch(
     pod: dict[str, Any], plan: SharePlan, settings: InjectionSettings, pod_security: str | None = None,
     namespace_annotations: Mapping[str, object] | None = None, nodes: NodeLabels | None = None,
+    paths: PodGpuPaths | None = None,
 ) -> tuple[bytes | None, list[str]]:
     """The JSON Patch (compact UTF-8 JSON; None when the pod needs none) and the warnings.
 
     Raises ``Denial`` (a denial). The pod must have passed ``podshape.check_shape``.
     """
-    new_pod, warnings = desired_pod(pod, plan, settings, pod_security, namespace_annotations, nodes)
+    new_pod, warnings = desired_pod(pod, plan, settings, pod_security, namespace_annotations, nodes, paths)
     ops = diff(pod, new_pod)
     return (dumps(ops) if ops else None), warnings
 
 
-def plain_pod_patch(pod: dict[str, Any], settings: InjectionSettings) -> bytes | None:
+def plain_pod_patch(pod: dict[str, Any], settings: InjectionSettings,
+                    paths: PodGpuPaths | None = None) -> bytes | None:
     """The same for a pod that requests no GPU: only ``NVIDIA_VISIBLE_DEVICES=void`` where missing."""
-    ops = diff(pod, desired_plain_pod(pod, settings))
+    ops = diff(pod, desired_plain_pod(pod, settings, paths))
     return dumps(ops) if ops else None

@@ -17,9 +17,8 @@ shared with the input, so ``webhook.core.patch.diff`` skips them by identity.
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
-from typing import Any
+from collections.abc import Sequence
+from typing import Any, NamedTuple
 
 from gpufence.contract import (
     ENV_CONTAINER,
@@ -30,6 +29,7 @@ from gpufence.contract import (
     ENV_MPS_MEMORY_LIMIT,
     ENV_PRELOAD_MEMORY_LIMIT,
     ContainerShare,
+    MemoryShare,
 )
 from gpufence.quantity import mebibytes_floor
 from gpufence.webhook.core.denial import Denial, quote
@@ -52,75 +52,60 @@ OWNED_VARIABLES = (ENV_MEMORY_LIMIT, ENV_DRIVER_MEMORY_LIMIT, ENV_DRIVER_MEMORY_
 _OWNED = frozenset(OWNED_VARIABLES)
 
 
-def add_share_env(
+def share_env(
     name: str,
     share: ContainerShare,
     settings: InjectionSettings,
     library: str | None,
-    warnings: list[str],
-    add: Callable[[str, str], None],
     framework_caps: Sequence[tuple[str, str]] = (),
     *,
     driver_limits: bool = False,
     resolved: bool = False,
     limiters: bool = True,
-) -> None:
-    """Adds through ``add``, in this order, the variables a GPU container gets for its share, and
-    appends the warnings the limits cause. LD_PRELOAD is left to ``gpu_container``: it appends to
-    a user's value rather than adding a variable. ``framework_caps``: the allocation-time caps
+) -> tuple[list[tuple[str, str]], list[str]]:
+    """The variables a GPU container gets for its share, in the order they are added, and the
+    warnings the limits cause. LD_PRELOAD is left to ``gpu_container``: it appends to a user's value
+    rather than adding a variable. ``framework_caps``: the allocation-time caps
     ``webhook.core.frameworks.framework_env`` chose (variables the container lacks). ``driver_limits``:
     the pod gets the driver's limit (``webhook.core.driver_limits``); ``resolved``: the share's byte part
     is its percentage on the GPU's known memory, so no limiter leaves a percentage part aside.
     ``limiters``: False where another runtime holds the container's limit (KAI's NvFractions): then
     no driver, MPS or preload variables."""
-    add(ENV_CONTAINER, name)
     memory = share.memory
+    variables = [(ENV_CONTAINER, name)]
     if memory is not None:
-        add(ENV_MEMORY_LIMIT, memory.describe())
+        variables.append((ENV_MEMORY_LIMIT, memory.describe()))
     driver_mib = driver_limit_mib(memory)
     if limiters and driver_limits and driver_mib is not None:
-        add(ENV_DRIVER_MEMORY_LIMIT, str(driver_mib))
-        add(ENV_DRIVER_MEMORY_REQUEST, str(driver_mib))
-    add(ENV_TF_ALLOW_GROWTH, "true")
-    add(ENV_XLA_PREALLOCATE, "false")
-    for var, value in framework_caps:
-        add(var, value)
-    compute = None if share.compute_percent is None else max(1, int(share.compute_percent))
-
+        variables += [(ENV_DRIVER_MEMORY_LIMIT, str(driver_mib)), (ENV_DRIVER_MEMORY_REQUEST, str(driver_mib))]
+    variables += [(ENV_TF_ALLOW_GROWTH, "true"), (ENV_XLA_PREALLOCATE, "false"), *framework_caps]
+    compute = None if share.compute_percent is None else str(max(1, int(share.compute_percent)))
+    warnings: list[str] = []
     if limiters and settings.mps_limits:
-        if memory is not None:
-            mib = mebibytes_floor(memory.bytes) if memory.bytes is not None else 0
-            if memory.bytes is None:
-                warnings.append(
-                    f"container {quote(name)}: MPS needs an absolute memory limit, so the percentage share "
-                    f"{memory.describe()} is enforced by the gpufence enforcer only"
-                )
-            elif mib < 1:
-                warnings.append(f"container {quote(name)}: the memory share is below 1Mi, too small for MPS")
-            else:
-                add(ENV_MPS_MEMORY_LIMIT, f"0={mib}M")
-                if memory.two_units and not resolved:
-                    warnings.append(_percent_part_left(name, "MPS", memory.describe()))
-        if compute is not None:
-            add(ENV_MPS_THREADS, str(compute))
-
+        mps, said = _limiter_env(name, memory, resolved, "MPS", ENV_MPS_MEMORY_LIMIT, "0={}M")
+        variables += [*mps, *([(ENV_MPS_THREADS, compute)] if compute is not None else [])]
+        warnings += said
     if limiters and library is not None:
-        if memory is not None:
-            if memory.bytes is None:
-                warnings.append(
-                    f"container {quote(name)}: the preload limiter needs an absolute memory limit, so the "
-                    f"percentage share {memory.describe()} is enforced by the gpufence enforcer only"
-                )
-            elif mebibytes_floor(memory.bytes) < 1:
-                warnings.append(
-                    f"container {quote(name)}: the memory share is below 1Mi, too small for the preload limiter"
-                )
-            else:
-                add(ENV_PRELOAD_MEMORY_LIMIT, f"{mebibytes_floor(memory.bytes)}m")
-                if memory.two_units and not resolved:
-                    warnings.append(_percent_part_left(name, "the preload limiter", memory.describe()))
-        if compute is not None:
-            add(ENV_HAMI_SM, str(compute))
+        preload, said = _limiter_env(name, memory, resolved, "the preload limiter", ENV_PRELOAD_MEMORY_LIMIT, "{}m")
+        variables += [*preload, *([(ENV_HAMI_SM, compute)] if compute is not None else [])]
+        warnings += said
+    return variables, warnings
+
+
+def _limiter_env(name: str, memory: MemoryShare | None, resolved: bool, limiter: str, var: str,
+                 form: str) -> tuple[list[tuple[str, str]], list[str]]:
+    """The memory variable of one in-container limiter (MPS, the preload limiter), whole MiB of the
+    share's byte part, and its warnings: none where the share has no byte part or less than 1 MiB."""
+    if memory is None:
+        return [], []
+    if memory.bytes is None:
+        return [], [f"container {quote(name)}: {limiter} needs an absolute memory limit, so the percentage "
+                    f"share {memory.describe()} is enforced by the gpufence enforcer only"]
+    mib = mebibytes_floor(memory.bytes)
+    if mib < 1:
+        return [], [f"container {quote(name)}: the memory share is below 1Mi, too small for {limiter}"]
+    left = [_percent_part_left(name, limiter, memory.describe())] if memory.two_units and not resolved else []
+    return [(var, form.format(mib))], left
 
 
 def _percent_part_left(name: str, limiter: str, share: str) -> str:
@@ -128,12 +113,86 @@ def _percent_part_left(name: str, limiter: str, share: str) -> str:
             "part, where it is the smaller, is enforced by the gpufence enforcer only")
 
 
-@dataclass
-class FrameworkRecord:
-    """What the framework rules warned about, across the pod's GPU containers, for the status
-    annotation (and, through it, the enforcer's Event)."""
+class ShareLimits(NamedTuple):
+    """How a GPU container's share reaches it (``share_env``'s flags): the driver's limit applies to
+    the pod (``driver_limits``), the share's bytes are its percentage resolved (``resolved``), no other
+    runtime holds its limit (``limiters``), and whether KAI hands it its legacy fraction."""
 
-    warnings: list[str] = field(default_factory=list)
+    driver_limits: bool = False
+    resolved: bool = False
+    limiters: bool = True
+    kai_fraction: bool = False
+
+
+NO_LIMITS = ShareLimits()
+
+
+class InjectedContainer(NamedTuple):
+    """A GPU container as gpufence wants it, and what to tell its author: ``warnings`` about its
+    limits and frameworks, ``replaced`` about the author's values of gpufence's variables that the
+    webhook replaced or removed (for the pod's creator only: a reinvocation no longer sees them)."""
+
+    container: dict[str, Any]
+    warnings: tuple[str, ...] = ()
+    replaced: tuple[str, ...] = ()
+
+
+class _EnvEdit:
+    """A container's env being edited: one entry per variable of gpufence's (the effective one, at
+    its place), appends at the end, and what gpufence wrote to the variables the author had set."""
+
+    def __init__(self, env: list[dict[str, Any]]) -> None:
+        # The author's entries of gpufence's variables, all of them (duplicates included): every one
+        # that is not exactly what gpufence writes is reported once the share's values are known.
+        by_name: dict[str, list[dict[str, Any]]] = {}
+        for entry in env:  # one pass: a container can carry hundreds of variables
+            if entry.get("name") in _OWNED:
+                by_name.setdefault(entry["name"], []).append(entry)
+        self.authored = {var: by_name[var] for var in OWNED_VARIABLES if var in by_name}
+        self.env = env
+        if any(len(entries) > 1 for entries in self.authored.values()):
+            # One entry per variable, at the place of the last (the effective one).
+            last = {entry["name"]: i for i, entry in enumerate(env) if entry.get("name") in self.authored}
+            self.env = [e for i, e in enumerate(env) if e.get("name") not in self.authored or last[e["name"]] == i]
+        self.index = {entry["name"]: i for i, entry in enumerate(self.env)}  # the last duplicate is effective
+        self.changed = len(self.env) != len(env)
+        self.written: dict[str, str] = {}  # gpufence's variables the author set, and the values written
+
+    def effective(self) -> dict[str, dict[str, Any]]:
+        return {var: self.env[i] for var, i in self.index.items()}
+
+    def set_value(self, var: str, value: str) -> None:
+        """The existing entry of ``var`` with ``value`` (its other fields kept)."""
+        self.env[self.index[var]] = {**self.env[self.index[var]], "value": value}
+        self.changed = True
+
+    def add(self, var: str, value: str) -> None:
+        """``var=value`` where the container lacks ``var``; an author's value of gpufence's is replaced."""
+        if var in self.authored:
+            self.written[var] = value
+        if var in self.index:
+            wanted = {"name": var, "value": value}
+            if var in self.authored and self.env[self.index[var]] != wanted:
+                self.env[self.index[var]] = wanted  # in place: a reinvocation finds it where it was
+                self.changed = True
+            return
+        self.env.append({"name": var, "value": value})
+        self.index[var] = len(self.env) - 1
+        self.changed = True
+
+    def drop_unwritten(self, name: str, kai_fraction: bool) -> list[str]:
+        """Removes the author's entries of gpufence's variables that gpufence wrote no value for;
+        the warnings for every author's entry that is not exactly what gpufence writes."""
+        authored = dict(self.authored)
+        if kai_fraction and ENV_PRELOAD_MEMORY_LIMIT in authored and ENV_PRELOAD_MEMORY_LIMIT not in self.written \
+                and all(_from_config_map(e) for e in authored[ENV_PRELOAD_MEMORY_LIMIT]):
+            # KAI's HamiCore mode: HAMi-core's limit from KAI's ConfigMap, filled by KAI's binder.
+            del authored[ENV_PRELOAD_MEMORY_LIMIT]
+        if any(var not in self.written for var in authored):
+            self.env = [e for e in self.env if e.get("name") not in authored or e["name"] in self.written]
+            self.changed = True
+        return [_replaced(name, var, entries, self.written.get(var)) for var, entries in authored.items()
+                if entries != [{"name": var, "value": self.written.get(var)}]]
 
 
 def gpu_container(
@@ -141,121 +200,82 @@ def gpu_container(
     share: ContainerShare,
     settings: InjectionSettings,
     library: str | None,
-    warnings: list[str],
     *,
     device: DeviceMemory | None = None,
     pytorch: bool = False,
-    record: FrameworkRecord | None = None,
-    driver_limits: bool = False,
-    resolved: bool = False,
-    replaced: list[str] | None = None,
-    limiters: bool = True,
-    kai_fraction: bool = False,
-) -> dict[str, Any]:
-    """``container`` with its share's variables (and the preload mount) added, or ``container``
-    itself when it has them all; ``library`` from ``sidecar.preload_library_path``; ``device``
-    and ``pytorch`` for the framework caps (``webhook.core.frameworks``), whose decisions go to
-    ``record``; ``driver_limits`` and ``resolved`` as in ``add_share_env``; ``replaced`` gets the warnings about
-    the author's values of gpufence's variables (default: ``warnings``). ``limiters``: as in
-    ``add_share_env`` (False: no preload library either). ``kai_fraction``: the container KAI hands
-    its legacy fraction, whose ``CUDA_DEVICE_MEMORY_LIMIT`` from a ConfigMap key (what KAI's HamiCore
-    admission plugin writes for HAMi-core) is kept where gpufence writes none. Raises
+    limits: ShareLimits = NO_LIMITS,
+) -> InjectedContainer:
+    """``container`` with its share's variables (and the preload mount) added (``container`` itself
+    when it has them all), and its warnings; ``library`` from ``sidecar.preload_library_path``;
+    ``device`` and ``pytorch`` for the framework caps (``webhook.core.frameworks``); ``limits`` as in
+    ``share_env`` (``limiters`` False: no preload library either). ``kai_fraction``: the container KAI
+    hands its legacy fraction, whose ``CUDA_DEVICE_MEMORY_LIMIT`` from a ConfigMap key (what KAI's
+    HamiCore admission plugin writes for HAMi-core) is kept where gpufence writes none. Raises
     ``Denial`` when the container sets GPUFENCE_CONTAINER to another value or takes a mount
     gpufence reserves."""
     name = container["name"]
-    env = list(container.get("env") or ())
-    # The author's entries of gpufence's variables, all of them (duplicates included): every one that
-    # is not exactly what gpufence writes is reported once the share's values are known.
-    by_name: dict[str, list[dict[str, Any]]] = {}
-    for entry in env:  # one pass: a container can carry hundreds of variables
-        if entry.get("name") in _OWNED:
-            by_name.setdefault(entry["name"], []).append(entry)
-    authored = {var: by_name[var] for var in OWNED_VARIABLES if var in by_name}
-    if any(len(entries) > 1 for entries in authored.values()):
-        # One entry per variable, at the place of the last (the effective one).
-        last = {entry["name"]: i for i, entry in enumerate(env) if entry.get("name") in authored}
-        env = [e for i, e in enumerate(env) if e.get("name") not in authored or last[e["name"]] == i]
-    index = {entry["name"]: i for i, entry in enumerate(env)}  # the last duplicate is the effective one
-    changed = len(env) != len(container.get("env") or ())
-    written: dict[str, str] = {}  # gpufence's variables and the values it writes
-
-    frameworks = framework_env(name, share.memory, {var: env[i] for var, i in index.items()}, device,
-                               settings, pytorch)
-    found = frameworks.warnings + server_warnings(name, container, share.memory, device, settings)
-    warnings.extend(found)
-    if record is not None:
-        record.warnings.extend(found)
+    edit = _EnvEdit(list(container.get("env") or ()))
+    frameworks = framework_env(name, share.memory, edit.effective(), device, settings, pytorch)
+    warnings = frameworks.warnings + server_warnings(name, container, share.memory, device, settings)
     for var, value in frameworks.replace_env:  # the user's alloc conf, with gpufence's key appended
-        env[index[var]] = {**env[index[var]], "value": value}
-        changed = True
-
-    def add(var: str, value: str) -> None:
-        nonlocal changed
-        if var in authored:
-            written[var] = value
-        if var in index:
-            wanted = {"name": var, "value": value}
-            if var in authored and env[index[var]] != wanted:
-                env[index[var]] = wanted  # in place: a reinvocation finds it where it was
-                changed = True
-            return
-        env.append({"name": var, "value": value})
-        index[var] = len(env) - 1
-        changed = True
-
-    if ENV_CONTAINER in index:
-        entry = env[index[ENV_CONTAINER]]
-        if entry.get("value") != name or "valueFrom" in entry:
-            # The enforcer attributes processes to containers by this variable: a wrong value would
-            # charge this container's GPU use to another one.
-            raise Denial(
-                f"container {quote(name)} sets {ENV_CONTAINER}={quote(entry.get('value', ''))}; gpufence sets "
-                f"it to the container's name to attribute GPU use, so remove it or set it to {quote(name)}"
-            )
-    if not limiters:
-        library = None
-    add_share_env(name, share, settings, library, warnings, add, frameworks.set_env,
-                  driver_limits=driver_limits, resolved=resolved, limiters=limiters)
+        edit.set_value(var, value)
+    _check_container_variable(name, edit)
+    library = library if limits.limiters else None
+    variables, limit_warnings = share_env(name, share, settings, library, frameworks.set_env,
+                                          driver_limits=limits.driver_limits, resolved=limits.resolved,
+                                          limiters=limits.limiters)
+    warnings += limit_warnings
+    for var, value in variables:
+        edit.add(var, value)
     if library is not None:
-        if ENV_LD_PRELOAD not in index:
-            add(ENV_LD_PRELOAD, library)
-        else:
-            i = index[ENV_LD_PRELOAD]
-            entry = env[i]
-            if "valueFrom" in entry:
-                warnings.append(
-                    f"container {quote(name)} takes LD_PRELOAD from valueFrom, so gpufence cannot append "
-                    f"{library} and the in-process limiter is not loaded"
-                )
-            else:
-                value = entry.get("value") or ""
-                if library not in re.split(r"[: ]", value):
-                    env[i] = {**entry, "value": f"{value}:{library}" if value else library}
-                    changed = True
-        mounts = list(container.get("volumeMounts") or ())
-        wanted = {"name": PRELOAD_VOLUME, "mountPath": library, "readOnly": True}
-        clash = [m for m in mounts if m.get("name") == PRELOAD_VOLUME or m.get("mountPath") == library]
-        if not clash:
-            mounts.append(wanted)
-            container = {**container, "volumeMounts": mounts}
-        elif clash != [wanted]:
-            raise Denial(
-                f"container {quote(name)} already mounts volume {PRELOAD_VOLUME} or path {library}, "
-                "both reserved by gpufence"
-            )
+        warnings += _preload(name, library, edit)
+        container = _with_preload_mount(container, library)
+    replaced = edit.drop_unwritten(name, limits.kai_fraction)
+    if edit.changed:
+        container = {**container, "env": edit.env}
+    return InjectedContainer(container, tuple(warnings), tuple(replaced))
 
-    if kai_fraction and ENV_PRELOAD_MEMORY_LIMIT in authored and ENV_PRELOAD_MEMORY_LIMIT not in written \
-            and all(_from_config_map(e) for e in authored[ENV_PRELOAD_MEMORY_LIMIT]):
-        # KAI's HamiCore mode: HAMi-core's limit from KAI's ConfigMap, filled by KAI's binder.
-        del authored[ENV_PRELOAD_MEMORY_LIMIT]
-    if any(var not in written for var in authored):
-        env = [e for e in env if e.get("name") not in authored or e["name"] in written]
-        changed = True
-    (warnings if replaced is None else replaced).extend(
-        _replaced(name, var, entries, written.get(var)) for var, entries in authored.items()
-        if entries != [{"name": var, "value": written.get(var)}])
-    if changed:
-        container = {**container, "env": env}
+
+def _check_container_variable(name: str, edit: _EnvEdit) -> None:
+    """The enforcer attributes processes to containers by GPUFENCE_CONTAINER: a wrong value would
+    charge this container's GPU use to another one."""
+    if ENV_CONTAINER not in edit.index:
+        return
+    entry = edit.env[edit.index[ENV_CONTAINER]]
+    if entry.get("value") != name or "valueFrom" in entry:
+        raise Denial(
+            f"container {quote(name)} sets {ENV_CONTAINER}={quote(entry.get('value', ''))}; gpufence sets "
+            f"it to the container's name to attribute GPU use, so remove it or set it to {quote(name)}"
+        )
+
+
+def _preload(name: str, library: str, edit: _EnvEdit) -> list[str]:
+    """LD_PRELOAD with ``library`` added (appended to a user's value); the warning where it cannot be."""
+    if ENV_LD_PRELOAD not in edit.index:
+        edit.add(ENV_LD_PRELOAD, library)
+        return []
+    entry = edit.env[edit.index[ENV_LD_PRELOAD]]
+    if "valueFrom" in entry:
+        return [f"container {quote(name)} takes LD_PRELOAD from valueFrom, so gpufence cannot append "
+                f"{library} and the in-process limiter is not loaded"]
+    value = entry.get("value") or ""
+    if library not in re.split(r"[: ]", value):
+        edit.set_value(ENV_LD_PRELOAD, f"{value}:{library}" if value else library)
+    return []
+
+
+def _with_preload_mount(container: dict[str, Any], library: str) -> dict[str, Any]:
+    """``container`` with the preload library mounted read-only; Denial where it mounts either itself."""
+    mounts = list(container.get("volumeMounts") or ())
+    wanted = {"name": PRELOAD_VOLUME, "mountPath": library, "readOnly": True}
+    clash = [m for m in mounts if m.get("name") == PRELOAD_VOLUME or m.get("mountPath") == library]
+    if not clash:
+        return {**container, "volumeMounts": [*mounts, wanted]}
+    if clash != [wanted]:
+        raise Denial(
+            f"container {quote(container['name'])} already mounts volume {PRELOAD_VOLUME} or path {library}, "
+            "both reserved by gpufence"
+        )
     return container
 
 

@@ -13,13 +13,13 @@ is never modified.
 
 from __future__ import annotations
 
-from collections.abc import Container, Mapping
-from typing import Any
+from collections.abc import Container, Mapping, Sequence
+from typing import Any, NamedTuple
 
-from gpufence.contract import ANNOTATION_STATUS, SIDECAR_NAME
-from gpufence.webhook.core.container_env import FrameworkRecord, gpu_container, void_container
+from gpufence.contract import ANNOTATION_STATUS, SIDECAR_NAME, ContainerShare
+from gpufence.webhook.core.container_env import InjectedContainer, ShareLimits, gpu_container, void_container
 from gpufence.webhook.core.denial import Denial, quote
-from gpufence.webhook.core.driver_limits import NodeLabels, plan_driver_limits
+from gpufence.webhook.core.driver_limits import DriverLimitPlan, NodeLabels, plan_driver_limits
 from gpufence.webhook.core.frameworks import device_memory, pytorch_cap_enabled, recorded_warnings
 from gpufence.webhook.core.gpu_paths import PodGpuPaths
 from gpufence.webhook.core.settings import InjectionSettings
@@ -39,33 +39,62 @@ from gpufence.webhook.core.sidecar import (
 def desired_pod(pod: dict[str, Any], plan: SharePlan, settings: InjectionSettings,
                 pod_security: str | None = None,
                 namespace_annotations: Mapping[str, object] | None = None,
-                nodes: NodeLabels | None = None) -> tuple[dict[str, Any], list[str]]:
+                nodes: NodeLabels | None = None,
+                paths: PodGpuPaths | None = None) -> tuple[dict[str, Any], list[str]]:
     """The injected pod (sharing untouched subtrees with ``pod``) and warnings; raises Denial.
 
     ``pod_security``: the namespace's enforced Pod Security level (its label), None if unlabelled.
     ``namespace_annotations``: the Namespace's (its opt-in to PyTorch's allocator cap).
     ``nodes``: the known nodes' labels (driver limits under ``auto``), None where none are known.
+    ``paths``: the pod's GPU paths as the review decided them (built here where none are given).
 
     The pod's shape must have been checked (``podshape.check_shape``): dicts and lists where
     this function reads them.
     """
-    # Warnings about a GPU container's own settings (its frameworks' caps, its driver limits) go to
-    # the admission response only: they concern what the container's spec shows. Those about the
-    # pod and its enforcer are also recorded in the status annotation, for the enforcer's Events.
-    container_warnings: list[str] = []
-    warnings: list[str] = []
+    spec = pod["spec"]
+    _check_process_namespace(spec)
+    paths = paths if paths is not None else PodGpuPaths(spec, settings)
+    # The driver's memory limit, where it applies to this pod, needs each share in bytes: the plan
+    # (and through it the enforcer config) gets percentages resolved first.
+    limits = _driver_limits(plan, spec, settings, nodes)
+    plan = limits.plan
     shares = dict(plan.containers)
-    spec = dict(pod["spec"])
-    new_pod = dict(pod)
-    new_pod["spec"] = spec
-
+    edited = _edited_containers(spec, limits, settings, paths, pod_security,
+                                pytorch_cap_enabled(namespace_annotations or {}, settings))
+    fixed_port, port_warnings = _metrics_port(spec, edited.port_taken_by, settings.metrics_port)
+    user, user_warnings = sidecar_user(spec, shares, pod_security)
+    # Warnings about the pod and its enforcer: also recorded in the status annotation, for the
+    # enforcer's Events (warnings reach only whoever created the pod: for a Deployment its
+    # ReplicaSet controller).
+    warnings = [*([limits.warning] if limits.warning is not None else []), *port_warnings, *user_warnings,
+                *(() if settings.native_sidecar else plain_sidecar_warnings(spec, shares))]
+    recorded = recorded_warnings([*plan.warnings, *warnings])
+    sidecar = build_sidecar(plan, settings, user=user, pod_security=pod_security,
+                            fixed_port=fixed_port, status_warnings=bool(recorded))
+    sidecar = with_service_account_token(sidecar, edited.previous_sidecar, spec)
+    sidecar = with_claims(sidecar, paths.sidecar_claims([name for name, _ in plan.containers]))
+    if edited.previous_sidecar is not None and edited.previous_sidecar == api_defaulted(sidecar):
+        # A reinvocation: ours as the API server defaulted it. Taken back as it is stored, or the
+        # patch would remove the defaults only for the API server to write them again.
+        sidecar = edited.previous_sidecar
+    new_spec = dict(spec)
+    new_spec["shareProcessNamespace"] = True
+    new_spec.update(edited.lists)
+    sidecar_key = "initContainers" if settings.native_sidecar else "containers"
+    new_spec[sidecar_key] = _placed(sidecar, new_spec.get(sidecar_key) or (), edited.sidecar_at, shares,
+                                    settings.native_sidecar)
+    new_spec["volumes"] = _with_volumes(spec, settings)
     metadata = dict(pod.get("metadata") or {})
-    annotations = dict(metadata.get("annotations") or {})
-    metadata["annotations"] = annotations
-    new_pod["metadata"] = metadata
-    record = FrameworkRecord()
-    pytorch = pytorch_cap_enabled(namespace_annotations or {}, settings)
+    metadata["annotations"] = {**(metadata.get("annotations") or {}),
+                               ANNOTATION_STATUS: status_annotation(plan, recorded)}
+    # The GPU containers' own warnings (their frameworks' caps, their driver limits) and those about
+    # the author's values of gpufence's variables go to the admission response only: they concern
+    # what the container's spec shows, and a reinvocation no longer sees the replaced values.
+    return {**pod, "spec": new_spec, "metadata": metadata}, [*edited.warnings, *warnings, *edited.replaced]
 
+
+def _check_process_namespace(spec: Mapping[str, Any]) -> None:
+    """Denial where the pod's process namespace settings conflict with the enforcer's shared one."""
     if spec.get("hostPID") is True:
         raise Denial(
             "gpufence needs spec.shareProcessNamespace, which Kubernetes does not allow together with "
@@ -78,28 +107,39 @@ def desired_pod(pod: dict[str, Any], plan: SharePlan, settings: InjectionSetting
             "containers' processes; remove the field (gpufence sets it to true), or, where the namespace "
             'allows opt-out, label the pod gpufence.io/inject="false"'
         )
-    spec["shareProcessNamespace"] = True
 
-    # The driver's memory limit, where it applies to this pod, needs each share in bytes: the plan
-    # (and through it the enforcer config) gets percentages resolved first.
+
+def _driver_limits(plan: SharePlan, spec: Mapping[str, Any], settings: InjectionSettings,
+                   nodes: NodeLabels | None) -> DriverLimitPlan:
+    """``plan_driver_limits`` with each container's GPU memory read from the pod."""
     by_name = {c["name"]: c for key in ("initContainers", "containers") for c in spec.get(key) or ()}
-    limits = plan_driver_limits(plan, pod["spec"], settings,
-                                lambda name: device_memory(pod["spec"], by_name.get(name, {}), settings), nodes)
-    plan = limits.plan
-    shares = dict(plan.containers)
-    if limits.warning is not None:
-        warnings.append(limits.warning)
-    # Warnings about an author's values of gpufence's variables, which the webhook replaced: for the
-    # pod's creator only, not the status annotation, because a reinvocation no longer sees those
-    # values and would rewrite the annotation without them (a patch where there must be none).
-    replaced: list[str] = []
+    return plan_driver_limits(plan, spec, settings,
+                              lambda name: device_memory(spec, by_name.get(name, {}), settings), nodes)
+
+
+class EditedContainers(NamedTuple):
+    """The pod's (init) containers as gpufence wants them, ours left out, and what the pass found."""
+
+    lists: dict[str, list[Any]]  # "initContainers"/"containers" -> the containers, where the pod has any
+    sidecar_at: int | None  # where ours already is in its list (a reinvocation)
+    previous_sidecar: dict[str, Any] | None
+    port_taken_by: str | None  # a container of the pod that declares the metrics port
+    warnings: tuple[str, ...]  # the GPU containers' own (InjectedContainer.warnings)
+    replaced: tuple[str, ...]  # the author's values of gpufence's variables (InjectedContainer.replaced)
+
+
+def _edited_containers(spec: Mapping[str, Any], limits: DriverLimitPlan, settings: InjectionSettings,
+                       paths: PodGpuPaths, pod_security: str | None, pytorch: bool) -> EditedContainers:
+    shares = dict(limits.plan.containers)
     library = preload_library_path(settings)
-    paths = PodGpuPaths(pod["spec"], settings)
     port = settings.metrics_port
     sidecar_key = "initContainers" if settings.native_sidecar else "containers"
-    sidecar_at: int | None = None  # where ours already is in its list (a reinvocation)
+    sidecar_at: int | None = None
     previous_sidecar: dict[str, Any] | None = None
-    port_taken_by: str | None = None  # a container of the pod that declares the metrics port
+    port_taken_by: str | None = None
+    lists: dict[str, list[Any]] = {}
+    warnings: list[str] = []
+    replaced: list[str] = []
     for key in ("initContainers", "containers"):
         containers = spec.get(key)
         if not containers:
@@ -107,70 +147,78 @@ def desired_pod(pod: dict[str, Any], plan: SharePlan, settings: InjectionSetting
         updated: list[Any] = []
         for i, container in enumerate(containers):
             if container.get("name") == SIDECAR_NAME:
-                # Ours (a reinvocation, or a copied pod): rebuilt below. In the list it belongs to
-                # it keeps its index, so that another injector's containers added since (Istio,
+                # Ours (a reinvocation, or a copied pod): rebuilt by the caller. In the list it belongs
+                # to it keeps its index, so that another injector's containers added since (Istio,
                 # Linkerd, Vault Agent put theirs first) are never moved or rewritten into ours.
                 if key == sidecar_key and sidecar_at is None:
-                    sidecar_at = len(updated)
-                    previous_sidecar = container
+                    sidecar_at, previous_sidecar = len(updated), container
                 continue
-            for declared in container.get("ports") or ():
-                if isinstance(declared, dict) and declared.get("containerPort") == port:
-                    port_taken_by = port_taken_by or container["name"]
+            if any(isinstance(d, dict) and d.get("containerPort") == port for d in container.get("ports") or ()):
+                port_taken_by = port_taken_by or container["name"]
             share = shares.get(container["name"])
             if share is not None:
-                container = gpu_container(container, share, settings, library, container_warnings,
-                                          device=device_memory(pod["spec"], container, settings),
-                                          pytorch=pytorch, record=record, driver_limits=limits.applies,
-                                          resolved=container["name"] in limits.resolved, replaced=replaced,
-                                          limiters=container["name"] not in plan.runtime_limited,
-                                          kai_fraction=container["name"] == plan.kai_fraction)
+                injected = _gpu_container(container, share, spec, limits, settings, library, pytorch)
+                container = injected.container
+                warnings += injected.warnings
+                replaced += injected.replaced
                 if not sidecar_reaches_root(pod_security):
                     container = without_privilege_escalation(container, f"spec.{key}[{i}]", pod_security)
             elif settings.void_non_gpu_containers:
                 container = void_container(container, paths)
             updated.append(container)
-        spec[key] = updated
+        lists[key] = updated
+    return EditedContainers(lists, sidecar_at, previous_sidecar, port_taken_by, tuple(warnings), tuple(replaced))
 
-    # The metrics port is fixed unless the pod's network namespace may already hold it: with
-    # hostNetwork every GPU pod on the node shares one (a second pod's enforcer could not bind it),
-    # and a container of the pod may declare it. Only metrics depend on it: the probes do not.
+
+def _gpu_container(container: dict[str, Any], share: ContainerShare, spec: Mapping[str, Any],
+                   limits: DriverLimitPlan, settings: InjectionSettings, library: str | None,
+                   pytorch: bool) -> InjectedContainer:
+    name = container["name"]
+    plan = limits.plan
+    return gpu_container(container, share, settings, library, device=device_memory(spec, container, settings),
+                         pytorch=pytorch,
+                         limits=ShareLimits(driver_limits=limits.applies, resolved=name in limits.resolved,
+                                            limiters=name not in plan.runtime_limited,
+                                            kai_fraction=name == plan.kai_fraction))
+
+
+def _metrics_port(spec: Mapping[str, Any], port_taken_by: str | None, port: int) -> tuple[bool, list[str]]:
+    """Whether the enforcer's metrics port is fixed, and the warning where it is not.
+
+    The metrics port is fixed unless the pod's network namespace may already hold it: with
+    hostNetwork every GPU pod on the node shares one (a second pod's enforcer could not bind it),
+    and a container of the pod may declare it. Only metrics depend on it: the probes do not."""
     host_network = spec.get("hostNetwork") is True
-    fixed_port = not (host_network or port_taken_by)
-    if not fixed_port:
-        why = "the pod uses the host's network" if host_network else (
-            f"container {quote(port_taken_by or '')} declares port {port}")
-        warnings.append(
-            f"gpufence: {why}, so the enforcer serves its metrics on a free port it picks at start and "
-            "Prometheus does not scrape it; its decisions still reach the log and the pod's Events"
-        )
-    user = sidecar_user(pod["spec"], shares, pod_security, warnings)
-    if not settings.native_sidecar:
-        _warn_plain_sidecar(spec, shares, warnings)
-    # Warnings reach only whoever created the pod (for a Deployment its ReplicaSet controller), so
-    # the enforcer turns those about the pod and itself into Events on the pod.
-    recorded = recorded_warnings([*plan.warnings, *warnings])
-    sidecar = build_sidecar(plan, settings, user=user, pod_security=pod_security,
-                            fixed_port=fixed_port, status_warnings=bool(recorded))
-    sidecar = with_service_account_token(sidecar, previous_sidecar, pod["spec"])
-    sidecar = with_claims(sidecar, paths.sidecar_claims([name for name, _ in plan.containers]))
-    if previous_sidecar is not None and previous_sidecar == api_defaulted(sidecar):
-        # A reinvocation: ours as the API server defaulted it. Taken back as it is stored, or the
-        # patch would remove the defaults only for the API server to write them again.
-        sidecar = previous_sidecar
-    others = list(spec.get(sidecar_key) or ())
-    if sidecar_at is not None:
-        if settings.native_sidecar:
-            # Never after a GPU init container: that one would run before enforcement starts.
-            first_gpu = next((i for i, c in enumerate(others) if c.get("name") in shares), sidecar_at)
-            sidecar_at = min(sidecar_at, first_gpu)
-        others.insert(sidecar_at, sidecar)
-    elif settings.native_sidecar:
-        others.insert(0, sidecar)  # first: the enforcer is up before the workload starts
-    else:
-        others.append(sidecar)
-    spec[sidecar_key] = others
+    if not (host_network or port_taken_by):
+        return True, []
+    why = "the pod uses the host's network" if host_network else (
+        f"container {quote(port_taken_by or '')} declares port {port}")
+    return False, [
+        f"gpufence: {why}, so the enforcer serves its metrics on a free port it picks at start and "
+        "Prometheus does not scrape it; its decisions still reach the log and the pod's Events"
+    ]
 
+
+def _placed(sidecar: dict[str, Any], others: Sequence[Any], sidecar_at: int | None, shares: Container[str],
+            native: bool) -> list[Any]:
+    """``others`` (the containers of the sidecar's list) with ``sidecar`` in its place: where ours
+    was (a reinvocation), else first (native: the enforcer is up before the workload starts) or last."""
+    placed = list(others)
+    if sidecar_at is not None:
+        if native:
+            # Never after a GPU init container: that one would run before enforcement starts.
+            first_gpu = next((i for i, c in enumerate(placed) if c.get("name") in shares), sidecar_at)
+            sidecar_at = min(sidecar_at, first_gpu)
+        placed.insert(sidecar_at, sidecar)
+    elif native:
+        placed.insert(0, sidecar)
+    else:
+        placed.append(sidecar)
+    return placed
+
+
+def _with_volumes(spec: Mapping[str, Any], settings: InjectionSettings) -> list[Any]:
+    """The pod's volumes with gpufence's added; Denial where the pod has another under one's name."""
     volumes = list(spec.get("volumes") or ())
     existing = {v["name"]: v for v in volumes if isinstance(v.get("name"), str)}
     for volume in pod_volumes(settings):
@@ -179,10 +227,7 @@ def desired_pod(pod: dict[str, Any], plan: SharePlan, settings: InjectionSetting
             volumes.append(volume)
         elif present != volume:
             raise Denial(f"volume name {quote(volume['name'])} is reserved by gpufence; rename the pod's volume")
-    spec["volumes"] = volumes
-    annotations[ANNOTATION_STATUS] = status_annotation(plan, recorded)
-    return new_pod, [*container_warnings, *warnings, *replaced]
-
+    return volumes
 
 
 def with_claims(sidecar: dict[str, Any], claims: list[str]) -> dict[str, Any]:
@@ -250,8 +295,9 @@ def with_service_account_token(built: dict[str, Any], previous: dict[str, Any] |
     return {**built, "volumeMounts": [*(built.get("volumeMounts") or ()), mount]}
 
 
-def _warn_plain_sidecar(spec: dict[str, Any], shares: Container[str], warnings: list[str]) -> None:
+def plain_sidecar_warnings(spec: Mapping[str, Any], shares: Container[str]) -> list[str]:
     """What a regular-container enforcer (native sidecars off) cannot do, said to the user."""
+    warnings = []
     if spec.get("restartPolicy") in ("Never", "OnFailure"):
         warnings.append(
             "the gpufence enforcer runs as a regular container (native sidecars are disabled), so this "
@@ -263,14 +309,16 @@ def _warn_plain_sidecar(spec: dict[str, Any], shares: Container[str], warnings: 
                 f"init container {quote(container['name'])} requests a GPU but runs before the enforcer "
                 "starts (native sidecars are disabled), so its share is not enforced"
             )
+    return warnings
 
 
-def desired_plain_pod(pod: dict[str, Any], settings: InjectionSettings) -> dict[str, Any]:
+def desired_plain_pod(pod: dict[str, Any], settings: InjectionSettings,
+                      paths: PodGpuPaths | None = None) -> dict[str, Any]:
     """A pod without a shared GPU as gpufence wants it: every container that gets no device with
     ``NVIDIA_VISIBLE_DEVICES=void`` (``--void-non-gpu-containers``), nothing else. Copy-on-write;
-    the pod's shape must have been checked (``podshape.check_shape``)."""
+    the pod's shape must have been checked (``podshape.check_shape``); ``paths`` as in ``desired_pod``."""
     spec = dict(pod["spec"])
-    paths = PodGpuPaths(spec, settings)
+    paths = paths if paths is not None else PodGpuPaths(spec, settings)
     for key in ("initContainers", "containers"):
         if spec.get(key):
             spec[key] = [void_container(container, paths) for container in spec[key]]

@@ -39,7 +39,7 @@ from typing import Any, Literal, Protocol
 from gpufence.contract import SIDECAR_NAME, MemoryShare
 from gpufence.quantity import QuantityError, parse_bytes
 from gpufence.webhook.core.denial import Denial, quote
-from gpufence.webhook.core.namespace_policy import NamespacePolicy, _memory_above
+from gpufence.webhook.core.namespace_policy import NamespacePolicy, memory_above
 from gpufence.webhook.core.shares import ClaimMemory
 
 # The drivers a selector allows, or None where it allows any (pins no driver, or cannot be read).
@@ -475,28 +475,13 @@ def claim_memory(namespace: str, spec: Any, objects: DraObjects, gpu_drivers: It
     for names in claims_by_container.values():
         for name in set(names):
             users[name] = users.get(name, 0) + 1
-    gpu = frozenset(gpu_drivers)
+    asked = _ClaimAsks(namespace, pod_claims, objects, frozenset(gpu_drivers), users)
     shares: dict[str, ClaimMemory] = {}
     warnings: list[str] = []
     divided: set[str] = set()
     for container, names in claims_by_container.items():
-        found: list[tuple[int, str, str]] = []  # (bytes, origin, the amount as an accepted value)
-        for name in dict.fromkeys(names):
-            obj = claim_object(pod_claims.get(name) or {})
-            if obj is None:
-                continue
-            kind, object_name = obj
-            for ask in objects.memory_asks(kind, namespace, object_name) or ():
-                known = objects.device_class(ask.device_class)
-                if known is None or not (known[0] is None or known[0] & gpu):
-                    continue  # an unknown class (said as unresolved) or another driver's devices
-                shared = users.get(name, 1)
-                origin = (f"claim {_q(name)} ({kind} {_q(object_name)}) request {_q(ask.request)} "
-                          f"capacity.requests.memory={quote(ask.text)}")
-                if shared > 1:
-                    divided.add(name)
-                    origin += f" shared by {shared} containers"
-                found.append((ask.bytes // shared, origin, ask.text if shared == 1 else str(ask.bytes // shared)))
+        found, shared = asked.amounts(names)
+        divided |= shared
         found = [f for f in found if f[0] > 0]
         if not found:
             continue
@@ -511,6 +496,40 @@ def claim_memory(namespace: str, spec: Any, objects: DraObjects, gpu_drivers: It
     return shares, warnings
 
 
+@dataclass(frozen=True)
+class _ClaimAsks:
+    """What one pod's claims ask of GPU memory, through the cache."""
+
+    namespace: str
+    pod_claims: Mapping[str, Any]  # the pod's claims by name
+    objects: DraObjects
+    gpu: frozenset[str]  # the GPU drivers
+    users: Mapping[str, int]  # how many containers use each claim
+
+    def amounts(self, names: Sequence[str]) -> tuple[list[tuple[int, str, str]], set[str]]:
+        """(bytes, origin, the amount as an accepted value) of each request of claims ``names`` that
+        asks memory of a GPU class, divided by the claim's users; the claims so divided."""
+        found: list[tuple[int, str, str]] = []
+        divided: set[str] = set()
+        for name in dict.fromkeys(names):
+            obj = claim_object(self.pod_claims.get(name) or {})
+            if obj is None:
+                continue
+            kind, object_name = obj
+            for ask in self.objects.memory_asks(kind, self.namespace, object_name) or ():
+                known = self.objects.device_class(ask.device_class)
+                if known is None or not (known[0] is None or known[0] & self.gpu):
+                    continue  # an unknown class (said as unresolved) or another driver's devices
+                shared = self.users.get(name, 1)
+                origin = (f"claim {_q(name)} ({kind} {_q(object_name)}) request {_q(ask.request)} "
+                          f"capacity.requests.memory={quote(ask.text)}")
+                if shared > 1:
+                    divided.add(name)
+                    origin += f" shared by {shared} containers"
+                found.append((ask.bytes // shared, origin, ask.text if shared == 1 else str(ask.bytes // shared)))
+        return found, divided
+
+
 def check_claim_ceilings(shares: Mapping[str, ClaimMemory], policy: NamespacePolicy) -> None:
     """Raises Denial where a claim's memory lies above the namespace's memory ceiling in bytes,
     naming the claim, its amount, the ceiling and an amount the ceiling accepts. (A percentage
@@ -519,7 +538,7 @@ def check_claim_ceilings(shares: Mapping[str, ClaimMemory], policy: NamespacePol
     if ceiling is None or ceiling.share.bytes is None:
         return
     for container, claimed in shares.items():
-        if _memory_above(claimed.share, ceiling.share):
+        if memory_above(claimed.share, ceiling.share):
             raise Denial(
                 f"container {quote(container)}: {claimed.origin} is above the memory ceiling of namespace "
                 f"{quote(policy.namespace)} ({ceiling.origin}): ask the claim for at most that, e.g. "

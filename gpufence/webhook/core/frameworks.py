@@ -41,7 +41,7 @@ from __future__ import annotations
 import itertools
 import re
 import shlex
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from decimal import ROUND_DOWN, Decimal, InvalidOperation
 from typing import Any
@@ -81,7 +81,7 @@ class Cap:
     text: str  # the fraction as written into variables and messages, e.g. "0.25"
 
 
-@dataclass
+@dataclass(frozen=True)
 class FrameworkResult:
     """What ``framework_env`` decided for one container."""
 
@@ -117,6 +117,8 @@ def device_memory(spec: Mapping[str, Any], container: Mapping[str, Any],
         value = selector.get(GFD_MEMORY_LABEL)
         if isinstance(value, str) and value.isdigit() and 0 < int(value) < (1 << 40):
             return DeviceMemory(int(value) * MiB, f"node selector {GFD_MEMORY_LABEL}={quote(value)}")
+    if not settings.gpu_memory:
+        return None  # no pool's memory given: the container's resource need not be looked up
     resource = shared_gpu_resource(container, settings)
     for name, num_bytes in settings.gpu_memory:
         if name == resource:
@@ -184,90 +186,96 @@ def framework_env(name: str, memory: MemoryShare | None, env: Mapping[str, Mappi
     result depends only on the inputs, so the webhook's own output gives the same result
     (reinvocation).
     """
-    result = FrameworkResult(set_env=[], replace_env=[], warnings=[])
+    warnings = _uncapped_allocators(name, memory, env)
+    if memory is None:
+        return FrameworkResult(set_env=[], replace_env=[], warnings=warnings)
+    cap = memory_cap(memory, device, settings.framework_memory_headroom_bytes)
+    if cap is None:
+        return FrameworkResult(set_env=[], replace_env=[],
+                               warnings=[*warnings, _no_cap(name, memory, device, settings)])
+    set_env: list[tuple[str, str]] = []
+    # JAX: one name only, whichever the user chose.
+    user_xla = [var for var in (ENV_XLA_FRACTION, ENV_XLA_FRACTION_NEW) if var in env]
+    if not user_xla:
+        set_env.append((ENV_XLA_FRACTION, cap.text))
+    for var in user_xla:
+        # Our own cap, seen again on reinvocation, is not reported.
+        if env[var].get("value") != cap.text or "valueFrom" in env[var]:
+            warnings += _above(name, memory, cap, var, env[var].get("value"))
+    # Text Generation Inference.
+    if ENV_TGI_FRACTION not in env:
+        set_env.append((ENV_TGI_FRACTION, cap.text))
+    elif env[ENV_TGI_FRACTION].get("value") != cap.text or "valueFrom" in env[ENV_TGI_FRACTION]:
+        warnings += _above(name, memory, cap, ENV_TGI_FRACTION, env[ENV_TGI_FRACTION].get("value"))
+    result = FrameworkResult(set_env=set_env, replace_env=[], warnings=warnings)
+    return _pytorch(name, memory, cap, env, result) if pytorch else result
+
+
+def _uncapped_allocators(name: str, memory: MemoryShare | None, env: Mapping[str, Mapping[str, Any]]) -> list[str]:
+    """The warnings for variables that take a framework's allocator out of any cap."""
+    warnings = []
     if ENV_TORCH_NO_CACHING in env:
         value = env[ENV_TORCH_NO_CACHING].get("value", "")
-        result.warnings.append(
+        warnings.append(
             f"container {quote(name)} sets {ENV_TORCH_NO_CACHING}={quote(value)}: PyTorch then bypasses its "
             "caching allocator and any memory cap, so only the enforcer's termination bounds it; remove it "
             "outside cuda-memcheck runs"
         )
     if memory is None:
-        return result
+        return warnings
     allocator = env.get(ENV_XLA_ALLOCATOR, {}).get("value")
     if isinstance(allocator, str) and allocator.strip().lower() == "platform":
-        result.warnings.append(
+        warnings.append(
             f"container {quote(name)} sets {ENV_XLA_ALLOCATOR}={quote(allocator)}: JAX then allocates on demand "
             f"without a pool, so no memory fraction caps it; remove it to let {ENV_XLA_FRACTION} apply"
         )
-    cap = memory_cap(memory, device, settings.framework_memory_headroom_bytes)
-    if cap is None:
-        if device is None:
-            result.warnings.append(
-                f"container {quote(name)}: memory share {describe_share(memory)} is in bytes and the GPU's memory "
+    return warnings
+
+
+def _no_cap(name: str, memory: MemoryShare, device: DeviceMemory | None, settings: InjectionSettings) -> str:
+    """Why a container with a memory share gets no framework cap."""
+    if device is None:
+        return (f"container {quote(name)}: memory share {describe_share(memory)} is in bytes and the GPU's memory "
                 f"is unknown, so no framework cap ({ENV_XLA_FRACTION}, {ENV_TGI_FRACTION}) is set; use a "
-                f"percentage, node selector {GFD_MEMORY_LABEL} or flag --gpu-memory"
-            )
-        else:
-            result.warnings.append(
-                f"container {quote(name)}: the memory share {describe_share(memory)} leaves nothing after the "
-                f"{human_bytes(settings.framework_memory_headroom_bytes)} headroom on a GPU of "
-                f"{human_bytes(device.bytes)} ({device.origin}), so no framework cap is set"
-            )
-        return result
-
-    def above(var: str, value: object, shown: str | None = None) -> None:
-        given = _as_fraction(value)
-        if given is not None and given > cap.fraction:
-            result.warnings.append(
-                f"container {quote(name)} sets {shown or var}={quote(value)}, more than its memory share "
-                f"{describe_share(memory)} allows; gpufence keeps it, so the enforcer may terminate the "
-                f"container: use at most {cap.text}"
-            )
-
-    # JAX: one name only, whichever the user chose.
-    user_xla = [var for var in (ENV_XLA_FRACTION, ENV_XLA_FRACTION_NEW) if var in env]
-    if not user_xla:
-        result.set_env.append((ENV_XLA_FRACTION, cap.text))
-    else:
-        for var in user_xla:
-            # Our own cap, seen again on reinvocation, is not reported.
-            if env[var].get("value") != cap.text or "valueFrom" in env[var]:
-                above(var, env[var].get("value"))
-
-    # Text Generation Inference.
-    if ENV_TGI_FRACTION not in env:
-        result.set_env.append((ENV_TGI_FRACTION, cap.text))
-    elif env[ENV_TGI_FRACTION].get("value") != cap.text or "valueFrom" in env[ENV_TGI_FRACTION]:
-        above(ENV_TGI_FRACTION, env[ENV_TGI_FRACTION].get("value"))
-
-    if pytorch:
-        _pytorch(name, cap, env, result, above)
-    return result
+                f"percentage, node selector {GFD_MEMORY_LABEL} or flag --gpu-memory")
+    return (f"container {quote(name)}: the memory share {describe_share(memory)} leaves nothing after the "
+            f"{human_bytes(settings.framework_memory_headroom_bytes)} headroom on a GPU of "
+            f"{human_bytes(device.bytes)} ({device.origin}), so no framework cap is set")
 
 
-def _pytorch(name: str, cap: Cap, env: Mapping[str, Mapping[str, Any]], result: FrameworkResult,
-             above: Callable[[str, object, str | None], None]) -> None:
+def _above(name: str, memory: MemoryShare, cap: Cap, var: str, value: object, shown: str | None = None) -> list[str]:
+    """The warning where a user's fraction ``value`` of ``var`` allows more than the share's cap."""
+    given = _as_fraction(value)
+    if given is None or given <= cap.fraction:
+        return []
+    return [f"container {quote(name)} sets {shown or var}={quote(value)}, more than its memory share "
+            f"{describe_share(memory)} allows; gpufence keeps it, so the enforcer may terminate the "
+            f"container: use at most {cap.text}"]
+
+
+def _pytorch(name: str, memory: MemoryShare, cap: Cap, env: Mapping[str, Mapping[str, Any]],
+             result: FrameworkResult) -> FrameworkResult:
+    """``result`` with PyTorch's allocator cap: its alloc conf variable set or extended, or a warning."""
     entry_name = ENV_TORCH_ALLOC_CONF
     if ENV_TORCH_ALLOC_CONF not in env and ENV_TORCH_ALLOC_CONF_NEW in env:
         entry_name = ENV_TORCH_ALLOC_CONF_NEW  # the user's choice; a new variable would shadow it
     setting = f"{TORCH_FRACTION_KEY}:{cap.text}"
     entry = env.get(entry_name)
     if entry is None:
-        result.set_env.append((entry_name, setting))
-        return
+        return FrameworkResult([*result.set_env, (entry_name, setting)], result.replace_env, result.warnings)
     if "valueFrom" in entry:
-        result.warnings.append(
-            f"container {quote(name)} takes {entry_name} from valueFrom, so gpufence cannot add "
-            f"{setting} and PyTorch's allocator is not capped"
-        )
-        return
+        return FrameworkResult(result.set_env, result.replace_env, [
+            *result.warnings, f"container {quote(name)} takes {entry_name} from valueFrom, so gpufence cannot add "
+            f"{setting} and PyTorch's allocator is not capped"])
     conf = (entry.get("value") or "").strip().rstrip(",")
     current = alloc_conf_value(conf, TORCH_FRACTION_KEY)
     if current is None:
-        result.replace_env.append((entry_name, f"{conf},{setting}" if conf else setting))
-    elif current != cap.text:
-        above(entry_name, current, f"{entry_name} {TORCH_FRACTION_KEY}")
+        return FrameworkResult(result.set_env, [(entry_name, f"{conf},{setting}" if conf else setting)],
+                               result.warnings)
+    if current != cap.text:
+        return FrameworkResult(result.set_env, result.replace_env, [
+            *result.warnings, *_above(name, memory, cap, entry_name, current, f"{entry_name} {TORCH_FRACTION_KEY}")])
+    return result
 
 
 def recorded_warnings(warnings: Sequence[str]) -> list[str]:
@@ -353,56 +361,72 @@ def server_warnings(name: str, container: Mapping[str, Any], memory: MemoryShare
     if not any(marker in text for marker in _SERVER_MARKERS):
         return []
     words = _tokens(container)[:_MAX_WORDS]
-    cap = memory_cap(memory, device, settings.framework_memory_headroom_bytes)
-    fit = cap.text if cap is not None else None
-    share = describe_share(memory)
-    warnings: list[str] = []
+    server = _Server(name, memory, device, memory_cap(memory, device, settings.framework_memory_headroom_bytes))
+    return [*server.vllm(words, image), *server.sglang(words), *server.tgi(words, image)]
 
-    def warn(server: str, flag: str, value: str | None, default: str) -> None:
+
+@dataclass(frozen=True)
+class _Server:
+    """One container's memory share, as an inference server's flags are checked against it."""
+
+    name: str
+    memory: MemoryShare
+    device: DeviceMemory | None
+    cap: Cap | None
+
+    def warning(self, server: str, flag: str, value: str | None, default: str) -> str:
+        share = describe_share(self.memory)
         shown = f"{flag}={value}" if value is not None else f"{flag} (default {default})"
-        if fit is not None:
-            advice = f"use {flag}={fit}"
+        if self.cap is not None:
+            advice = f"use {flag}={self.cap.text}"
         else:
             advice = f"use at most {share} divided by the GPU's memory (e.g. {flag}=0.1 for 8Gi of 80Gi)"
-        verb = "takes" if fit is not None else "may take"
-        warnings.append(
-            f"container {quote(name)}: {server} {shown} {verb} more than the memory share {share}; {advice}")
+        verb = "takes" if self.cap is not None else "may take"
+        return f"container {quote(self.name)}: {server} {shown} {verb} more than the memory share {share}; {advice}"
 
-    def exceeds(value: str | None) -> bool:
+    def exceeds(self, value: str | None) -> bool:
         given = _as_fraction(value)
-        return given is not None and cap is not None and given > cap.fraction
+        return given is not None and self.cap is not None and given > self.cap.fraction
 
-    vllm = (_pair(words, "vllm", "serve") or _has(words, "vllm.entrypoints") or "vllm-openai" in image
-            or _flag(words, "--gpu-memory-utilization") is not None)
-    if vllm:
+    def vllm(self, words: Sequence[str], image: str) -> list[str]:
+        if not (_pair(words, "vllm", "serve") or _has(words, "vllm.entrypoints") or "vllm-openai" in image
+                or _flag(words, "--gpu-memory-utilization") is not None):
+            return []
         kv = _flag(words, "--kv-cache-memory-bytes")
         utilization = _flag(words, "--gpu-memory-utilization")
-        if kv is not None:
-            # vLLM then sizes the KV cache from this, not from --gpu-memory-utilization.
-            try:
-                kv_bytes = parse_bytes(kv.strip())
-            except QuantityError:
-                kv_bytes = None
-            limit = memory.bytes if memory.bytes is not None else (
-                int(device.bytes * memory.percent / 100) if device is not None and memory.percent else None)
-            if kv_bytes is not None and limit is not None and kv_bytes >= limit:
-                warnings.append(
-                    f"container {quote(name)}: vLLM --kv-cache-memory-bytes={kv} is not less than the memory share "
-                    f"{share}, which must also hold the model's weights; use less than {share} minus the weights"
-                )
-        elif utilization is None or exceeds(utilization):
-            warn("vLLM", "--gpu-memory-utilization", utilization, "0.9")
-    sglang = (_has(words, "sglang.launch_server") or _pair(words, "sglang", "serve")
-              or _flag(words, "--mem-fraction-static") is not None)
-    if sglang:
+        if kv is None:
+            if utilization is None or self.exceeds(utilization):
+                return [self.warning("vLLM", "--gpu-memory-utilization", utilization, "0.9")]
+            return []
+        # vLLM then sizes the KV cache from this, not from --gpu-memory-utilization.
+        try:
+            kv_bytes: int | None = parse_bytes(kv.strip())
+        except QuantityError:
+            kv_bytes = None
+        memory, device = self.memory, self.device
+        limit = memory.bytes if memory.bytes is not None else (
+            int(device.bytes * memory.percent / 100) if device is not None and memory.percent else None)
+        if kv_bytes is None or limit is None or kv_bytes < limit:
+            return []
+        share = describe_share(memory)
+        return [f"container {quote(self.name)}: vLLM --kv-cache-memory-bytes={kv} is not less than the memory share "
+                f"{share}, which must also hold the model's weights; use less than {share} minus the weights"]
+
+    def sglang(self, words: Sequence[str]) -> list[str]:
+        if not (_has(words, "sglang.launch_server") or _pair(words, "sglang", "serve")
+                or _flag(words, "--mem-fraction-static") is not None):
+            return []
         static = _flag(words, "--mem-fraction-static")
-        if static is None or exceeds(static):
-            warn("SGLang", "--mem-fraction-static", static, "about 0.8-0.9")
-    tgi = (_has(words, "text-generation-launcher") or "text-generation-inference" in image
-           or _flag(words, "--cuda-memory-fraction") is not None)
-    if tgi:
+        if static is None or self.exceeds(static):
+            return [self.warning("SGLang", "--mem-fraction-static", static, "about 0.8-0.9")]
+        return []
+
+    def tgi(self, words: Sequence[str], image: str) -> list[str]:
+        if not (_has(words, "text-generation-launcher") or "text-generation-inference" in image
+                or _flag(words, "--cuda-memory-fraction") is not None):
+            return []
         fraction = _flag(words, "--cuda-memory-fraction")
         # Without the flag TGI reads CUDA_MEMORY_FRACTION, which framework_env sets (or reports).
-        if (fraction is not None and exceeds(fraction)) or (fraction is None and cap is None):
-            warn("TGI", "--cuda-memory-fraction", fraction, "1.0")
-    return warnings
+        if (fraction is not None and self.exceeds(fraction)) or (fraction is None and self.cap is None):
+            return [self.warning("TGI", "--cuda-memory-fraction", fraction, "1.0")]
+        return []

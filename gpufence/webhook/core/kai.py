@@ -36,7 +36,7 @@ from typing import Any
 from gpufence.contract import MemoryShare
 from gpufence.quantity import QuantityError, parse_bytes
 from gpufence.webhook.core.denial import Denial, from_admin, quote
-from gpufence.webhook.core.namespace_policy import NamespacePolicy, _memory_above
+from gpufence.webhook.core.namespace_policy import NamespacePolicy, memory_above
 from gpufence.webhook.core.settings import DEFAULT_KAI_SCHEDULER, InjectionSettings
 from gpufence.webhook.core.shares import MIN_MEMORY_SHARE_BYTES
 
@@ -117,7 +117,7 @@ class KaiFraction:
         ceiling = policy.max_memory
         if ceiling is None or (share.bytes is None) != (ceiling.share.bytes is None):
             return None
-        if not _memory_above(share, ceiling.share):
+        if not memory_above(share, ceiling.share):
             return None
         if ceiling.share.bytes is not None:
             accepted = f'{KAI_GPU_MEMORY}: "{ceiling.share.bytes // _MIB}"'
@@ -267,7 +267,7 @@ class NvFraction:
         """The denial where ``share`` lies above the namespace's memory ceiling in bytes (a percentage
         ceiling applies beside it, ``NamespacePolicy.bound``)."""
         ceiling = policy.max_memory
-        if ceiling is None or ceiling.share.bytes is None or not _memory_above(share, ceiling.share):
+        if ceiling is None or ceiling.share.bytes is None or not memory_above(share, ceiling.share):
             return None
         suffix = NV_LIMIT if self._value(NV_LIMIT) is not None else NV_REQUEST
         return (f"{self.origin()} is above the memory ceiling of namespace {quote(policy.namespace)} "

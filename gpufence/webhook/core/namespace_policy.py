@@ -80,43 +80,55 @@ class NamespacePolicy:
         return requested
 
     def bound(self, share: ContainerShare, memory_origin: str, compute_origin: str,
-              warnings: list[str] | None = None, container: str = "") -> ContainerShare:
-        """``share`` within the ceilings (a missing share becomes the ceiling); raises Denial.
-        A memory share in the other unit than the ceiling keeps both (the smaller applies on each
-        device) and adds a warning for ``container`` to ``warnings``."""
-        memory, compute = share.memory, share.compute_percent
-        ceiling = self.max_memory
-        if ceiling is not None:
-            if memory is None:
-                memory = ceiling.share
-            elif (memory.bytes is None) != (ceiling.share.bytes is None):
-                memory = MemoryShare(bytes=memory.bytes if memory.bytes is not None else ceiling.share.bytes,
-                                     percent=memory.percent if memory.percent is not None else ceiling.share.percent)
-                if warnings is not None:
-                    warnings.append(
-                        f"container {quote(container)}: {memory_origin} and the memory ceiling of namespace "
-                        f"{quote(self.namespace)} ({ceiling.origin}) are in different units, so both apply: on "
-                        f"each GPU the smaller is the limit"
-                    )
-            elif _memory_above(memory, ceiling.share):
-                raise Denial(
-                    f"{memory_origin} is above the memory ceiling of namespace {quote(self.namespace)} "
-                    f"({ceiling.origin}): use at most {quote(ceiling.text)}"
-                )
-        if self.max_compute is not None:
-            if compute is None:
-                compute = self.max_compute.percent
-            elif compute > self.max_compute.percent:
-                raise Denial(
-                    f"{compute_origin} is above the compute ceiling of namespace {quote(self.namespace)} "
-                    f"({self.max_compute.origin}): use at most {quote(self.max_compute.text)}"
-                )
+              container: str = "") -> tuple[ContainerShare, list[str]]:
+        """``share`` within the ceilings (a missing share becomes the ceiling) and the warnings; raises
+        Denial. A memory share in the other unit than the ceiling keeps both (the smaller applies on
+        each device), with a warning for ``container``."""
+        memory, warnings = self._bound_memory(share.memory, memory_origin, container)
+        compute = self._bound_compute(share.compute_percent, compute_origin)
         if memory is share.memory and compute == share.compute_percent:
-            return share
-        return ContainerShare(memory=memory, compute_percent=compute)
+            return share, warnings
+        return ContainerShare(memory=memory, compute_percent=compute), warnings
+
+    def _bound_memory(self, memory: MemoryShare | None, origin: str,
+                      container: str) -> tuple[MemoryShare | None, list[str]]:
+        ceiling = self.max_memory
+        if ceiling is None:
+            return memory, []
+        if memory is None:
+            return ceiling.share, []
+        if (memory.bytes is None) != (ceiling.share.bytes is None):
+            both = MemoryShare(bytes=memory.bytes if memory.bytes is not None else ceiling.share.bytes,
+                               percent=memory.percent if memory.percent is not None else ceiling.share.percent)
+            return both, [
+                f"container {quote(container)}: {origin} and the memory ceiling of namespace "
+                f"{quote(self.namespace)} ({ceiling.origin}) are in different units, so both apply: on "
+                f"each GPU the smaller is the limit"
+            ]
+        if memory_above(memory, ceiling.share):
+            raise Denial(
+                f"{origin} is above the memory ceiling of namespace {quote(self.namespace)} "
+                f"({ceiling.origin}): use at most {quote(ceiling.text)}"
+            )
+        return memory, []
+
+    def _bound_compute(self, compute: float | None, origin: str) -> float | None:
+        ceiling = self.max_compute
+        if ceiling is None:
+            return compute
+        if compute is None:
+            return ceiling.percent
+        if compute > ceiling.percent:
+            raise Denial(
+                f"{origin} is above the compute ceiling of namespace {quote(self.namespace)} "
+                f"({ceiling.origin}): use at most {quote(ceiling.text)}"
+            )
+        return compute
 
 
-def _memory_above(share: MemoryShare, ceiling: MemoryShare) -> bool:
+def memory_above(share: MemoryShare, ceiling: MemoryShare) -> bool:
+    """Whether ``share`` is above ``ceiling``, both in the same unit (bytes where both have bytes):
+    the one comparison of a memory share with a ceiling (the namespace's, KAI's, a claim's)."""
     if share.bytes is not None and ceiling.bytes is not None:
         return share.bytes > ceiling.bytes
     assert share.percent is not None and ceiling.percent is not None

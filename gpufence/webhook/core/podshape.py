@@ -135,149 +135,159 @@ def check_shape(pod: dict[str, Any]) -> list[str]:
     """All container names; raises ``Denial`` when a field the rules or the injection read
     or write has the wrong JSON type (the message names the field), so ``desired_pod`` needs no type
     checks and no rule can fail on a type (HTTP 500). A rule that reads a new field checks it here."""
-
-    def bad(where: str, what: str) -> Denial:
-        return Denial(f"the pod is malformed: {where} must be {what}")
-
-    # Messages name the offending field; they are formatted only on the way to a denial.
-    def check_user(context: Any, where: str) -> None:
-        if context is None:
-            return
-        if type(context) is not dict and not isinstance(context, dict):
-            raise bad(where, "an object")
-        for key in ("runAsUser", "runAsGroup"):
-            value = context.get(key)
-            if value is not None and (not isinstance(value, int) or isinstance(value, bool)):
-                raise bad(f"{where}.{key}", "an integer")
-        for key in ("runAsNonRoot", "privileged", "allowPrivilegeEscalation"):
-            value = context.get(key)
-            if value is not None and not isinstance(value, bool):
-                raise bad(f"{where}.{key}", "a boolean")
-        capabilities = context.get("capabilities")
-        if capabilities is not None:
-            if not isinstance(capabilities, dict):
-                raise bad(f"{where}.capabilities", "an object")
-            added = capabilities.get("add")
-            if added is not None and not (isinstance(added, list) and all(isinstance(c, str) for c in added)):
-                raise bad(f"{where}.capabilities.add", "a list of strings")
-
-    def check_strings(obj: dict[str, Any], keys: tuple[str, ...], where: str) -> None:
-        for key in keys:
-            if obj.get(key) is not None and not isinstance(obj[key], str):
-                raise bad(f"{where}.{key}", "a string")
-
-    def check_resources(resources: Any, where: str) -> None:
-        if resources is None:
-            return
-        if not isinstance(resources, dict):
-            raise bad(where, "an object")
-        for key in ("limits", "requests"):
-            if resources.get(key) is not None and not isinstance(resources[key], dict):
-                raise bad(f"{where}.{key}", "an object")
-        claims = resources.get("claims")
-        if claims is None:
-            return
-        if not isinstance(claims, list):
-            raise bad(f"{where}.claims", "a list")
-        for j, claim in enumerate(claims):
-            if not isinstance(claim, dict) or not isinstance(claim.get("name"), str):
-                raise bad(f"{where}.claims[{j}]", "an object with a string name")
-
-    metadata = pod.get("metadata")
-    if metadata is None:
-        metadata = {}
-    elif not isinstance(metadata, dict):
-        raise bad("metadata", "an object")
-    for key in ("annotations", "labels"):
-        values = metadata.get(key)
-        if values is None:
-            continue
-        if not isinstance(values, dict):
-            raise bad(f"metadata.{key}", "an object")
-        if not set(map(type, values.values())) <= _STR:
-            for name, value in values.items():
-                if not isinstance(value, str):
-                    raise bad(f"metadata.{key}[{quote(name)}]", "a string")
+    _check_metadata(pod.get("metadata"))
     spec = pod.get("spec")
     if not isinstance(spec, dict):
-        raise bad("spec", "an object")
+        raise _bad("spec", "an object")
     share = spec.get("shareProcessNamespace")
     if share is not None and not isinstance(share, bool):
-        raise bad("spec.shareProcessNamespace", "a boolean")
-    check_user(spec.get("securityContext"), "spec.securityContext")
-    volumes = spec.get("volumes")
-    if volumes is not None:
-        if not isinstance(volumes, list):
-            raise bad("spec.volumes", "a list")
-        for i, volume in enumerate(volumes):
-            if not isinstance(volume, dict):
-                raise bad(f"spec.volumes[{i}]", "an object")
-            if not isinstance(volume.get("name"), str):
-                raise bad(f"spec.volumes[{i}].name", "a string")
-            host = volume.get("hostPath")
-            if host is not None:
-                if not isinstance(host, dict):
-                    raise bad(f"spec.volumes[{i}].hostPath", "an object")
-                check_strings(host, ("path", "type"), f"spec.volumes[{i}].hostPath")
-    claims = spec.get("resourceClaims")
-    if claims is not None:
-        if not isinstance(claims, list):
-            raise bad("spec.resourceClaims", "a list")
-        for i, claim in enumerate(claims):
-            if not isinstance(claim, dict) or not isinstance(claim.get("name"), str):
-                raise bad(f"spec.resourceClaims[{i}]", "an object with a string name")
-            check_strings(claim, ("resourceClaimName", "resourceClaimTemplateName"), f"spec.resourceClaims[{i}]")
+        raise _bad("spec.shareProcessNamespace", "a boolean")
+    _check_user(spec.get("securityContext"), "spec.securityContext")
+    _check_volumes(spec.get("volumes"))
+    _check_pod_claims(spec.get("resourceClaims"))
     names: list[str] = []
     for key in ("initContainers", "containers"):
         containers = spec.get(key)
         if containers is None:
             continue
         if not isinstance(containers, list):
-            raise bad(f"spec.{key}", "a list")
-        for i, container in enumerate(containers):
-            if not isinstance(container, dict):
-                raise bad(f"spec.{key}[{i}]", "an object")
-            name = container.get("name")
-            if not isinstance(name, str) or not name:
-                raise bad(f"spec.{key}[{i}].name", "a non-empty string")
-            names.append(name)
-            env = container.get("env")
-            if env is not None and not _plain_env(env):  # the common case skips the loop below
-                where = f"spec.{key}[{i}]"
-                if not isinstance(env, list):
-                    raise bad(f"{where}.env", "a list")
-                for j, entry in enumerate(env):
-                    if not isinstance(entry, dict) or not isinstance(entry.get("name"), str):
-                        raise bad(f"{where}.env[{j}]", "an object with a string name")
-                    value = entry.get("value")
-                    if value is not None and not isinstance(value, str):
-                        raise bad(f"{where}.env[{j}].value", "a string")
-            mounts = container.get("volumeMounts")
-            if mounts is not None:
-                where = f"spec.{key}[{i}].volumeMounts"
-                if not isinstance(mounts, list):
-                    raise bad(where, "a list")
-                for j, mount in enumerate(mounts):
-                    if not isinstance(mount, dict):
-                        raise bad(f"{where}[{j}]", "an object")
-                    check_strings(mount, ("name", "mountPath"), f"{where}[{j}]")
-                    if mount.get("readOnly") is not None and not isinstance(mount["readOnly"], bool):
-                        raise bad(f"{where}[{j}].readOnly", "a boolean")
-            ports = container.get("ports")
-            if ports is not None:
-                if not isinstance(ports, list):
-                    raise bad(f"spec.{key}[{i}].ports", "a list")
-                for j, declared in enumerate(ports):
-                    if not isinstance(declared, dict):
-                        raise bad(f"spec.{key}[{i}].ports[{j}]", "an object")
-            check_resources(container.get("resources"), f"spec.{key}[{i}].resources")
-            if "securityContext" in container:
-                context = container["securityContext"]
-                if context is not None:
-                    check_user(context, f"spec.{key}[{i}].securityContext")
+            raise _bad(f"spec.{key}", "a list")
+        names += [_check_container(container, f"spec.{key}[{i}]") for i, container in enumerate(containers)]
     seen: set[str] = set()
     for name in names:
         if name in seen:
             raise Denial(f"the pod is malformed: container name {quote(name)} is used more than once")
         seen.add(name)
     return names
+
+
+# Messages name the offending field; they are formatted only on the way to a denial.
+def _bad(where: str, what: str) -> Denial:
+    return Denial(f"the pod is malformed: {where} must be {what}")
+
+
+def _check_metadata(metadata: Any) -> None:
+    if metadata is None:
+        return
+    if not isinstance(metadata, dict):
+        raise _bad("metadata", "an object")
+    for key in ("annotations", "labels"):
+        values = metadata.get(key)
+        if values is None:
+            continue
+        if not isinstance(values, dict):
+            raise _bad(f"metadata.{key}", "an object")
+        if not set(map(type, values.values())) <= _STR:
+            for name, value in values.items():
+                if not isinstance(value, str):
+                    raise _bad(f"metadata.{key}[{quote(name)}]", "a string")
+
+
+def _check_user(context: Any, where: str) -> None:
+    if context is None:
+        return
+    if type(context) is not dict and not isinstance(context, dict):
+        raise _bad(where, "an object")
+    for key in ("runAsUser", "runAsGroup"):
+        value = context.get(key)
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool)):
+            raise _bad(f"{where}.{key}", "an integer")
+    for key in ("runAsNonRoot", "privileged", "allowPrivilegeEscalation"):
+        value = context.get(key)
+        if value is not None and not isinstance(value, bool):
+            raise _bad(f"{where}.{key}", "a boolean")
+    capabilities = context.get("capabilities")
+    if capabilities is not None:
+        if not isinstance(capabilities, dict):
+            raise _bad(f"{where}.capabilities", "an object")
+        added = capabilities.get("add")
+        if added is not None and not (isinstance(added, list) and all(isinstance(c, str) for c in added)):
+            raise _bad(f"{where}.capabilities.add", "a list of strings")
+
+
+def _check_strings(obj: dict[str, Any], keys: tuple[str, ...], where: str) -> None:
+    for key in keys:
+        if obj.get(key) is not None and not isinstance(obj[key], str):
+            raise _bad(f"{where}.{key}", "a string")
+
+
+def _check_list(value: Any, where: str) -> list[Any]:
+    """``value`` as a list (None: empty); Denial where it is something else."""
+    if value is None:
+        return []
+    if not isinstance(value, list):
+        raise _bad(where, "a list")
+    return value
+
+
+def _check_volumes(volumes: Any) -> None:
+    for i, volume in enumerate(_check_list(volumes, "spec.volumes")):
+        if not isinstance(volume, dict):
+            raise _bad(f"spec.volumes[{i}]", "an object")
+        if not isinstance(volume.get("name"), str):
+            raise _bad(f"spec.volumes[{i}].name", "a string")
+        host = volume.get("hostPath")
+        if host is not None:
+            if not isinstance(host, dict):
+                raise _bad(f"spec.volumes[{i}].hostPath", "an object")
+            _check_strings(host, ("path", "type"), f"spec.volumes[{i}].hostPath")
+
+
+def _check_pod_claims(claims: Any) -> None:
+    for i, claim in enumerate(_check_list(claims, "spec.resourceClaims")):
+        if not isinstance(claim, dict) or not isinstance(claim.get("name"), str):
+            raise _bad(f"spec.resourceClaims[{i}]", "an object with a string name")
+        _check_strings(claim, ("resourceClaimName", "resourceClaimTemplateName"), f"spec.resourceClaims[{i}]")
+
+
+def _check_container(container: Any, where: str) -> str:
+    """A container's shape; its name."""
+    if not isinstance(container, dict):
+        raise _bad(where, "an object")
+    name = container.get("name")
+    if not isinstance(name, str) or not name:
+        raise _bad(f"{where}.name", "a non-empty string")
+    env = container.get("env")
+    if env is not None and not _plain_env(env):  # the common case skips the loop
+        _check_env(env, where)
+    _check_mounts(container.get("volumeMounts"), f"{where}.volumeMounts")
+    for j, declared in enumerate(_check_list(container.get("ports"), f"{where}.ports")):
+        if not isinstance(declared, dict):
+            raise _bad(f"{where}.ports[{j}]", "an object")
+    _check_resources(container.get("resources"), f"{where}.resources")
+    if "securityContext" in container:
+        context = container["securityContext"]
+        if context is not None:
+            _check_user(context, f"{where}.securityContext")
+    return name
+
+
+def _check_env(env: Any, where: str) -> None:
+    for j, entry in enumerate(_check_list(env, f"{where}.env")):
+        if not isinstance(entry, dict) or not isinstance(entry.get("name"), str):
+            raise _bad(f"{where}.env[{j}]", "an object with a string name")
+        value = entry.get("value")
+        if value is not None and not isinstance(value, str):
+            raise _bad(f"{where}.env[{j}].value", "a string")
+
+
+def _check_mounts(mounts: Any, where: str) -> None:
+    for j, mount in enumerate(_check_list(mounts, where)):
+        if not isinstance(mount, dict):
+            raise _bad(f"{where}[{j}]", "an object")
+        _check_strings(mount, ("name", "mountPath"), f"{where}[{j}]")
+        if mount.get("readOnly") is not None and not isinstance(mount["readOnly"], bool):
+            raise _bad(f"{where}[{j}].readOnly", "a boolean")
+
+
+def _check_resources(resources: Any, where: str) -> None:
+    if resources is None:
+        return
+    if not isinstance(resources, dict):
+        raise _bad(where, "an object")
+    for key in ("limits", "requests"):
+        if resources.get(key) is not None and not isinstance(resources[key], dict):
+            raise _bad(f"{where}.{key}", "an object")
+    for j, claim in enumerate(_check_list(resources.get("claims"), f"{where}.claims")):
+        if not isinstance(claim, dict) or not isinstance(claim.get("name"), str):
+            raise _bad(f"{where}.claims[{j}]", "an object with a string name")

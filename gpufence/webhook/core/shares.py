@@ -22,7 +22,7 @@ import functools
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from decimal import Decimal, InvalidOperation
-from typing import Protocol, TypeVar
+from typing import NamedTuple, Protocol, TypeVar
 
 from gpufence.contract import (
     ANNOTATION_ADMIN_DEVICE_ACCESS,
@@ -67,8 +67,8 @@ class ShareBounds(Protocol):
         ...
 
     def bound(self, share: ContainerShare, memory_origin: str, compute_origin: str,
-              warnings: list[str] | None = None, container: str = "") -> ContainerShare:
-        """``share`` within the ceilings; raises Denial."""
+              container: str = "") -> tuple[ContainerShare, list[str]]:
+        """``share`` within the ceilings, and the warnings; raises Denial."""
         ...
 
 
@@ -246,8 +246,30 @@ def resolve_shares(
     GPU to other claims): a higher byte share is denied, a percentage applies beside it (the smaller
     on each GPU).
     """
-    fixed = scheduler_memory or {}
-    claimed = claim_memory or {}
+    memory_overrides, compute_overrides, warnings = _overrides(annotations, gpu_containers, all_containers)
+    sources = _sources(annotations, namespace_annotations, settings, set(gpu_containers), memory_overrides,
+                       compute_overrides, scheduler_memory or {}, claim_memory or {})
+    shares = []
+    for name in gpu_containers:
+        share, said = _container_share(name, sources, policy)
+        warnings += said
+        shares.append((name, share))
+    containers = tuple(shares)
+    mode = _mode(annotations, policy)
+    grace = _grace_period(annotations, settings)
+    if not SharePlan(containers=containers, mode=mode, grace_period_seconds=grace).has_any_share:
+        mode = Mode.AUDIT
+        warnings.append(
+            f"gpufence: no GPU memory or compute share is set for this pod, so it is admitted in audit mode "
+            f"(measured, never limited); set {ANNOTATION_MEMORY} and/or {ANNOTATION_COMPUTE} to enforce a share"
+        )
+    return SharePlan(containers=containers, mode=mode, grace_period_seconds=grace, warnings=tuple(warnings))
+
+
+def _overrides(annotations: Mapping[str, object], gpu_containers: Sequence[str],
+               all_containers: Sequence[str]) -> tuple[dict[str, object], dict[str, object], list[str]]:
+    """The pod's per-container memory and compute annotations (unparsed, by container) and the
+    warnings for gpufence annotations it does not know; Denial for one naming no GPU container."""
     warnings: list[str] = []
     gpu_set = set(gpu_containers)
     memory_overrides: dict[str, object] = {}
@@ -271,24 +293,35 @@ def resolve_shares(
                 f"per-container shares apply to the containers that request a GPU ({gpu_list})"
             )
         overrides[target] = value
+    return memory_overrides, compute_overrides, warnings
 
-    # Pod-wide value, else the namespace default, else the flag; parsed only if some container uses it.
-    memory_default = _fallback(
-        annotations,
-        ANNOTATION_MEMORY,
-        namespace_annotations,
-        NAMESPACE_DEFAULT_MEMORY,
-        settings.default_memory,
-        "--default-memory",
-    )
-    compute_default = _fallback(
-        annotations,
-        ANNOTATION_COMPUTE,
-        namespace_annotations,
-        NAMESPACE_DEFAULT_COMPUTE,
-        settings.default_compute,
-        "--default-compute",
-    )
+
+class _Sources(NamedTuple):
+    """Where a pod's shares come from, parsed: the per-container annotations, the pod-wide value (else
+    the namespace default, else the flag) as written and parsed, the scheduler's and the claims' memory."""
+
+    memory_overrides: Mapping[str, object]
+    compute_overrides: Mapping[str, object]
+    memory_default: tuple[object, str, str] | None
+    compute_default: tuple[object, str, str] | None
+    parsed_memory_default: MemoryShare | None
+    parsed_compute_default: float | None
+    memory_by_name: Mapping[str, MemoryShare]
+    compute_by_name: Mapping[str, float]
+    fixed: Mapping[str, tuple[MemoryShare, str]]
+    claimed: Mapping[str, ClaimMemory]
+
+
+def _sources(annotations: Mapping[str, object], namespace_annotations: Mapping[str, object],
+             settings: InjectionSettings, gpu_set: set[str], memory_overrides: dict[str, object],
+             compute_overrides: dict[str, object], fixed: Mapping[str, tuple[MemoryShare, str]],
+             claimed: Mapping[str, ClaimMemory]) -> _Sources:
+    """Every value that may apply parsed (Denial for an invalid one); a default only where some
+    container uses it, so an administrator's typo never blocks a pod that sets its own share."""
+    memory_default = _fallback(annotations, ANNOTATION_MEMORY, namespace_annotations, NAMESPACE_DEFAULT_MEMORY,
+                               settings.default_memory, "--default-memory")
+    compute_default = _fallback(annotations, ANNOTATION_COMPUTE, namespace_annotations, NAMESPACE_DEFAULT_COMPUTE,
+                                settings.default_compute, "--default-compute")
     parsed_memory_default: MemoryShare | None = None
     parsed_compute_default: float | None = None
     # A claimed container uses a default only where it is the pod's own annotation (to lower the claim).
@@ -300,41 +333,46 @@ def resolve_shares(
     # Overrides are validated even where they shadow nothing, so a typo is never silently ignored.
     memory_by_name = {n: memory_from(v, "pod", _MEMORY_OVERRIDE_PREFIX + n) for n, v in memory_overrides.items()}
     compute_by_name = {n: compute_from(v, "pod", _COMPUTE_OVERRIDE_PREFIX + n) for n, v in compute_overrides.items()}
+    return _Sources(memory_overrides, compute_overrides, memory_default, compute_default, parsed_memory_default,
+                    parsed_compute_default, memory_by_name, compute_by_name, fixed, claimed)
 
-    shares = []
-    for name in gpu_containers:
-        memory = memory_by_name.get(name, parsed_memory_default)
-        memory_origin = _origin(memory_overrides, name, _MEMORY_OVERRIDE_PREFIX, memory_default)
-        if name in fixed:
-            if name in memory_overrides or (memory_default is not None and memory_default[1] == "pod"):
-                warnings.append(
-                    f"container {quote(name)}: {fixed[name][1]} sets its memory share, so {memory_origin} "
-                    "is not used for it (the scheduler placed the pod by its own annotation)"
-                )
-            memory, memory_origin = fixed[name]
-        claim_bytes: int | None = None  # the claim's amount beside a percentage of the pod's
-        if name not in fixed and name in claimed:
-            memory, memory_origin, claim_bytes = _within_claim(
-                name, claimed[name], memory, memory_origin, name in memory_overrides or _from_pod(memory_default),
-                warnings)
-        share = ContainerShare(
-            memory=memory,
-            compute_percent=compute_by_name.get(name, parsed_compute_default),
-        )
-        if policy is not None:
-            share = policy.bound(
-                share,
-                memory_origin,
-                _origin(compute_overrides, name, _COMPUTE_OVERRIDE_PREFIX, compute_default),
-                warnings, name,
+
+def _container_share(name: str, sources: _Sources, policy: ShareBounds | None) -> tuple[ContainerShare, list[str]]:
+    """One GPU container's share (the scheduler's memory, else its claim's, else the annotations'
+    and defaults', within the policy's ceilings) and its warnings; raises Denial."""
+    warnings: list[str] = []
+    memory = sources.memory_by_name.get(name, sources.parsed_memory_default)
+    memory_origin = _origin(sources.memory_overrides, name, _MEMORY_OVERRIDE_PREFIX, sources.memory_default)
+    by_pod = name in sources.memory_overrides or _from_pod(sources.memory_default)
+    fixed = sources.fixed.get(name)
+    if fixed is not None:
+        if by_pod:
+            warnings.append(
+                f"container {quote(name)}: {fixed[1]} sets its memory share, so {memory_origin} "
+                "is not used for it (the scheduler placed the pod by its own annotation)"
             )
-        if claim_bytes is not None and share.memory is not None:
-            # After the ceilings, which bound the percentage as written (both units then apply).
-            held = claim_bytes if share.memory.bytes is None else min(claim_bytes, share.memory.bytes)
-            share = dataclasses.replace(share, memory=MemoryShare(bytes=held, percent=share.memory.percent))
-        shares.append((name, share))
-    containers = tuple(shares)
+        memory, memory_origin = fixed
+    claim_bytes: int | None = None  # the claim's amount beside a percentage of the pod's
+    if fixed is None and name in sources.claimed:
+        memory, memory_origin, claim_bytes, said = _within_claim(name, sources.claimed[name], memory, memory_origin,
+                                                                 by_pod)
+        warnings += said
+    share = ContainerShare(memory=memory, compute_percent=sources.compute_by_name.get(name,
+                                                                                      sources.parsed_compute_default))
+    if policy is not None:
+        share, said = policy.bound(share, memory_origin, _origin(sources.compute_overrides, name,
+                                                                 _COMPUTE_OVERRIDE_PREFIX, sources.compute_default),
+                                   name)
+        warnings += said
+    if claim_bytes is not None and share.memory is not None:
+        # After the ceilings, which bound the percentage as written (both units then apply).
+        held = claim_bytes if share.memory.bytes is None else min(claim_bytes, share.memory.bytes)
+        share = dataclasses.replace(share, memory=MemoryShare(bytes=held, percent=share.memory.percent))
+    return share, warnings
 
+
+def _mode(annotations: Mapping[str, object], policy: ShareBounds | None) -> Mode:
+    """The pod's mode: its annotation's, as the policy allows it; Denial for an invalid one."""
     requested: Mode | None = None
     if ANNOTATION_MODE in annotations:
         raw = annotations[ANNOTATION_MODE]
@@ -342,53 +380,48 @@ def resolve_shares(
             requested = parse_mode(raw)
         except ValueError:
             raise Denial(f"annotation {ANNOTATION_MODE}={quote(raw)} is not a valid mode: {MODE_EXAMPLE}") from None
-    mode = policy.mode_for(requested) if policy is not None else (requested or Mode.ENFORCE)
+    return policy.mode_for(requested) if policy is not None else (requested or Mode.ENFORCE)
 
-    grace = settings.default_grace_period_seconds
-    if ANNOTATION_GRACE_PERIOD in annotations:
-        raw = annotations[ANNOTATION_GRACE_PERIOD]
-        try:
-            if not isinstance(raw, str):
-                raise ValueError("not a string")
-            grace = parse_grace_period(raw)
-        except ValueError:
-            raise Denial(
-                f"annotation {ANNOTATION_GRACE_PERIOD}={quote(raw)} is not a valid grace period: {GRACE_EXAMPLE}"
-            ) from None
 
-    plan = SharePlan(containers=containers, mode=mode, grace_period_seconds=grace)
-    if not plan.has_any_share:
-        mode = Mode.AUDIT
-        warnings.append(
-            f"gpufence: no GPU memory or compute share is set for this pod, so it is admitted in audit mode "
-            f"(measured, never limited); set {ANNOTATION_MEMORY} and/or {ANNOTATION_COMPUTE} to enforce a share"
-        )
-    return SharePlan(containers=containers, mode=mode, grace_period_seconds=grace, warnings=tuple(warnings))
+def _grace_period(annotations: Mapping[str, object], settings: InjectionSettings) -> float:
+    """The pod's grace period: its annotation's, else the flag's; Denial for an invalid one."""
+    if ANNOTATION_GRACE_PERIOD not in annotations:
+        return settings.default_grace_period_seconds
+    raw = annotations[ANNOTATION_GRACE_PERIOD]
+    try:
+        if not isinstance(raw, str):
+            raise ValueError("not a string")
+        return parse_grace_period(raw)
+    except ValueError:
+        raise Denial(
+            f"annotation {ANNOTATION_GRACE_PERIOD}={quote(raw)} is not a valid grace period: {GRACE_EXAMPLE}"
+        ) from None
 
 
 def _from_pod(default: tuple[object, str, str] | None) -> bool:
     return default is not None and default[1] == "pod"
 
 
-def _within_claim(name: str, claim: ClaimMemory, asked: MemoryShare | None, asked_origin: str, by_pod: bool,
-                  warnings: list[str]) -> tuple[MemoryShare, str, int | None]:
+def _within_claim(name: str, claim: ClaimMemory, asked: MemoryShare | None, asked_origin: str,
+                  by_pod: bool) -> tuple[MemoryShare, str, int | None, list[str]]:
     """A container's memory share where its claim reserved ``claim``: the claim's amount, or the
     pod's own memory annotation (``by_pod``) where that is lower (Denial where it is higher); a
-    percentage of the pod's is returned with the claim's bytes to hold beside it (both apply)."""
+    percentage of the pod's is returned with the claim's bytes to hold beside it (both apply), and
+    the warning that says so."""
     if not by_pod or asked is None:
-        return claim.share, claim.origin, None
+        return claim.share, claim.origin, None, []
     assert claim.share.bytes is not None
     if asked.bytes is None:
-        warnings.append(f"container {quote(name)}: {asked_origin} and its {claim.origin} are in different units, "
-                        "so both apply: on each GPU the smaller is the limit")
-        return asked, asked_origin, claim.share.bytes
+        return asked, asked_origin, claim.share.bytes, [
+            f"container {quote(name)}: {asked_origin} and its {claim.origin} are in different units, "
+            "so both apply: on each GPU the smaller is the limit"]
     if asked.bytes > claim.share.bytes:
         raise Denial(
             f"{asked_origin} is above what container {quote(name)}'s {claim.origin} reserved: the scheduler "
             f"promised the rest of that GPU to other claims; use at most {quote(claim.accepted)}, or ask the "
             "claim for more"
         )
-    return asked, asked_origin, None
+    return asked, asked_origin, None, []
 
 
 def _origin(

@@ -17,7 +17,7 @@ import json
 import posixpath
 from collections.abc import Container, Mapping, Sequence
 from types import MappingProxyType
-from typing import Any
+from typing import Any, NamedTuple
 
 from gpufence import __version__
 from gpufence.contract import (
@@ -143,9 +143,8 @@ def _config_json_cached(key: tuple[Any, ...]) -> str:
 
 # --- the sidecar ---------------------------------------------------------------------------------
 
-# The namespace's enforced Pod Security level (the label's value; unlabelled: `privileged`, as
-# Kubernetes treats it) decides the sidecar's user and capabilities.
-POD_SECURITY_LABEL = "pod-security.kubernetes.io/enforce"
+# The namespace's enforced Pod Security level (its label's value, facts.POD_SECURITY_LABEL; unlabelled:
+# `privileged`, as Kubernetes treats it) decides the sidecar's user and capabilities.
 PRIVILEGED = "privileged"
 RESTRICTED = "restricted"
 
@@ -172,11 +171,11 @@ _USER_KEYS = ("runAsUser", "runAsGroup")
 ROOT_USER = MappingProxyType({"runAsUser": 0})
 
 
-def sidecar_user(spec: dict[str, Any], gpu_containers: Container[str], pod_security: str | None,
-                 warnings: list[str]) -> dict[str, Any]:
+def sidecar_user(spec: dict[str, Any], gpu_containers: Container[str],
+                 pod_security: str | None) -> tuple[dict[str, Any], list[str]]:
     """The user fields of the sidecar's securityContext (``runAsUser``, and ``runAsGroup`` and
-    ``runAsNonRoot`` where the pod's would be wrong for it); raises ``Denial`` where no user
-    the namespace's Pod Security level allows the sidecar can act on every GPU container.
+    ``runAsNonRoot`` where the pod's would be wrong for it) and the warnings; raises ``Denial`` where
+    no user the namespace's Pod Security level allows the sidecar can act on every GPU container.
 
     ``gpu_containers`` holds the names of the GPU containers; ``spec`` has been shape-checked
     (``podshape.check_shape``); ``pod_security`` as for ``sidecar_security_context``.
@@ -184,11 +183,49 @@ def sidecar_user(spec: dict[str, Any], gpu_containers: Container[str], pod_secur
     pod_context = spec.get("securityContext") or {}
     pod_non_root = pod_context.get("runAsNonRoot") is True
     if pod_security in (None, PRIVILEGED):
-        return {"runAsUser": 0, **({"runAsNonRoot": False} if pod_non_root else {})}
+        return {"runAsUser": 0, **({"runAsNonRoot": False} if pod_non_root else {})}, []
     level = pod_security
-    # The first GPU container's name, user and group, and the fields they come from.
-    first: tuple[str, int | None, int | None, tuple[str, str]] | None = None
-    non_root_image = False
+    first = _gpu_containers_user(spec, gpu_containers, level)
+    user, group = (first.user, first.group) if first is not None else (None, None)
+    if first is not None and user == 0 and level == RESTRICTED:
+        raise Denial(
+            f"{first.fields[0]} is 0 (container {quote(first.name)}): Pod Security {quote(level)} admits no "
+            "root container, and the gpufence enforcer must run as the GPU containers' user; run them as a "
+            "non-root user, e.g. spec.securityContext.runAsUser: 1000"
+        )
+    warnings = []
+    if first is not None and first.non_root_image:
+        warnings.append(
+            "gpufence: the GPU containers run as their image's user (runAsNonRoot without runAsUser); the "
+            f"enforcer (root, no SYS_PTRACE under {level}) stops them but charges their GPU use to the "
+            "pod, not a container; set spec.securityContext.runAsUser"
+        )
+    own: dict[str, Any] = {"runAsUser": 0 if user is None else user}
+    if group is not None and group != pod_context.get("runAsGroup"):
+        own["runAsGroup"] = group
+    if own["runAsUser"] == 0 and pod_non_root:
+        own["runAsNonRoot"] = False
+    elif level == RESTRICTED and not pod_non_root:
+        own["runAsNonRoot"] = True  # restricted requires it of every container where the pod does not say it
+    return own, warnings
+
+
+class _ContainerUser(NamedTuple):
+    """The first GPU container's name, user and group, the fields they come from, and whether it
+    runs as its image's (non-root) user."""
+
+    name: str
+    user: int | None
+    group: int | None
+    fields: tuple[str, str]
+    non_root_image: bool
+
+
+def _gpu_containers_user(spec: dict[str, Any], gpu_containers: Container[str], level: str) -> _ContainerUser | None:
+    """The GPU containers' one user and group (the first's); Denial where under ``level`` one runs as
+    its image's unknown user, or two differ: the sidecar can act on one user's processes only."""
+    pod_context = spec.get("securityContext") or {}
+    first: _ContainerUser | None = None
     for key in ("initContainers", "containers"):
         for i, container in enumerate(spec.get(key) or ()):
             if container["name"] not in gpu_containers:
@@ -206,40 +243,21 @@ def sidecar_user(spec: dict[str, Any], gpu_containers: Container[str], pod_secur
                 )
             fields = tuple(f"{where}.{k}" if k in context else f"spec.securityContext.{k}" for k in _USER_KEYS)
             if first is None:
-                first = (container["name"], user, group, (fields[0], fields[1]))
-                non_root_image = user is None and context.get("runAsNonRoot", pod_non_root) is True
+                non_root = context.get("runAsNonRoot", pod_context.get("runAsNonRoot") is True) is True
+                first = _ContainerUser(container["name"], user, group, (fields[0], fields[1]),
+                                       user is None and non_root)
                 continue
-            for n, (value, wanted) in enumerate(zip((user, group), first[1:3], strict=True)):
+            for n, (value, wanted) in enumerate(zip((user, group), (first.user, first.group), strict=True)):
                 if value != wanted:
                     raise Denial(
                         f"container {quote(container['name'])} runs with {_USER_KEYS[n]} {_shown(value)} "
-                        f"({fields[n]}), container {quote(first[0])} with {_shown(wanted)} ({first[3][n]}): "
+                        f"({fields[n]}), container {quote(first.name)} with {_shown(wanted)} ({first.fields[n]}): "
                         f"under Pod Security {quote(level)} the gpufence "
                         "enforcer has no capability to act on another user's processes, so it runs as the GPU "
                         "containers' one user and group; give every GPU container the same runAsUser and runAsGroup, "
                         "e.g. at pod level only: spec.securityContext.runAsUser: 1000"
                     )
-    user, group = (first[1], first[2]) if first is not None else (None, None)
-    if first is not None and user == 0 and level == RESTRICTED:
-        raise Denial(
-            f"{first[3][0]} is 0 (container {quote(first[0])}): Pod Security {quote(level)} admits no "
-            "root container, and the gpufence enforcer must run as the GPU containers' user; run them as a "
-            "non-root user, e.g. spec.securityContext.runAsUser: 1000"
-        )
-    if non_root_image:
-        warnings.append(
-            "gpufence: the GPU containers run as their image's user (runAsNonRoot without runAsUser); the "
-            f"enforcer (root, no SYS_PTRACE under {level}) stops them but charges their GPU use to the "
-            "pod, not a container; set spec.securityContext.runAsUser"
-        )
-    own: dict[str, Any] = {"runAsUser": 0 if user is None else user}
-    if group is not None and group != pod_context.get("runAsGroup"):
-        own["runAsGroup"] = group
-    if own["runAsUser"] == 0 and pod_non_root:
-        own["runAsNonRoot"] = False
-    elif level == RESTRICTED and not pod_non_root:
-        own["runAsNonRoot"] = True  # restricted requires it of every container where the pod does not say it
-    return own
+    return first
 
 
 def sidecar_reaches_root(pod_security: str | None) -> bool:
@@ -371,16 +389,9 @@ def sidecar_security_context(user: Mapping[str, Any], pod_security: str | None) 
     return context
 
 
-def build_sidecar(plan: SharePlan, settings: InjectionSettings, *, user: Mapping[str, Any] = ROOT_USER,
-                  pod_security: str | None = None, fixed_port: bool = True,
-                  status_warnings: bool = False) -> dict[str, Any]:
-    """The enforcer container; ``user`` from ``sidecar_user`` (see there why),
-    ``pod_security`` the namespace's enforced Pod Security level (see ``sidecar_security_context``);
-    ``fixed_port`` False where the pod's network namespace may already hold the metrics port (host
-    network, or a container declaring it): the enforcer then serves its metrics on any free port (0)
-    and is not scraped. The port matters for metrics only: the probes read the heartbeat.
-    ``status_warnings``: whether the status annotation records warnings for the enforcer's Events."""
-    port = settings.metrics_port if fixed_port else 0
+def _sidecar_env(plan: SharePlan, settings: InjectionSettings, port: int,
+                 status_warnings: bool) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """The enforcer's variables and volume mounts."""
     env = [
         # No pod name, namespace or uid: the enforcer reads them from the service-account token the
         # kubelet mounts (gpufence/enforcer/observe/pod_identity.py), which saves every pod three variables.
@@ -400,6 +411,20 @@ def build_sidecar(plan: SharePlan, settings: InjectionSettings, *, user: Mapping
     if settings.mount_host_proc:
         env.append({"name": ENV_HOST_PROC, "value": settings.host_proc_mount_path})
         mounts.append({"name": HOST_PROC_VOLUME, "mountPath": settings.host_proc_mount_path, "readOnly": True})
+    return env, mounts
+
+
+def build_sidecar(plan: SharePlan, settings: InjectionSettings, *, user: Mapping[str, Any] = ROOT_USER,
+                  pod_security: str | None = None, fixed_port: bool = True,
+                  status_warnings: bool = False) -> dict[str, Any]:
+    """The enforcer container; ``user`` from ``sidecar_user`` (see there why),
+    ``pod_security`` the namespace's enforced Pod Security level (see ``sidecar_security_context``);
+    ``fixed_port`` False where the pod's network namespace may already hold the metrics port (host
+    network, or a container declaring it): the enforcer then serves its metrics on any free port (0)
+    and is not scraped. The port matters for metrics only: the probes read the heartbeat.
+    ``status_warnings``: whether the status annotation records warnings for the enforcer's Events."""
+    port = settings.metrics_port if fixed_port else 0
+    env, mounts = _sidecar_env(plan, settings, port, status_warnings)
     sidecar: dict[str, Any] = {"name": SIDECAR_NAME, "image": settings.sidecar_image}
     if settings.sidecar_image_pull_policy != default_pull_policy(settings.sidecar_image):
         sidecar["imagePullPolicy"] = settings.sidecar_image_pull_policy

@@ -10,7 +10,8 @@ containerd, runc, the CNI plugins, an image tool, Go) skips them too, or fails t
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import pytest
 from kubernetes import client
@@ -20,12 +21,15 @@ from tests.e2e import kube
 from tests.e2e.binaries import GoMissing
 from tests.e2e.controlplane import ControlPlane
 from tests.e2e.gpufence_install import WebhookProcess
+from tests.e2e.tenant import Tenant, make_tenant
 from tests.node.binaries import NODE_VERSION
+from tests.node.guardian import GuardianProcess, running_guardian
 from tests.node.images import ImageBuildUnavailable
 from tests.node.node import Node, NodeUnavailable, check_prerequisites, running_node
-from tests.node.workloads import write_gpu_state
+from tests.node.workloads import clear_namespace, write_gpu_state
 from tests.support.prerequisites import missing, skip_by_design
 
+POD_SECURITY = "pod-security.kubernetes.io/enforce"
 MAX_KUBELET_SKEW = 3  # minors, https://kubernetes.io/releases/version-skew-policy/#kubelet
 
 
@@ -70,10 +74,44 @@ def gpu_namespace(admin: client.ApiClient, cluster: ControlPlane, node: Node, si
     cluster.kubectl("-n", namespace, "create", "rolebinding", "gpufence-enforcer-events",
                     "--clusterrole=gpufence-enforcer-events", f"--group=system:serviceaccounts:{namespace}")
     yield namespace
-    write_gpu_state(node, ())
-    # A finished test's pods must be gone before the next starts (GPUs, CPU of 2-core machines).
-    cluster.kubectl("-n", namespace, "delete", "pods", "--all", "--wait=true", "--timeout=90s", check=False)
+    clear_namespace(cluster, node, namespace)
     # And a driver that forgot them: no limit, no allocation of this test's processes is left for the
     # next test's (whose pod may get the same PID-namespace inode and the same small pids).
     reset_driver_state(node.state_file)
-    cluster.kubectl("delete", "namespace", namespace, "--wait=false", check=False)
+
+
+@pytest.fixture
+def tenant_on_node(cluster: ControlPlane, node: Node, sim: Node, tenant: Tenant) -> Iterator[Tenant]:
+    """The ``edit`` tenant (tests/e2e/tenant.py), its pods on the node; they are gone before the next test."""
+    yield tenant
+    clear_namespace(cluster, node, tenant.namespace)
+
+
+@pytest.fixture
+def tenant_at_level(cluster: ControlPlane, admin: client.ApiClient, node: Node, sim: Node, gpufence: WebhookProcess,
+                    tmp_path: Path) -> Iterator[Callable[[str | None], Tenant]]:
+    """Makes ``edit`` tenants whose namespace enforces a Pod Security level (None: unlabelled), with
+    the install's Events RoleBinding, known to the webhook before their first pod (it reads the
+    level from its namespace cache); their pods and namespaces are gone before the next test."""
+    made: list[Tenant] = []
+
+    def make(level: str | None) -> Tenant:
+        tenant = make_tenant(cluster, admin, tmp_path, labels={} if level is None else {POD_SECURITY: level})
+        made.append(tenant)
+        cluster.kubectl("-n", tenant.namespace, "create", "rolebinding", "gpufence-enforcer-events",
+                        "--clusterrole=gpufence-enforcer-events",
+                        f"--group=system:serviceaccounts:{tenant.namespace}")
+        gpufence.wait_until_known(tenant.namespace)
+        return tenant
+
+    yield make
+    for tenant in made:
+        clear_namespace(cluster, node, tenant.namespace)
+
+
+@pytest.fixture(scope="module")
+def guardian(cluster: ControlPlane, node: Node, sim: Node,
+             tmp_path_factory: pytest.TempPathFactory) -> Iterator[GuardianProcess]:
+    """The node guardian, as a host process (tests/node/guardian.py), for the tests of one module."""
+    with running_guardian(cluster, node, tmp_path_factory.mktemp("gpufence-node")) as running:
+        yield running

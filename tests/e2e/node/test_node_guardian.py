@@ -248,18 +248,36 @@ def test_a_compute_hog_with_a_sigcont_helper_is_held_by_the_guardians_freezer(
     state = _freezer_state(hog)
     frozen: list[int] = []
     thawed: list[int] = []
+    # FROZEN at both ends of a sample means frozen throughout only if no whole thawed phase fits
+    # between the two reads: the shortest is the controller's smallest run fraction (the hog stays
+    # at 95 % on its 20 % share, so its fraction falls there) of the shortest period the freezer
+    # draws (the guardian runs with the default --compute-period). The elapsed time is measured, not
+    # assumed: on a busy machine a short sleep can last longer than a thawed phase.
+    # Samples a tenth of that long; together they watch the frozen hog for a second.
+    from gpufence.enforcer.decide.compute import ComputeTracker
+    from gpufence.node.cli import parser
+    from gpufence.node.throttle import PERIOD_JITTER
+    period = parser().get_default("compute_period")
+    shortest_thawed = ComputeTracker().min_run_fraction * period * (1 - PERIOD_JITTER)
+    watched = [0.0]  # seconds of samples frozen throughout
 
     def sampled_enough() -> bool:
-        before, ticks = state(), _cpu_ticks(hog)
-        time.sleep(0.05)
-        after, advanced = state(), _cpu_ticks(hog) - ticks
-        if before == after == "FROZEN":
+        began = time.monotonic()
+        before = state()
+        ticks = _cpu_ticks(hog)
+        time.sleep(shortest_thawed / 10)
+        advanced = _cpu_ticks(hog) - ticks
+        after = state()  # read last, so the ticks lie between the two states
+        elapsed = time.monotonic() - began
+        if before == after == "FROZEN" and elapsed < shortest_thawed:
             frozen.append(advanced)
+            watched[0] += elapsed
         elif before == after == "THAWED":
             thawed.append(advanced)
-        return len(frozen) >= 20 and sum(thawed) > 0
+        return watched[0] >= period and sum(thawed) > 0
 
-    kube.wait_for(sampled_enough, "20 samples of the hog frozen, and one running while thawed", 60, 0.0)
+    kube.wait_for(sampled_enough, "a second of samples of the hog frozen, and one running while thawed", 60, 0.0)
     assert not any(frozen), f"the hog ran while frozen: ticks {frozen}"
     assert "signals sent 100" in container_log(get_pod(cluster, tenant.namespace, name), "helper")
-    print(f"frozen samples {len(frozen)} (0 ticks), thawed samples {len(thawed)} ({sum(thawed)} ticks)")
+    print(f"frozen samples {len(frozen)} ({watched[0]:.2f} s, 0 ticks), "
+          f"thawed samples {len(thawed)} ({sum(thawed)} ticks)")

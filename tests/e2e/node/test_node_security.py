@@ -9,8 +9,7 @@ matrix is the one gpufence/webhook/core/sidecar.py documents ("Which user the en
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
-from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -19,11 +18,11 @@ from kubernetes import client
 from gpufence.contract import SIDECAR_NAME
 from tests.e2e import kube
 from tests.e2e.controlplane import ControlPlane
-from tests.e2e.gpufence_install import WebhookProcess
-from tests.e2e.tenant import Tenant, make_tenant
+from tests.e2e.tenant import Tenant
 from tests.node.node import Node
 from tests.node.workloads import (
     SABOTEUR,
+    clear_namespace,
     container_log,
     enforcer_records,
     events,
@@ -32,15 +31,16 @@ from tests.node.workloads import (
     host_pid,
     metrics,
     process_state,
+    sidecar_terminates_over_memory,
     statuses,
     wait_record,
     wait_running,
+    wait_sidecar_restarted,
     workload_container,
     write_gpu_state,
 )
 
 GIB = 1 << 30
-POD_SECURITY = "pod-security.kubernetes.io/enforce"
 DOCUMENTED_SETUP = {"pod-security.kubernetes.io/enforce": "privileged",
                     "pod-security.kubernetes.io/warn": "baseline", "pod-security.kubernetes.io/audit": "baseline"}
 
@@ -49,9 +49,7 @@ DOCUMENTED_SETUP = {"pod-security.kubernetes.io/enforce": "privileged",
 def psa_namespace(admin: client.ApiClient, cluster: ControlPlane, node: Node, sim: Node) -> Any:
     namespace = kube.create_namespace(admin, "node-psa", {**kube.OPT_IN, **DOCUMENTED_SETUP})
     yield namespace
-    write_gpu_state(node, ())
-    cluster.kubectl("-n", namespace, "delete", "pods", "--all", "--wait=true", "--timeout=90s", check=False)
-    cluster.kubectl("delete", "namespace", namespace, "--wait=false", check=False)
+    clear_namespace(cluster, node, namespace)
 
 
 # name -> (pod securityContext, greedy's own securityContext, enforced per the documentation)
@@ -118,13 +116,7 @@ def test_root_workload_stopping_the_sidecar_gets_it_restarted(admin: client.ApiC
     name = created.obj["metadata"]["name"]
     wait_running(cluster, node, psa_namespace, name)
     started = time.monotonic()
-
-    def sidecar_restarted() -> dict[str, Any] | None:
-        current = get_pod(cluster, psa_namespace, name)
-        status = statuses(current)[SIDECAR_NAME]
-        return current if status["restartCount"] >= 1 and status.get("started") else None
-
-    restarted = kube.wait_for(sidecar_restarted, f"the sidecar restarted after {sig}", within, 0.3)
+    restarted = wait_sidecar_restarted(cluster, psa_namespace, name, f"the sidecar restarted after {sig}", within)
     assert f"sent {sig}" in container_log(restarted, "saboteur"), container_log(restarted, "saboteur")
     elapsed = time.monotonic() - started
     # The saboteur ran once (it is not restarted); the new enforcer is not stopped and enforces.
@@ -161,15 +153,6 @@ def test_pod_deletion_stops_everything_within_grace(admin: client.ApiClient, clu
     kube.wait_for(lambda: cluster.kubectl("-n", psa_namespace, "get", "pod", name, check=False).returncode != 0,
                   "the pod object removed", 30, 0.3)
     print(f"pod processes gone {gone_after:.1f}s after deletion (grace {grace}s)")
-
-
-@pytest.fixture
-def tenant_on_node(cluster: ControlPlane, node: Node, sim: Node, tenant: Tenant) -> Iterator[Tenant]:
-    """The ``edit`` tenant (tests/e2e/tenant.py), its pods on the node; they are gone before the next test."""
-    yield tenant
-    write_gpu_state(node, ())
-    cluster.kubectl("-n", tenant.namespace, "delete", "pods", "--all", "--wait=true", "--timeout=90s", check=False)
-    cluster.kubectl("delete", "namespace", tenant.namespace, "--wait=false", check=False)
 
 
 def _plain_container(name: str, script: str, *args: str, **extra: Any) -> dict[str, Any]:
@@ -331,13 +314,7 @@ def test_a_workload_forging_the_sidecars_health_while_stopping_it_gets_it_restar
     name = created.obj["metadata"]["name"]
     wait_running(cluster, node, tenant.namespace, name)
     started = time.monotonic()
-
-    def sidecar_restarted() -> dict[str, Any] | None:
-        current = get_pod(cluster, tenant.namespace, name)
-        status = statuses(current)[SIDECAR_NAME]
-        return current if status["restartCount"] >= 1 and status.get("started") else None
-
-    restarted = kube.wait_for(sidecar_restarted, "the stopped sidecar restarted", 90, 0.3)
+    restarted = wait_sidecar_restarted(cluster, tenant.namespace, name, "the stopped sidecar restarted", 90)
     elapsed = time.monotonic() - started
     said = container_log(restarted, "impostor")
     assert "stopped enforcer pid" in said and "the stopped enforcer is gone" in said, said
@@ -414,13 +391,7 @@ def test_a_decoy_chrooted_into_the_sidecars_root_cannot_keep_a_stopped_enforcer_
     name = created.obj["metadata"]["name"]
     wait_running(cluster, node, tenant.namespace, name)
     started = time.monotonic()
-
-    def sidecar_restarted() -> dict[str, Any] | None:
-        current = get_pod(cluster, tenant.namespace, name)
-        status = statuses(current)[SIDECAR_NAME]
-        return current if status["restartCount"] >= 1 and status.get("started") else None
-
-    restarted = kube.wait_for(sidecar_restarted, "the stopped sidecar restarted", 90, 0.3)
+    restarted = wait_sidecar_restarted(cluster, tenant.namespace, name, "the stopped sidecar restarted", 90)
     elapsed = time.monotonic() - started
     said = container_log(restarted, "decoy")
     assert "stopped enforcer pid" in said and "the stopped enforcer is gone" in said, said
@@ -437,37 +408,28 @@ def test_a_decoy_chrooted_into_the_sidecars_root_cannot_keep_a_stopped_enforcer_
 
 @pytest.mark.parametrize("level", [None, "baseline"])
 def test_a_root_gpu_container_under_a_pod_user_is_enforced_for_the_tenant(
-        cluster: ControlPlane, admin: client.ApiClient, node: Node, sim: Node, gpufence: WebhookProcess,
-        tmp_path: Path, level: str | None):
+        cluster: ControlPlane, node: Node, sim: Node, tenant_at_level: Callable[[str | None], Tenant],
+        level: str | None):
     """Issue 32 row 3 as the tenant wrote it: pod-level ``runAsUser: 1000`` / ``runAsGroup: 1000``,
     the GPU container ``runAsUser: 0``, 9 GiB on an 8 GiB share. The sidecar used to inherit uid 1000
     and report the root process as uninspectable, untouched. Now it is uid 0 of its own: with
     SYS_PTRACE where Pod Security is unset, and under ``baseline`` (no SYS_PTRACE) as the GPU
     container's user, root, with the pod's group: either way it reads the process and terminates it."""
-    tenant = make_tenant(cluster, admin, tmp_path, labels={} if level is None else {POD_SECURITY: level})
-    cluster.kubectl("-n", tenant.namespace, "create", "rolebinding", "gpufence-enforcer-events",
-                    "--clusterrole=gpufence-enforcer-events", f"--group=system:serviceaccounts:{tenant.namespace}")
-    gpufence.wait_until_known(tenant.namespace)  # the webhook must know the level before the pod
-    try:
-        greedy = workload_container("greedy", user=0)
-        created = kube.create_pod(tenant.api, tenant.namespace, gpu_pod(
-            [greedy], {"gpufence.io/memory": "8Gi", "gpufence.io/grace-period": "3"},
-            securityContext={"runAsUser": 1000, "runAsGroup": 1000}))
-        assert created.admitted, created.message
-        name = created.obj["metadata"]["name"]
-        assert kube.container(created.obj, SIDECAR_NAME)["securityContext"]["runAsUser"] == 0
-        running = wait_running(cluster, node, tenant.namespace, name)
-        write_gpu_state(node, [(host_pid(node, running, "greedy"), 9 * GIB, 10)])
-        wait_record(running, lambda r: r.get("event") == "sigterm" and r.get("container") == "greedy",
-                    "the enforcer terminating the root GPU container", timeout=40)
-        assert not [r for r in enforcer_records(running) if r.get("event") == "process_uninspectable"]
-        kube.wait_for(lambda: statuses(get_pod(cluster, tenant.namespace, name))["greedy"]["restartCount"] >= 1,
-                      "greedy restarted", 60, 0.3)
-    finally:
-        write_gpu_state(node, ())
-        cluster.kubectl("-n", tenant.namespace, "delete", "pods", "--all", "--wait=true", "--timeout=90s",
-                        check=False)
-        cluster.kubectl("delete", "namespace", tenant.namespace, "--wait=false", check=False)
+    tenant = tenant_at_level(level)
+    greedy = workload_container("greedy", user=0)
+    created = kube.create_pod(tenant.api, tenant.namespace, gpu_pod(
+        [greedy], {"gpufence.io/memory": "8Gi", "gpufence.io/grace-period": "3"},
+        securityContext={"runAsUser": 1000, "runAsGroup": 1000}))
+    assert created.admitted, created.message
+    name = created.obj["metadata"]["name"]
+    assert kube.container(created.obj, SIDECAR_NAME)["securityContext"]["runAsUser"] == 0
+    running = wait_running(cluster, node, tenant.namespace, name)
+    write_gpu_state(node, [(host_pid(node, running, "greedy"), 9 * GIB, 10)])
+    wait_record(running, lambda r: r.get("event") == "sigterm" and r.get("container") == "greedy",
+                "the enforcer terminating the root GPU container", timeout=40)
+    assert not [r for r in enforcer_records(running) if r.get("event") == "process_uninspectable"]
+    kube.wait_for(lambda: statuses(get_pod(cluster, tenant.namespace, name))["greedy"]["restartCount"] >= 1,
+                  "greedy restarted", 60, 0.3)
 
 
 # Issue 38 row 5 (round three's row 2 on the node): a root GPU container with SYS_ADMIN bind-mounts
@@ -518,12 +480,4 @@ def test_a_root_workload_holding_its_gpu_only_through_a_bind_mounted_alias_is_te
     assert "'/dev/xgpu0'" in said and "/dev/nvidia" not in said, said  # the alias, no name under /dev/nvidia
 
     write_gpu_state(node, [(host_pid(node, running, "greedy"), 5 * GIB, 100)])
-    over = wait_record(running, lambda r: r.get("event") == "memory_over_share" and r.get("container") == "greedy",
-                       "memory_over_share for greedy, which holds only /dev/xgpu0", timeout=40)
-    assert over["used_bytes"] == 5 * GIB and over["limit_bytes"] == 4 * GIB, over
-    term = wait_record(running, lambda r: r.get("event") == "sigterm" and r.get("container") == "greedy",
-                       "the SIGTERM to greedy")
-    assert term["outcome"] == "sent" and term["reason"] == "memory_over_share", term
-    kube.wait_for(lambda: statuses(get_pod(cluster, tenant.namespace, name))["greedy"]["restartCount"] >= 1,
-                  "greedy terminated and restarted by the kubelet", 60, 0.3)
-    assert "got SIGTERM" in container_log(get_pod(cluster, tenant.namespace, name), "greedy", restart=0)
+    sidecar_terminates_over_memory(cluster, running, "greedy", 5 * GIB, 4 * GIB, "which holds only /dev/xgpu0")

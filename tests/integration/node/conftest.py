@@ -137,6 +137,7 @@ class CgroupBed:
             self.tops = [CGROUP_ROOT / h for h in V1_HIERARCHIES]
         self.pods: list[FakePod] = []
         self.claims: list[dict[str, Any]] = []  # ResourceClaim objects as the API server serves them
+        self.slices: list[dict[str, Any]] = []  # ResourceSlice objects (the DRA driver's devices)
         self.pods_file = tmp / "pods.json"
         self.namespaces: list[dict[str, Any]] = [
             {"metadata": {"name": "team-a", "labels": {"gpufence.io/injection": "enabled"}}},
@@ -152,7 +153,7 @@ class CgroupBed:
     def publish(self, configs: dict[str, EnforcerConfig | None]) -> None:
         """Write the pods file (pod name -> its config, None: admitted without one)."""
         doc = {"pods": [p.object(configs.get(p.name)) for p in self.pods], "namespaces": self.namespaces,
-               "resourceClaims": self.claims}
+               "resourceClaims": self.claims, "resourceSlices": self.slices}
         if self.policy is not None:
             doc["policy"] = {"metadata": {"name": "gpufence-policy", "namespace": "gpufence"}, "data": self.policy}
         tmp = self.pods_file.with_suffix(".tmp")

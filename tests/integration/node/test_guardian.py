@@ -15,6 +15,8 @@ import sys
 import time
 
 from gpufence.contract import ContainerShare, EnforcerConfig, MemoryShare
+from gpufence.enforcer.decide.compute import ComputeTracker
+from gpufence.node.throttle import PERIOD_JITTER
 from tests.integration.node.conftest import CgroupBed, start_guardian, wait_polls
 from tests.support.enforcer_harness import GpuSandbox, wait_state
 
@@ -80,7 +82,8 @@ def test_a_freezer_throttle_holds_whatever_sigcont_a_helper_sends(gpu: GpuSandbo
     bed.publish({"p": share(compute=20)})
     spinner = train.start(gpu, script=str(HERE / "spin.py"))
     gpu.write(gpu.device_with(gpu.proc(spinner, GIB, sm=100)))
-    g = start_guardian(gpu, bed, "--compute-window", "1", "--compute-period", "0.4")
+    period = 0.4
+    g = start_guardian(gpu, bed, "--compute-window", "1", "--compute-period", str(period))
     start = g.wait_event("guardian_throttle_start", 30, container="train")
     assert 0 < start["fraction"] < 0.5
     # A helper in another container of the pod sends SIGCONT to the spinner without pause.
@@ -88,19 +91,28 @@ def test_a_freezer_throttle_holds_whatever_sigcont_a_helper_sends(gpu: GpuSandbo
         ["sh", "-c", f"{side.enter_command()}; exec {sys.executable} -c "
          f"'import os,signal\nwhile True: os.kill({spinner.pid}, signal.SIGCONT)'"],
     )
+    # FROZEN at both ends of a check means frozen throughout only if no whole thawed phase fits
+    # between the two reads: the shortest is the controller's smallest run fraction (the spinner
+    # stays at 100 % on its 20 % share, so its fraction falls there) of the shortest period the
+    # freezer draws. The elapsed time is measured: on a busy machine a short sleep lasts longer.
+    shortest_thawed = ComputeTracker().min_run_fraction * period * (1 - PERIOD_JITTER)
     try:
-        frozen_checks = 0
-        deadline = time.monotonic() + 20
-        while frozen_checks < 5:
-            assert time.monotonic() < deadline, f"saw the container frozen {frozen_checks} times in 20 s"
+        watched = 0.0  # seconds of checks frozen throughout
+        deadline = time.monotonic() + 60
+        while watched < period:
+            assert time.monotonic() < deadline, f"saw the container frozen throughout for {watched:.3f} s in 60 s"
+            began = time.monotonic()
             if train.freezer_state != "FROZEN":
                 time.sleep(0.005)
                 continue
             before = cpu_ticks(spinner.pid)
-            time.sleep(0.05)
-            if train.freezer_state == "FROZEN":  # frozen throughout: not one tick of CPU, SIGCONTs or not
-                assert cpu_ticks(spinner.pid) == before
-                frozen_checks += 1
+            time.sleep(shortest_thawed / 10)
+            advanced = cpu_ticks(spinner.pid) - before
+            still = train.freezer_state == "FROZEN"  # read last, so the ticks lie between the two states
+            elapsed = time.monotonic() - began
+            if still and elapsed < shortest_thawed:
+                assert advanced == 0, f"{advanced} ticks of CPU while frozen throughout {elapsed:.3f} s"
+                watched += elapsed
         assert blaster.poll() is None  # the helper kept sending all along
     finally:
         blaster.kill()

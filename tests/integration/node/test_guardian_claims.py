@@ -1,7 +1,9 @@
 """What the scheduler reserved, held by the real ``gpufence-node`` on real processes in real cgroups
 (v1 and v2), the claims given as the API server serves them through ``--pods-file``: a claim
 allocated after admission lowers the admitted share to its ``consumedCapacity``, and two pods on one
-claim are held together to its capacity (the container furthest past its fair part is terminated)."""
+claim are held together to its capacity (the container furthest past its fair part is terminated),
+and a claim reserving different amounts on two GPUs holds each container to the amount on the GPU
+it is on, as the node's ResourceSlice names the GPUs' NVML UUIDs."""
 
 from __future__ import annotations
 
@@ -20,17 +22,20 @@ def share(memory_gib: int, grace: float = 1.0) -> EnforcerConfig:
                           grace_period_seconds=grace, poll_interval_seconds=0.1)
 
 
-def claim(name: str, memory: str, *pod_uids: str) -> dict[str, Any]:
-    """A ResourceClaim as kube-scheduler leaves it: one device result with its consumedCapacity."""
+def claim(name: str, memory: str, *pod_uids: str, devices: tuple[tuple[str, str], ...] | None = None,
+          ) -> dict[str, Any]:
+    """A ResourceClaim as kube-scheduler leaves it: one device result with its consumedCapacity (or
+    one per ``devices``: (device, memory))."""
+    results = [{"request": "gpu", "driver": "gpu.nvidia.com", "pool": "node-1", "device": device,
+                "shareID": f"share-{name}-{device}", "consumedCapacity": {"memory": amount}}
+               for device, amount in devices or (("gpu-0", memory),)]
     return {
         "apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaim",
         "metadata": {"namespace": "team-a", "name": name, "uid": f"claim-{name}"},
         "spec": {"devices": {"requests": [{"name": "gpu", "exactly": {
             "deviceClassName": "gpu.nvidia.com", "capacity": {"requests": {"memory": memory}}}}]}},
         "status": {
-            "allocation": {"devices": {"results": [{
-                "request": "gpu", "driver": "gpu.nvidia.com", "pool": "node-1", "device": "gpu-0",
-                "shareID": f"share-{name}", "consumedCapacity": {"memory": memory}}]}},
+            "allocation": {"devices": {"results": results}},
             "reservedFor": [{"resource": "pods", "name": f"p-{uid[:4]}", "uid": uid} for uid in pod_uids],
         },
     }
@@ -78,3 +83,40 @@ def test_two_pods_on_one_claim_are_held_together_to_its_capacity(gpu: GpuSandbox
     assert greedy.proc.wait(10) == -signal.SIGKILL
     assert modest.alive() and not modest.said("got SIGTERM")
     assert not g.events("guardian_sigterm", pod="p-a") and not g.events("guardian_sigkill", pod="p-a")
+
+
+def resource_slice(uuids: dict[str, str]) -> dict[str, Any]:
+    """The node's ResourceSlice as NVIDIA's DRA driver publishes it: ``gpu-<minor>`` with ``uuid``."""
+    return {
+        "apiVersion": "resource.k8s.io/v1", "kind": "ResourceSlice",
+        "metadata": {"name": "node-1-gpu.nvidia.com-abcde"},
+        "spec": {"driver": "gpu.nvidia.com", "nodeName": "node-1",
+                 "pool": {"name": "node-1", "generation": 1, "resourceSliceCount": 1},
+                 "devices": [{"name": name, "attributes": {"type": {"string": "gpu"}, "uuid": {"string": uuid}},
+                              "allowMultipleAllocations": True, "capacity": {"memory": {"value": "80Gi"}}}
+                             for name, uuid in uuids.items()]},
+    }
+
+
+def test_a_reservation_bounds_the_container_on_its_own_gpu_not_the_largest(gpu: GpuSandbox, bed: CgroupBed) -> None:
+    """Two pods, each with a claim of 4 GiB on gpu-0 and 10 GiB on gpu-1, each admitted at 12 GiB and
+    using 6 GiB: the one on gpu-0 (NVML's GPU-0) is over what was reserved there and is terminated at
+    4 GiB; the one on gpu-1 is within its 10 GiB and left alone. Without the slice both would be held
+    to 10 GiB (the largest reservation), and neither terminated."""
+    on_a, on_b = bed.pod("p-a"), bed.pod("p-b")
+    a, b = on_a.container("train"), on_b.container("train")
+    on_a.claims["train"], on_b.claims["train"] = "pair-a", "pair-b"
+    layout = (("gpu-0", "4Gi"), ("gpu-1", "10Gi"))
+    bed.claims += [claim("pair-a", "", on_a.uid, devices=layout), claim("pair-b", "", on_b.uid, devices=layout)]
+    bed.slices.append(resource_slice({"gpu-0": "GPU-0", "gpu-1": "GPU-1"}))
+    bed.publish({"p-a": share(12), "p-b": share(12)})
+    first, second = a.start(gpu), b.start(gpu)
+    gpu.write(gpu.device_with(gpu.proc(first, 6 * GIB), uuid="GPU-0"),
+              gpu.device_with(gpu.proc(second, 6 * GIB), uuid="GPU-1"))
+    g = start_guardian(gpu, bed)
+    termed = g.wait_event("guardian_sigterm", 20, reason="memory_over_share")
+    assert termed["pod"] == "p-a" and termed["uuid"] == "GPU-0"
+    assert termed["claim_bound_bytes"] == 4 * GIB and termed["limit_bytes"] == 4 * GIB
+    assert first.proc.wait(10) == 0
+    wait_polls(g, 5)
+    assert second.alive() and not g.events("guardian_episode_started", pod="p-b")

@@ -74,11 +74,19 @@ async def test_gpu_pod_is_patched_and_the_patched_pod_is_left_alone(hook: Webhoo
     assert patch_of(again) is None
 
 
-def memo_lookups(text: str) -> dict[str, float]:
+def memo_lookups(text: str) -> dict[tuple[str, str], float]:
     for family in text_string_to_metric_families(text):
         if family.name == "gpufence_webhook_verdict_memo_lookups":
-            return {s.labels["result"]: s.value for s in family.samples if s.name.endswith("_total")}
+            return {(s.labels["judge"], s.labels["result"]): s.value for s in family.samples
+                    if s.name.endswith("_total")}
     raise AssertionError("no memo counter")
+
+
+def connections(text: str) -> float:
+    for family in text_string_to_metric_families(text):
+        if family.name == "gpufence_webhook_connections":
+            return sum(s.value for s in family.samples if s.name.endswith("_total"))
+    raise AssertionError("no connection counter")
 
 
 async def test_a_second_pod_of_one_template_is_answered_from_the_memo_with_its_own_uid(
@@ -88,7 +96,24 @@ async def test_a_second_pod_of_one_template_is_answered_from_the_memo_with_its_o
     assert second["response"]["uid"] == "uid-2"
     assert {**second["response"], "uid": "uid-1"} == first["response"]
     async with session.get(hook.url + "/metrics") as resp:
-        assert memo_lookups(await resp.text()) == {"hit": 1.0, "miss": 1.0}
+        assert memo_lookups(await resp.text()) == {("review", "hit"): 1.0, ("review", "miss"): 1.0,
+                                                   ("verify", "hit"): 0.0, ("verify", "miss"): 0.0}
+
+
+async def test_connections_are_counted_one_per_tls_handshake(hook: Webhook, pki: LocalPKI):
+    """Three clients of their own, each one connection kept alive over two requests (the first one's
+    session also reads the metrics): the counter says three, not six."""
+    sessions = [aiohttp.ClientSession(connector=aiohttp.TCPConnector(ssl=pki.client_context(), limit=1))
+                for _ in range(3)]
+    try:
+        for s in sessions:
+            for uid in ("a", "b"):
+                assert (await post(s, hook, pod_review(uid)))[0] == 200
+        async with sessions[0].get(hook.url + "/metrics") as resp:
+            assert connections(await resp.text()) == 3.0
+    finally:
+        for s in sessions:
+            await s.close()
 
 
 @pytest.mark.parametrize(("kind", "operation"), [("Deployment", "CREATE"), ("Pod", "UPDATE"), ("Pod", "DELETE")])

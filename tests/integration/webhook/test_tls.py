@@ -24,6 +24,32 @@ def test_context_refuses_old_protocols():
     assert new_server_context().minimum_version == ssl.TLSVersion.TLSv1_2
 
 
+async def _session_after_one_request(hook: Webhook, ctx: ssl.SSLContext) -> ssl.SSLSession | None:
+    """One connection, one request answered (so any ticket sent after the handshake has arrived):
+    the TLS session the client holds."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", hook.port, ssl=ctx, server_hostname="localhost",
+                                                   ssl_handshake_timeout=10)
+    ssl_object = writer.get_extra_info("ssl_object")
+    assert ssl_object is not None
+    try:
+        writer.write(b"GET /healthz HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n")
+        assert (await reader.read()).startswith(b"HTTP/1.1 200")
+        return ssl_object.session
+    finally:
+        writer.close()
+
+
+@pytest.mark.parametrize("version", [ssl.TLSVersion.TLSv1_3, ssl.TLSVersion.TLSv1_2])
+async def test_no_session_tickets_are_issued(pki: LocalPKI, version: ssl.TLSVersion):
+    """The API server's webhook client keeps no session cache, so a ticket would be work for nothing:
+    a client that asks for one (Python's, TLS 1.3 and 1.2) holds a session without a ticket."""
+    ctx = pki.client_context()
+    ctx.minimum_version = ctx.maximum_version = version
+    async with running_webhook(pki) as hook:
+        session = await _session_after_one_request(hook, ctx)
+    assert session is not None and not session.has_ticket
+
+
 def test_load_pair_rejects_a_key_that_does_not_match(pki: LocalPKI):
     pki.write_broken()
     with pytest.raises(ssl.SSLError):

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from gpufence.claims import ClaimUse, claim_allocation, container_claims
+from gpufence.claims import ClaimUse, claim_allocation, container_claims, device_uuids, slice_device_uuids
 from gpufence.contract import ContainerShare, EnforcerConfig, MemoryShare
 from gpufence.node.census import placement
 from gpufence.node.decide import Action, GpuProc, NodeEngine
@@ -77,7 +77,7 @@ def proc(pid: int, uid: str, cid: str, used: int) -> GpuProc:
 def test_the_allocation_is_read_from_consumed_capacity_and_reserved_for() -> None:
     found = claim_allocation(claim("shared", "4Gi", reserved=(A_UID, B_UID.upper())))
     assert found.allocated and found.reserved_for == {A_UID, B_UID}
-    assert found.memory == {("gpu", "node-1", "gpu-0"): 4 * GIB}
+    assert found.memory == {("gpu", "gpu.nvidia.com", "node-1", "gpu-0"): 4 * GIB}
     assert found.memory_for(None) == 4 * GIB and found.memory_for("gpu") == 4 * GIB
     assert found.memory_for("other") is None  # no device of that request
 
@@ -93,6 +93,65 @@ def test_the_bound_on_one_device_is_the_largest_per_device_reservation() -> None
     assert two.memory_for(None) == 3 * GIB
     sub = claim_allocation(claim("sub", "1Gi", request="gpu/small"))
     assert sub.memory_for("gpu") == GIB  # a firstAvailable subrequest belongs to its request
+
+
+def resource_slice(devices: dict[str, str | None], *, version: str = "v1", qualified: bool = False,
+                   generation: int = 1, pool: str = "node-1") -> dict[str, Any]:
+    """A ResourceSlice as NVIDIA's DRA driver publishes one: each GPU ``gpu-<minor>`` with ``uuid``."""
+    listed = []
+    for name, uuid in devices.items():
+        attributes: dict[str, Any] = {"type": {"string": "gpu"}, "productName": {"string": "NVIDIA H200"}}
+        if uuid is not None:
+            attributes["gpu.nvidia.com/uuid" if qualified else "uuid"] = {"string": uuid}
+        listed.append({"name": name, **({"attributes": attributes} if version == "v1"
+                                        else {"basic": {"attributes": attributes}})})
+    return {"metadata": {"name": f"{pool}-gpu.nvidia.com-{generation}"},
+            "spec": {"driver": "gpu.nvidia.com", "nodeName": pool, "pool": {"name": pool, "generation": generation,
+                                                                            "resourceSliceCount": 1},
+                     "devices": listed}}
+
+
+def test_a_resource_slice_names_each_devices_nvml_uuid() -> None:
+    for version, qualified in (("v1", False), ("v1beta1", False), ("v1", True)):
+        found = slice_device_uuids(resource_slice({"gpu-0": "GPU-aaa", "gpu-1": "GPU-bbb", "gpu-2": None},
+                                                  version=version, qualified=qualified))
+        assert found.uuids == {("gpu.nvidia.com", "node-1", "gpu-0"): "GPU-aaa",
+                               ("gpu.nvidia.com", "node-1", "gpu-1"): "GPU-bbb"}, (version, qualified)
+    # A pool republished: the newer generation's answer holds, whatever the order the slices come in.
+    old, new = (slice_device_uuids(resource_slice({"gpu-0": u}, generation=g)) for u, g in (("GPU-old", 1),
+                                                                                            ("GPU-new", 2)))
+    assert device_uuids([new, old]) == device_uuids([old, new]) == {("gpu.nvidia.com", "node-1", "gpu-0"): "GPU-new"}
+    assert slice_device_uuids({"spec": {"devices": "nonsense"}}).uuids == {}
+
+
+def test_the_bound_is_per_gpu_where_the_slices_name_the_uuids() -> None:
+    """4 GiB reserved on gpu-0 and 10 GiB on gpu-1 (two requests of one claim): on GPU-aaa the
+    container is held to 4 GiB, on GPU-bbb to 10 GiB; without the slice, to 10 GiB wherever it is."""
+    claims = [claim("shared", "4Gi", "10Gi")]
+    slices = [slice_device_uuids(resource_slice({"gpu-0": "GPU-aaa", "gpu-1": "GPU-bbb"}))]
+    found = [node_pod(pod(A_UID, A_TRAIN, EIGHT))]
+    idx = PodIndex.of([p for p in found if p is not None], ["team-a"], [claim_allocation(c) for c in claims],
+                      device_uuids=device_uuids(slices))
+    p = idx.pods[A_UID]
+    assert claim_bound(p, "train", idx, frozenset({"GPU-aaa"})) == 4 * GIB
+    assert claim_bound(p, "train", idx, frozenset({"GPU-bbb"})) == 10 * GIB
+    assert claim_bound(p, "train", idx, frozenset({"GPU-aaa", "GPU-bbb"})) == 10 * GIB  # one share for both
+    assert claim_bound(p, "train", idx, frozenset({"GPU-zzz"})) == 10 * GIB  # on none it was allocated
+    no_slice = index([pod(A_UID, A_TRAIN, EIGHT)], claims)
+    assert claim_bound(no_slice.pods[A_UID], "train", no_slice, frozenset({"GPU-aaa"})) == 10 * GIB
+    config, lowered = claim_capped_config(p, idx, {"train": frozenset({"GPU-aaa"})})
+    memory = config.containers["train"].memory
+    assert memory is not None and memory.bytes == 4 * GIB and lowered == {"train": 4 * GIB}
+    # The engine gives the Core the bound of the GPU the container's processes are on.
+    engine = NodeEngine(poll_interval=0.5)
+    on_a = GpuProc(10, 1010, 0, "GPU-aaa", 5 * GIB, 0, placement(f"0::/kubepods/burstable/pod{A_UID}/{A_TRAIN}\n"))
+    decisions = engine.step(100.0, [on_a], {0: 80 * GIB}, idx)
+    assert decisions.configs[A_UID].containers["train"].memory == MemoryShare(bytes=4 * GIB)
+    assert [b.record.get("claim_bound_bytes") for b in decisions.step.started] == [4 * GIB]
+    on_b = GpuProc(10, 1010, 1, "GPU-bbb", 5 * GIB, 0, on_a.placement)
+    decisions = NodeEngine(poll_interval=0.5).step(100.0, [on_b], {1: 80 * GIB}, idx)
+    assert decisions.configs[A_UID].containers["train"].memory == MemoryShare(bytes=8 * GIB)  # 10 GiB: not lowered
+    assert not decisions.step.started
 
 
 def test_a_containers_claims_follow_the_pods_status_for_a_template() -> None:

@@ -139,6 +139,16 @@ def test_a_gpu_process_the_admins_policy_allowed_is_reported_apart_and_never_act
         assert not result.step.actions and not result.step.started and not result.report_only
 
 
+def test_a_policy_change_re_classifies_a_process_the_engine_has_already_classified() -> None:
+    # The engine's classify cache keys on the index: a new device-access list is a new index.
+    engine = NodeEngine(mode=Mode.AUDIT)
+    seen = proc(10, TRAIN, 6 * GIB)  # the same record, poll after poll: the cache's case
+    before = engine.step(100.0, [seen], {0: 80 * GIB}, index(pod()))
+    assert before.census[0].standing is Standing.UNACCOUNTED
+    after = engine.step(101.0, [seen], {0: 80 * GIB}, index(pod(), device_access=("team-a",)))
+    assert after.census[0].standing is Standing.ADMIN_ALLOWED and not after.report_only
+
+
 def test_a_pod_the_webhook_recorded_as_created_by_an_admin_is_admin_allowed() -> None:
     stamped = pod(annotations={"gpufence.io/admin-device-access": "alice"})
     entry = classify(proc(10, TRAIN, 6 * GIB), index(stamped))
@@ -281,3 +291,43 @@ def test_gpu_work_that_outlives_the_freezer_is_terminated_by_the_guardian_itself
     assert episode.kill_at - episode.started == 10  # the pod's grace period
     assert episode.record["compute_share"] == 0.2 and episode.record["sm_utilization"] > 0.2
     assert episode.cgroup not in result.throttle  # terminated, no longer throttled
+
+
+def test_the_engine_reuses_what_did_not_change_and_notices_what_did() -> None:
+    engine = NodeEngine()
+    first_index = index(pod(cfg=EIGHT))
+    train = proc(10, TRAIN, GIB, sm=5)
+    engine.step(100.0, [train], {0: 80 * GIB}, first_index)
+    generation = engine.generation
+    core = engine._cores[UID]
+    again = engine.step(100.5, [train], {0: 80 * GIB}, first_index)
+    assert engine.generation == generation and engine._cores[UID] is core
+    assert again.census[0].standing is Standing.ADMITTED
+    # A new record of the same process (its use changed): the same standing, the same Core.
+    grown = engine.step(101.0, [proc(10, TRAIN, 9 * GIB, sm=5)], {0: 80 * GIB}, first_index)
+    assert engine.generation == generation and engine._cores[UID] is core
+    assert grown.pods[UID].orders  # the Core saw the new use: over its 8 GiB share
+    # A new index with an equal config keeps the Core (its compute window); a changed one replaces it.
+    engine.step(101.5, [train], {0: 80 * GIB}, index(pod(cfg=EIGHT)))
+    assert engine._cores[UID] is core
+    four = config(train=ContainerShare(memory=MemoryShare(bytes=4 * GIB), compute_percent=20))
+    engine.step(102.0, [train], {0: 80 * GIB}, index(pod(cfg=four)))
+    assert engine._cores[UID] is not core and engine.generation > generation
+    # A process gone changes the census.
+    generation = engine.generation
+    engine.step(102.5, [], {0: 80 * GIB}, index(pod(cfg=four)))
+    assert engine.generation > generation and UID not in engine._cores
+
+
+def test_pods_started_at_different_polls_share_one_utilisation_read_a_period() -> None:
+    engine = NodeEngine(poll_interval=0.5, compute_period_seconds=1.0)
+    other = "22222222-3333-4444-5555-666666666666"
+    first, second = pod(cfg=EIGHT), pod(uid=other, cfg=EIGHT, statuses={"train": STRAY})
+    both = index(first, second)
+    reads = []
+    for poll in range(20):
+        now = 100.0 + 0.5 * poll
+        reads.append(engine.wants_utilisation(now))
+        procs = [proc(10, TRAIN, GIB, sm=30)] + ([proc(11, STRAY, GIB, sm=30, uid=other)] if poll >= 3 else [])
+        engine.step(now, procs, {0: 80 * GIB}, both)  # the second pod's Core is made half a period later
+    assert sum(reads[4:]) == 8  # once a period for both, not at every poll

@@ -123,6 +123,30 @@ def test_no_pod_is_shown_before_the_policy_is_read_and_its_device_access_namespa
     assert watch.index().device_access == {"team-a", "gpu-operator"}
 
 
+def test_the_pod_watch_reads_each_pod_once_per_version_and_keeps_its_index_while_nothing_changes() -> None:
+    other = "22222222-2222-3333-4444-555555555555"
+    watch = PodWatch(_Api(), "gpu-node-1")
+    watch.namespaces._replace([{"metadata": {"name": "team-a", "labels": {"gpufence.io/injection": "enabled"}}}])
+    watch._replace([pod_object(UID), pod_object(other)])
+    read_policy(watch, policy_configmap())
+    first = watch.index()
+    assert watch.index() is first  # nothing changed: the same index (the engine's caches key on it)
+    watch._apply("MODIFIED", pod_object(other))
+    second = watch.index()
+    assert second is not first and second.pods[UID] is first.pods[UID]  # the unchanged pod is not read again
+    assert second.pods[other] is not first.pods[other]
+    # A namespace's change reads its pods again: its admin annotations decide the opt-out.
+    watch.namespaces._replace([{"metadata": {"name": "team-a"}}])
+    third = watch.index()
+    assert third.opted_in == frozenset() and third.pods[UID] is not second.pods[UID]
+    # A policy change to its device-access namespaces makes a new index (the engine re-classifies).
+    read_policy(watch, policy_configmap(**{"device-access-namespaces": "team-a"}))
+    fourth = watch.index()
+    assert fourth is not third and fourth.device_access == {"team-a"} and watch.index() is fourth
+    watch._apply("DELETED", pod_object(other))
+    assert set(watch.index().pods) == {UID}
+
+
 def test_the_pods_file_holds_pods_and_namespaces() -> None:
     index = pods_file_index({
         "pods": [pod_object(UID)],

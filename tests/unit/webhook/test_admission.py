@@ -119,6 +119,27 @@ def test_namespace_not_opted_in_is_skipped_and_unknown_is_injected_with_warning(
     assert any("not in the webhook's cache" in w for w in unknown.review["response"]["warnings"])
 
 
+class _NotCached:
+    def get(self, name: str) -> NamespaceInfo | None:
+        return None
+
+
+@pytest.mark.parametrize("mutate", [
+    lambda p: p["metadata"]["annotations"].update({"gpufence.io/memory": "lots"}),  # a share's denial
+    lambda p: p["spec"]["containers"][0].update(env=5),  # the shape's
+    lambda p: p["spec"].update(hostPID=True),  # the desired pod's
+])
+def test_a_denial_carries_the_warnings_said_before_it(mutate: Any) -> None:
+    """The review's stages return their warnings; one that denies does not lose those of the
+    stages before it (here: the namespace not yet in the webhook's cache)."""
+    pod = gpu_pod()
+    mutate(pod)
+    result = review(request(pod), S, _NotCached())
+    response = result.review["response"]
+    assert result.outcome == "denied" and response["allowed"] is False, response
+    assert [w for w in response["warnings"] if "not in the webhook's cache" in w], response
+
+
 @pytest.mark.parametrize(
     ("mutate", "fragment"),
     [

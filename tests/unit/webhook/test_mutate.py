@@ -203,9 +203,9 @@ def test_a_non_root_image_user_under_baseline_is_warned_about() -> None:
 def test_sidecar_user_ignores_non_gpu_containers() -> None:
     spec = gpu_pod(securityContext={"runAsUser": 1000})["spec"]
     spec["containers"].append({"name": "proxy", "image": "i", "securityContext": {"runAsUser": 101}})
-    assert sidecar_user(spec, {"train"}, "restricted", []) == {"runAsUser": 1000, "runAsNonRoot": True}
+    assert sidecar_user(spec, {"train"}, "restricted") == ({"runAsUser": 1000, "runAsNonRoot": True}, [])
     with pytest.raises(Denial, match='"proxy"'):
-        sidecar_user(spec, {"train", "proxy"}, "restricted", [])
+        sidecar_user(spec, {"train", "proxy"}, "restricted")
 
 
 # --- no way to root beside a non-root sidecar (issue 38 row 2) ---------------------------------------

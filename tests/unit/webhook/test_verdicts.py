@@ -235,6 +235,7 @@ def test_pods_whose_token_volumes_differ_share_a_verdict_and_get_their_own_name(
         assert got == judge(payload, settings, ns)
         answers.append(got)
     assert cache.hits == 2 and len(cache) == 1
+    assert cache.lookups == {(judge.__name__, "miss"): 1, (judge.__name__, "hit"): 2}
     if judge is review:  # the sidecar mounts the pod's own token volume
         assert "x7k2q" in base64.b64decode(answers[1].review["response"]["patch"]).decode()
         assert "abcde" not in base64.b64decode(answers[1].review["response"]["patch"]).decode()
@@ -248,3 +249,50 @@ def test_a_token_volume_named_elsewhere_in_the_pod_is_not_templated() -> None:
         pod["metadata"]["annotations"]["note"] = f"mounts {name}"  # inside a longer string
         cache.judge(review, sample_review(pod, uid=name), settings, ns)
     assert cache.hits == 0 and len(cache) == 2
+
+
+def _tampered(pod: dict[str, Any], how: str) -> dict[str, Any]:
+    """The stored pod as another mutating webhook, run after gpufence, might leave it."""
+    pod = copy.deepcopy(pod)
+    sidecar = pod["spec"]["initContainers"][0]
+    if how == "sidecar image":
+        sidecar["image"] = "registry.example/other:1"
+    elif how == "sidecar env":
+        sidecar["env"] = [e for e in sidecar["env"] if e["name"] != "GPUFENCE_CONFIG"]
+    elif how == "workload privileged":
+        pod["spec"]["containers"][0].setdefault("securityContext", {})["privileged"] = True
+    return pod
+
+
+@pytest.mark.parametrize("how", ["sidecar image", "sidecar env", "workload privileged"])
+def test_validate_serves_only_the_pod_mutate_produced(how: str) -> None:
+    """/validate remembers the pod exactly as /mutate produced it (and the next pod of its template);
+    the same pod changed after mutation by anyone else is reviewed again and gets its own verdict,
+    whatever the memo holds, and the pod as produced is still answered from the memo after it."""
+    settings, ns = InjectionSettings(), _opted_in()
+    stored = _stored()
+    changed = _tampered(stored, how)
+    own_changed = verify(sample_review(changed, uid="c"), settings, ns)
+    assert verify(sample_review(stored, uid="s"), settings, ns).outcome == "verified"
+    assert own_changed.outcome != "verified", "the test needs a change that verify refuses"
+    cache = VerdictCache()
+    cache.judge(verify, sample_review(_per_object(stored, "a"), uid="1"), settings, ns)
+    got = cache.judge(verify, sample_review(changed, uid="c"), settings, ns)
+    assert got == own_changed
+    assert cache.lookups == {("verify", "miss"): 2}
+    again = cache.judge(verify, sample_review(_per_object(stored, "bb"), uid="2"), settings, ns)
+    assert again.outcome == "verified" and cache.lookups[("verify", "hit")] == 1
+
+
+def test_validate_under_another_policy_is_reviewed_again() -> None:
+    """The pod /mutate produced under one policy, at /validate after the policy changed: reviewed
+    under the new one (here refused: the sidecar's image is not the new policy's), never answered
+    with the verdict remembered under the old."""
+    ns = _opted_in()
+    old, new = InjectionSettings(), replace(InjectionSettings(), sidecar_image="registry.example/gpufence:next")
+    stored = _stored()
+    cache = VerdictCache()
+    assert cache.judge(verify, sample_review(stored, uid="1"), old, ns).outcome == "verified"
+    got = cache.judge(verify, sample_review(_per_object(stored, "a"), uid="2"), new, ns)
+    assert got == verify(sample_review(_per_object(stored, "a"), uid="2"), new, ns)
+    assert got.outcome == "refused" and cache.hits == 0
