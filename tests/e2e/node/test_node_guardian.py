@@ -51,6 +51,9 @@ from tests.node.workloads import (
     write_gpu_state,
 )
 
+# The module's guardian starts with the first test; the restart row waits out a long grace period.
+pytestmark = pytest.mark.timeout(360)
+
 GIB = 1 << 30
 GRACE = 3
 CAP_KILL = 5
@@ -91,8 +94,9 @@ def test_the_daemonset_runs_the_guardian_as_its_manifest_states(
     assert container.image == GPUFENCE_IMAGE and container.command == ["gpufence-node"]
     assert not (container.resources.limits or {}).keys() & {"nvidia.com/gpu"}, container.resources
     pid = guardian.host_pid(pod)
-    # Its PID namespace is the host's (NVML lists host PIDs), and so is its view of /proc.
-    assert Path(f"/proc/{pid}/ns/pid").readlink() == Path("/proc/1/ns/pid").readlink()
+    # Its PID namespace is the host's (NVML lists host PIDs): one PID, the host's, where a pod of
+    # its own PID namespace has two.
+    assert _status_field(pid, "NSpid").split() == [str(pid)], _status_field(pid, "NSpid")
     mounts = {line.split()[4]: line for line in Path(f"/proc/{pid}/mountinfo").read_text().splitlines()}
     assert "/sys/fs/cgroup" in mounts and "/var/lib/gpufence-node" in mounts, sorted(mounts)
     # Signals to a root workload's processes need CAP_KILL in its effective set.
@@ -100,13 +104,16 @@ def test_the_daemonset_runs_the_guardian_as_its_manifest_states(
     uid = _status_field(pid, "Uid").split()
     print(f"guardian pid {pid}: Uid {uid}, CapEff {effective:#x}")
     assert effective >> CAP_KILL & 1, f"the guardian has no CAP_KILL (Uid {uid}, CapEff {effective:#x})"
-    # NVML: the simulated libnvidia-ml.so.1 that the runtime mounted for NVIDIA_VISIBLE_DEVICES=all.
-    library = f"{SIM_MOUNT}/libnvidia-ml.so.1"
-    kube.wait_for(lambda: library in Path(f"/proc/{pid}/maps").read_text(),
-                  f"the guardian's NVML loaded from the runtime's mount ({library})", 60, 0.5)
+    # NVML: the runtime mounted the simulated driver for NVIDIA_VISIBLE_DEVICES=all (no GPU asked
+    # for), and the guardian, which names no library, opened it.
+    assert SIM_MOUNT in mounts, sorted(mounts)
+    guardian.wait_record(lambda r: r.get("event") == "nvml_opened" and r["_pod"] == pod.metadata.name,
+                         "NVML opened", timeout=60)
     records = [r for r in guardian.records() if r["_pod"] == pod.metadata.name]
     seen = {r["event"] for r in records}
-    assert "events_enabled" in seen and not seen & {"nvml_unavailable", "no_cluster_configuration"}, seen
+    assert "events_enabled" in seen, seen
+    assert not seen & {"nvml_unavailable", "no_cluster_configuration", "guardian_state_unwritable"}, \
+        [r for r in records if r["level"] == "error"]
     started = next(r for r in records if r["event"] == "started")
     assert started["node"] == NODE_NAME and started["pods_source"] == "api-server", started
     # Its ServiceAccount may read and post Events, nothing that reaches a pod.
