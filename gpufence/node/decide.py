@@ -185,7 +185,11 @@ class Backstop:
     def restore(self, episodes: Iterable[Episode]) -> None:
         self._episodes = {e.cgroup: e for e in episodes}
 
-    def step(self, now: float, breaches: Iterable[Breach]) -> Step:
+    def step(self, now: float, breaches: Iterable[Breach], undetermined: frozenset[str] = frozenset()) -> Step:
+        """``undetermined``: cgroups with GPU processes whose standing the guardian cannot tell yet
+        (pending: before its first list of the pods, as after a restart). An episode of one is kept
+        as it is, neither ended nor acted on: ending it would grant the breach a new grace period
+        once the pods are listed."""
         current = {b.cgroup: b for b in breaches}
         started = []
         for key, breach in current.items():
@@ -199,7 +203,8 @@ class Backstop:
         actions: list[tuple[Action, Episode]] = []
         for key, episode in list(self._episodes.items()):
             if key not in current and not episode.termed:
-                ended.append(self._episodes.pop(key))
+                if key not in undetermined:
+                    ended.append(self._episodes.pop(key))
                 continue
             if now >= episode.kill_at:
                 actions.append((Action.SIGKILL, self._episodes.pop(key)))
@@ -320,7 +325,9 @@ class NodeEngine:
             (breaches if enforce else report_only).append(breach)
         # Unique keys: a container with processes on two devices is one breach (the first reason).
         unique = {b.cgroup: b for b in reversed(breaches)}
-        step = self.backstop.step(now, unique.values())
+        pending = frozenset(e.process.placement.path for e in census
+                            if e.standing is Standing.PENDING and e.process.placement.path is not None)
+        step = self.backstop.step(now, unique.values(), pending)
         for episode in self.backstop.episodes.values():
             throttle.pop(episode.cgroup, None)  # terminated, not throttled (the act thaws it first)
         for _, episode in step.actions:

@@ -384,6 +384,9 @@ def test_the_node_guardian_is_read_only_through_the_api_and_host_bound_on_the_no
     assert spec["hostPID"] is True and spec["serviceAccountName"] == "gpufence-node"
     (container,) = spec["containers"]
     assert container["command"] == ["gpufence-node"]
+    # Root: a privileged container's non-root process has no capability (the node bed's containerd ran
+    # the image's user 65532 so, and every signal and cgroup write failed).
+    assert container["securityContext"] == {"privileged": True, "runAsUser": 0, "runAsGroup": 0}
     assert {v["hostPath"]["path"] for v in spec["volumes"]} == {"/sys/fs/cgroup", "/var/lib/gpufence-node"}
     assert {e["name"]: e.get("valueFrom") for e in container["env"]}["NODE_NAME"] == {
         "fieldRef": {"fieldPath": "spec.nodeName"}}

@@ -23,7 +23,7 @@ from tests.e2e.controlplane import ControlPlane
 from tests.e2e.gpufence_install import WebhookProcess
 from tests.e2e.tenant import Tenant, make_tenant
 from tests.node.binaries import NODE_VERSION
-from tests.node.guardian import GuardianProcess, running_guardian
+from tests.node.guardian import GuardianDaemonSet, running_guardian
 from tests.node.images import ImageBuildUnavailable
 from tests.node.node import Node, NodeUnavailable, check_prerequisites, running_node
 from tests.node.workloads import clear_namespace, write_gpu_state
@@ -110,8 +110,7 @@ def tenant_at_level(cluster: ControlPlane, admin: client.ApiClient, node: Node, 
 
 
 @pytest.fixture(scope="module")
-def guardian(cluster: ControlPlane, node: Node, sim: Node,
-             tmp_path_factory: pytest.TempPathFactory) -> Iterator[GuardianProcess]:
-    """The node guardian, as a host process (tests/node/guardian.py), for the tests of one module."""
-    with running_guardian(cluster, node, tmp_path_factory.mktemp("gpufence-node")) as running:
+def guardian(cluster: ControlPlane, node: Node, sim: Node) -> Iterator[GuardianDaemonSet]:
+    """The node guardian, as the shipped DaemonSet (tests/node/guardian.py), for the tests of one module."""
+    with running_guardian(cluster, node) as running:
         yield running

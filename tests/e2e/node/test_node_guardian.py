@@ -1,33 +1,45 @@
 """The node guardian on the real node (issue 39's "Done when" rows), as the ``edit`` tenant with root workloads.
 
-The guardian is the real ``gpufence-node`` process on the node's host (``tests/node/guardian.py``):
-the host's PID namespace and cgroupfs, the simulated driver's state that the pods' sidecars read,
-its pod watch against the kube-apiserver with a bound token of its own ServiceAccount and the RBAC
-of ``k8s/components/node-guardian``. The tenant reaches none of it: what a workload does inside
-its pod (stopping every gpufence process, opening a device that admission never saw) does not
-stop the guardian from ending it through its cgroup.
+The guardian is the DaemonSet of ``k8s/components/node-guardian`` as ``k8s/overlays/node-guardian``
+installs it, run by the node's kubelet, containerd and runc (``tests/node/guardian.py``: what the
+bed substitutes, and why): the host's PID namespace, the host's cgroupfs and state directory by
+hostPath, the simulated driver reached through ``NVIDIA_VISIBLE_DEVICES=all`` as the toolkit would
+mount the real one, its pod watch and Events with its own in-cluster ServiceAccount token. The
+tenant reaches none of it: what a workload does inside its pod (stopping every gpufence process,
+opening a device that admission never saw) does not stop the guardian from ending it through its
+cgroup.
 """
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Callable, Iterator
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
 import pytest
+from kubernetes import client
 
-from gpufence.contract import SIDECAR_NAME, EnforcerConfig
+from gpufence.contract import DEFAULT_GRACE_PERIOD_SECONDS, SIDECAR_NAME, EnforcerConfig
 from tests.e2e import kube
 from tests.e2e.controlplane import ControlPlane
 from tests.e2e.tenant import Tenant
-from tests.node.guardian import POLL_INTERVAL, UNACCOUNTED_GRACE, GuardianProcess, running_guardian
+from tests.node.guardian import (
+    ACCOUNT,
+    NAMESPACE,
+    POLL_INTERVAL,
+    USERNAME,
+    GuardianDaemonSet,
+)
 from tests.node.images import GPUFENCE_IMAGE
 from tests.node.node import NODE_NAME, Node
-from tests.node.simruntime import PLANTED_DEVICE_ENV
+from tests.node.simruntime import PLANTED_DEVICE_ENV, SIM_MOUNT
 from tests.node.workloads import (
     container_log,
     enforcer_records,
+    events,
     get_pod,
     gpu_pod,
     host_pid,
@@ -38,15 +50,12 @@ from tests.node.workloads import (
     write_gpu_state,
 )
 
+# The module's guardian starts with the first test; the restart row waits out a long grace period.
+pytestmark = pytest.mark.timeout(600)
+
 GIB = 1 << 30
 GRACE = 3
-
-
-@pytest.fixture(scope="module")
-def guardian(cluster: ControlPlane, node: Node, sim: Node,
-             tmp_path_factory: pytest.TempPathFactory) -> Iterator[GuardianProcess]:
-    with running_guardian(cluster, node, tmp_path_factory.mktemp("gpufence-node")) as running:
-        yield running
+CAP_KILL = 5
 
 
 @pytest.fixture
@@ -56,6 +65,58 @@ def tenant_on_node(cluster: ControlPlane, node: Node, sim: Node, tenant: Tenant)
     write_gpu_state(node, ())
     cluster.kubectl("-n", tenant.namespace, "delete", "pods", "--all", "--wait=true", "--timeout=90s", check=False)
     cluster.kubectl("delete", "namespace", tenant.namespace, "--wait=false", check=False)
+
+
+def _status_field(pid: int, name: str) -> str:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith(f"{name}:"):
+            return line.split(":", 1)[1].strip()
+    raise AssertionError(f"no {name} in /proc/{pid}/status")
+
+
+def test_the_daemonset_runs_the_guardian_as_its_manifest_states(
+        cluster: ControlPlane, node: Node, guardian: GuardianDaemonSet) -> None:
+    """The pod the kubelet runs from the shipped DaemonSet: the host's PID namespace, the host's
+    cgroupfs and state directory, NVML through ``NVIDIA_VISIBLE_DEVICES=all`` with no GPU requested,
+    its pod watch synced and its Events on, as its own ServiceAccount with nothing but the
+    component's read-only RBAC."""
+    pod = guardian.running_pod()
+    spec = pod.spec
+    assert spec.host_pid and spec.service_account_name == ACCOUNT and spec.node_name == NODE_NAME
+    (container,) = spec.containers
+    assert container.image == GPUFENCE_IMAGE and container.command == ["gpufence-node"]
+    assert not (container.resources.limits or {}).keys() & {"nvidia.com/gpu"}, container.resources
+    pid = guardian.host_pid(pod)
+    # Its PID namespace is the host's (NVML lists host PIDs): one PID, the host's, where a pod of
+    # its own PID namespace has two.
+    assert _status_field(pid, "NSpid").split() == [str(pid)], _status_field(pid, "NSpid")
+    mounts = {line.split()[4]: line for line in Path(f"/proc/{pid}/mountinfo").read_text().splitlines()}
+    assert "/sys/fs/cgroup" in mounts and "/var/lib/gpufence-node" in mounts, sorted(mounts)
+    # Signals to a root workload's processes need CAP_KILL in its effective set.
+    effective = int(_status_field(pid, "CapEff"), 16)
+    uid = _status_field(pid, "Uid").split()
+    print(f"guardian pid {pid}: Uid {uid}, CapEff {effective:#x}")
+    assert effective >> CAP_KILL & 1, f"the guardian has no CAP_KILL (Uid {uid}, CapEff {effective:#x})"
+    # NVML: the runtime mounted the simulated driver for NVIDIA_VISIBLE_DEVICES=all (no GPU asked
+    # for), and the guardian, which names no library, opened it.
+    assert SIM_MOUNT in mounts, sorted(mounts)
+    guardian.wait_record(lambda r: r.get("event") == "nvml_opened" and r["_pod"] == pod.metadata.name,
+                         "NVML opened", timeout=60)
+    records = [r for r in guardian.records() if r["_pod"] == pod.metadata.name]
+    seen = {r["event"] for r in records}
+    assert "events_enabled" in seen, seen
+    assert not seen & {"nvml_unavailable", "no_cluster_configuration", "guardian_state_unwritable"}, \
+        [r for r in records if r["level"] == "error"]
+    started = next(r for r in records if r["event"] == "started")
+    assert started["node"] == NODE_NAME and started["pods_source"] == "api-server", started
+    # Its ServiceAccount may read and post Events, nothing that reaches a pod.
+    groups = ("system:serviceaccounts", f"system:serviceaccounts:{NAMESPACE}", "system:authenticated")
+    for question, allowed in ((("list", "pods"), "yes"), (("create", "events"), "yes"), (("create", "pods"), "no"),
+                              (("create", "pods", "--subresource=exec"), "no"), (("delete", "pods"), "no"),
+                              (("update", "nodes"), "no"), (("get", "secrets"), "no")):
+        answer = cluster.kubectl("auth", "can-i", *question, "--all-namespaces", f"--as={USERNAME}",
+                                 *(f"--as-group={g}" for g in groups), check=False).stdout.strip()
+        assert answer == allowed, (question, answer)
 
 
 # Root, in the pod's shared PID namespace: holds the device and SIGSTOPs every gpufence process of
@@ -88,10 +149,11 @@ while True:
 
 
 def test_a_workload_stopping_every_gpufence_process_is_terminated_by_the_guardian(
-        cluster: ControlPlane, node: Node, tenant_on_node: Tenant, guardian: GuardianProcess) -> None:
+        cluster: ControlPlane, node: Node, tenant_on_node: Tenant, guardian: GuardianDaemonSet) -> None:
     """9 GiB on an 8 GiB share with the pod's enforcer held stopped: the guardian SIGKILLs the
     container through its cgroup at the pod's grace period plus the handover (the pod's poll and
-    two of the guardian's), with nothing from the stopped sidecar."""
+    two of the guardian's), with nothing from the stopped sidecar; its Event on the pod is one the
+    API server took from the guardian's ServiceAccount only."""
     tenant = tenant_on_node
     pod = gpu_pod([workload_container("greedy", STOPPER, user=0)],
                   {"gpufence.io/memory": "8Gi", "gpufence.io/grace-period": str(GRACE)}, restartPolicy="Never")
@@ -125,7 +187,105 @@ def test_a_workload_stopping_every_gpufence_process_is_terminated_by_the_guardia
     assert "stopped" in container_log(ended, "greedy"), container_log(ended, "greedy")
     # The stopped sidecar did nothing: the termination was the guardian's alone.
     assert not [r for r in enforcer_records(ended) if r.get("event") in ("sigterm", "sigkill")]
+    assert not record.get("failed"), record
+    _assert_guardian_event(cluster, tenant.namespace, name, "GPUMemoryOverShare")
     print(f"guardian SIGKILL after {record['held_seconds']} s held (deadline {record['grace_seconds']} s)")
+
+
+def _assert_guardian_event(cluster: ControlPlane, namespace: str, pod: str, reason: str) -> dict[str, Any]:
+    """The guardian's Event on ``pod``, and proof of who posted it: the component's policy admits an
+    Event that claims ``gpufence-node`` from its ServiceAccount alone, and refuses the same Event
+    from the cluster's admin now (so the policy was in force when the guardian's was stored)."""
+    def posted() -> dict[str, Any] | None:
+        return next((e for e in events(cluster, namespace, pod) if e.get("reason") == reason), None)
+
+    event = kube.wait_for(posted, f"the guardian's {reason} Event on {pod}", 60, 0.5)
+    assert event["reportingComponent"] == event["source"]["component"] == "gpufence-node", event
+    assert event["involvedObject"]["kind"] == "Pod" and event["type"] == "Warning", event
+    # The same Event, stored anew: valid as it is, so only the policy can refuse it.
+    forged = {**{k: v for k, v in event.items() if k != "metadata"},
+              "metadata": {"generateName": "forged-", "namespace": namespace}}
+    refused = cluster.kubectl("-n", namespace, "create", "-f", "-", "-o", "name", check=False,
+                              input=json.dumps(forged))
+    assert refused.returncode != 0 and "gpufence-node/gpufence-node" in refused.stderr, refused
+    assert "e2e-admin" in refused.stderr, refused.stderr
+    print(f"guardian Event {reason}: {event['message']}")
+    return event
+
+
+RESTART_GRACE = 45  # longer than a guardian pod's replacement takes on a loaded node, so the kill waits for it
+
+
+def _wall(record: dict[str, Any]) -> float:
+    return datetime.fromisoformat(record["time"].replace("Z", "+00:00")).timestamp()
+
+
+def test_a_guardian_restarted_mid_termination_grants_no_new_grace_and_kills_once(
+        cluster: ControlPlane, node: Node, tenant_on_node: Tenant, guardian: GuardianDaemonSet) -> None:
+    """The guardian's pod deleted while it holds a termination's grace period: the DaemonSet's next
+    pod takes the episode over from the state file on the host (hostPath) and SIGKILLs at the first
+    pod's deadline, not at a deadline of its own, and the container is signalled once."""
+    tenant = tenant_on_node
+    pod = gpu_pod([workload_container("greedy", STOPPER, user=0)],
+                  {"gpufence.io/memory": "8Gi", "gpufence.io/grace-period": str(RESTART_GRACE)},
+                  restartPolicy="Never")
+    created = kube.create_pod(tenant.api, tenant.namespace, pod)
+    assert created.admitted and kube.is_mutated(created.obj), created.message
+    name = created.obj["metadata"]["name"]
+    running = wait_running(cluster, node, tenant.namespace, name)
+    kube.wait_for(lambda: process_state(host_pid(node, running, SIDECAR_NAME)) == "T",
+                  "the enforcer stopped by the workload", 30, 0.05)
+    greedy = host_pid(node, running, "greedy")
+    first = guardian.running_pod()
+    write_gpu_state(node, [(greedy, 9 * GIB, 10)])
+    started = guardian.wait_record(lambda r: r.get("event") == "guardian_episode_started" and r.get("pod") == name,
+                                   f"the guardian's episode for {name}", timeout=60)
+    assert started["_pod"] == first.metadata.name and started["reason"] == "memory_over_share", started
+
+    cluster.kubectl("-n", NAMESPACE, "delete", "pod", first.metadata.name, "--wait=false")
+    guardian.wait_record(lambda r: r.get("event") == "shutdown" and r["_pod"] == first.metadata.name,
+                         "the first guardian's shutdown", timeout=60)
+    second = guardian.running_pod(other_than=first.metadata.uid)
+    recovered = guardian.wait_record(
+        lambda r: r.get("event") == "guardian_state_recovered" and r["_pod"] == second.metadata.name,
+        "the second guardian's recovery", timeout=30)
+    assert recovered["episodes"] >= 1, recovered
+    kill = guardian.wait_record(lambda r: r.get("event") == "guardian_sigkill" and r.get("pod") == name,
+                                f"the guardian's SIGKILL of {name}", timeout=RESTART_GRACE + 60)
+
+    config = EnforcerConfig.from_dict(kube.enforcer_config(running))
+    deadline = RESTART_GRACE + config.poll_interval_seconds + 2 * POLL_INTERVAL
+    assert kill["_pod"] == second.metadata.name and kill["reason"] == "memory_over_share", kill
+    assert kill["grace_seconds"] == pytest.approx(deadline), kill
+    assert greedy in kill["sent"] and not kill.get("failed"), kill
+    # The precondition of the row: the second guardian took over before the first one's deadline.
+    assert _wall(recovered) < _wall(started) + deadline, (recovered, started)
+    # Not early: at the first guardian's deadline, counted from its episode's start ...
+    assert kill["held_seconds"] >= kill["grace_seconds"], kill
+    # ... and no new grace period: sooner than one counted from the second guardian's start.
+    assert _wall(kill) < _wall(recovered) + deadline, (kill, recovered)
+    # One termination, from one guardian: no other signal from either incarnation.
+    signals = [r for r in guardian.records()
+               if r.get("event") in ("guardian_sigterm", "guardian_sigkill") and r.get("pod") == name]
+    assert signals == [kill], signals
+
+    # Ended on the node: the process is gone and containerd's task for the container is not running.
+    kube.wait_for(lambda: process_state(greedy) == "", "greedy's process gone", 30, 0.2)
+    container_id = statuses(get_pod(cluster, tenant.namespace, name))["greedy"]["containerID"]
+    kube.wait_for(lambda: node.task_pid(container_id) is None, "greedy's task ended", 30, 0.5)
+
+    # The kubelet saw it end with 137, once (its PLEG). Not the pod's status: in the 19:23 run the
+    # kubelet restarted the stopped sidecar while the workload still ran, and the status showed
+    # greedy "running" 180 s after the PLEG's "container finished" (most likely the pod's sync
+    # waiting on the new sidecar's postStart hook process, which the workload had stopped).
+    cid = container_id.split("://", 1)[-1]
+    finished = f'"Generic (PLEG): container finished" podID="{running["metadata"]["uid"]}" containerID="{cid}"'
+    line = kube.wait_for(lambda: next((ln for ln in node.log("kubelet").splitlines() if finished in ln), None),
+                         "the kubelet's PLEG seeing greedy finish", 60, 0.5)
+    assert line.endswith("exitCode=137"), line
+    assert sum(finished in ln for ln in node.log("kubelet").splitlines()) == 1
+    print(f"episode started {started['time']} by {first.metadata.name}; {second.metadata.name} recovered at "
+          f"{recovered['time']}; SIGKILL {kill['time']} after {kill['held_seconds']} s (deadline {deadline} s)")
 
 
 # A container of a pod admitted without a GPU that opens the device the node's runtime planted
@@ -140,7 +300,7 @@ while True:
 
 
 def test_a_container_with_a_gpu_admission_never_saw_is_terminated_as_unaccounted(
-        cluster: ControlPlane, node: Node, tenant_on_node: Tenant, guardian: GuardianProcess) -> None:
+        cluster: ControlPlane, node: Node, tenant_on_node: Tenant, guardian: GuardianDaemonSet) -> None:
     tenant = tenant_on_node
     pod = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": kube.unique("plain")}, "spec": {
         "nodeName": NODE_NAME, "restartPolicy": "Never",
@@ -164,14 +324,16 @@ def test_a_container_with_a_gpu_admission_never_saw_is_terminated_as_unaccounted
                                 f"the guardian's SIGTERM of {name}", timeout=60)
     assert (term["namespace"], term["container"], term["reason"]) == (tenant.namespace, "sneaky", "unaccounted"), term
     assert sneaky in term["sent"] and term["used_bytes"] == 6 * GIB, term
-    assert term["grace_seconds"] == pytest.approx(UNACCOUNTED_GRACE), term
+    # The DaemonSet leaves --unaccounted-grace at its default.
+    assert term["grace_seconds"] == pytest.approx(DEFAULT_GRACE_PERIOD_SECONDS), term
+    assert not term.get("failed"), term
     assert term["why"] and term["cgroup"] == census["cgroup"], term
 
     def terminated() -> dict[str, Any] | None:
         current = get_pod(cluster, tenant.namespace, name)
         return current if "terminated" in (statuses(current)["sneaky"].get("state") or {}) else None
 
-    ended = kube.wait_for(terminated, "sneaky terminated", 60, 0.3)
+    ended = kube.wait_for(terminated, "sneaky terminated", DEFAULT_GRACE_PERIOD_SECONDS + 60, 0.3)
     assert statuses(ended)["sneaky"]["state"]["terminated"]["exitCode"] in (143, 137), statuses(ended)["sneaky"]
     assert process_state(sneaky) == ""
     print(f"unaccounted: {term['why']}; cgroup {term['cgroup']}")
@@ -220,7 +382,7 @@ def _freezer_state(pid: int) -> Callable[[], str]:
 
 
 def test_a_compute_hog_with_a_sigcont_helper_is_held_by_the_guardians_freezer(
-        cluster: ControlPlane, node: Node, tenant_on_node: Tenant, guardian: GuardianProcess) -> None:
+        cluster: ControlPlane, node: Node, tenant_on_node: Tenant, guardian: GuardianDaemonSet) -> None:
     """95 % SM on a 20 % share, the sidecar held stopped and every process of the pod SIGCONTed
     every 5 ms: the guardian's freezer holds the hog (no CPU tick while its cgroup is frozen), and
     it runs while thawed."""
@@ -281,3 +443,54 @@ def test_a_compute_hog_with_a_sigcont_helper_is_held_by_the_guardians_freezer(
     assert "signals sent 100" in container_log(get_pod(cluster, tenant.namespace, name), "helper")
     print(f"frozen samples {len(frozen)} ({watched[0]:.2f} s, 0 ticks), "
           f"thawed samples {len(thawed)} ({sum(thawed)} ticks)")
+
+
+GUARDIAN_JOB = "gpufence/gpufence-node"  # the PodMonitor's namespace/name, as prometheus-operator names its job
+
+
+def test_the_guardians_podmonitor_scrapes_the_daemonsets_pod_on_its_port(
+        cluster: ControlPlane, node: Node, admin: client.ApiClient, guardian: GuardianDaemonSet,
+        tmp_path: Path) -> None:
+    """The monitoring component's PodMonitor gpufence-node, as the job prometheus-operator makes of
+    it, discovering through the API server with a ServiceAccount that may list pods and nothing
+    more: it finds the DaemonSet's pod on the node and scrapes port 9402 at the pod's IP, with the
+    node as `node` (the guardian-down alert joins on it); NVML up and the pod watch synced."""
+    from tests.e2e.binaries import GoMissing, prometheus_with_kubernetes_sd
+    from tests.e2e.node.test_node_monitoring import PROMETHEUS_RBAC
+    from tests.integration.monitor.conftest import monitoring_object
+    from tests.support.prerequisites import missing
+    from tests.support.prometheus import PrometheusServer, podmonitor_job
+    from tests.support.server_process import free_port
+
+    try:
+        binary = prometheus_with_kubernetes_sd()
+    except GoMissing as exc:
+        missing(f"no Prometheus with Kubernetes discovery: {exc}")
+    monitoring = kube.create_namespace(admin, "prometheus", {})
+    cluster.kubectl("-n", monitoring, "create", "serviceaccount", "prometheus")
+    cluster.kubectl("apply", "-f", "-", input=PROMETHEUS_RBAC.replace("NAMESPACE", monitoring))
+    token = tmp_path / "token"
+    token.write_text(cluster.kubectl("create", "token", "prometheus", "-n", monitoring, "--duration", "1h")
+                     .stdout.strip())
+    discovery = {"kubernetes_sd_configs": [{
+        "role": "pod", "api_server": cluster.server, "tls_config": {"ca_file": str(cluster.pki.ca_cert)},
+        "authorization": {"credentials_file": str(token)}}]}
+    podmonitor = monitoring_object("PodMonitor", "gpufence-node")
+    config = {"global": {"scrape_interval": "1s", "scrape_timeout": "1s"},
+              "scrape_configs": [podmonitor_job(podmonitor, sd=discovery, scrape_interval="1s")]}
+    prom = PrometheusServer(tmp_path / "prometheus", free_port())
+    prom.root.mkdir()
+    try:
+        prom.start(config, str(binary))
+        prom.wait_for(f'up{{job="{GUARDIAN_JOB}"}} == 1', 90)
+        pod = guardian.running_pod()
+        (target,) = [t for t in prom.api("targets")["activeTargets"] if t["labels"]["job"] == GUARDIAN_JOB]
+        assert target["labels"]["instance"] == f"{pod.status.pod_ip}:9402", target
+        assert (target["labels"]["namespace"], target["labels"]["pod"], target["labels"]["node"]) == \
+            (NAMESPACE, pod.metadata.name, NODE_NAME), target
+        prom.wait_for(f'gpufence_node_nvml_up{{job="{GUARDIAN_JOB}",node="{NODE_NAME}"}} == 1', 60)
+        prom.wait_for(f'gpufence_node_pods_synced{{job="{GUARDIAN_JOB}",node="{NODE_NAME}"}} == 1', 60)
+    finally:
+        prom.stop()
+        cluster.kubectl("delete", "namespace", monitoring, "--wait=false", check=False)
+        cluster.kubectl("delete", "clusterrolebinding,clusterrole", "gpufence-test-prometheus", check=False)

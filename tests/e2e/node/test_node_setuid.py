@@ -21,7 +21,7 @@ from gpufence.contract import SIDECAR_NAME
 from tests.e2e import kube
 from tests.e2e.controlplane import ControlPlane
 from tests.e2e.tenant import Tenant
-from tests.node.guardian import POLL_INTERVAL, GuardianProcess
+from tests.node.guardian import POLL_INTERVAL, GuardianDaemonSet
 from tests.node.images import GPUFENCE_IMAGE, SETUID_ROOT_PYTHON
 from tests.node.node import Node
 from tests.node.simruntime import PLANTED_DEVICE_ENV
@@ -115,9 +115,9 @@ def test_a_setuid_root_binary_stays_uid_1000_and_the_uid_1000_sidecar_terminates
 
 def test_a_setuid_root_process_beside_a_uid_1000_sidecar_is_terminated_by_the_guardian(
         cluster: ControlPlane, node: Node, sim: Node, tenant_at_level: Callable[[str | None], Tenant],
-        guardian: GuardianProcess) -> None:
+        guardian: GuardianDaemonSet) -> None:
     """Issue 39's row "a setuid-root process beside a non-root sidecar over its share is
-    terminated", with the node guardian (a host process, tests/node/guardian.py).
+    terminated", with the node guardian (the shipped DaemonSet, tests/node/guardian.py).
 
     Which path still gives a root process beside a uid-1000 sidecar: the webhook sets
     ``allowPrivilegeEscalation: false`` on every GPU container wherever the sidecar is not root

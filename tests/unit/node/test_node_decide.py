@@ -252,6 +252,31 @@ def test_a_restored_episode_keeps_its_deadline_and_its_sigterm() -> None:
     assert action is Action.SIGKILL
 
 
+def test_a_restored_episode_waits_for_the_pods_list_and_keeps_its_deadline() -> None:
+    """A guardian restarted mid-grace sees its pods' processes as pending until its first list: the
+    episode it took over is neither ended (that would start a new grace period after the list) nor
+    acted on meanwhile; once listed, it is SIGKILLed at the first guardian's deadline, once."""
+    engine = NodeEngine()
+    idx = index(pod(cfg=EIGHT))
+    over = [proc(10, TRAIN, 9 * GIB)]
+    (episode,) = engine.step(100.0, over, {0: 80 * GIB}, idx).step.started
+    restarted = NodeEngine()
+    restarted.backstop.restore([episode])
+    not_listed = PodIndex.of([], ())
+    for now in (105.0, 111.0, 112.0):  # past its deadline (111.5) too: nothing on a view it does not have
+        result = restarted.step(now, over, {0: 80 * GIB}, not_listed)
+        assert [e.standing for e in result.census] == [Standing.PENDING]
+        assert not result.step.actions and not result.step.ended and not result.step.started
+    ((action, killed),) = restarted.step(112.5, over, {0: 80 * GIB}, idx).step.actions
+    assert action is Action.SIGKILL and (killed.started, killed.kill_at) == (100.0, 100.0 + 10 + 0.5 + 1.0)
+    assert not restarted.step(113.0, over, {0: 80 * GIB}, idx).step.actions
+    # Where the list shows the breach over, the episode ends as before.
+    again = NodeEngine()
+    again.backstop.restore([episode])
+    assert again.step(105.0, over, {0: 80 * GIB}, not_listed).step.ended == ()
+    assert len(again.step(106.0, [proc(10, TRAIN, GIB)], {0: 80 * GIB}, idx).step.ended) == 1
+
+
 def test_compute_over_share_gives_a_freezer_target_at_the_cores_run_fraction() -> None:
     engine = NodeEngine(compute_window_seconds=2.0, compute_period_seconds=0.5)
     idx = index(pod(cfg=EIGHT))
