@@ -25,7 +25,7 @@ import pytest
 import yaml
 
 from gpufence.contract import ContainerShare, EnforcerConfig, MemoryShare
-from gpufence.monitor.model import UnaccountedRow
+from gpufence.monitor.model import ForeignRow, UnaccountedRow
 from gpufence.monitor.sources import prometheus_view
 from tests.deploy.test_alerts import rule_groups
 from tests.integration.monitor.conftest import monitoring_object
@@ -177,6 +177,7 @@ def test_an_unaccounted_gpu_process_alerts_and_shows_in_top(gpu: GpuSandbox, bed
         view = prometheus_view(prom.url)
         assert view.errors == ()
         assert view.unaccounted == (UnaccountedRow(NODE, "team-a", "plain", "app", 1, 6 * GIB),)
+        assert view.foreign == ()  # nothing of other namespaces or of the host here
         assert prometheus_view(prom.url, namespace="team-b").unaccounted == ()
 
         # A stopped guardian: its scrapes time out (up 0), GpufenceNodeGuardianDown goes pending for
@@ -246,6 +247,10 @@ def test_other_namespaces_host_and_admin_allowed_processes_show_and_alert(gpu: G
         view = prometheus_view(prom.url)
         assert view.errors == () and view.unaccounted == ()
         assert view.admin_allowed == (UnaccountedRow(NODE, "gpu-operator", "exporter", "dcgm", 1, 3 * GIB),)
+        assert view.foreign == (ForeignRow(NODE, other_namespace=1, host=1, admitted=1),)
+        assert prometheus_view(prom.url, node=NODE).foreign == view.foreign
+        # -n narrows to a workload namespace: the node's counts are no namespace's.
+        assert prometheus_view(prom.url, namespace="team-a").foreign == ()
 
         for name in ("GpufenceUnaccountedGpuProcess", "GpufenceNodeGuardianActed", "GpufenceNodeGuardianErrors"):
             assert prom.query(f'ALERTS{{alertname="{name}"}}') == [], name
