@@ -90,6 +90,8 @@ def sidecar_resource_use(spec: dict[str, Any], exempt: str, port: int, port_name
                 continue
             for j, mount in enumerate(container.get("volumeMounts") or ()):
                 volume = mount.get("name")
+                if volume not in own_volumes and volume not in read_only_volumes:
+                    continue  # nearly every mount: no message to format
                 where = f"spec.{key}[{i}].volumeMounts[{j}]"
                 if volume in own_volumes:
                     return (
