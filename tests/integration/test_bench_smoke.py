@@ -43,4 +43,5 @@ def test_mutation_core_runs() -> None:
     done = _run("bench.mutation_core", "--repeats", "1", "--budget", "0.005", "--no-write")
     assert done.returncode == 0, done.stderr
     assert "| typical (3 containers, 30 env, volumes) |" in done.stdout
+    assert "| typical, as stored, to verify (/validate) | " in done.stdout and "| verified |" in done.stdout
     assert "Decision log: the server's `_answer`" in done.stdout
