@@ -83,11 +83,12 @@ def write_section(name: str, title: str, body: str, *, command: str | None = Non
 @contextlib.contextmanager
 def floor_server(pki: LocalPKI, response_file: Path, *, cpus: set[int] | None = None,
                  log_path: Path | None = None,
-                 validate_response_file: Path | None = None) -> Iterator[tuple[subprocess.Popen[bytes], int]]:
+                 validate_response_file: Path | None = None,
+                 event_loop: str = "auto") -> Iterator[tuple[subprocess.Popen[bytes], int]]:
     port = free_port()
     argv = [sys.executable, "-m", "bench.floor_server", "--port", str(port), "--tls-cert-file",
             str(pki.volume.cert_file), "--tls-private-key-file", str(pki.volume.key_file),
-            "--response-file", str(response_file)]
+            "--response-file", str(response_file), "--event-loop", event_loop]
     if validate_response_file is not None:
         argv += ["--validate-response-file", str(validate_response_file)]
     with serve(argv, port, cpus, log_path) as proc:

@@ -14,7 +14,9 @@ Three servers run side by side for the whole run, each pinned to the same CPU (t
   request, as gpufence does); on /validate it decodes the same envelope and answers allowed;
 - **floor**: ``bench.floor_server``, a bare aiohttp TLS endpoint that reads the body and answers
   gpufence's own answer for it, canned: what aiohttp and TLS cost per request in this process model,
-  so ``gpufence - floor`` is gpufence's admission work itself.
+  so ``gpufence - floor`` is gpufence's admission work itself. Both run on the webhook's default
+  event loop (uvloop where it imports); **floor, asyncio loop** is the same floor on asyncio's own
+  loop, what the event loop saves.
 
 The bodies are the typical training pod (``tests.support.sample_pods.typical_pod``) as the API server
 sends it to /mutate, and the same pod as gpufence stores it (its patch applied) to /validate, where
@@ -66,7 +68,7 @@ from tests.support.tlsutil import LocalPKI, make_pki
 
 TARGET_RATIO = 2.0  # gpufence's CPU per request over the Go reference's, at most
 _TICKS = os.sysconf("SC_CLK_TCK")
-SERVERS = ("gpufence", "gpufence, one template", "go reference", "floor")
+SERVERS = ("gpufence", "gpufence, one template", "go reference", "floor", "floor, asyncio loop")
 DISTINCT_PODS = 2048  # four times the memo's entries (webhook.verdicts.DEFAULT_ENTRIES)
 TEMPLATE_PODS = 64
 PATHS = ("/mutate", "/validate")
@@ -194,9 +196,12 @@ def measure(repeats: int, duration: float) -> dict[str, Any]:
         with gpufence_server(pki, cpus=server_cpus) as (gpufence, gf_port), \
                 reference_server(pki, files["ref-patch.json"], cpus=server_cpus) as (ref, ref_port), \
                 floor_server(pki, files["mutate-answer.json"], cpus=server_cpus,
-                             validate_response_file=files["validate-answer.json"]) as (floor, floor_port):
+                             validate_response_file=files["validate-answer.json"]) as (floor, floor_port), \
+                floor_server(pki, files["mutate-answer.json"], cpus=server_cpus,
+                             validate_response_file=files["validate-answer.json"],
+                             event_loop="asyncio") as (asyncio_floor, asyncio_floor_port):
             servers = {"gpufence": (gpufence.pid, gf_port), "go reference": (ref.pid, ref_port),
-                       "floor": (floor.pid, floor_port)}
+                       "floor": (floor.pid, floor_port), "floor, asyncio loop": (asyncio_floor.pid, asyncio_floor_port)}
             check_answers({"gpufence": gf_port, "go reference": ref_port}, prepared, pki.ca_file)
             servers["gpufence, one template"] = servers["gpufence"]
             for n in range(repeats + 1):  # the first round warms the servers up and is dropped
@@ -237,8 +242,9 @@ def render(m: dict[str, Any], repeats: int, duration: float) -> tuple[str, dict[
             f"(target <= {TARGET_RATIO:g}): **{verdict}** (round by round {' / '.join(f'{x:.1f}' for x in paired)}, "
             f"median {median(paired):.2f}); gpufence's admission work beyond the aiohttp floor "
             f"{med['gpufence'] - med['floor']:.0f} µs (gpufence {med['gpufence']:.0f} - floor {med['floor']:.0f}); "
-            f"the floor alone is {med['floor'] / med['go reference']:.2f} x the Go reference; one template: "
-            f"gpufence / Go reference **{med['gpufence, one template'] / med['go reference']:.2f}**")
+            f"the floor alone is {med['floor'] / med['go reference']:.2f} x the Go reference (on asyncio's loop "
+            f"{med['floor, asyncio loop']:.0f} µs, {med['floor, asyncio loop'] / med['go reference']:.2f} x); "
+            f"one template: gpufence / Go reference **{med['gpufence, one template'] / med['go reference']:.2f}**")
     body = table(["path", "server", "CPU µs per request (median)", "runs"], rows)
     return (f"{body}\n\n{repeats} rounds of closed-loop runs of {duration:g} s per server and path (8 keep-alive "
             f"connections, servers rotated round by round, a first warm-up round dropped), typical training pod "

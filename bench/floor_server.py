@@ -1,14 +1,15 @@
 """The floor: a bare aiohttp TLS endpoint answering every POST with a canned AdmissionReview.
 
     python -m bench.floor_server --port P --tls-cert-file F --tls-private-key-file F --response-file F
-                                 [--validate-response-file F]
+                                 [--validate-response-file F] [--event-loop auto|uvloop|asyncio]
 
 It reads the request body (as any server must, to keep the connection usable) and returns the
 bytes of ``--response-file`` (on /validate those of ``--validate-response-file`` where given) as
 ``application/json``: no JSON decoding, no review, no metrics, no
 middleware. Same TLS policy (TLS >= 1.2, ALPN http/1.1), same listener construction
 (``loop.create_server(runner.server, ssl=...)``) and keep-alive as gpufence's server, so the
-difference between the two is what gpufence does per request. Benchmark use only.
+difference between the two is what gpufence does per request; the same event loop as the webhook's
+``--event-loop`` (auto: uvloop where it imports). Benchmark use only.
 """
 
 from __future__ import annotations
@@ -20,6 +21,8 @@ import ssl
 from collections.abc import Awaitable, Callable
 
 from aiohttp import web
+
+from gpufence.webhook.cli import event_loop_factory
 
 
 def make_app(canned: bytes, validate_canned: bytes | None = None) -> web.Application:
@@ -66,6 +69,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tls-private-key-file", required=True)
     parser.add_argument("--response-file", required=True)
     parser.add_argument("--validate-response-file", help="the answer on /validate (default: --response-file's)")
+    parser.add_argument("--event-loop", choices=("auto", "uvloop", "asyncio"), default="auto",
+                        help="as the webhook's --event-loop")
     args = parser.parse_args(argv)
     with open(args.response_file, "rb") as f:
         canned = f.read()
@@ -73,7 +78,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.validate_response_file:
         with open(args.validate_response_file, "rb") as f:
             validate_canned = f.read()
-    asyncio.run(serve(args.port, args.tls_cert_file, args.tls_private_key_file, canned, args.host, validate_canned))
+    with asyncio.Runner(loop_factory=event_loop_factory(args.event_loop)) as runner:
+        runner.run(serve(args.port, args.tls_cert_file, args.tls_private_key_file, canned, args.host,
+                         validate_canned))
     return 0
 
 

@@ -16,7 +16,7 @@ import logging
 import os
 import signal
 import ssl
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from gpufence import version_line
@@ -156,6 +156,21 @@ def _custom_objects(core_api: Any) -> Any:
     return client.CustomObjectsApi(core_api.api_client)
 
 
+def event_loop_factory(choice: str) -> Callable[[], asyncio.AbstractEventLoop] | None:
+    """The loop ``--event-loop`` names (None: asyncio's own). ``auto`` takes uvloop where it imports
+    (a platform without its wheel runs on asyncio's loop, which serves the same); ``uvloop`` without
+    it is a ValueError, a start-up failure naming it."""
+    if choice == "asyncio":
+        return None
+    try:
+        import uvloop
+    except ImportError as exc:
+        if choice == "uvloop":
+            raise ValueError(f"--event-loop uvloop: uvloop cannot be imported ({exc})") from None
+        return None
+    return uvloop.new_event_loop
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     setup_logging(args.log_level)
@@ -166,7 +181,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     from gpufence.webhook.cluster.namespaces import ClusterConfigurationError
 
     try:
-        asyncio.run(run(args))
+        with asyncio.Runner(loop_factory=event_loop_factory(args.event_loop)) as runner:
+            runner.run(run(args))
     except ClusterConfigurationError as exc:  # in a pod without its service account: never "all opted in"
         log_event(log, "startup_failed", logging.ERROR, error=str(exc), missing=exc.missing)
         return 1

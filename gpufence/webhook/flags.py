@@ -214,6 +214,9 @@ SERVER_FLAGS: tuple[Flag, ...] = (
          "kubeconfig for the namespace and policy watches (default: in-cluster, then ~/.kube/config; "
          "neither: all namespaces opted in outside a cluster, and a refusal to start in one)"),
     Flag("log-level", choice("debug", "info", "warning", "error"), "info", "log level"),
+    Flag("event-loop", choice("auto", "uvloop", "asyncio"), "auto",
+         "the event loop: uvloop (libuv; less CPU per request), asyncio (the standard library's), or auto: "
+         "uvloop where it can be imported, else asyncio"),
     Flag("shutdown-delay", duration(0, 60), 5.0,
          "after SIGTERM, keep serving this long with /readyz failing so endpoints drop the replica first"),
     Flag("policy-configmap", namespaced_name, None,

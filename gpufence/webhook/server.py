@@ -551,7 +551,7 @@ async def serve(settings: InjectionSettings | ClusterPolicy, namespaces: Namespa
                      nodes=nodes)
     running = await start_server(app, host=host, port=port)
     log_event(log, "serving", address=host, port=running.port, serial=format(reloader.cert.serial_number, "x"),
-              version=__version__)
+              version=__version__, event_loop=type(asyncio.get_running_loop()).__module__.split(".")[0])
     try:
         await stop.wait()
         if limits.shutdown_delay > 0:

@@ -69,6 +69,7 @@ class _Entry:
     envelope: dict[str, Any]  # the AdmissionReview answered, whose response's uid is replaced
     response: dict[str, Any]
     patch: bytes | None = None  # the patch's JSON with the placeholder for the token volume's name
+    raw_patch: bytes | None = None  # the patch's JSON where it names no token volume (else None)
 
 
 def _token_volume(pod: Any) -> str | None:
@@ -228,10 +229,11 @@ class VerdictCache:
             self._memo.move_to_end(key)
             self._count(judge, "hit")
             response = {"uid": request["uid"], **entry.response}
+            patch = entry.raw_patch
             if entry.patch is not None:
                 patch = entry.patch.replace(_PLACEHOLDER, b'"' + token_json + b'"')
                 response["patch"] = base64.b64encode(patch).decode("ascii")
-            return ReviewResult(review={**entry.envelope, "response": response}, outcome=entry.outcome)
+            return ReviewResult(review={**entry.envelope, "response": response}, outcome=entry.outcome, patch=patch)
         self._count(judge, "miss")
         result = judge(payload, settings, namespace, recorded, snapshot)
         if namespace.strayed or (recorded is not None and recorded.read):
@@ -241,13 +243,14 @@ class VerdictCache:
         template: bytes | None = None
         if token is not None:
             # The answer may name the token volume only where the patch copies it: nowhere else.
-            patch = base64.b64decode(response["patch"]) if "patch" in response else b""
+            patch = result.patch or b""
             rest = canonical({k: v for k, v in response.items() if k != "patch"}) or token_json
             if token_json in rest or not _only_whole(patch, token_json) or _PLACEHOLDER in patch:
                 return result
             if "patch" in response:
                 template = patch.replace(b'"' + token_json + b'"', _PLACEHOLDER)
-        self._memo[key] = _Entry(result.outcome, envelope, response, template)
+        self._memo[key] = _Entry(result.outcome, envelope, response, template,
+                                 result.patch if template is None else None)
         if len(self._memo) > self.entries:
             self._memo.popitem(last=False)
         return result

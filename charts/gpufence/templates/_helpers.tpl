@@ -57,7 +57,7 @@ gpu-resource-name exclusive-gpu-resource-name non-gpu-resource-claims dra-gpu-dr
 {{- /* The webhook's other flags, which webhook.flags may set (the chart sets port, the TLS files
 and --policy-configmap itself). */ -}}
 {{- define "gpufence.serverFlags" -}}
-bind-address cert-reload-interval kubeconfig log-level shutdown-delay
+bind-address cert-reload-interval kubeconfig log-level shutdown-delay event-loop
 {{- end -}}
 
 {{- /*

@@ -60,6 +60,9 @@ class InvalidReview(ValueError):
 class ReviewResult:
     review: dict[str, Any]  # the AdmissionReview to answer with
     outcome: str  # "mutated" | "unchanged" | "denied" | "skipped"
+    # The JSON Patch the review carries (base64 in ``review``), as bytes: for readers that would
+    # otherwise decode it again (verify, the memo of verdicts).
+    patch: bytes | None = None
 
 
 def review(payload: Any, settings: InjectionSettings, namespaces: NamespaceLookup,
@@ -100,7 +103,7 @@ def verify(payload: Any, settings: InjectionSettings, namespaces: NamespaceLooku
         return _result(uid, OUTCOME_REFUSED, [], denied=VERIFY_PREFIX + response["status"]["message"])
     if result.outcome != OUTCOME_MUTATED:
         return _result(uid, OUTCOME_VERIFIED if result.outcome == OUTCOME_UNCHANGED else OUTCOME_SKIPPED, [])
-    changed = sorted({op["path"] for op in loads(base64.b64decode(response["patch"]))})
+    changed = sorted({op["path"] for op in loads(result.patch or b"[]")})
     shown = ", ".join(changed[:8]) + (f" and {len(changed) - 8} more" if len(changed) > 8 else "")
     return _result(uid, OUTCOME_REFUSED, [], denied=(
         "gpufence: the pod differs from what gpufence admits at "
@@ -151,7 +154,8 @@ def _result(
     if warnings:
         shown = [w if len(w) <= MAX_WARNING_LENGTH else w[: MAX_WARNING_LENGTH - 3] + "..." for w in warnings]
         response["warnings"] = list(dict.fromkeys(shown))[:MAX_WARNINGS]
-    return ReviewResult(review={"apiVersion": API_VERSION, "kind": KIND, "response": response}, outcome=outcome)
+    return ReviewResult(review={"apiVersion": API_VERSION, "kind": KIND, "response": response}, outcome=outcome,
+                        patch=patch if denied is None and patch else None)
 
 
 def _dict(value: Any) -> dict[str, Any]:

@@ -77,6 +77,9 @@ MEMORY_FILESYSTEMS = ("/dev/shm", "/dev/hugepages", "/dev/mqueue")
 # A hostPath of /dev/null is refused above, but one of a symlink the node has to /dev/null is not
 # seen here, so no container of an opted-in namespace may mount anything there.
 TOOLKIT_MOUNT_ROOT = "/var/run/nvidia-container-devices"
+# A path that cleans to one under TOOLKIT_MOUNT_ROOT holds its last component as written: cleaning only
+# drops components. Checked first, it spares cleaning every other mount of every container.
+_TOOLKIT_MOUNT_NAME = TOOLKIT_MOUNT_ROOT.rsplit("/", 1)[1]
 
 
 def _normal(path: str) -> str:
@@ -156,7 +159,8 @@ def _toolkit_mount_denial(spec: dict[str, Any], namespace: str, how: str, advice
         mounts = container.get("volumeMounts")
         for j, mount in enumerate(mounts if isinstance(mounts, list) else ()):
             target = mount.get("mountPath") if isinstance(mount, dict) else None
-            if isinstance(target, str) and _clean(target).startswith(TOOLKIT_MOUNT_ROOT):
+            if isinstance(target, str) and _TOOLKIT_MOUNT_NAME in target \
+                    and _clean(target).startswith(TOOLKIT_MOUNT_ROOT):
                 return (
                     f"container {quote(container.get('name'))} mounts volume {quote(mount.get('name'))} at "
                     f"{quote(target)} (spec.{key}[{i}].volumeMounts[{j}].mountPath): the NVIDIA container "
@@ -218,8 +222,14 @@ DEVICE_ANNOTATIONS: tuple[tuple[str, str], ...] = (
 )
 
 
+_DEVICE_DOMAINS = frozenset(domain for domain, _ in DEVICE_ANNOTATIONS)
+_DEVICE_PREFIXES = tuple(domain + "/" for domain, _ in DEVICE_ANNOTATIONS)
+
+
 def device_annotation(key: str) -> str | None:
     """What turns annotation ``key`` into device access (``DEVICE_ANNOTATIONS``), or None."""
+    if key not in _DEVICE_DOMAINS and not key.startswith(_DEVICE_PREFIXES):
+        return None  # every annotation of nearly every pod: one lookup and one C call
     for domain, reader in DEVICE_ANNOTATIONS:
         if key == domain or key.startswith(domain + "/"):
             return reader

@@ -90,6 +90,8 @@ def sidecar_resource_use(spec: dict[str, Any], exempt: str, port: int, port_name
                 continue
             for j, mount in enumerate(container.get("volumeMounts") or ()):
                 volume = mount.get("name")
+                if volume not in own_volumes and volume not in read_only_volumes:
+                    continue  # nearly every mount: no message to format
                 where = f"spec.{key}[{i}].volumeMounts[{j}]"
                 if volume in own_volumes:
                     return (
@@ -273,6 +275,11 @@ def _check_env(env: Any, where: str) -> None:
 
 def _check_mounts(mounts: Any, where: str) -> None:
     for j, mount in enumerate(_check_list(mounts, where)):
+        if type(mount) is dict:  # the decoder's types, checked without formatting a field's name
+            name, path, read_only = mount.get("name"), mount.get("mountPath"), mount.get("readOnly")
+            if (name is None or type(name) is str) and (path is None or type(path) is str) \
+                    and (read_only is None or type(read_only) is bool):
+                continue
         if not isinstance(mount, dict):
             raise _bad(f"{where}[{j}]", "an object")
         _check_strings(mount, ("name", "mountPath"), f"{where}[{j}]")

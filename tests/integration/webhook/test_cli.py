@@ -153,11 +153,12 @@ def outside_cluster_env(tmp_path: Path) -> dict[str, str]:
     return env
 
 
-async def test_process_serves_outside_a_cluster_and_stops_on_sigterm(pki: LocalPKI, tmp_path: Path):
+@pytest.mark.parametrize("event_loop", ["uvloop", "asyncio"])
+async def test_process_serves_outside_a_cluster_and_stops_on_sigterm(pki: LocalPKI, tmp_path: Path, event_loop: str):
     proc = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "gpufence.webhook", "--port=0", "--bind-address=127.0.0.1", "--shutdown-delay=2s",
         f"--tls-cert-file={pki.volume.cert_file}", f"--tls-private-key-file={pki.volume.key_file}",
-        env=outside_cluster_env(tmp_path), cwd=REPO, stderr=asyncio.subprocess.PIPE)
+        f"--event-loop={event_loop}", env=outside_cluster_env(tmp_path), cwd=REPO, stderr=asyncio.subprocess.PIPE)
     assert proc.stderr is not None
     lines: list[dict] = []
     try:
@@ -167,6 +168,7 @@ async def test_process_serves_outside_a_cluster_and_stops_on_sigterm(pki: LocalP
                 assert raw, f"process exited early: {lines}"
                 lines.append(json.loads(raw))  # every line is one JSON object
         port = next(entry["port"] for entry in lines if entry["event"] == "serving")
+        assert next(entry["event_loop"] for entry in lines if entry["event"] == "serving") == event_loop
         assert any("namespace defaults are off" in entry.get("message", "") for entry in lines)
 
         connector = aiohttp.TCPConnector(ssl=pki.client_context())
@@ -197,6 +199,41 @@ async def test_process_serves_outside_a_cluster_and_stops_on_sigterm(pki: LocalP
         if proc.returncode is None:
             proc.kill()
             await proc.wait()
+
+
+def _without_uvloop(tmp_path: Path) -> dict[str, str]:
+    """The environment of a platform where uvloop cannot be imported (no wheel for it)."""
+    shadow = tmp_path / "no-uvloop"
+    shadow.mkdir()
+    (shadow / "uvloop.py").write_text('raise ImportError("no uvloop wheel for this platform")\n')
+    env = outside_cluster_env(tmp_path)
+    env["PYTHONPATH"] = f"{shadow}:{env['PYTHONPATH']}"
+    return env
+
+
+async def test_without_uvloop_auto_serves_on_asyncio_and_uvloop_refuses_to_start(pki: LocalPKI, tmp_path: Path):
+    env = _without_uvloop(tmp_path)
+    tls = (f"--tls-cert-file={pki.volume.cert_file}", f"--tls-private-key-file={pki.volume.key_file}")
+    refused = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "gpufence.webhook", "--port=0", "--bind-address=127.0.0.1", *tls,
+        "--event-loop=uvloop", env=env, cwd=REPO, stderr=asyncio.subprocess.PIPE)
+    _, err = await asyncio.wait_for(refused.communicate(), 20)
+    assert refused.returncode == 1
+    failed = [json.loads(line) for line in err.decode().splitlines() if '"startup_failed"' in line]
+    assert failed and "--event-loop uvloop: uvloop cannot be imported" in failed[0]["error"], err
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "gpufence.webhook", "--port=0", "--bind-address=127.0.0.1", "--shutdown-delay=0",
+        *tls, env=env, cwd=REPO, stderr=asyncio.subprocess.PIPE)
+    assert proc.stderr is not None
+    try:
+        async with asyncio.timeout(20):
+            while (raw := await proc.stderr.readline()) and json.loads(raw)["event"] != "serving":
+                pass
+        assert raw, "the process exited before serving"
+        assert json.loads(raw)["event_loop"] == "asyncio"
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        assert await asyncio.wait_for(proc.wait(), 30) == 0
 
 
 async def test_process_rejects_a_bad_flag(tmp_path: Path):

@@ -23,7 +23,22 @@ from tests.support.sample_pods import admission_review, small_pod
 from tests.support.server_process import gpufence_server
 from tests.support.tlsutil import FAST_LIMITS, LocalPKI, Webhook, running_webhook
 
-pytestmark = pytest.mark.timeout(60)
+pytestmark = [
+    pytest.mark.timeout(60),
+    # pytest-asyncio's replacement (a conftest hook) would give every test of the folder a loop parameter;
+    # this fixture is the one module's.
+    pytest.mark.filterwarnings("ignore:Overriding the \"event_loop_policy\" fixture is deprecated"),
+]
+
+
+@pytest.fixture(params=["asyncio", "uvloop"])
+def event_loop_policy(request: pytest.FixtureRequest) -> asyncio.AbstractEventLoopPolicy:
+    """Every bound on both event loops the webhook runs on (``--event-loop``: uvloop where it imports)."""
+    if request.param == "uvloop":
+        import uvloop
+
+        return uvloop.EventLoopPolicy()
+    return asyncio.DefaultEventLoopPolicy()
 
 SLACK = 2.0  # scheduling slack on a shared 2-core machine; the defaults would be 10-75 s
 # Longer bounds for the crowd of stalled clients, so that the clients served meanwhile are served

@@ -92,6 +92,9 @@ def test_every_golden_answered_again_is_answered_as_the_review_answers(case: str
     got = cache.judge(judge, second, settings, lookup, dra_objects(case))
     assert got == judge(second, settings, lookup, dra_objects(case))
     assert got.review["response"]["uid"] == "uid-2"
+    # The patch's bytes beside its base64, for readers that would decode it again: the same patch.
+    response = got.review["response"]
+    assert got.patch == (base64.b64decode(response["patch"]) if "patch" in response else None)
     assert cache.hits == len(cache) == (0 if dra_objects(case) is not None and "laims" in str(pod) else 1)
 
 
