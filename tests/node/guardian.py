@@ -41,6 +41,7 @@ import json
 import shutil
 import subprocess
 import threading
+import urllib.request
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -67,6 +68,7 @@ POD_LOGS = Path("/var/log/pods")
 # The DaemonSet's defaults, which the tests hold the guardian to (gpufence/node/cli.py): it runs
 # with the manifest's args only.
 POLL_INTERVAL = 0.5
+METRICS_PORT = 9402
 START_TIMEOUT = 180.0
 STOP_TIMEOUT = 120.0
 
@@ -216,6 +218,26 @@ class GuardianDaemonSet:
         except AssertionError:
             raise AssertionError(f"gpufence-node did not start: {self._describe()}\n{self.tail()}"
                                  f"\nkubelet: {self.node.log('kubelet')[-3000:]}") from None
+
+    def metric(self, name: str, pod: client.V1Pod | None = None) -> float | None:
+        """One unlabelled sample of the running pod's metrics (port 9402 at its pod IP, as the
+        PodMonitor scrapes it); None when absent."""
+        pod = pod or self.running_pod()
+        with urllib.request.urlopen(f"http://{pod.status.pod_ip}:{METRICS_PORT}/metrics", timeout=5) as resp:
+            text = resp.read().decode()
+        for line in text.splitlines():
+            key, _, value = line.rpartition(" ")
+            if key == name:
+                return float(value)
+        return None
+
+    def wait_polls(self, polls: int, timeout: float) -> None:
+        """Until the running guardian has completed ``polls`` more polls (its poll-duration count)."""
+        name = "gpufence_node_poll_duration_seconds_count"
+        pod = self.running_pod()
+        first = self.metric(name, pod) or 0
+        kube.wait_for(lambda: (self.metric(name, pod) or 0) >= first + polls,
+                      f"{polls} polls of the guardian", timeout, interval=0.2)
 
     def host_pid(self, pod: client.V1Pod) -> int:
         """The host PID of the guardian's process (its container's init: the DaemonSet's command)."""

@@ -30,6 +30,7 @@ import signal
 import subprocess
 import tempfile
 import time
+import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -129,6 +130,30 @@ class Node:
                 return c.log_tail(20000)
         return ""
 
+    def restart_kubelet(self) -> int:
+        """Stops the kubelet (SIGTERM: it exits, the containers go on under containerd, as when
+        systemd restarts a kubelet) and starts it again with the same flags, its log appended to the
+        first one's; returns once the new one answers its health check, with the offset of its
+        first line in the log (``log_since``)."""
+        index, old = next((i, c) for i, c in enumerate(self.components) if c.name == "kubelet")
+        old.stop()
+        offset = old.log.stat().st_size
+        argv = [str(a) for a in old.process.args]
+        with open(old.log, "ab") as out:
+            process = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                       start_new_session=True)
+        self.components[index] = Component("kubelet", process, old.log)
+        port = yaml.safe_load((self.workdir / "kubelet.yaml").read_text())["healthzPort"]
+        _wait("the restarted kubelet's health check", lambda: _healthy(port), self)
+        return offset
+
+    def log_since(self, component: str, offset: int) -> str:
+        """The component's log from byte ``offset`` on."""
+        log = next(c.log for c in self.components if c.name == component)
+        with open(log, "rb") as f:
+            f.seek(offset)
+            return f.read().decode(errors="replace")
+
     def stop(self) -> None:
         # The kubelet first (it would restart what we stop), then every container containerd
         # still runs (pods the tests left), then containerd, then what the node set up on the host.
@@ -174,6 +199,14 @@ def _unmount_below(directory: Path) -> None:
         points = [line.split()[1] for line in mounts if line.split()[1].startswith(prefix)]
     for point in sorted(points, key=len, reverse=True):
         subprocess.run(["umount", "-l", point], capture_output=True)
+
+
+def _healthy(port: int) -> bool:
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=2) as resp:
+            return resp.read().strip() == b"ok"
+    except OSError:
+        return False
 
 
 def _wait(what: str, condition, node: Node | None = None, timeout: float = STARTUP_TIMEOUT_S) -> None:

@@ -43,6 +43,7 @@ from tests.support.enforcer_harness import GpuSandbox
 pytestmark = pytest.mark.timeout(300)  # a 60 s measurement, a window to start, a settle time
 
 HERE = pathlib.Path(__file__).resolve().parent
+SAMPLER = HERE.parents[1] / "support" / "sm_sampler.py"
 GIB = 1 << 30
 SHARE = 20
 BOUND = 5  # percentage points of SM, absolute
@@ -68,10 +69,10 @@ def test_a_compute_hog_is_held_to_its_share_and_a_sigcont_helper_changes_nothing
     try:
         wait_polls(g, 20, timeout=60)  # two windows of the controller (10 s at 0.5 s polls)
         sampler = subprocess.Popen(
-            [sys.executable, str(HERE / "sm_sampler.py"), str(SECONDS), "0.02", *(str(h.pid) for h in hogs.values())],
+            [sys.executable, str(SAMPLER), str(SECONDS), "0.02", *(str(h.pid) for h in hogs.values())],
             env=gpu.env(), stdout=subprocess.PIPE, text=True,
         )
-        out, _ = sampler.communicate(timeout=SECONDS + 60)
+        out, _ = sampler.communicate(timeout=3 * SECONDS + 120)  # it gives up after 2 * SECONDS + 60
         assert sampler.returncode == 0, out
         assert blaster.poll() is None  # the helper kept sending all along
     finally:
@@ -80,7 +81,7 @@ def test_a_compute_hog_is_held_to_its_share_and_a_sigcont_helper_changes_nothing
     means = {name: json.loads(out.splitlines()[-1])[str(h.pid)] for name, h in hogs.items()}
     print(f"\nmean SM over {SECONDS:g} s on a {SHARE} % share: {means}")
     for name, m in means.items():
-        assert m["seconds"] >= 0.9 * SECONDS and m["reads"] >= 100, (name, m)
+        assert m["seconds"] >= SECONDS and m["reads"] >= 100, (name, m)
         assert abs(m["mean"] - SHARE) <= BOUND, f"{name}: mean SM {m['mean']:.1f} % on a {SHARE} % share"
     assert abs(means["blasted"]["mean"] - means["calm"]["mean"]) <= BOUND
     # The helper's signals reached the hog (each handler ran once the hog was thawed), and held nothing.

@@ -4,10 +4,15 @@ the guardian, and prints each process's time-weighted mean.
     python sm_sampler.py SECONDS INTERVAL PID...   (with the simulated driver's environment)
 
 Prints ``sampling``, then reads ``nvmlDeviceGetProcessUtilization`` on every device every INTERVAL
-seconds for SECONDS, then prints one JSON line: ``{"<pid>": {"mean": %, "seconds": s, "reads": n}}``.
-Each of the driver's readings is the process's mean since the previous read by this process, so the
-readings weighted by the time between them add up to the use over the whole span, whatever the
-cadence the load gives this loop; the first reading (the use at an instant) only starts the span."""
+seconds until each PID's readings span SECONDS, then prints one JSON line:
+``{"<pid>": {"mean": %, "seconds": s, "reads": n}}``. Each of the driver's readings is the process's
+mean since the previous read by this process, so the readings weighted by the time between them add
+up to the use over the whole span, whatever the cadence the load gives this loop; the first reading
+(the use at an instant) only starts the span. The span is counted, not the wall time, so a loop the
+load holds back reads longer instead of covering less; a PID the driver stops listing is given up
+on after twice SECONDS and a minute (its span then says how much was covered).
+
+Used by the integration test of the guardian's freezer and by the node bed's (``tests/e2e/node``)."""
 
 from __future__ import annotations
 
@@ -28,8 +33,8 @@ def main() -> None:
     reads = dict.fromkeys(pids, 0)
     last: dict[int, float] = {}
     print("sampling", flush=True)
-    end = time.monotonic() + seconds
-    while time.monotonic() < end:
+    give_up = time.monotonic() + 2 * seconds + 60
+    while min(span.values()) < seconds and time.monotonic() < give_up:
         for handle in handles:
             try:
                 samples = pynvml.nvmlDeviceGetProcessUtilization(handle, 0)
