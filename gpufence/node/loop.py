@@ -29,7 +29,16 @@ from gpufence.enforcer.observe.watchdog import DeadlineRunner
 from gpufence.enforcer.report.decision_log import DecisionLog
 from gpufence.node.census import Placement, placement
 from gpufence.node.cgroupfs import CgroupFs
-from gpufence.node.decide import Action, Breach, Episode, GpuProc, NodeDecisions, NodeEngine, Standing
+from gpufence.node.decide import (
+    Action,
+    Breach,
+    CensusEntry,
+    Episode,
+    GpuProc,
+    NodeDecisions,
+    NodeEngine,
+    Standing,
+)
 from gpufence.node.kube import PodSource
 from gpufence.node.limits import Key, LimitAction, LimitTarget, limit_step, limit_targets
 from gpufence.node.liveness import LiveProcesses
@@ -49,7 +58,10 @@ EVENT_REASONS = {
     "throttle_ineffective": "GPUThrottleIneffective",
     "throttle_evaded": "GPUThrottleEvaded",
     "claim_over_capacity": "GPUClaimOverCapacity",
+    "other_namespace": "GPUSharedWithOtherNamespace",  # on the foreign pod
+    "host": "GPUSharedWithHostProcess",  # on each opted-in pod sharing the GPU
 }
+ADMIN_ALLOWED_EVENT = "GPUAccessAdminAllowed"
 
 
 @dataclass
@@ -312,6 +324,10 @@ class Guardian:
             if (breach.cgroup, breach.reason) not in self._reported:
                 self._audit(breach)
         self._reported = current
+        for breach in decisions.reported:
+            self._report_foreign(breach)
+        for entry in decisions.allowed:
+            self._allowed(entry)
         for uid, result in decisions.pods.items():
             for change in result.throttle_changes:
                 self.log.info(f"guardian_throttle_{change.transition.value}", pod_uid=uid, container=change.container,
@@ -327,6 +343,45 @@ class Guardian:
                            EVENT_REASONS.get(breach.reason, "GPUGuardianAction"),
                            f"gpufence-node (audit, nothing done): {breach.reason}: "
                            f"{record.get('why') or _usage(record)}")
+
+
+    def _report_foreign(self, breach: Breach) -> None:
+        """A foreign process the policy says to report (once per episode): the log line names
+        everything; the Event goes to the foreign pod, or, for a host process, to each opted-in pod
+        sharing its GPU, without the host's PID or cgroup (a tenant reads its pod's Events)."""
+        self.metrics.actions.labels("report", breach.reason).inc()
+        self.log.warning("guardian_report", reason=breach.reason, cgroup=breach.cgroup or None,
+                         action="none (report)", **dict(breach.record))
+        record = breach.record
+        reason = EVENT_REASONS.get(breach.reason, "GPUGuardianAction")
+        if breach.reason != "host":
+            self.events.record(record.get("namespace"), record.get("pod"), record.get("pod_uid"), reason,
+                               f"gpufence-node (report, nothing done): {record.get('why')}")
+            return
+        sharing = record.get("sharing_pods")
+        for pod in sharing if isinstance(sharing, list) else ():
+            self.events.record(
+                pod.get("namespace"), pod.get("pod"), pod.get("pod_uid"), reason,
+                f"gpufence-node (report, nothing done): a process of the host, in no pod, holds "
+                f"{record.get('used_bytes')} bytes on GPU {record.get('uuid')}, which this pod's share is on; "
+                f"the policy's {record.get('policy_key')} is report")
+
+    def _allowed(self, entry: CensusEntry) -> None:
+        """A container without a share that the admin's policy allowed device access: said once per
+        episode, so the admin sees that gpufence saw it and left it alone."""
+        p = entry.process
+        pod = entry.pod
+        self.metrics.actions.labels("allow", Standing.ADMIN_ALLOWED.value).inc()
+        self.log.info("guardian_admin_allowed", action="none (admin-allowed)", why=entry.why, pid=p.pid,
+                      uuid=p.device_uuid, gpu=p.device_index, used_bytes=p.used_memory_bytes,
+                      namespace=pod.namespace if pod else None, pod=pod.name if pod else None,
+                      pod_uid=p.placement.pod_uid, container=entry.container, container_id=p.placement.container_id,
+                      cgroup=p.placement.path)
+        if pod is not None:
+            self.events.record(pod.namespace, pod.name, pod.uid, ADMIN_ALLOWED_EVENT,
+                               f"gpufence-node saw container {entry.container or p.placement.container_id} use GPU "
+                               f"{p.device_uuid} without a gpufence share and left it alone: {entry.why}",
+                               event_type="Normal")
 
 
 def _usage(record: Mapping[str, object]) -> str:
