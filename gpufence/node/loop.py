@@ -42,6 +42,7 @@ from gpufence.node.decide import (
 from gpufence.node.kube import PodSource
 from gpufence.node.limits import Key, LimitAction, LimitTarget, limit_step, limit_targets
 from gpufence.node.liveness import LiveProcesses
+from gpufence.node.pods import PodIndex
 from gpufence.node.report import NodeEvents, NodeMetrics
 from gpufence.node.state import GuardianState
 from gpufence.node.throttle import FreezerThrottle
@@ -87,6 +88,7 @@ class Guardian:
     _limits_set: dict[Key, int] = field(default_factory=dict)  # the driver limits this guardian set
     _limits_seen: dict[Key, int] = field(default_factory=dict)  # the share last handled per key
     _limits_stamp: tuple[object, ...] | None = None
+    _policy: tuple[object, ...] | None = None  # the policy keys last said (guardian_policy)
 
     def __post_init__(self) -> None:
         self._live = LiveProcesses(self.proc_root)
@@ -132,7 +134,9 @@ class Guardian:
         if sample is None:
             return None
         processes, totals, mig = self._observe(sample)
-        decisions = self.engine.step(now, processes, totals, self.pods.index(), mig)
+        index = self.pods.index()
+        self._policy_line(index)
+        decisions = self.engine.step(now, processes, totals, index, mig)
         # The record first: a guardian killed right after a SIGTERM must not SIGTERM again.
         try:
             self.state.save_episodes(self.engine.backstop.episodes.values())
@@ -152,6 +156,15 @@ class Guardian:
         self.metrics.census(decisions.census)
         self.metrics.last_poll.set(time.time())
         return decisions
+
+    def _policy_line(self, index: PodIndex) -> None:
+        """The policy keys the guardian holds, said when they change (the first poll included): what
+        it reads of the ConfigMap, where the webhook's own policy_loaded line is not in its log."""
+        held = (tuple(sorted(index.device_access)), index.other_namespaces.value, index.host.value)
+        if held != self._policy:
+            self._policy = held
+            self.log.info("guardian_policy", device_access_namespaces=list(held[0]),
+                          other_namespace_gpu_processes=held[1], host_gpu_processes=held[2])
 
     def _sample(self, now: float) -> NvmlSample | None:
         if not self._nvml_open:

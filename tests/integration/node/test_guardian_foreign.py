@@ -36,6 +36,9 @@ def node(gpu: GpuSandbox, bed: CgroupBed, policy: dict[str, str] | None, *args: 
                               gpu.proc(w["host"], GIB), uuid="GPU-0"),
               gpu.device_with(gpu.proc(w["far"], 6 * GIB), uuid="GPU-1"))
     g = start_guardian(gpu, bed, "--unaccounted-grace", "1", *args)
+    held = g.wait_event("guardian_policy", 20)
+    assert (held["other_namespace_gpu_processes"], held["host_gpu_processes"]) == (
+        (policy or {}).get("other-namespace-gpu-processes", "allow"), (policy or {}).get("host-gpu-processes", "allow"))
     # Every process has been placed and decided on at least once.
     for name, standing in (("ours", "admitted"), ("theirs", "other_namespace"), ("far", "other_namespace"),
                            ("host", "host")):
