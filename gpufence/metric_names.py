@@ -53,6 +53,12 @@ ENFORCER_METRICS = (
 # The node guardian (gpufence-node, gpufence/node/), one series set per node (Prometheus adds the
 # guardian pod's labels; ``node`` comes from its PodMonitor's relabelling).
 NODE_GPU_PROCESSES = "gpufence_node_gpu_processes"  # + standing
+# Standings of NODE_GPU_PROCESSES (the census's, gpufence.node.decide.Standing) that ``gpufence top``
+# reads: the opted-in containers' processes, and those gpufence does not govern (pods of namespaces
+# that did not opt in, processes in no pod).
+STANDING_ADMITTED = "admitted"
+STANDING_OTHER_NAMESPACE = "other_namespace"
+STANDING_HOST = "host"
 NODE_UNACCOUNTED_PROCESSES = "gpufence_node_unaccounted_processes"  # + namespace, pod, container
 NODE_UNACCOUNTED_MEMORY = "gpufence_node_unaccounted_memory_bytes"  # + namespace, pod, container
 # GPU processes without a share where the admin allowed the pod device access (reported, not acted on).

@@ -4,7 +4,8 @@ A :class:`Sample` is one series at one instant (name, labels, value), whether it
 Prometheus instant query or from a sidecar's /metrics text read through the API server. The labels
 are the enforcer's own (gpufence/metric_names.py) plus the target's ``node``
 (the PodMonitor's relabelling; ``""`` when unknown). The node guardian's unaccounted series name the
-workload's namespace/pod/container and the guardian's node the same way (its PodMonitor).
+workload's namespace/pod/container and the guardian's node the same way (its PodMonitor); its
+counts by standing carry the node only.
 """
 
 from __future__ import annotations
@@ -117,6 +118,17 @@ class UnaccountedRow:
 
 
 @dataclass(frozen=True)
+class ForeignRow:
+    """A node's GPU processes that gpufence does not govern, as the node guardian counts them: per
+    node and standing, not per GPU (``admitted``: the opted-in containers' processes on that node)."""
+
+    node: str
+    other_namespace: int
+    host: int
+    admitted: int
+
+
+@dataclass(frozen=True)
 class View:
     gpus: tuple[GpuView, ...] = ()
     enforcers: tuple[EnforcerRow, ...] = ()
@@ -125,6 +137,7 @@ class View:
     errors: tuple[str, ...] = field(default=())
     unaccounted: tuple[UnaccountedRow, ...] = ()
     admin_allowed: tuple[UnaccountedRow, ...] = ()  # the same, where the admin's policy allowed device access
+    foreign: tuple[ForeignRow, ...] = ()  # nodes with GPU processes of other namespaces or of the host
 
     @property
     def containers(self) -> tuple[ContainerRow, ...]:
@@ -166,7 +179,8 @@ def build_view(samples: Iterable[Sample], *, time: float = 0.0, source: str = ""
     )
     return View(_gpu_views(_container_rows(grouped), pod_rows), enforcer_rows, time, source, tuple(errors),
                 _unaccounted_rows(grouped.unaccounted, m.NODE_UNACCOUNTED_PROCESSES, m.NODE_UNACCOUNTED_MEMORY),
-                _unaccounted_rows(grouped.unaccounted, m.NODE_ADMIN_ALLOWED_PROCESSES, m.NODE_ADMIN_ALLOWED_MEMORY))
+                _unaccounted_rows(grouped.unaccounted, m.NODE_ADMIN_ALLOWED_PROCESSES, m.NODE_ADMIN_ALLOWED_MEMORY),
+                _foreign_rows(grouped.standings))
 
 
 def _unaccounted_rows(grouped: Mapping[tuple[str, ...], Mapping[str, float]], processes: str,
@@ -176,6 +190,13 @@ def _unaccounted_rows(grouped: Mapping[tuple[str, ...], Mapping[str, float]], pr
         for (node, ns, pod, container), v in sorted(grouped.items())
         if v.get(processes, 0) > 0
     )
+
+
+def _foreign_rows(standings: Mapping[str, Mapping[str, float]]) -> tuple[ForeignRow, ...]:
+    rows = (ForeignRow(node, int(v.get(m.STANDING_OTHER_NAMESPACE, 0)), int(v.get(m.STANDING_HOST, 0)),
+                       int(v.get(m.STANDING_ADMITTED, 0)))
+            for node, v in sorted(standings.items()))
+    return tuple(r for r in rows if r.other_namespace or r.host)
 
 
 @dataclass
@@ -189,6 +210,7 @@ class _Grouped:
     enforcers: dict[tuple[str, ...], dict[str, float]] = field(default_factory=dict)  # (node, ns, pod)
     # the guardian's: (node, ns, pod, container) -> metric -> value
     unaccounted: dict[tuple[str, ...], dict[str, float]] = field(default_factory=dict)
+    standings: dict[str, dict[str, float]] = field(default_factory=dict)  # the guardian's: node -> standing -> count
 
 
 _DEVICE_METRICS = (m.CONTAINER_MEMORY_USED, m.CONTAINER_MEMORY_LIMIT, m.CONTAINER_LIMIT_FROM_PERCENT,
@@ -225,6 +247,11 @@ def _group(samples: Iterable[Sample]) -> _Grouped:
             found.enforcers.setdefault((node, ns, pod), {})[s.name] = s.value
         elif s.name in _UNACCOUNTED_METRICS:
             found.unaccounted.setdefault(container_key, {})[s.name] = s.value
+        elif s.name == m.NODE_GPU_PROCESSES:
+            # Two guardians of one node (a rollout's overlap) count the same processes: the larger.
+            counts = found.standings.setdefault(node, {})
+            standing = _label(s, "standing")
+            counts[standing] = max(counts.get(standing, 0), s.value)
     return found
 
 

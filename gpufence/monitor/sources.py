@@ -22,14 +22,15 @@ from gpufence.contract import SIDECAR_NAME, SIDECAR_PORT_NAME
 from gpufence.monitor.model import Sample, View, build_view, with_target_labels
 
 # What ``top`` reads: every enforcer series but the histograms and error counters, and the node
-# guardian's GPU processes without a share (unaccounted, and those the admin allowed).
+# guardian's GPU processes without a share (unaccounted, and those the admin allowed) and its
+# counts by standing (other namespaces' and the host's processes).
 TOP_METRICS = (
     m.CONTAINER_MEMORY_USED, m.CONTAINER_MEMORY_LIMIT, m.CONTAINER_LIMIT_FROM_PERCENT, m.CONTAINER_SM_UTILIZATION,
     m.CONTAINER_COMPUTE_SHARE, m.CONTAINER_THROTTLED, m.CONTAINER_MEMORY_ENFORCEMENT, m.ENFORCEMENT_ACTIONS,
     m.POD_MEMORY_USED, m.POD_MEMORY_UNATTRIBUTED, m.POD_MEMORY_BUDGET, m.POD_UNATTRIBUTED_PROCESSES,
     m.DEVICE_MIG_UNENFORCED, m.NVML_UP, m.LAST_SUCCESSFUL_POLL, m.UNINSPECTABLE_PROCESSES,
     m.NODE_UNACCOUNTED_PROCESSES, m.NODE_UNACCOUNTED_MEMORY, m.NODE_ADMIN_ALLOWED_PROCESSES,
-    m.NODE_ADMIN_ALLOWED_MEMORY,
+    m.NODE_ADMIN_ALLOWED_MEMORY, m.NODE_GPU_PROCESSES,
 )
 
 

@@ -19,7 +19,16 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict
 from typing import Any, TextIO
 
-from gpufence.monitor.model import NO_DEVICE, ContainerRow, EnforcerRow, GpuView, PodDeviceRow, UnaccountedRow, View
+from gpufence.monitor.model import (
+    NO_DEVICE,
+    ContainerRow,
+    EnforcerRow,
+    ForeignRow,
+    GpuView,
+    PodDeviceRow,
+    UnaccountedRow,
+    View,
+)
 
 _UNITS = ("B", "KiB", "MiB", "GiB", "TiB")
 
@@ -114,6 +123,19 @@ ADMIN_ALLOWED_TITLE = ("GPU processes without a share that the admin's policy al
                        "reported, not ended):")
 
 
+FOREIGN_TITLE = ("GPU processes of other namespaces and of the host (node guardian, per node: "
+                 "no share accounts for them):")
+FOREIGN_COLUMNS = ("NODE", "OTHER NAMESPACES", "HOST", "OPTED-IN BESIDE THEM")
+
+
+def foreign_lines(rows: Sequence[ForeignRow]) -> list[str]:
+    """The nodes where the guardian counts GPU processes gpufence does not govern (none: no lines)."""
+    if not rows:
+        return []
+    cells = [FOREIGN_COLUMNS] + [(r.node or "?", str(r.other_namespace), str(r.host), str(r.admitted)) for r in rows]
+    return ["", FOREIGN_TITLE, *_table(cells)]
+
+
 STALE_POLL_SECONDS = 60  # the GpufenceEnforcerPollStale alert's threshold
 
 
@@ -155,6 +177,7 @@ def render_text(view: View, width: int | None = None) -> str:
         lines += ["", gpu_header(gpu), *_table(rows)]
     lines += unaccounted_lines(view.unaccounted)
     lines += unaccounted_lines(view.admin_allowed, ADMIN_ALLOWED_TITLE)
+    lines += foreign_lines(view.foreign)
     unhealthy = [(e, why) for e in view.enforcers if (why := enforcer_trouble(e, view.time))]
     if unhealthy:
         lines += ["", "Enforcers that cannot see everything:"]
@@ -166,7 +189,8 @@ def render_text(view: View, width: int | None = None) -> str:
 
 def view_json(view: View) -> dict[str, Any]:
     """What ``-o json`` prints: every GPU with its containers and pods, the enforcers, and the node
-    guardian's unaccounted containers and those the admin allowed."""
+    guardian's unaccounted containers, those the admin allowed, and the nodes with GPU processes of
+    other namespaces or of the host."""
     def container(c: ContainerRow) -> dict[str, Any]:
         doc = asdict(c)
         doc["actions"] = [asdict(a) for a in c.actions]
@@ -186,6 +210,7 @@ def view_json(view: View) -> dict[str, Any]:
         "enforcers": [asdict(e) for e in view.enforcers],
         "unaccounted": [asdict(u) for u in view.unaccounted],
         "admin_allowed": [asdict(u) for u in view.admin_allowed],
+        "foreign": [asdict(f) for f in view.foreign],
     }
 
 

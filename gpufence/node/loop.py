@@ -384,7 +384,8 @@ class Guardian:
         episode, so the admin sees that gpufence saw it and left it alone."""
         p = entry.process
         pod = entry.pod
-        self.metrics.actions.labels("allow", Standing.ADMIN_ALLOWED.value).inc()
+        # No gpufence_node_actions_total: nothing was done (GpufenceNodeGuardianActed fires on any
+        # action value); gpufence_node_admin_allowed_* count these containers.
         self.log.info("guardian_admin_allowed", action="none (admin-allowed)", why=entry.why, pid=p.pid,
                       uuid=p.device_uuid, gpu=p.device_index, used_bytes=p.used_memory_bytes,
                       namespace=pod.namespace if pod else None, pod=pod.name if pod else None,

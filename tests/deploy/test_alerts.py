@@ -116,6 +116,30 @@ def test_promtool_unit_tests_can_fail(promtool: str, tmp_path: Path) -> None:
     assert "first kill fires" in result.stdout + result.stderr
 
 
+def test_the_guardian_action_alert_takes_any_action_value(promtool: str, tmp_path: Path) -> None:
+    """An action value the guardian does not export today (a policy may add one) fires
+    GpufenceNodeGuardianActed with its own label, whether its counter starts at 0 or is born at 1:
+    the guardian's action case with its sigterm and audit renamed."""
+    tests = unit_tests()
+    (case,) = [c for c in tests["tests"] if c["name"] == "a guardian action fires, the first audit too"]
+    renamed = copy.deepcopy(case)
+    for entry in renamed["input_series"]:
+        entry["series"] = re.sub(r'action="(sigterm|audit)"', r'action="new_\1"', entry["series"])
+    for check in renamed["alert_rule_test"]:
+        for alert in check["exp_alerts"]:
+            action = alert["exp_labels"]["action"]
+            alert["exp_labels"]["action"] = f"new_{action}"
+            notes = alert["exp_annotations"]
+            notes["summary"] = notes["summary"].replace(f"action {action} ", f"action new_{action} ")
+            notes["description"] = notes["description"].replace(f"guardian_{action} ", f"guardian_new_{action} ")
+    assert sum('action="new_' in e["series"] for e in renamed["input_series"]) == 2
+    tests["tests"] = [renamed]
+    write_rules(tmp_path, rule_groups())
+    (tmp_path / UNIT_TESTS.name).write_text(yaml.safe_dump(tests, sort_keys=False))
+    result = run_promtool(promtool, "test", "rules", UNIT_TESTS.name, cwd=tmp_path)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
 def test_every_alert_fires_and_stays_silent_in_some_test() -> None:
     fired: set[str] = set()
     silent: set[str] = set()
@@ -164,6 +188,8 @@ def node_metrics() -> NodeMetrics:
     (gpufence/node/loop.py: ``census`` each poll, ``actions.labels("audit", reason).inc()`` per audit)."""
     metrics = NodeMetrics()
     metrics.unaccounted.labels("team-b", "sneaky-0", "main").set(2)
+    metrics.admin_allowed.labels("gpu-operator", "dcgm-exporter-x", "exporter").set(1)
+    metrics.admin_allowed_memory.labels("gpu-operator", "dcgm-exporter-x", "exporter").set(1 << 30)
     for reason in sorted({reason for _, reason in ACTION_REASONS}):
         metrics.actions.labels("audit", reason).inc()
     metrics.pods_synced.set(1)

@@ -776,6 +776,15 @@ def test_alert_expressions_use_documented_metrics() -> None:
     assert re.search(r"gpufence_webhook_certificate_expiry_timestamp_seconds - time\(\) < 14 \* 24 \* 3600", expr)
 
 
+def test_the_documented_standings_are_the_guardians() -> None:
+    """Alerts and panels select gpufence_node_gpu_processes by standing; check_promql holds those
+    values to the documented ones, and these must be the census's own."""
+    from gpufence.node.decide import Standing
+
+    assert documented_metrics()["gpufence_node_gpu_processes"][1]["standing"] == {s.value for s in Standing}
+    assert check_promql('gpufence_node_gpu_processes{standing=~"host|foreign"}') != []
+
+
 def test_promql_checker_catches_mistakes() -> None:
     assert check_promql("gpufence_container_gpu_memory_used_bytes") == []
     assert check_promql("gpufence_container_gpu_memory_used") != []
@@ -815,7 +824,8 @@ def test_dashboard() -> None:
                    "gpufence_webhook_requests_total", "gpufence_webhook_request_duration_seconds_bucket",
                    "gpufence_node_unaccounted_processes", "gpufence_node_unaccounted_memory_bytes",
                    "gpufence_node_actions_total", "gpufence_node_last_successful_poll_timestamp_seconds",
-                   'up{job="gpufence/gpufence-node"}'):  # fmt: skip
+                   'up{job="gpufence/gpufence-node"}', "gpufence_node_gpu_processes",
+                   "gpufence_node_admin_allowed_processes", "gpufence_node_admin_allowed_memory_bytes"):  # fmt: skip
         assert metric in text, f"dashboard does not show {metric}"
 
 

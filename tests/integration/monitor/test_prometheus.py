@@ -123,7 +123,8 @@ def test_each_alert_fires_or_stays_silent(scenario: Scenario) -> None:
     assert silent == {"GpufenceWebhookErrors", "GpufenceWebhookSlow", "GpufenceWebhookDown",
                       "GpufenceWebhookCertificateExpiresSoon", "GpufenceWebhookCertificateReloadFailing",
                       "GpufenceNodeGuardianDown", "GpufenceNodeGuardianNotPolling", "GpufenceUnaccountedGpuProcess",
-                      "GpufenceNodeGuardianActed", "GpufenceNodeGuardianErrors"}
+                      "GpufenceNodeGuardianActed", "GpufenceNodeGuardianErrors", "GpufenceForeignGpuProcess",
+                      "GpufenceAdminAllowedGpuMemoryGrowing"}
     killed = prom.query('ALERTS{alertname="GpufenceContainerKilled"}')
     assert {(a["metric"]["namespace"], a["metric"]["resource"]) for a in killed} == {("team-a", "memory")}
     # Every rule evaluated without error on the real series.
@@ -278,8 +279,8 @@ CHECKS = {
 # to be valid PromQL that Prometheus evaluates, and empty (their metric names and labels are checked
 # against the guardian's in tests/deploy; their values on the real guardian's scrapes in
 # tests/integration/node/test_guardian_monitoring.py).
-GUARDIAN_PANELS = {"Unaccounted GPU processes", "Guardian actions", "Guardian up per node",
-                   "Guardian: time since last poll"}
+GUARDIAN_PANELS = {"Unaccounted GPU processes", "GPU processes by standing", "Admin-allowed GPU processes",
+                   "Guardian actions", "Guardian up per node", "Guardian: time since last poll"}
 
 
 def test_every_panel_has_a_check_a_unit_and_legends() -> None:

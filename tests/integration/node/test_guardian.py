@@ -176,9 +176,9 @@ def test_gpu_processes_the_admin_allowed_are_reported_not_ended(gpu: GpuSandbox,
     assert g.metric("gpufence_node_admin_allowed_processes", namespace="gpu-operator", pod="exporter",
                     container="dcgm") == 1
     assert g.metric("gpufence_node_gpu_processes", standing="admin_allowed") == 2  # the exporter and diag
-    # Said once per container's episode (log line, metric, Event on its pod), not once per poll.
+    # Said once per container's episode (log line, Event on its pod), not once per poll; not an action.
     assert sorted(e["pod"] for e in g.events("guardian_admin_allowed")) == ["diag", "exporter"]
-    assert g.metric("gpufence_node_actions_total", action="allow", reason="admin_allowed") == 2
+    assert g.metric("gpufence_node_actions_total", action="allow", reason="admin_allowed") is None
     assert g.metric("gpufence_node_unaccounted_processes", namespace="gpu-operator", pod="exporter",
                     container="dcgm") is None
 

@@ -18,3 +18,10 @@ def test_the_label_sets() -> None:
     assert tuple(metrics.throttled._labelnames) == m.CONTAINER_LABELS
     assert tuple(metrics.pod_memory_used._labelnames) == m.POD_DEVICE_LABELS
     assert tuple(metrics.memory_enforcement._labelnames) == (*m.CONTAINER_LABELS, "mechanism")
+
+
+def test_the_standings_top_reads_are_the_censuss() -> None:
+    from gpufence.node.decide import Standing
+
+    read = (m.STANDING_ADMITTED, m.STANDING_OTHER_NAMESPACE, m.STANDING_HOST)
+    assert read == (Standing.ADMITTED.value, Standing.OTHER.value, Standing.HOST.value)

@@ -90,23 +90,28 @@ def test_counters_at_zero_alone_show_nothing() -> None:
 
 def guardian_view():
     """The node guardian's real exposition (NodeMetrics after a census with two unaccounted
-    containers and an admitted one) as Prometheus stores it through its PodMonitor, beside a sidecar's."""
+    containers, an admitted one, one the admin allowed, a pod of another namespace and two host
+    processes) as Prometheus stores it through its PodMonitor, beside a sidecar's."""
     from gpufence.node.census import placement
     from gpufence.node.decide import CensusEntry, GpuProc, Standing
     from gpufence.node.pods import Admission, NodePod
     from gpufence.node.report import NodeMetrics
 
-    def entry(pid: int, used: int | None, pod: NodePod, container: str, standing=Standing.UNACCOUNTED):
+    def entry(pid: int, used: int | None, pod: NodePod | None, container: str | None,
+              standing=Standing.UNACCOUNTED):
         proc = GpuProc(pid, pid, 0, "GPU-0", used, None, placement("0::/kubepods/podu/" + "a" * 64 + "\n"))
         return CensusEntry(proc, standing, pod, container, "test")
 
     sneaky = NodePod("u1", "team-b", "sneaky-0", Admission.NOT_ADMITTED, None)
     alias = NodePod("u2", "team-a", "alias-0", Admission.NOT_ADMITTED, None)
     exporter = NodePod("u3", "gpu-operator", "dcgm-exporter-0", Admission.NOT_ADMITTED, None)
+    theirs = NodePod("u4", "other", "theirs-0", Admission.NOT_ADMITTED, None)
     metrics = NodeMetrics()
     metrics.census([entry(1, 2 * GIB, sneaky, "main"), entry(2, GIB, sneaky, "main"), entry(3, None, alias, "cuda"),
                     entry(4, 6 * GIB, sneaky, "ok", Standing.ADMITTED),
-                    entry(5, GIB, exporter, "exporter", Standing.ADMIN_ALLOWED)])
+                    entry(5, GIB, exporter, "exporter", Standing.ADMIN_ALLOWED),
+                    entry(6, GIB, theirs, "app", Standing.OTHER),
+                    entry(7, GIB, None, None, Standing.HOST), entry(8, None, None, None, Standing.HOST)])
     guardian = {"namespace": "gpufence-node", "pod": "gpufence-node-x1", "container": "gpufence-node", "node": "node-b"}
     sidecar = {"namespace": "team-a", "pod": "train-0", "container": "gpufence-enforcer", "node": "node-a"}
     from prometheus_client import generate_latest
@@ -130,5 +135,18 @@ def test_unaccounted_rows_from_the_guardians_series() -> None:
     assert {(e.namespace, e.pod) for e in v.enforcers} == {("team-a", "train-0")}
 
 
+def test_foreign_rows_count_other_namespaces_and_host_processes_per_node() -> None:
+    from gpufence.monitor.model import ForeignRow, Sample
+
+    assert guardian_view().foreign == (ForeignRow("node-b", other_namespace=1, host=2, admitted=1),)
+
+    def counts(node: str, **by_standing: float) -> list[Sample]:
+        return [Sample("gpufence_node_gpu_processes", {"standing": s, "node": node}, v) for s, v in by_standing.items()]
+
+    # A node with none of them has no row; two guardians of one node (a rollout) are not added up.
+    samples = counts("a", admitted=3, other_namespace=0, host=0) + counts("b", host=1) + counts("b", host=1)
+    assert build_view(samples).foreign == (ForeignRow("b", other_namespace=0, host=1, admitted=0),)
+
+
 def test_no_unaccounted_rows_without_the_guardian() -> None:
-    assert view().unaccounted == () and view().admin_allowed == ()
+    assert view().unaccounted == () and view().admin_allowed == () and view().foreign == ()

@@ -125,3 +125,18 @@ def test_unaccounted_processes_shown_by_node_pod_container_and_memory() -> None:
     assert lines[start + 2].split() == ["node-b", "gpu-operator/dcgm-exporter-0", "exporter", "1", "1.0", "GiB"]
     assert doc["admin_allowed"] == [{"node": "node-b", "namespace": "gpu-operator", "pod": "dcgm-exporter-0",
                                      "container": "exporter", "processes": 1, "memory_bytes": GIB}]
+
+
+def test_other_namespaces_and_host_processes_shown_per_node() -> None:
+    from tests.unit.monitor.test_model import guardian_view
+
+    lines = top.render_text(guardian_view()).splitlines()
+    start = lines.index(top.FOREIGN_TITLE)
+    assert start > lines.index(top.ADMIN_ALLOWED_TITLE)
+    header, row = lines[start + 1 : start + 3]
+    assert [c.strip() for c in header.split("  ") if c.strip()] == list(top.FOREIGN_COLUMNS)
+    assert row.split() == ["node-b", "1", "2", "1"]
+    assert top.FOREIGN_TITLE not in top.render_text(view())  # no guardian: no section
+    doc = json.loads(json.dumps(top.view_json(guardian_view())))
+    assert doc["foreign"] == [{"node": "node-b", "other_namespace": 1, "host": 2, "admitted": 1}]
+    assert top.view_json(view())["foreign"] == []
