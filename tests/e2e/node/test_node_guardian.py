@@ -13,6 +13,9 @@ cgroup.
 from __future__ import annotations
 
 import json
+import re
+import subprocess
+import sys
 import time
 from collections.abc import Callable, Iterator
 from datetime import datetime
@@ -396,6 +399,42 @@ def test_a_pod_of_another_namespace_on_an_opted_in_pods_gpu_is_terminated_where_
         write_gpu_state(node, ())
         cluster.kubectl("-n", foreign_ns, "delete", "pods", "--all", "--wait=true", "--timeout=90s", check=False)
         cluster.kubectl("delete", "namespace", foreign_ns, "--wait=false", check=False)
+
+
+def test_a_host_gpu_process_beside_an_opted_in_pod_is_reported_on_that_pod_and_left_running(
+        cluster: ControlPlane, node: Node, tenant_on_node: Tenant, guardian: GuardianDaemonSet,
+        set_policy: Callable[[dict[str, str]], None]) -> None:
+    """host-gpu-processes: report: a process of the host (in no pod: one started here, beside the
+    node's kubelet) on the GPU the tenant's pod holds a share of is reported on that pod, by an
+    Event the guardian posts as its own ServiceAccount that names neither the host's PID nor its
+    cgroup, and nothing is signalled."""
+    tenant = tenant_on_node
+    set_policy({"host-gpu-processes": "report"})
+    guardian.wait_record(lambda r: r.get("event") == "guardian_policy" and r.get("host_gpu_processes") == "report",
+                         "the guardian reading host-gpu-processes", timeout=60)
+    ours = kube.create_pod(tenant.api, tenant.namespace,
+                           gpu_pod([workload_container("train")], {"gpufence.io/memory": "8Gi"},
+                                   restartPolicy="Never"))
+    assert ours.admitted and kube.is_mutated(ours.obj), ours.message
+    name = ours.obj["metadata"]["name"]
+    train = host_pid(node, wait_running(cluster, node, tenant.namespace, name), "train")
+    host = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    try:
+        write_gpu_state(node, [(train, 2 * GIB, 10), (host.pid, 3 * GIB, 20)])
+        report = guardian.wait_record(lambda r: r.get("event") == "guardian_report" and r.get("pid") == host.pid,
+                                      "the guardian's report of the host process", timeout=60)
+        assert report["reason"] == "host" and report.get("pod") is None, report  # None fields are left out
+        assert [p["pod"] for p in report["sharing_pods"]] == [name], report
+        event = _assert_guardian_event(cluster, tenant.namespace, name, "GPUSharedWithHostProcess")
+        words = re.split(r"[\s,;:()]+", event["message"])
+        assert str(host.pid) not in words and "host-gpu-processes is report" in event["message"], event
+        assert host.poll() is None and process_state(train) not in ("", "Z")
+        assert not [r for r in guardian.records() if r.get("event", "").startswith("guardian_sig")
+                    and r.get("pid") in (train, host.pid)]
+    finally:
+        host.kill()
+        host.wait()
+        write_gpu_state(node, ())
 
 
 # Root, in the pod's shared PID namespace: SIGSTOPs every gpufence process (so no sidecar throttles)
