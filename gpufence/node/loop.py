@@ -357,7 +357,6 @@ class Guardian:
                            f"gpufence-node (audit, nothing done): {breach.reason}: "
                            f"{record.get('why') or _usage(record)}")
 
-
     def _report_foreign(self, breach: Breach) -> None:
         """A foreign process the policy says to report (once per episode): the log line names
         everything; the Event goes to the foreign pod, or, for a host process, to each opted-in pod
