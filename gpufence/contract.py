@@ -167,6 +167,21 @@ class Mode(StrEnum):
     AUDIT = "audit"
 
 
+class GpuSharing(StrEnum):
+    """Whether GPU processes outside the pods gpufence governs may share a GPU with an opted-in pod's
+    admitted share: the policy keys ``other-namespace-gpu-processes`` and ``host-gpu-processes``
+    (webhook.flags), read by the node guardian (gpufence.node.decide.foreign_verdict)."""
+
+    ALLOW = "allow"  # the default: reported once as a GPU process, nothing more (as before the keys)
+    REPORT = "report"  # a breach each time it starts: log line, metric, Event; nothing is signalled
+    TERMINATE = "terminate"  # the foreign container is ended through its cgroup (in enforce)
+
+
+# A host process is in no container: its cgroup may be a system service, a login session or the root,
+# and no grace period or restart policy covers it, so the guardian never signals one (docs/policy.md).
+HOST_GPU_SHARING = (GpuSharing.ALLOW, GpuSharing.REPORT)
+
+
 class LimitUnit(StrEnum):
     """Which part of a memory share is the limit on a device."""
 

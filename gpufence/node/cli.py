@@ -17,7 +17,9 @@ own ServiceAccount (in-cluster) or ``--kubeconfig``; ``--pods-file`` reads them 
 instead (``{"pods": [...], "namespaces": [...], "resourceClaims": [...], "resourceSlices": [...],
 "policy": <ConfigMap>}``, re-read when it changes: tests, the demo). The cluster policy is the webhook's
 ConfigMap (``--policy-configmap``, default ``gpufence/gpufence-policy``): GPU processes of pods its
-``device-access-namespaces`` lists are reported, never ended.
+``device-access-namespaces`` lists are reported, never ended; ``other-namespace-gpu-processes`` and
+``host-gpu-processes`` say what is done with GPU processes of other namespaces and of the host on a
+GPU that holds an opted-in pod's share.
 
 Exit status: 0 after SIGTERM/SIGINT (everything it froze thawed first), 1 on a fatal start error
 (the simulated NVML cannot be built, no cluster configuration), 2 for usage errors.
@@ -26,6 +28,7 @@ Exit status: 0 after SIGTERM/SIGINT (everything it froze thawed first), 1 on a f
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import signal
 import sys
@@ -42,7 +45,7 @@ from gpufence.enforcer.observe.nvml import NvmlClient
 from gpufence.enforcer.observe.watchdog import DeadlineRunner
 from gpufence.enforcer.report.decision_log import LEVELS, DecisionLog, forward_stdlib_logging
 from gpufence.node.cgroupfs import DEFAULT_ROOT, CgroupFs
-from gpufence.node.decide import NodeEngine
+from gpufence.node.decide import NodeEngine, Own
 from gpufence.node.kube import DEFAULT_POLICY_CONFIGMAP, PodsFile, PodSource, PodWatch, load_apis
 from gpufence.node.loop import Guardian
 from gpufence.node.report import NodeEvents, NodeMetrics
@@ -54,6 +57,7 @@ PROG = "gpufence-node"
 DEFAULT_STATE_DIR = "/var/lib/gpufence-node"
 DEFAULT_METRICS_PORT = 9402
 EXIT_USAGE = 2
+SERVICE_ACCOUNT_NAMESPACE = "/var/run/secrets/kubernetes.io/serviceaccount/namespace"
 
 
 def _positive(text: str) -> float:
@@ -81,7 +85,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--policy-configmap", type=_namespaced_name, default="/".join(DEFAULT_POLICY_CONFIGMAP),
                    help="the cluster policy the webhook reads, NAMESPACE/NAME (default %(default)s): its "
                    "device-access-namespaces are the namespaces whose GPU processes without a share are reported, "
-                   "not ended")
+                   "not ended; other-namespace-gpu-processes and host-gpu-processes say whether GPU processes of "
+                   "other namespaces and of the host may share a GPU with opted-in pods")
     p.add_argument("--mode", choices=[m.value for m in Mode], default=Mode.ENFORCE.value,
                    help="audit: report every breach, signal and freeze nothing (default enforce)")
     p.add_argument("--poll-interval", type=_positive, default=0.5, help="seconds between polls (default 0.5)")
@@ -133,10 +138,20 @@ def main(argv: Sequence[str] | None = None) -> int:
         engine=NodeEngine(mode=Mode(args.mode), poll_interval=args.poll_interval, settle_seconds=args.settle,
                           unaccounted_grace=args.unaccounted_grace, compute_window_seconds=args.compute_window,
                           compute_period_seconds=args.compute_period,
-                          compute_ineffective_seconds=args.throttle_ineffective_after),
+                          compute_ineffective_seconds=args.throttle_ineffective_after,
+                          own=_own(args)),
         state=state, throttle=throttle, log=log, metrics=metrics, events=events, proc_root=args.proc_root,
     )
     return _run(args, guardian, throttle, pods, events, metrics, fs, log)
+
+
+def _own(args: argparse.Namespace) -> Own:
+    """gpufence's own, never acted on as a foreign GPU process: this process, the policy ConfigMap's
+    namespace (the webhook's) and the guardian's own (its ServiceAccount's, where it runs in a pod)."""
+    namespaces = {args.policy_configmap[0]}
+    with contextlib.suppress(OSError):
+        namespaces.add(Path(SERVICE_ACCOUNT_NAMESPACE).read_text().strip())
+    return Own(pids=frozenset({os.getpid()}), namespaces=frozenset(n for n in namespaces if n))
 
 
 def _usage_error(args: argparse.Namespace) -> str | None:

@@ -11,6 +11,13 @@ per admitted pod, and when the guardian acts on a breach.
   created it with device access only they may grant, as the webhook's annotation records), what
   would be ``UNACCOUNTED`` is ``ADMIN_ALLOWED``: reported, never acted on. A container with an
   admitted share stays held to it.
+* **Foreign processes** (:func:`foreign_verdict`): a process of another namespace's pod or of the
+  host, on a GPU that holds an opted-in pod's admitted share this poll, is what the policy's
+  ``other-namespace-gpu-processes`` / ``host-gpu-processes`` say (``contract.GpuSharing``): allowed
+  (the default: reported once, as before the keys), reported as a breach, or (other namespaces
+  only) its container terminated like an unaccounted one. A GPU without an opted-in share is none
+  of gpufence's business; a pod the admin allowed device access, and gpufence's own, are never
+  acted on.
 * **The enforcer's rules**: one ``enforcer.decide.machine.Core`` per admitted pod, fed the pod's
   processes with the container names the pod's status gives their cgroups. Nothing of the rules is
   written here: memory over share, GPUs over request and ineffective throttles are the Core's
@@ -39,7 +46,7 @@ from enum import StrEnum
 from types import MappingProxyType
 from typing import Any
 
-from gpufence.contract import DEFAULT_GRACE_PERIOD_SECONDS, EnforcerConfig, Mode
+from gpufence.contract import DEFAULT_GRACE_PERIOD_SECONDS, EnforcerConfig, GpuSharing, Mode
 from gpufence.enforcer.decide.compute import INEFFECTIVE_SECONDS
 from gpufence.enforcer.decide.machine import Core, Decisions
 from gpufence.enforcer.decide.rules import TerminateOrder
@@ -131,6 +138,69 @@ def _classify(proc: GpuProc, index: PodIndex) -> CensusEntry:
     if pod.admission is Admission.INVALID:
         return CensusEntry(proc, Standing.UNACCOUNTED, pod, name, pod.problem or "an invalid config")
     return CensusEntry(proc, Standing.UNACCOUNTED, pod, name, "a pod admitted without a GPU share")
+
+
+# -- foreign processes: other namespaces' pods and the host --------------------------------------
+
+
+class Verdict(StrEnum):
+    """What the policy says of one foreign GPU process (``other_namespace`` or ``host``)."""
+
+    ALLOWED = "allowed"  # the policy's key is allow
+    NOT_SHARED = "not_shared"  # its GPU holds no opted-in pod's admitted share
+    OWN = "own"  # gpufence's own: the guardian's process, a pod of gpufence's namespaces
+    ADMIN_ALLOWED = "admin_allowed"  # a pod the admin allowed device access (admin_allowance)
+    REPORT = "report"  # reported as a breach, nothing signalled
+    AUDIT = "audit"  # terminate, but the guardian runs in audit: reported
+    TERMINATE = "terminate"  # its container is terminated through its cgroup
+
+
+POLICY_KEYS = {Standing.OTHER: "other-namespace-gpu-processes", Standing.HOST: "host-gpu-processes"}
+
+
+@dataclass(frozen=True)
+class Own:
+    """What is gpufence's own on the node, never acted on as foreign: the guardian's PIDs (it may run
+    on the host, outside any pod) and gpufence's namespaces (the webhook's, the guardian's)."""
+
+    pids: frozenset[int] = frozenset()
+    namespaces: frozenset[str] = frozenset()
+
+
+def foreign_verdict(entry: CensusEntry, index: PodIndex, shared_gpus: frozenset[str], mode: Mode,
+                    own: Own = Own()) -> tuple[Verdict, str] | None:
+    """What the policy says of a GPU process of another namespace's pod or of the host, and why;
+    None for any other standing. ``shared_gpus``: the UUIDs of the GPUs that hold an opted-in pod's
+    admitted share this poll. Host processes are never terminated: their cgroup may be a system
+    service, a login session or the root, with no grace period or restart policy behind it, so the
+    host key has no ``terminate`` (``contract.HOST_GPU_SHARING``) and one given here reports."""
+    if entry.standing not in POLICY_KEYS:
+        return None
+    key = POLICY_KEYS[entry.standing]
+    value = index.host if entry.standing is Standing.HOST else index.other_namespaces
+    pod = entry.pod
+    where = (f"a pod of namespace {pod.namespace}, which gpufence does not govern" if pod is not None
+             else "a process of the host, in no pod")
+    if entry.process.pid in own.pids or (pod is not None and pod.namespace in own.namespaces):
+        return Verdict.OWN, f"{where}: gpufence's own, never acted on"
+    if value is GpuSharing.ALLOW:
+        return Verdict.ALLOWED, f"{where}; {key} is allow"
+    if entry.process.device_uuid not in shared_gpus:
+        return Verdict.NOT_SHARED, f"{where}, on a GPU that holds no opted-in pod's admitted share"
+    on = f"{where}, on GPU {entry.process.device_uuid}, which holds an opted-in pod's admitted share"
+    allowance = admin_allowance(pod, index) if pod is not None else None
+    if allowance is not None:
+        return Verdict.ADMIN_ALLOWED, f"{allowance} ({on}; {key} is {value.value})"
+    if value is GpuSharing.TERMINATE and entry.standing is Standing.OTHER:
+        if mode is Mode.AUDIT:
+            return Verdict.AUDIT, f"{on}; {key} is terminate (audit: nothing done)"
+        return Verdict.TERMINATE, f"{on}; {key} is terminate"
+    return Verdict.REPORT, f"{on}; {key} is report"
+
+
+def shared_gpus(census: Iterable[CensusEntry]) -> frozenset[str]:
+    """The GPUs (UUIDs) on which a container with an opted-in pod's admitted share has a process."""
+    return frozenset(e.process.device_uuid for e in census if e.standing is Standing.ADMITTED)
 
 
 # -- one breach, one termination ----------------------------------------------------------------
@@ -242,6 +312,11 @@ class NodeDecisions:
     report_only: tuple[Breach, ...] = ()  # breaches in audit (the guardian's or the pod's mode)
     configs: Mapping[str, EnforcerConfig] = field(default_factory=lambda: MappingProxyType({}))  # pod UID ->
     # the config the guardian holds it to (the admitted shares, lowered to DRA allocations)
+    # Foreign processes the policy says to report (key "report"), each once per episode: when it starts.
+    reported: tuple[Breach, ...] = ()
+    # Containers without a share left alone because the admin allowed their pod device access, each
+    # once per episode (from its first GPU process to a poll with none): when it starts.
+    allowed: tuple[CensusEntry, ...] = ()
 
 
 class NodeEngine:
@@ -257,6 +332,7 @@ class NodeEngine:
         compute_window_seconds: float = 5.0,
         compute_period_seconds: float = 1.0,
         compute_ineffective_seconds: float = INEFFECTIVE_SECONDS,
+        own: Own = Own(),
     ) -> None:
         self.mode = mode
         self.poll_interval = poll_interval
@@ -265,7 +341,10 @@ class NodeEngine:
         self._window = compute_window_seconds
         self._period = compute_period_seconds
         self._ineffective = compute_ineffective_seconds
+        self.own = own
         self.backstop = Backstop()
+        self._reporting: set[str] = set()  # report episodes going on (foreign processes)
+        self._allowing: set[str] = set()  # admin-allowed episodes going on (containers)
         self._cores: dict[str, Core] = {}
         self._configs: dict[str, EnforcerConfig] = {}
         self._pending_since: dict[str, float] = {}
@@ -300,6 +379,7 @@ class NodeEngine:
             elif entry.standing is Standing.UNACCOUNTED and entry.process.placement.path is not None:
                 breach = self._unaccounted(entry)
                 (breaches if self.mode is Mode.ENFORCE else report_only).append(breach)
+        reported, allowed = self._foreign(census, index, breaches, report_only)
         for uid in set(self._cores) - set(by_pod):
             del self._cores[uid]  # the pod has no GPU process left (or is gone): its controller too
             self._configs.pop(uid, None)
@@ -333,7 +413,8 @@ class NodeEngine:
         for _, episode in step.actions:
             throttle.pop(episode.cgroup, None)
         return NodeDecisions(census, step, MappingProxyType(throttle), MappingProxyType(decisions), new,
-                             tuple({b.cgroup: b for b in report_only}.values()), MappingProxyType(dict(self._configs)))
+                             tuple({b.cgroup: b for b in report_only}.values()), MappingProxyType(dict(self._configs)),
+                             reported, allowed)
 
     def next_due(self) -> float | None:
         return self.backstop.next_due()
@@ -430,6 +511,43 @@ class NodeEngine:
         self._seen = seen
         return tuple(fresh)
 
+    def _foreign(self, census: tuple[CensusEntry, ...], index: PodIndex, breaches: list[Breach],
+                 report_only: list[Breach]) -> tuple[tuple[Breach, ...], tuple[CensusEntry, ...]]:
+        """The policy's verdict on each foreign process (:func:`foreign_verdict`): a container to
+        terminate joins ``breaches`` (the unaccounted path: SIGTERM at once, SIGKILL after
+        ``unaccounted_grace``), one in audit ``report_only``; the reports and the admin-allowed
+        containers whose episode starts this poll are returned."""
+        sharers: dict[str, dict[str, NodePod]] = {}
+        for entry in census:
+            if entry.standing is Standing.ADMITTED and entry.pod is not None:
+                sharers.setdefault(entry.process.device_uuid, {})[entry.pod.uid] = entry.pod
+        shared = frozenset(sharers)
+        reports: dict[str, Breach] = {}
+        allowing: dict[str, CensusEntry] = {}
+        for entry in census:
+            if entry.standing is Standing.ADMIN_ALLOWED:
+                allowing.setdefault(_episode_key(entry), entry)
+                continue
+            found = foreign_verdict(entry, index, shared, self.mode, self.own)
+            if found is None:
+                continue
+            verdict, why = found
+            if verdict is Verdict.ADMIN_ALLOWED:
+                allowing.setdefault(_episode_key(entry), replace(entry, why=why))
+            elif verdict in (Verdict.TERMINATE, Verdict.AUDIT, Verdict.REPORT):
+                breach = _foreign_breach(entry, why, tuple(sharers.get(entry.process.device_uuid, {}).values()),
+                                         self.unaccounted_grace)
+                if verdict is Verdict.TERMINATE and entry.process.placement.path is not None:
+                    breaches.append(breach)
+                elif verdict is Verdict.AUDIT:
+                    report_only.append(breach)
+                else:
+                    reports.setdefault(_episode_key(entry), breach)
+        started_reports = tuple(b for k, b in reports.items() if k not in self._reporting)
+        started_allowed = tuple(e for k, e in allowing.items() if k not in self._allowing)
+        self._reporting, self._allowing = set(reports), set(allowing)
+        return started_reports, started_allowed
+
     def _unaccounted(self, entry: CensusEntry) -> Breach:
         place = entry.process.placement
         assert place.path is not None
@@ -511,6 +629,33 @@ class NodeEngine:
                                              **({"claim_bound_bytes": lowered[order.container]} if by_claim else {})}),
                 ))
         return breaches
+
+
+def _episode_key(entry: CensusEntry) -> str:
+    """A container's episode is its cgroup's; a host process's its own (a host cgroup is no unit:
+    a service, a session or the root)."""
+    p = entry.process
+    if entry.pod is not None and p.placement.path is not None:
+        return p.placement.path
+    return f"{p.placement.path or '?'}#{p.pid}:{p.start_time_ticks}"
+
+
+def _foreign_breach(entry: CensusEntry, why: str, sharing: tuple[NodePod, ...], grace: float) -> Breach:
+    """A foreign process's breach, named by its standing (``other_namespace``, ``host``); the record
+    names the opted-in pods it shares the GPU with (for the log and the host's Events)."""
+    place = entry.process.placement
+    pod = entry.pod
+    return Breach(
+        cgroup=place.path or "", placement=place, reason=entry.standing.value, term_delay=0.0, kill_delay=grace,
+        record=MappingProxyType({
+            "namespace": pod.namespace if pod else None, "pod": pod.name if pod else None,
+            "pod_uid": place.pod_uid, "container": entry.container, "container_id": place.container_id,
+            "why": why, "pid": entry.process.pid, "uuid": entry.process.device_uuid,
+            "used_bytes": entry.process.used_memory_bytes, "standing": entry.standing.value,
+            "policy_key": POLICY_KEYS[entry.standing],
+            "sharing_pods": [{"namespace": p.namespace, "pod": p.name, "pod_uid": p.uid} for p in sharing],
+        }),
+    )
 
 
 def _reason(order: TerminateOrder) -> str:

@@ -10,8 +10,10 @@
   (``spec.nodeName``), reduced to each device's NVML UUID, so a reservation bounds its own GPU.
   And the cluster policy, ConfigMap ``gpufence/gpufence-policy``, through the webhook's own watch
   and parser (``webhook.cluster.policy``): one source of each setting, read as the webhook reads
-  it. The guardian takes ``device-access-namespaces`` from it; until a valid version is read, or
-  where none can be, it takes none (the stricter answer), keeping the last valid one meanwhile.
+  it. The guardian takes ``device-access-namespaces``, ``other-namespace-gpu-processes`` and
+  ``host-gpu-processes`` from it; until a valid version is read, or where none can be, it takes no
+  device-access namespace (the stricter answer) and the sharing keys' defaults, keeping the last
+  valid version meanwhile.
   Read-only RBAC: ``get``/``list``/``watch`` on pods, namespaces, resourceclaims and resourceslices,
   and on that one ConfigMap (a Role with ``resourceNames``).
 * :class:`PodsFile`: the same from a JSON file (``{"pods": [...], "namespaces": [...],
@@ -31,6 +33,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from gpufence.claims import ClaimAllocation, SliceDevices, claim_allocation, device_uuids, slice_device_uuids
+from gpufence.contract import GpuSharing
 from gpufence.node.pods import NodePod, PodIndex, node_pod
 from gpufence.webhook.cluster.dra_cache import GROUP, VERSION, ObjectWatch
 from gpufence.webhook.cluster.namespaces import NamespaceCache, namespace_info
@@ -38,10 +41,14 @@ from gpufence.webhook.cluster.policy import DEFAULT_NAME, DEFAULT_NAMESPACE, Clu
 from gpufence.webhook.cluster.watch import ListWatch
 
 DEFAULT_POLICY_CONFIGMAP = (DEFAULT_NAMESPACE, DEFAULT_NAME)
+# What the guardian reads of the cluster policy: device-access-namespaces, other-namespace-gpu-processes
+# and host-gpu-processes.
+_Policy = tuple[tuple[str, ...], GpuSharing, GpuSharing]
+_NO_POLICY: _Policy = ((), GpuSharing.ALLOW, GpuSharing.ALLOW)
 # What a PodIndex was built from: its pods, claims and slices (compared by identity), the opted-in
-# namespaces and the policy's device-access namespaces.
+# namespaces and the policy's keys the guardian reads.
 _IndexKey = tuple[tuple[NodePod, ...], frozenset[str], tuple[ClaimAllocation, ...], tuple[SliceDevices, ...],
-                  tuple[str, ...]]
+                  _Policy]
 
 
 class SliceWatch(ObjectWatch):
@@ -131,14 +138,16 @@ class PodWatch(ListWatch):
         self._parsed = parsed
         claims: list[ClaimAllocation] = list(self.claims.items.values()) if self.claims is not None else []
         slices: list[SliceDevices] = list(self.slices.items.values()) if self.slices is not None else []
-        # The policy's device-access namespaces are in the key: a policy change makes a new index.
-        key = (tuple(pods), frozenset(opted_in), tuple(claims), tuple(slices), _device_access(self.policy))
+        # The policy's keys are in the key: a policy change makes a new index.
+        key = (tuple(pods), frozenset(opted_in), tuple(claims), tuple(slices), _policy(self.policy))
         last = self._last
         if last is not None and last[0][1] == key[1] and last[0][4] == key[4] and all(
                 len(a) == len(b) and all(x is y for x, y in zip(a, b, strict=True))
                 for a, b in ((last[0][0], key[0]), (last[0][2], key[2]), (last[0][3], key[3]))):
             return last[1]
-        index = PodIndex.of(pods, opted_in, claims, device_uuids=device_uuids(slices), device_access=key[4])
+        access, others, host = key[4]
+        index = PodIndex.of(pods, opted_in, claims, device_uuids=device_uuids(slices), device_access=access,
+                            other_namespaces=others, host=host)
         self._last = (key, index)
         return index
 
@@ -187,17 +196,20 @@ class PodsFile:
                 return self._index  # being rewritten: the last good one holds
             if isinstance(doc, dict) and isinstance(doc.get("policy"), dict):
                 self.policy.offer(doc["policy"])  # an invalid one is logged and the last valid one kept
-            self._index = pods_file_index(doc, _device_access(self.policy))
+            self._index = pods_file_index(doc, _policy(self.policy))
             self._stamp = stamp
         return self._index
 
 
-def _device_access(policy: ClusterPolicy) -> tuple[str, ...]:
+def _policy(policy: ClusterPolicy) -> _Policy:
     settings = policy.current
-    return settings.device_access_namespaces if settings is not None else ()
+    if settings is None:
+        return _NO_POLICY
+    return (settings.device_access_namespaces, GpuSharing(settings.other_namespace_gpu_processes),
+            GpuSharing(settings.host_gpu_processes))
 
 
-def pods_file_index(doc: Any, device_access: tuple[str, ...] = ()) -> PodIndex:
+def pods_file_index(doc: Any, policy: _Policy = _NO_POLICY) -> PodIndex:
     namespaces = [namespace_info(n) for n in (doc.get("namespaces") or []) if isinstance(n, dict)]
     annotations = {n.name: n.annotations for n in namespaces}
     pods: list[NodePod] = []
@@ -209,8 +221,9 @@ def pods_file_index(doc: Any, device_access: tuple[str, ...] = ()) -> PodIndex:
                 pods.append(found)
     claims = [claim_allocation(c) for c in (doc.get("resourceClaims") or []) if isinstance(c, dict)]
     slices = [slice_device_uuids(c) for c in (doc.get("resourceSlices") or []) if isinstance(c, dict)]
+    access, others, host = policy
     return PodIndex.of(pods, (n.name for n in namespaces if n.opted_in), claims,
-                       device_uuids=device_uuids(slices), device_access=device_access)
+                       device_uuids=device_uuids(slices), device_access=access, other_namespaces=others, host=host)
 
 
 def load_apis(kubeconfig: str | None) -> tuple[Any, Any]:

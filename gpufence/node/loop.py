@@ -29,10 +29,20 @@ from gpufence.enforcer.observe.watchdog import DeadlineRunner
 from gpufence.enforcer.report.decision_log import DecisionLog
 from gpufence.node.census import Placement, placement
 from gpufence.node.cgroupfs import CgroupFs
-from gpufence.node.decide import Action, Breach, Episode, GpuProc, NodeDecisions, NodeEngine, Standing
+from gpufence.node.decide import (
+    Action,
+    Breach,
+    CensusEntry,
+    Episode,
+    GpuProc,
+    NodeDecisions,
+    NodeEngine,
+    Standing,
+)
 from gpufence.node.kube import PodSource
 from gpufence.node.limits import Key, LimitAction, LimitTarget, limit_step, limit_targets
 from gpufence.node.liveness import LiveProcesses
+from gpufence.node.pods import PodIndex
 from gpufence.node.report import NodeEvents, NodeMetrics
 from gpufence.node.state import GuardianState
 from gpufence.node.throttle import FreezerThrottle
@@ -49,7 +59,10 @@ EVENT_REASONS = {
     "throttle_ineffective": "GPUThrottleIneffective",
     "throttle_evaded": "GPUThrottleEvaded",
     "claim_over_capacity": "GPUClaimOverCapacity",
+    "other_namespace": "GPUSharedWithOtherNamespace",  # on the foreign pod
+    "host": "GPUSharedWithHostProcess",  # on each opted-in pod sharing the GPU
 }
+ADMIN_ALLOWED_EVENT = "GPUAccessAdminAllowed"
 
 
 @dataclass
@@ -75,6 +88,7 @@ class Guardian:
     _limits_set: dict[Key, int] = field(default_factory=dict)  # the driver limits this guardian set
     _limits_seen: dict[Key, int] = field(default_factory=dict)  # the share last handled per key
     _limits_stamp: tuple[object, ...] | None = None
+    _policy: tuple[object, ...] | None = None  # the policy keys last said (guardian_policy)
 
     def __post_init__(self) -> None:
         self._live = LiveProcesses(self.proc_root)
@@ -120,7 +134,9 @@ class Guardian:
         if sample is None:
             return None
         processes, totals, mig = self._observe(sample)
-        decisions = self.engine.step(now, processes, totals, self.pods.index(), mig)
+        index = self.pods.index()
+        self._policy_line(index)
+        decisions = self.engine.step(now, processes, totals, index, mig)
         # The record first: a guardian killed right after a SIGTERM must not SIGTERM again.
         try:
             self.state.save_episodes(self.engine.backstop.episodes.values())
@@ -140,6 +156,15 @@ class Guardian:
         self.metrics.census(decisions.census)
         self.metrics.last_poll.set(time.time())
         return decisions
+
+    def _policy_line(self, index: PodIndex) -> None:
+        """The policy keys the guardian holds, said when they change (the first poll included): what
+        it reads of the ConfigMap, where the webhook's own policy_loaded line is not in its log."""
+        held = (tuple(sorted(index.device_access)), index.other_namespaces.value, index.host.value)
+        if held != self._policy:
+            self._policy = held
+            self.log.info("guardian_policy", device_access_namespaces=list(held[0]),
+                          other_namespace_gpu_processes=held[1], host_gpu_processes=held[2])
 
     def _sample(self, now: float) -> NvmlSample | None:
         if not self._nvml_open:
@@ -312,6 +337,10 @@ class Guardian:
             if (breach.cgroup, breach.reason) not in self._reported:
                 self._audit(breach)
         self._reported = current
+        for breach in decisions.reported:
+            self._report_foreign(breach)
+        for entry in decisions.allowed:
+            self._allowed(entry)
         for uid, result in decisions.pods.items():
             for change in result.throttle_changes:
                 self.log.info(f"guardian_throttle_{change.transition.value}", pod_uid=uid, container=change.container,
@@ -327,6 +356,45 @@ class Guardian:
                            EVENT_REASONS.get(breach.reason, "GPUGuardianAction"),
                            f"gpufence-node (audit, nothing done): {breach.reason}: "
                            f"{record.get('why') or _usage(record)}")
+
+    def _report_foreign(self, breach: Breach) -> None:
+        """A foreign process the policy says to report (once per episode): the log line names
+        everything; the Event goes to the foreign pod, or, for a host process, to each opted-in pod
+        sharing its GPU, without the host's PID or cgroup (a tenant reads its pod's Events)."""
+        self.metrics.actions.labels("report", breach.reason).inc()
+        self.log.warning("guardian_report", reason=breach.reason, cgroup=breach.cgroup or None,
+                         action="none (report)", **dict(breach.record))
+        record = breach.record
+        reason = EVENT_REASONS.get(breach.reason, "GPUGuardianAction")
+        if breach.reason != "host":
+            self.events.record(record.get("namespace"), record.get("pod"), record.get("pod_uid"), reason,
+                               f"gpufence-node (report, nothing done): {record.get('why')}")
+            return
+        sharing = record.get("sharing_pods")
+        for pod in sharing if isinstance(sharing, list) else ():
+            self.events.record(
+                pod.get("namespace"), pod.get("pod"), pod.get("pod_uid"), reason,
+                f"gpufence-node (report, nothing done): a process of the host, in no pod, holds "
+                f"{record.get('used_bytes')} bytes on GPU {record.get('uuid')}, which this pod's share is on; "
+                f"the policy's {record.get('policy_key')} is report")
+
+    def _allowed(self, entry: CensusEntry) -> None:
+        """A container without a share that the admin's policy allowed device access: said once per
+        episode, so the admin sees that gpufence saw it and left it alone."""
+        p = entry.process
+        pod = entry.pod
+        # No gpufence_node_actions_total: nothing was done (GpufenceNodeGuardianActed fires on any
+        # action value); gpufence_node_admin_allowed_* count these containers.
+        self.log.info("guardian_admin_allowed", action="none (admin-allowed)", why=entry.why, pid=p.pid,
+                      uuid=p.device_uuid, gpu=p.device_index, used_bytes=p.used_memory_bytes,
+                      namespace=pod.namespace if pod else None, pod=pod.name if pod else None,
+                      pod_uid=p.placement.pod_uid, container=entry.container, container_id=p.placement.container_id,
+                      cgroup=p.placement.path)
+        if pod is not None:
+            self.events.record(pod.namespace, pod.name, pod.uid, ADMIN_ALLOWED_EVENT,
+                               f"gpufence-node saw container {entry.container or p.placement.container_id} use GPU "
+                               f"{p.device_uuid} without a gpufence share and left it alone: {entry.why}",
+                               event_type="Normal")
 
 
 def _usage(record: Mapping[str, object]) -> str:

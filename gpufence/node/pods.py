@@ -25,6 +25,7 @@ from gpufence.contract import (
     SIDECAR_NAME,
     ConfigError,
     EnforcerConfig,
+    GpuSharing,
 )
 
 _STATUS_LISTS = ("initContainerStatuses", "containerStatuses", "ephemeralContainerStatuses")
@@ -138,20 +139,24 @@ class PodIndex:
     """The pods on the node by UID, which namespaces are opted in, the ResourceClaims by
     (namespace, name) with what the scheduler allocated, the NVML UUID of each DRA device the
     ResourceSlices name (driver, pool, device), and the namespaces the cluster policy's
-    ``device-access-namespaces`` lists (the admin's ConfigMap, read as the webhook reads it)."""
+    ``device-access-namespaces`` lists (the admin's ConfigMap, read as the webhook reads it), and
+    the same ConfigMap's ``other-namespace-gpu-processes`` and ``host-gpu-processes``."""
 
     pods: Mapping[str, NodePod]
     opted_in: frozenset[str]
     claims: Mapping[tuple[str, str], ClaimAllocation] = field(default_factory=lambda: MappingProxyType({}))
     device_uuids: Mapping[DeviceRef, str] = field(default_factory=lambda: MappingProxyType({}))
     device_access: frozenset[str] = frozenset()
+    other_namespaces: GpuSharing = GpuSharing.ALLOW
+    host: GpuSharing = GpuSharing.ALLOW
 
     @classmethod
     def of(cls, pods: Iterable[NodePod], opted_in: Iterable[str], claims: Iterable[ClaimAllocation] = (), *,
-           device_uuids: Mapping[DeviceRef, str] | None = None, device_access: Iterable[str] = ()) -> PodIndex:
+           device_uuids: Mapping[DeviceRef, str] | None = None, device_access: Iterable[str] = (),
+           other_namespaces: GpuSharing = GpuSharing.ALLOW, host: GpuSharing = GpuSharing.ALLOW) -> PodIndex:
         return cls(MappingProxyType({p.uid: p for p in pods}), frozenset(opted_in),
                    MappingProxyType({(c.namespace, c.name): c for c in claims}),
-                   MappingProxyType(dict(device_uuids or {})), frozenset(device_access))
+                   MappingProxyType(dict(device_uuids or {})), frozenset(device_access), other_namespaces, host)
 
     def get(self, uid: str | None) -> NodePod | None:
         return None if uid is None else self.pods.get(uid)

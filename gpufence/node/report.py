@@ -29,6 +29,8 @@ ACTION_REASONS = (
     ("sigterm", "throttle_ineffective"), ("sigkill", "throttle_ineffective"),
     # DRA (gpufence.node.reserved): a share lowered to the claim's allocation, a shared claim's budget
     ("sigterm", "memory_over_share"), ("sigterm", "claim_over_capacity"), ("sigkill", "claim_over_capacity"),
+    # a pod of a namespace gpufence does not govern, where other-namespace-gpu-processes is terminate
+    ("sigterm", "other_namespace"), ("sigkill", "other_namespace"),
 )
 _MAX_RECORDERS = 256
 
@@ -53,6 +55,8 @@ class NodeMetrics:
                                           "GPU memory held by the GPU processes without a share that the admin's "
                                           "policy allowed (what NVML reports for them)",
                                           ["namespace", "pod", "container"], registry=r)
+        # Its help (docs/monitoring.md is generated from it) predates the actions without a signal:
+        # audit, report (other-namespace-gpu-processes, host-gpu-processes) and allow (admin_allowed).
         self.actions = Counter(names.NODE_ACTIONS, "Signals the guardian sent to containers, by reason",
                                ["action", "reason"], registry=r)
         self.throttled = Gauge(names.NODE_THROTTLED, "Run fraction the guardian's freezer holds a container to",
@@ -112,7 +116,8 @@ class NodeEvents:
         log.info("events_enabled", api=api.base_url, component=COMPONENT)
         return cls(log, api)
 
-    def record(self, namespace: str | None, pod: str | None, uid: str | None, reason: str, message: str) -> None:
+    def record(self, namespace: str | None, pod: str | None, uid: str | None, reason: str, message: str,
+               event_type: str = "Warning") -> None:
         if self._api is None or not namespace or not pod:
             return
         key = uid or f"{namespace}/{pod}"
@@ -123,7 +128,7 @@ class NodeEvents:
                 self._recorders.pop(oldest).close(timeout=0.5)
             recorder = _GuardianRecorder(self._log, PodRef(namespace, pod, uid), self._api)
             self._recorders[key] = recorder
-        recorder.record(reason, message)
+        recorder.record(reason, message, event_type=event_type)
 
     def close(self) -> None:
         for recorder in self._recorders.values():

@@ -15,7 +15,13 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from gpufence.contract import MAX_GRACE_PERIOD_SECONDS, MAX_POLL_INTERVAL_SECONDS, MIN_POLL_INTERVAL_SECONDS
+from gpufence.contract import (
+    HOST_GPU_SHARING,
+    MAX_GRACE_PERIOD_SECONDS,
+    MAX_POLL_INTERVAL_SECONDS,
+    MIN_POLL_INTERVAL_SECONDS,
+    GpuSharing,
+)
 from gpufence.quantity import QuantityError, canonical_quantity, parse_bytes
 from gpufence.webhook.core.dra import driver_name
 from gpufence.webhook.core.gpu_paths import claim_name, resource_pattern
@@ -79,6 +85,14 @@ def choice(*allowed: str) -> Callable[[str], str]:
 
     convert.__name__ = "choice"
     return convert
+
+
+def host_gpu_sharing(text: str) -> str:
+    """``host-gpu-processes``: ``allow`` or ``report``; ``terminate`` is refused with the reason."""
+    if text == GpuSharing.TERMINATE.value:
+        raise ValueError("a host process is never terminated (it may be a system service, a login session "
+                         "or the node's own daemon): use allow or report")
+    return choice(*HOST_GPU_SHARING)(text)
 
 
 def non_empty(text: str) -> str:
@@ -325,6 +339,16 @@ POLICY_FLAGS: tuple[Flag, ...] = (
          "/dev/mqueue exactly, admitted everywhere), /proc, /sys, /run/nvidia or the driver's library directories, "
          "mounts under /var/run/nvidia-container-devices; elsewhere only members of admin-groups may create such pods "
          "(repeatable; default none)", repeat=True, example="gpu-operator"),
+    Flag("other-namespace-gpu-processes", choice(*GpuSharing), _defaults.other_namespace_gpu_processes,
+         "GPU processes of pods gpufence does not govern (namespaces not opted in, opted-out pods) on a GPU that "
+         "holds an opted-in pod's admitted share: allow, report (log line, metric, Event on their pod) or "
+         "terminate (their container, through its cgroup, where the node guardian enforces); read by the node "
+         "guardian, never by admission", example=GpuSharing.TERMINATE.value),
+    Flag("host-gpu-processes", host_gpu_sharing, _defaults.host_gpu_processes,
+         "GPU processes of the host (in no pod) on a GPU that holds an opted-in pod's admitted share: allow, or "
+         "report (log line, metric, Event on the opted-in pods sharing the GPU); never terminated: a host "
+         "process may be a system service; read by the node guardian, never by admission",
+         example=GpuSharing.REPORT.value),
 )
 FLAGS: tuple[Flag, ...] = SERVER_FLAGS + POLICY_FLAGS
 
@@ -372,4 +396,6 @@ def settings_from_args(args: argparse.Namespace) -> InjectionSettings:
         framework_memory_headroom_bytes=args.framework_memory_headroom,
         admin_groups=args.admin_groups or DEFAULT_ADMIN_GROUPS,
         device_access_namespaces=tuple(args.device_access_namespaces or ()),
+        other_namespace_gpu_processes=args.other_namespace_gpu_processes,
+        host_gpu_processes=args.host_gpu_processes,
     )

@@ -47,6 +47,7 @@ default-grace-period sidecar-poll-interval sidecar-nvidia-visible-devices
 sidecar-nvidia-driver-capabilities sidecar-mount-host-proc sidecar-host-proc-mount-path
 void-non-gpu-containers driver-memory-limits mps-limits preload-library preload-library-mount-dir gpu-memory
 pytorch-memory-fraction framework-memory-headroom admin-groups device-access-namespaces
+other-namespace-gpu-processes host-gpu-processes
 {{- end -}}
 
 {{- /* The policy flags that repeat; their ConfigMap value is the list, comma-separated. */ -}}

@@ -162,3 +162,9 @@ class InjectionSettings:
     # containers, hostPath of /dev, /proc, the driver's paths: webhook.core.device_access); elsewhere in
     # opted-in namespaces only members of admin_groups may create such pods.
     device_access_namespaces: tuple[str, ...] = ()
+    # Not the webhook's to apply: the node guardian reads them from the policy ConfigMap (one source
+    # of each setting). Whether GPU processes of pods gpufence does not govern (other namespaces,
+    # opted-out pods), and of the host, may share a GPU with an opted-in pod's admitted share
+    # (contract.GpuSharing; "allow" keeps what nodes did before the keys).
+    other_namespace_gpu_processes: str = "allow"
+    host_gpu_processes: str = "allow"

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -423,6 +424,101 @@ def test_a_container_with_a_gpu_admission_never_saw_is_terminated_as_unaccounted
     assert statuses(ended)["sneaky"]["state"]["terminated"]["exitCode"] in (143, 137), statuses(ended)["sneaky"]
     assert process_state(sneaky) == ""
     print(f"unaccounted: {term['why']}; cgroup {term['cgroup']}")
+
+
+def test_a_pod_of_another_namespace_on_an_opted_in_pods_gpu_is_terminated_where_the_policy_says_so(
+        cluster: ControlPlane, node: Node, tenant_on_node: Tenant, guardian: GuardianDaemonSet,
+        admin: client.ApiClient, set_policy: Callable[[dict[str, str]], None]) -> None:
+    """other-namespace-gpu-processes: terminate, set by the admin in the policy ConfigMap the guardian
+    watches: a pod of a namespace that is not opted in, given the GPU by the node's runtime wrapper,
+    shares the GPU with the tenant's GPU pod; the guardian ends the foreign container through its
+    cgroup and posts its Event on that pod as its own ServiceAccount; the opted-in pod runs on."""
+    tenant = tenant_on_node
+    set_policy({"other-namespace-gpu-processes": "terminate"})
+    guardian.wait_record(lambda r: r.get("event") == "guardian_policy"
+                         and r.get("other_namespace_gpu_processes") == "terminate",
+                         "the guardian reading other-namespace-gpu-processes", timeout=60)
+    ours = kube.create_pod(tenant.api, tenant.namespace,
+                           gpu_pod([workload_container("train")], {"gpufence.io/memory": "8Gi"},
+                                   restartPolicy="Never"))
+    assert ours.admitted and kube.is_mutated(ours.obj), ours.message
+    ours_name = ours.obj["metadata"]["name"]
+    foreign_ns = kube.create_namespace(admin, "plain")  # not opted in: the webhook leaves its pods alone
+    try:
+        pod = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": kube.unique("theirs")}, "spec": {
+            "nodeName": NODE_NAME, "restartPolicy": "Never",
+            "containers": [{"name": "app", "image": GPUFENCE_IMAGE, "imagePullPolicy": "Never",
+                            "command": ["python3", "-u", "-c", PLANTED], "securityContext": {"runAsUser": 0},
+                            "env": [{"name": PLANTED_DEVICE_ENV, "value": "nvidia0"}],
+                            "resources": {"requests": {"cpu": "10m", "memory": "32Mi"}}}]}}
+        created = kube.create_pod(admin, foreign_ns, pod)
+        assert created.admitted and SIDECAR_NAME not in kube.container_names(created.obj), created.message
+        name = created.obj["metadata"]["name"]
+        running_ours = wait_running(cluster, node, tenant.namespace, ours_name)
+        running = wait_running(cluster, node, foreign_ns, name)
+        kube.wait_for(lambda: "planted device open" in container_log(running, "app"), "the device opened", 30, 0.2)
+        train, theirs = host_pid(node, running_ours, "train"), host_pid(node, running, "app")
+        write_gpu_state(node, [(train, 2 * GIB, 10), (theirs, 6 * GIB, 30)])
+
+        term = guardian.wait_record(lambda r: r.get("event") == "guardian_sigterm" and r.get("pod") == name,
+                                    f"the guardian's SIGTERM of {name}", timeout=60)
+        assert (term["namespace"], term["container"], term["reason"]) == (foreign_ns, "app", "other_namespace"), term
+        assert theirs in term["sent"] and not term.get("failed"), term
+        assert [p["pod"] for p in term["sharing_pods"]] == [ours_name], term
+        assert "other-namespace-gpu-processes is terminate" in term["why"], term
+
+        def terminated() -> dict[str, Any] | None:
+            current = get_pod(cluster, foreign_ns, name)
+            return current if "terminated" in (statuses(current)["app"].get("state") or {}) else None
+
+        ended = kube.wait_for(terminated, "the foreign container terminated", DEFAULT_GRACE_PERIOD_SECONDS + 60, 0.3)
+        assert statuses(ended)["app"]["state"]["terminated"]["exitCode"] in (143, 137), statuses(ended)["app"]
+        _assert_guardian_event(cluster, foreign_ns, name, "GPUSharedWithOtherNamespace")
+        # The opted-in pod was never a target.
+        assert process_state(train) not in ("", "Z"), process_state(train)
+        assert not [r for r in guardian.records() if r.get("event", "").startswith("guardian_sig")
+                    and r.get("pod") == ours_name]
+        assert "got SIGTERM" not in container_log(get_pod(cluster, tenant.namespace, ours_name), "train")
+    finally:
+        write_gpu_state(node, ())
+        cluster.kubectl("-n", foreign_ns, "delete", "pods", "--all", "--wait=true", "--timeout=90s", check=False)
+        cluster.kubectl("delete", "namespace", foreign_ns, "--wait=false", check=False)
+
+
+def test_a_host_gpu_process_beside_an_opted_in_pod_is_reported_on_that_pod_and_left_running(
+        cluster: ControlPlane, node: Node, tenant_on_node: Tenant, guardian: GuardianDaemonSet,
+        set_policy: Callable[[dict[str, str]], None]) -> None:
+    """host-gpu-processes: report: a process of the host (in no pod: one started here, beside the
+    node's kubelet) on the GPU the tenant's pod holds a share of is reported on that pod, by an
+    Event the guardian posts as its own ServiceAccount that names neither the host's PID nor its
+    cgroup, and nothing is signalled."""
+    tenant = tenant_on_node
+    set_policy({"host-gpu-processes": "report"})
+    guardian.wait_record(lambda r: r.get("event") == "guardian_policy" and r.get("host_gpu_processes") == "report",
+                         "the guardian reading host-gpu-processes", timeout=60)
+    ours = kube.create_pod(tenant.api, tenant.namespace,
+                           gpu_pod([workload_container("train")], {"gpufence.io/memory": "8Gi"},
+                                   restartPolicy="Never"))
+    assert ours.admitted and kube.is_mutated(ours.obj), ours.message
+    name = ours.obj["metadata"]["name"]
+    train = host_pid(node, wait_running(cluster, node, tenant.namespace, name), "train")
+    host = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    try:
+        write_gpu_state(node, [(train, 2 * GIB, 10), (host.pid, 3 * GIB, 20)])
+        report = guardian.wait_record(lambda r: r.get("event") == "guardian_report" and r.get("pid") == host.pid,
+                                      "the guardian's report of the host process", timeout=60)
+        assert report["reason"] == "host" and report.get("pod") is None, report  # None fields are left out
+        assert [p["pod"] for p in report["sharing_pods"]] == [name], report
+        event = _assert_guardian_event(cluster, tenant.namespace, name, "GPUSharedWithHostProcess")
+        words = re.split(r"[\s,;:()]+", event["message"])
+        assert str(host.pid) not in words and "host-gpu-processes is report" in event["message"], event
+        assert host.poll() is None and process_state(train) not in ("", "Z")
+        assert not [r for r in guardian.records() if r.get("event", "").startswith("guardian_sig")
+                    and r.get("pid") in (train, host.pid)]
+    finally:
+        host.kill()
+        host.wait()
+        write_gpu_state(node, ())
 
 
 # Root, in the pod's shared PID namespace: SIGSTOPs every gpufence process (so no sidecar throttles)

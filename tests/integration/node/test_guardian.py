@@ -2,7 +2,7 @@
 its memory share is killed from the host with no sidecar to help (SIGTERM ignored, other users'
 processes included), a freezer throttle that no SIGCONT undoes, an unaccounted GPU process ended in
 enforce and only reported in audit, GPU processes the admin allowed (device-access-namespaces, the
-webhook's record of an admin's pod) reported and never ended, and a restart mid-termination that
+webhook's record of an admin's pod) reported once per episode and never ended, and a restart mid-termination that
 neither grants a new grace period nor signals twice (nor leaves a container frozen)."""
 
 from __future__ import annotations
@@ -176,6 +176,9 @@ def test_gpu_processes_the_admin_allowed_are_reported_not_ended(gpu: GpuSandbox,
     assert g.metric("gpufence_node_admin_allowed_processes", namespace="gpu-operator", pod="exporter",
                     container="dcgm") == 1
     assert g.metric("gpufence_node_gpu_processes", standing="admin_allowed") == 2  # the exporter and diag
+    # Said once per container's episode (log line, Event on its pod), not once per poll; not an action.
+    assert sorted(e["pod"] for e in g.events("guardian_admin_allowed")) == ["diag", "exporter"]
+    assert g.metric("gpufence_node_actions_total", action="allow", reason="admin_allowed") is None
     assert g.metric("gpufence_node_unaccounted_processes", namespace="gpu-operator", pod="exporter",
                     container="dcgm") is None
 

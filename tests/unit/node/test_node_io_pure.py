@@ -10,6 +10,7 @@ from typing import Any
 from prometheus_client import generate_latest
 
 from gpufence import metric_names as m
+from gpufence.contract import GpuSharing
 from gpufence.node.census import placement
 from gpufence.node.decide import Episode
 from gpufence.node.kube import PodWatch, pods_file_index
@@ -121,6 +122,21 @@ def test_no_pod_is_shown_before_the_policy_is_read_and_its_device_access_namespa
     # An invalid version keeps the last valid one (the webhook's own rule).
     watch.policy_watch._apply("MODIFIED", policy_configmap(**{"device-access-namespaces": "Not A Name"}))
     assert watch.index().device_access == {"team-a", "gpu-operator"}
+
+
+def test_the_sharing_keys_come_from_the_policy_with_the_defaults_until_a_valid_version() -> None:
+    watch = PodWatch(_Api(), "gpu-node-1")
+    watch.namespaces._replace([{"metadata": {"name": "team-a", "labels": {"gpufence.io/injection": "enabled"}}}])
+    watch._replace([pod_object(UID)])
+    read_policy(watch, policy_configmap())
+    assert (watch.index().other_namespaces, watch.index().host) == (GpuSharing.ALLOW, GpuSharing.ALLOW)
+    read_policy(watch, policy_configmap(**{"other-namespace-gpu-processes": "terminate",
+                                           "host-gpu-processes": "report"}))
+    changed = watch.index()
+    assert (changed.other_namespaces, changed.host) == (GpuSharing.TERMINATE, GpuSharing.REPORT)
+    # An invalid version (the host key has no terminate) keeps the last valid one.
+    watch.policy_watch._apply("MODIFIED", policy_configmap(**{"host-gpu-processes": "terminate"}))
+    assert watch.index() is changed
 
 
 def test_the_pod_watch_reads_each_pod_once_per_version_and_keeps_its_index_while_nothing_changes() -> None:

@@ -39,6 +39,7 @@ EVERY_KEY = {
     "framework-memory-headroom": "1Gi", "admin-groups": "platform:gpu-admins, system:masters",
     "driver-memory-limits": "on",
     "kai-scheduler-name": "kai-scheduler, team-kai", "device-access-namespaces": "gpu-operator, monitoring",
+    "other-namespace-gpu-processes": "terminate", "host-gpu-processes": "report",
 }
 
 
@@ -85,6 +86,13 @@ def test_absent_and_empty_keys_are_the_defaults() -> None:
     ({"kai-scheduler-name": "KAI"}, ['key "kai-scheduler-name"', "'KAI'", 'e.g. kai-scheduler-name: "kai-scheduler"']),
     ({"gpu-memory": "80Gi"}, ["RESOURCE=QUANTITY", 'e.g. gpu-memory: "nvidia.com/gpu=80Gi"']),
     ({"default-mode": "Audit"}, ["'Audit'", "use one of enforce, audit", 'e.g. default-mode: "enforce"']),
+    ({"other-namespace-gpu-processes": "deny"},
+     ['key "other-namespace-gpu-processes"', "'deny'", "use one of allow, report, terminate",
+      'e.g. other-namespace-gpu-processes: "terminate"']),
+    ({"host-gpu-processes": "terminate"},
+     ['key "host-gpu-processes"', "'terminate'", "a host process is never terminated", "use allow or report",
+      'e.g. host-gpu-processes: "report"']),
+    ({"host-gpu-processes": "Report"}, ["'Report'", "use one of allow, report", 'e.g. host-gpu-processes: "report"']),
     ({"max-mem": "25%"}, ['unknown key "max-mem"', 'did you mean "max-memory"?', "--help"]),
     ({"poll-interval": "1s"}, ['"poll-interval" is the old name of "sidecar-poll-interval"']),
     ({"port": "9443"}, ['"port" is a server flag', "(--port)"]),
