@@ -187,7 +187,9 @@ def reviewed(pod: dict[str, Any], result: ReviewResult) -> tuple[dict[str, Any],
     patched = jsonpatch.apply_patch(pod, json.loads(base64.b64decode(response["patch"]))) \
         if "patch" in response else pod
     annotations = (patched.get("metadata") or {}).get("annotations") or {}
-    if ANNOTATION_STATUS not in annotations:
+    brought = (pod.get("metadata") or {}).get("annotations") or {}
+    if annotations.get(ANNOTATION_STATUS, brought.get(ANNOTATION_STATUS)) == brought.get(ANNOTATION_STATUS):
+        # No status, or the pod's own (any string, on a pod the review gives no share): not the webhook's.
         return patched, []
     status = json.loads(annotations[ANNOTATION_STATUS])
     recorded = status.pop("warnings", [])
