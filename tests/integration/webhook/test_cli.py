@@ -45,6 +45,7 @@ EVERY_FIELD = [
     "--exclusive-gpu-resource-name=nvidia.com/mig-3g.*", "--non-gpu-resource-claims=nic",
     "--admin-groups=ops:gpu", "--driver-memory-limits=on", "--kai-scheduler-name=team-kai",
     "--dra-gpu-driver-name=gpu.example.com", "--device-access-namespaces=gpu-tools",
+    "--other-namespace-gpu-processes=terminate", "--host-gpu-processes=report",
 ]
 
 
@@ -64,6 +65,7 @@ def test_every_settings_field_has_a_flag():
     assert (settings.default_grace_period_seconds, settings.poll_interval_seconds) == (30.0, 0.25)
     assert settings.gpu_memory == (("nvidia.com/gpu", 80 << 30), ("nvidia.com/mig-1g.10gb", 10 << 30))
     assert settings.framework_memory_headroom_bytes == 1 << 30
+    assert (str(settings.other_namespace_gpu_processes), str(settings.host_gpu_processes)) == ("terminate", "report")
 
 
 @pytest.mark.parametrize(("value", "reason"), [
