@@ -198,11 +198,6 @@ def foreign_verdict(entry: CensusEntry, index: PodIndex, shared_gpus: frozenset[
     return Verdict.REPORT, f"{on}; {key} is report"
 
 
-def shared_gpus(census: Iterable[CensusEntry]) -> frozenset[str]:
-    """The GPUs (UUIDs) on which a container with an opted-in pod's admitted share has a process."""
-    return frozenset(e.process.device_uuid for e in census if e.standing is Standing.ADMITTED)
-
-
 # -- one breach, one termination ----------------------------------------------------------------
 
 
